@@ -1,0 +1,1 @@
+"""gradtx benchmarks: one module per capability; `python -m benchmarks`."""

@@ -1,0 +1,147 @@
+"""Shared benchmark helpers: timing, machine description, result files.
+
+Every benchmark compares variants side by side in one process and reports
+ratios (the machine is shared and noisy), prints a markdown table and writes
+``benchmarks/results/<name>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+  """What the numbers were measured on."""
+  import jax
+
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  return {
+    "cpu": cpu,
+    "cores": os.cpu_count(),
+    "backend": jax.default_backend(),
+    "device": getattr(dev, "device_kind", str(dev)),
+    "devices": jax.device_count(),
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+  }
+
+
+def time_fn(
+  fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 20
+) -> float:
+  """Median seconds per call of ``fn`` (which must block on its result)."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def time_interleaved(
+  fns: dict[str, Callable[[], Any]], *, warmup: int = 2, rounds: int = 15
+) -> dict[str, float]:
+  """Median seconds per call of each function, measured round-robin so that
+  machine noise hits every variant alike."""
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times: dict[str, list[float]] = {k: [] for k in fns}
+  for _ in range(rounds):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      times[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def markdown_table(
+  headers: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> str:
+  """A GitHub markdown table."""
+
+  def cell(x: Any) -> str:
+    if isinstance(x, float):
+      return f"{x:.4g}"
+    return str(x)
+
+  lines = ["| " + " | ".join(headers) + " |"]
+  lines.append("|" + "|".join("---" for _ in headers) + "|")
+  lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def write_results(
+  name: str,
+  title: str,
+  headers: Sequence[str],
+  rows: Sequence[Sequence[Any]],
+  *,
+  notes: str = "",
+  extra: dict[str, Any] | None = None,
+) -> str:
+  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``."""
+  RESULTS.mkdir(exist_ok=True)
+  m = machine()
+  table = markdown_table(headers, rows)
+  md = (
+    f"## {title}\n\n"
+    f"Machine: {m['cpu']}, {m['cores']} cores, backend {m['backend']} "
+    f"({m['device']} x{m['devices']}), JAX {m['jax']}.\n\n{table}\n"
+  )
+  if notes:
+    md += f"\n{notes}\n"
+  print(md)
+  (RESULTS / f"{name}.md").write_text(md)
+  payload = {
+    "title": title,
+    "machine": m,
+    "headers": list(headers),
+    "rows": [list(r) for r in rows],
+    "notes": notes,
+    **(extra or {}),
+  }
+  (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+  return md
+
+
+def memory(compiled: Any) -> dict[str, int]:
+  """Bytes from ``compiled.memory_analysis()``."""
+  m = compiled.memory_analysis()
+  return {
+    "argument": int(m.argument_size_in_bytes),
+    "output": int(m.output_size_in_bytes),
+    "temp": int(m.temp_size_in_bytes),
+    "alias": int(m.alias_size_in_bytes),
+  }
+
+
+def copy_bandwidth(num_bytes: int = 256 * 2**20) -> float:
+  """Measured device copy bandwidth in bytes/s (read + write counted)."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones(num_bytes // 4, jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  sec = time_fn(lambda: f(x).block_until_ready(), repeats=10)
+  return 2 * num_bytes / sec

@@ -1,0 +1,320 @@
+"""Shared types and helpers: saturating counters, SparseRows-aware tree maps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.typing import ArrayLike
+
+INT32_MAX = 2**31 - 1
+
+
+def _has_dtype(x: Any) -> bool:
+  return hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _check_num_rows(num_rows: Any) -> int:
+  if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+    raise TypeError(
+      "SparseRows `num_rows` must be a Python int (the table's row count, "
+      f"static under jit); got {num_rows!r} of type "
+      f"{type(num_rows).__name__}. Pass `table.shape[0]`."
+    )
+  if num_rows < 0:
+    raise ValueError(f"SparseRows `num_rows` must be >= 0; got {num_rows}.")
+  return int(num_rows)
+
+
+@jax.tree_util.register_pytree_node_class
+class SparseRows:
+  """A row-sparse array: rows ``indices[i]`` receive ``values[i]``.
+
+  Stands for the dense array of shape ``(num_rows, *values.shape[1:])``
+  whose row ``indices[i]`` is the sum of every ``values[j]`` with
+  ``indices[j] == indices[i]`` (duplicates add up, like TensorFlow's
+  ``IndexedSlices``). An index outside ``[0, num_rows)`` (negative ones
+  included) is *padding*: it stands for nothing and no consumer writes it.
+
+  It is a pytree whose children are ``indices`` and ``values``; ``num_rows``
+  is static, so it passes through ``jit``, ``shard_map`` and ``pmap``.
+
+  Args:
+    indices: integer ``[n]`` row ids; stored as int32.
+    values: ``[n, *row_shape]`` rows.
+    num_rows: the number of rows of the dense array (a Python int).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> g = gtx.SparseRows(jnp.array([2, 0, 2]), jnp.ones((3, 2)), 4)
+    >>> g.shape
+    (4, 2)
+    >>> g.to_dense()
+    Array([[1., 1.],
+           [0., 0.],
+           [2., 2.],
+           [0., 0.]], dtype=float32)
+  """
+
+  __slots__ = ("_indices", "_values", "_num_rows")
+
+  def __init__(self, indices: ArrayLike, values: ArrayLike, num_rows: int):
+    num_rows = _check_num_rows(num_rows)
+    indices = jnp.asarray(indices)
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+      raise TypeError(
+        "SparseRows `indices` must have an integer dtype; got "
+        f"{indices.dtype}. Cast ids with `.astype(jnp.int32)`."
+      )
+    if indices.ndim != 1:
+      raise ValueError(
+        f"SparseRows `indices` must be 1-D `[n]`; got shape {indices.shape}."
+        " Flatten ids with `ids.reshape(-1)` and values to `[n, *row]`."
+      )
+    if values.ndim < 1 or values.shape[0] != indices.shape[0]:
+      raise ValueError(
+        "SparseRows `values` must have shape `[n, *row_shape]` with n = "
+        f"len(indices) = {indices.shape[0]}; got values of shape "
+        f"{values.shape}."
+      )
+    self._indices = indices.astype(jnp.int32)
+    self._values = values
+    self._num_rows = num_rows
+
+  # -- pytree ---------------------------------------------------------------
+  def tree_flatten(self):
+    return (self._indices, self._values), self._num_rows
+
+  @classmethod
+  def tree_unflatten(cls, num_rows, children):
+    indices, values = children
+    if (
+      _has_dtype(indices)
+      and indices.dtype != jax.dtypes.float0
+      and not jnp.issubdtype(indices.dtype, jnp.integer)
+    ):
+      raise TypeError(
+        "A transformation turned the integer `indices` of a gradtx.SparseRows"
+        f" into {indices.dtype}: it treated the row-sparse gradient as a "
+        "dense array and would corrupt it. Put `gradtx.densify()` in front "
+        "of dense optax transforms, or use the sparse-aware gradtx version "
+        "(gradtx.scale, gradtx.scale_by_learning_rate, "
+        "gradtx.clip_by_global_norm, gradtx.add_decayed_weights, "
+        "gradtx.lazy_adam)."
+      )
+    obj = object.__new__(cls)
+    obj._indices = indices
+    obj._values = values
+    obj._num_rows = num_rows
+    return obj
+
+  # -- properties -----------------------------------------------------------
+  @property
+  def indices(self) -> jax.Array:
+    """int32 ``[n]`` row ids; ids outside ``[0, num_rows)`` are padding."""
+    return self._indices
+
+  @property
+  def values(self) -> jax.Array:
+    """``[n, *row_shape]`` rows."""
+    return self._values
+
+  @property
+  def num_rows(self) -> int:
+    """Rows of the dense array this stands for (static)."""
+    return self._num_rows
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """Shape of the dense array: ``(num_rows, *row_shape)``."""
+    return (self._num_rows, *self._values.shape[1:])
+
+  @property
+  def dtype(self) -> Any:
+    """dtype of the values (and of the dense array)."""
+    return self._values.dtype
+
+  @property
+  def nnz(self) -> int:
+    """Static number of stored rows ``n`` (padding included)."""
+    return self._indices.shape[0]
+
+  def __repr__(self) -> str:
+    return (
+      f"SparseRows(num_rows={self._num_rows}, indices={self._indices!r}, "
+      f"values={self._values!r})"
+    )
+
+  # -- operations -----------------------------------------------------------
+  def valid_indices(self) -> jax.Array:
+    """Indices with every padding id replaced by ``num_rows``.
+
+    ``num_rows`` is out of bounds, so a scatter with ``mode="drop"`` skips
+    it; negative ids never wrap around to the end of the table.
+    """
+    idx = self._indices
+    ok = (idx >= 0) & (idx < self._num_rows)
+    return jnp.where(ok, idx, self._num_rows).astype(jnp.int32)
+
+  def with_values(self, values: jax.Array) -> SparseRows:
+    """The same indices with new ``[n, *row_shape]`` values."""
+    return SparseRows(self._indices, values, self._num_rows)
+
+  def to_dense(self) -> jax.Array:
+    """The dense ``(num_rows, *row_shape)`` array (duplicates summed)."""
+    out = jnp.zeros(self.shape, self.dtype)
+    return out.at[self.valid_indices()].add(self._values, mode="drop")
+
+  def coalesce(self) -> SparseRows:
+    """Sorted unique indices with duplicates summed, same static length.
+
+    The unused tail holds the padding index ``num_rows`` with zero values,
+    and so do ids that were padding on input. The sum of duplicates is
+    deterministic on every backend (a sequential scatter on CPU/TPU, a
+    segmented scan on GPUs, whose scatter-add is atomic).
+    """
+    n = self.nnz
+    idx = self.valid_indices()
+    if n == 0:
+      return SparseRows(idx, self._values, self._num_rows)
+    order = jnp.argsort(idx, stable=True)
+    sidx = idx[order]
+    svals = self._values[order]
+    first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
+    seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
+    uniq = jnp.full([n], self._num_rows, jnp.int32)
+    uniq = uniq.at[jnp.where(first, seg, n)].set(
+      sidx, mode="drop", unique_indices=True
+    )
+    summed = lax.platform_dependent(
+      svals,
+      first,
+      seg,
+      cuda=_segment_sum_scan,
+      rocm=_segment_sum_scan,
+      default=_segment_sum_scatter,
+    )
+    keep = (uniq < self._num_rows).reshape((n,) + (1,) * (svals.ndim - 1))
+    summed = jnp.where(keep, summed, jnp.zeros_like(summed))
+    return SparseRows(uniq, summed, self._num_rows)
+
+  @classmethod
+  def padding_like(cls, x: SparseRows) -> SparseRows:
+    """An all-padding SparseRows of ``x``'s static shapes (stands for 0)."""
+    return cls(
+      jnp.full(x.indices.shape, x.num_rows, jnp.int32),
+      jnp.zeros_like(x.values),
+      x.num_rows,
+    )
+
+
+def _segment_sum_scatter(
+  svals: jax.Array, first: jax.Array, seg: jax.Array
+) -> jax.Array:
+  # Sorted segment ids; a sequential scatter (CPU/TPU) adds in input order.
+  del first
+  return jax.ops.segment_sum(
+    svals, seg, num_segments=svals.shape[0], indices_are_sorted=True
+  )
+
+
+def _segment_sum_scan(
+  svals: jax.Array, first: jax.Array, seg: jax.Array
+) -> jax.Array:
+  """Segmented sum by an associative scan: no atomics, fixed order."""
+  n = svals.shape[0]
+
+  def combine(a, b):
+    fa, va = a
+    fb, vb = b
+    fb_rows = fb.reshape(fb.shape + (1,) * (vb.ndim - fb.ndim))
+    return fa | fb, jnp.where(fb_rows, vb, va + vb)
+
+  _, sums = lax.associative_scan(combine, (first, svals))
+  last = jnp.concatenate([first[1:], jnp.ones([1], bool)])
+  target = jnp.where(last, seg, n)
+  return (
+    jnp.zeros_like(svals).at[target].set(sums, mode="drop", unique_indices=True)
+  )
+
+
+def is_sparse(x: Any) -> bool:
+  """Whether ``x`` is a :class:`SparseRows` (a leaf for gradtx tree maps)."""
+  return isinstance(x, SparseRows)
+
+
+def _is_leaf(x: Any) -> bool:
+  return x is None or isinstance(x, SparseRows)
+
+
+def tree_map(f: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+  """``jax.tree.map`` that stops at SparseRows and None."""
+  return jax.tree.map(f, tree, *rest, is_leaf=_is_leaf)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+  """Leaves of ``tree``, with SparseRows kept whole and None dropped."""
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_leaf) if x is not None]
+
+
+def safe_increment(count: jax.Array) -> jax.Array:
+  """Adds one to an int32 counter, saturating at ``2**31 - 1``."""
+  count = jnp.asarray(count)
+  return jnp.where(count < INT32_MAX, count + 1, count).astype(count.dtype)
+
+
+def zero_counter() -> jax.Array:
+  """A fresh int32 scalar counter (a new buffer each call)."""
+  return jnp.zeros([], jnp.int32)
+
+
+def zeros_like_update(x: Any) -> Any:
+  """The update that changes nothing, of the same structure as ``x``.
+
+  Dense arrays give zeros; a SparseRows gives an all-padding SparseRows of
+  the same static length (every index is the padding row, values zero), so
+  the two branches of a ``lax.cond`` have identical types.
+  """
+
+  def zero(leaf: Any) -> Any:
+    if leaf is None:
+      return None
+    if isinstance(leaf, SparseRows):
+      return SparseRows.padding_like(leaf)
+    return jnp.zeros_like(leaf)
+
+  return tree_map(zero, x)
+
+
+def check_tree_match(
+  tree: Any, reference: Any, *, name: str, reference_name: str
+) -> None:
+  """Raises a ValueError naming both arguments when the structures differ.
+
+  SparseRows in ``tree`` count as leaves, so a SparseRows update at an array
+  parameter's position matches.
+  """
+  got = jax.tree.structure(tree, is_leaf=_is_leaf)
+  want = jax.tree.structure(reference, is_leaf=_is_leaf)
+  try:
+    jax.tree.map(lambda *_: None, tree, reference, is_leaf=_is_leaf)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"`{name}` does not have the tree structure of `{reference_name}`: "
+      f"got {got}, expected {want}. Pass a `{name}` with the same "
+      f"nesting and keys as `{reference_name}`."
+    ) from e
+
+
+def with_extra_args(
+  init_fn: Callable[..., Any], update_fn: Callable[..., Any]
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps two closures as an optax transformation that takes extra args."""
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,692 @@
+"""Row-sparse gradients: lookup, sparse_value_and_grad, apply_updates.
+
+Also the sparse-aware versions of the optax transforms people chain around
+an optimizer (scale, learning rate, global-norm clipping, weight decay) and
+``densify``, the escape hatch to any dense optax transform.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.typing import ArrayLike
+
+from gradtx._base import (
+  SparseRows,
+  check_tree_match,
+  safe_increment,
+  tree_leaves,
+  tree_map,
+  with_extra_args,
+  zero_counter,
+)
+
+# ----------------------------------------------------------------------------
+# lookup
+
+
+def _check_ids(ids: jax.Array, name: str = "ids") -> jax.Array:
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(
+      f"gradtx.lookup `{name}` must be integer row ids; got dtype "
+      f"{ids.dtype}. Cast with `.astype(jnp.int32)`."
+    )
+  return ids
+
+
+def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
+  if np.any(bad):
+    raise ValueError(
+      f"gradtx.lookup: {int(np.sum(bad))} id(s) outside [0, {num_rows}) "
+      "found with bounds_check=True. Fix the ids, or drop bounds_check to "
+      "treat them as padding (zero rows, no gradient)."
+    )
+
+
+def _bounds_check(ids: jax.Array, num_rows: int) -> None:
+  bad = (ids < 0) | (ids >= num_rows)
+  try:
+    concrete = np.asarray(bad)
+  except jax.errors.TracerArrayConversionError:
+    jax.debug.callback(_raise_bad_ids, bad, num_rows)
+  else:
+    _raise_bad_ids(concrete, num_rows)
+
+
+def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
+  # Ids outside [0, num_rows) read zero rows; negative ids do not wrap. The
+  # gradient of this gather gives them nothing, and SparseRows treats them as
+  # padding, so the forward pass and both gradients agree.
+  num_rows = table.shape[0]
+  ids = ids.astype(jnp.int32)
+  ids = jnp.where(ids < 0, num_rows, ids)
+  return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+
+def lookup(
+  table: jax.Array, ids: ArrayLike, *, bounds_check: bool = False
+) -> jax.Array:
+  """Reads rows of an embedding table: ``table[ids]``.
+
+  Use it where ``table[ids]`` or ``jnp.take(table, ids, axis=0)`` would
+  stand. Outside :func:`sparse_value_and_grad` it is an ordinary
+  differentiable gather; inside, the table's gradient comes out as a
+  :class:`SparseRows` with one row per looked-up id.
+
+  Ids outside ``[0, num_rows)`` -- negative ones included, which do *not*
+  wrap around -- are padding: they read a zero row and give no gradient.
+  Use them for padded positions of variable-length batches.
+
+  Args:
+    table: ``[num_rows, *row_shape]`` array.
+    ids: integer ids of any shape.
+    bounds_check: raise a ValueError for ids outside ``[0, num_rows)``.
+      With concrete ids it raises at once; under ``jit`` the check runs on
+      the device through ``jax.debug.callback`` and fails the computation.
+
+  Returns:
+    ``ids.shape + table.shape[1:]`` rows.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> table = jnp.arange(6.0).reshape(3, 2)
+    >>> gtx.lookup(table, jnp.array([[2, 0], [-1, 1]]))
+    Array([[[4., 5.],
+            [0., 1.]],
+    <BLANKLINE>
+           [[0., 0.],
+            [2., 3.]]], dtype=float32)
+  """
+  ids = _check_ids(ids)
+  if jnp.ndim(table) < 1:
+    raise ValueError(
+      "gradtx.lookup `table` must have at least one axis (rows); got a scalar."
+    )
+  if bounds_check:
+    _bounds_check(ids, table.shape[0])
+  ctx = _current_context()
+  if ctx is not None:
+    out = ctx.lookup(table, ids)
+    if out is not None:
+      return out
+  return _gather(table, ids)
+
+
+# ----------------------------------------------------------------------------
+# sparse_value_and_grad
+
+_local = threading.local()
+
+
+def _current_context() -> _Probe | _Apply | None:
+  stack = getattr(_local, "stack", None)
+  return stack[-1] if stack else None
+
+
+class _Context:
+  """Active while the loss runs; routes lookups of param leaves."""
+
+  def __init__(self, leaves: Sequence[Any]):
+    self.slot_of = {}
+    for i, leaf in enumerate(leaves):
+      self.slot_of.setdefault(id(leaf), i)
+
+  def __enter__(self):
+    if not hasattr(_local, "stack"):
+      _local.stack = []
+    _local.stack.append(self)
+    return self
+
+  def __exit__(self, *exc):
+    _local.stack.pop()
+
+
+class _Probe(_Context):
+  """Abstract pass: records which leaves are looked up, and with what ids."""
+
+  def __init__(self, leaves: Sequence[Any], shadows: Sequence[Any]):
+    super().__init__(leaves)
+    self.shadows = shadows
+    self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+  def lookup(self, table: Any, ids: jax.Array) -> jax.Array | None:
+    slot = self.slot_of.get(id(table))
+    if slot is None:
+      return None
+    self.calls.append((slot, tuple(ids.shape)))
+    # Read the shadow copy, so a use of the leaf itself shows in the jaxpr
+    # only when the loss touches the table outside lookup.
+    return _gather(self.shadows[slot], ids)
+
+
+class _Apply(_Context):
+  """Real pass: lookups of sparse tables add a zero "sink" input."""
+
+  def __init__(
+    self,
+    tables: dict[int, Any],
+    sinks: Sequence[jax.Array],
+    calls: Sequence[tuple[int, tuple[int, ...]]],
+  ):
+    self.slot_of = {id(t): slot for slot, t in tables.items()}
+    self.sinks = sinks
+    self.calls = calls
+    self.ids: list[jax.Array] = []
+
+  def lookup(self, table: Any, ids: jax.Array) -> jax.Array | None:
+    slot = self.slot_of.get(id(table))
+    if slot is None:
+      return None
+    k = len(self.ids)
+    if k >= len(self.calls) or self.calls[k] != (slot, tuple(ids.shape)):
+      raise RuntimeError(
+        "gradtx.sparse_value_and_grad: the loss made different "
+        "gradtx.lookup calls on its two traces. Lookups must not depend on "
+        "Python state that changes between calls."
+      )
+    self.ids.append(ids)
+    # The cotangent of the sink is exactly the gradient of each looked-up
+    # row; the table itself is a constant here, so no dense cotangent exists.
+    return _gather(table, ids) + self.sinks[k]
+
+
+def _used_outside_lookup(jaxpr: Any, n_leaves: int) -> list[bool]:
+  invars = jaxpr.jaxpr.invars[:n_leaves]
+  used = {id(v) for eqn in jaxpr.jaxpr.eqns for v in eqn.invars}
+  used |= {id(v) for v in jaxpr.jaxpr.outvars}
+  return [id(v) in used for v in invars]
+
+
+def _normalize_argnums(
+  argnums: int | Sequence[int],
+) -> tuple[tuple[int, ...], bool]:
+  if isinstance(argnums, int):
+    return (argnums,), True
+  argnums = tuple(argnums)
+  if not argnums or not all(isinstance(a, int) for a in argnums):
+    raise TypeError(
+      f"`argnums` must be an int or a non-empty tuple of ints; got {argnums}."
+    )
+  return argnums, False
+
+
+def sparse_value_and_grad(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Like ``jax.value_and_grad``, with SparseRows gradients for lookups.
+
+  Every parameter leaf that ``fun`` reads only through :func:`lookup` gets a
+  :class:`SparseRows` gradient: the ids of all its lookups (flattened and
+  concatenated in call order) and, for each id, the gradient of the loss
+  with respect to the row it read. Every other leaf gets its ordinary dense
+  gradient -- including a table that the loss also uses outside ``lookup``
+  (for example a tied output projection), whose gradient is dense anyway.
+
+  No dense ``[num_rows, dim]`` buffer is built: each lookup's output gets a
+  zero "sink" added, and the sink's cotangent is the per-id row gradient.
+  The lookups are found by an abstract pass over ``fun`` (trace time only).
+
+  Lookups must be made in ``fun``'s own trace, not inside the body of a
+  ``lax.scan``, ``vmap`` or ``checkpoint`` (look the rows up first, then
+  pass them in), and a param leaf must reach ``lookup`` as the same object
+  (``params["emb"]``, ``module.weight``), not a transformed copy.
+
+  Args:
+    fun: the loss; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
+    argnums: which positional argument(s) to differentiate.
+    has_aux: as in ``jax.value_and_grad``.
+
+  Returns:
+    A function with ``fun``'s signature returning ``(value, grads)`` (or
+    ``((value, aux), grads)``), ``grads`` shaped like the differentiated
+    argument(s), with SparseRows at the looked-up tables.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.ones((1000, 4)), "w": jnp.ones(4)}
+    >>> def loss(p, ids):
+    ...   return jnp.sum(gtx.lookup(p["emb"], ids) @ p["w"])
+    >>> value, g = gtx.sparse_value_and_grad(loss)(params, jnp.array([3, 7]))
+    >>> g["emb"].indices, g["emb"].values.shape, g["w"].shape
+    (Array([3, 7], dtype=int32), (2, 4), (4,))
+  """
+  argnum_tuple, single = _normalize_argnums(argnums)
+
+  def value_and_grad_fn(*args, **kwargs):
+    for a in argnum_tuple:
+      if a >= len(args) or a < -len(args):
+        raise ValueError(
+          f"`argnums` {argnums} out of range for {len(args)} positional "
+          "arguments."
+        )
+    diff = tuple(args[a] for a in argnum_tuple)
+    leaves, treedef = jax.tree.flatten(diff)
+
+    def call(new_leaves):
+      new_diff = jax.tree.unflatten(treedef, new_leaves)
+      new_args = list(args)
+      for a, d in zip(argnum_tuple, new_diff, strict=True):
+        new_args[a] = d
+      out = fun(*new_args, **kwargs)
+      return out if has_aux else (out, None)
+
+    # Pass 1 (abstract): which leaves are looked up, with which id shapes,
+    # and is any looked-up leaf also used outside lookup?
+    probe_box = []
+
+    def probe(leaves_, shadows):
+      with _Probe(leaves_, shadows) as p:
+        loss, _ = call(list(leaves_))
+      probe_box.append(p.calls)
+      return loss
+
+    jaxpr = jax.make_jaxpr(probe)(list(leaves), list(leaves))
+    calls = probe_box[-1]
+    dense_use = _used_outside_lookup(jaxpr, len(leaves))
+    looked_up = {slot for slot, _ in calls}
+    sparse_slots = sorted(s for s in looked_up if not dense_use[s])
+    calls = [c for c in calls if c[0] in sparse_slots]
+    # Pass 2: the tables are constants; differentiate dense leaves + sinks.
+    tables = {}
+    for s in sparse_slots:
+      t = leaves[s]
+      if any(id(t) == id(o) for o in tables.values()):
+        t = jnp.array(t, copy=True)  # the same object at two leaves
+      tables[s] = t
+    dense_slots = [i for i in range(len(leaves)) if i not in tables]
+    sinks = []
+    for slot, shape in calls:
+      t = tables[slot]
+      sinks.append(jnp.zeros(shape + tuple(t.shape[1:]), t.dtype))
+
+    def inner(dense_leaves, sinks_):
+      full = list(leaves)
+      for i, x in zip(dense_slots, dense_leaves, strict=True):
+        full[i] = x
+      for s, t in tables.items():
+        full[s] = t
+      with _Apply(tables, sinks_, calls) as ctx:
+        loss, aux = call(full)
+      if len(ctx.ids) != len(calls):
+        raise RuntimeError(
+          "gradtx.sparse_value_and_grad: the loss made fewer gradtx.lookup "
+          "calls than on its abstract trace."
+        )
+      return loss, (aux, ctx.ids)
+
+    (value, (aux, ids_list)), (g_dense, g_sinks) = jax.value_and_grad(
+      inner, argnums=(0, 1), has_aux=True
+    )([leaves[i] for i in dense_slots], sinks)
+
+    out = [None] * len(leaves)
+    for i, g in zip(dense_slots, g_dense, strict=True):
+      out[i] = g
+    for s, t in tables.items():
+      parts = [
+        (ids.reshape(-1), g.reshape((-1,) + tuple(t.shape[1:])))
+        for (slot, _), ids, g in zip(calls, ids_list, g_sinks, strict=True)
+        if slot == s
+      ]
+      idx = jnp.concatenate([p[0] for p in parts]).astype(jnp.int32)
+      vals = jnp.concatenate([p[1] for p in parts])
+      out[s] = SparseRows(idx, vals, t.shape[0])
+    grads = jax.tree.unflatten(treedef, out)
+    grads = grads[0] if single else grads
+    return ((value, aux), grads) if has_aux else (value, grads)
+
+  return value_and_grad_fn
+
+
+def sparse_grad(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Like ``jax.grad``, with SparseRows gradients for lookups.
+
+  See :func:`sparse_value_and_grad`; this returns only the gradients (and
+  ``aux`` with ``has_aux``: ``(grads, aux)``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> g = gtx.sparse_grad(lambda t, i: gtx.lookup(t, i).sum())(
+    ...     jnp.zeros((5, 2)), jnp.array([4, 4]))
+    >>> g.to_dense()[4]
+    Array([2., 2.], dtype=float32)
+  """
+  vg = sparse_value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def grad_fn(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return grad_fn
+
+
+# ----------------------------------------------------------------------------
+# apply_updates
+
+
+def _check_rows_match(u: SparseRows, p: Any, what: str) -> None:
+  shape = tuple(jnp.shape(p))
+  if not shape or u.shape != shape:
+    raise ValueError(
+      f"{what}: a SparseRows of dense shape {u.shape} (num_rows="
+      f"{u.num_rows}, row shape {u.shape[1:]}) does not match its parameter "
+      f"of shape {shape}. Build it with num_rows=table.shape[0] and values "
+      "of shape [n, *table.shape[1:]]."
+    )
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """Adds ``updates`` to ``params``; SparseRows are scatter-added in place.
+
+  Like ``optax.apply_updates``: each result keeps its parameter's dtype and
+  a None update leaves the parameter unchanged. A :class:`SparseRows`
+  update is added row by row (duplicates add up, padding ids write nothing)
+  with one XLA scatter, which updates the table in place when the caller
+  donates ``params`` to its jitted step.
+
+  Args:
+    params: a tree of arrays.
+    updates: a tree of the same structure; arrays, None or SparseRows.
+
+  Returns:
+    The updated params.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> u = gtx.SparseRows(jnp.array([1]), jnp.full((1, 2), 0.5), 3)
+    >>> gtx.apply_updates({"emb": jnp.zeros((3, 2))}, {"emb": u})["emb"]
+    Array([[0. , 0. ],
+           [0.5, 0.5],
+           [0. , 0. ]], dtype=float32)
+  """
+  check_tree_match(updates, params, name="updates", reference_name="params")
+
+  def apply(u, p):
+    if u is None:
+      return p
+    if isinstance(u, SparseRows):
+      _check_rows_match(u, p, "gradtx.apply_updates")
+      p = jnp.asarray(p)
+      return p.at[u.valid_indices()].add(u.values.astype(p.dtype), mode="drop")
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+  return tree_map(apply, updates, params)
+
+
+# ----------------------------------------------------------------------------
+# sparse-aware transformations
+
+
+def densify() -> optax.GradientTransformationExtraArgs:
+  """Turns every SparseRows in the updates into a dense array.
+
+  The escape hatch to any dense optax transform: ``optax.chain(
+  gtx.densify(), optax.adam(1e-3))``. It builds a ``[num_rows, ...]`` array
+  per table, so put it as late in the chain as you can.
+
+  Returns:
+    A stateless transformation.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> g = gtx.SparseRows(jnp.array([0, 0]), jnp.ones((2, 1)), 2)
+    >>> gtx.densify().update(g, optax.EmptyState())[0]
+    Array([[2.],
+           [0.]], dtype=float32)
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return tree_map(
+      lambda u: u.to_dense() if isinstance(u, SparseRows) else u, updates
+    ), state
+
+  return with_extra_args(init_fn, update_fn)
+
+
+def _scale_tree(updates: Any, factor: Any) -> Any:
+  def f(u):
+    if u is None:
+      return None
+    if isinstance(u, SparseRows):
+      return u.with_values((factor * u.values).astype(u.dtype))
+    return (factor * u).astype(jnp.asarray(u).dtype)
+
+  return tree_map(f, updates)
+
+
+def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
+  """Multiplies updates by ``step_size``; SparseRows scale their values.
+
+  Dense leaves behave exactly as ``optax.scale``.
+
+  Args:
+    step_size: a scalar.
+
+  Returns:
+    A stateless transformation.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> g = gtx.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 4)
+    >>> gtx.scale(-0.1).update(g, optax.EmptyState())[0].values
+    Array([[-0.1, -0.1]], dtype=float32)
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return _scale_tree(updates, step_size), state
+
+  return with_extra_args(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+  """State of :func:`scale_by_learning_rate` with a schedule."""
+
+  count: jax.Array  # int32 [], steps taken (saturating)
+
+
+def scale_by_learning_rate(
+  learning_rate: float | optax.Schedule, *, flip_sign: bool = True
+) -> optax.GradientTransformationExtraArgs:
+  """Scales updates by ``-learning_rate`` (a float or an optax schedule).
+
+  Dense leaves behave exactly as ``optax.scale_by_learning_rate``;
+  SparseRows scale their values.
+
+  Args:
+    learning_rate: a float, or a schedule ``count -> learning rate``.
+    flip_sign: multiply by ``-learning_rate`` (descent) when True.
+
+  Returns:
+    A transformation; with a schedule its state counts the steps.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> tx = gtx.scale_by_learning_rate(0.5)
+    >>> tx.update(jnp.ones(2), tx.init(jnp.ones(2)))[0]
+    Array([-0.5, -0.5], dtype=float32)
+  """
+  sign = -1 if flip_sign else 1
+  if not callable(learning_rate):
+    return scale(sign * learning_rate)
+
+  def init_fn(params):
+    del params
+    return ScaleByScheduleState(count=zero_counter())
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    lr = learning_rate(state.count)
+    return _scale_tree(updates, sign * lr), ScaleByScheduleState(
+      count=safe_increment(state.count)
+    )
+
+  return with_extra_args(init_fn, update_fn)
+
+
+def global_norm(updates: Any) -> jax.Array:
+  """The global L2 norm of a tree of arrays and SparseRows.
+
+  A SparseRows counts as the dense array it stands for: duplicates are
+  summed first, padding rows count zero.
+  """
+  total = jnp.zeros([], jnp.float32)
+  for u in tree_leaves(updates):
+    if isinstance(u, SparseRows):
+      u = u.coalesce().values
+    total = total + jnp.sum(jnp.square(jnp.asarray(u, jnp.float32)))
+  return jnp.sqrt(total)
+
+
+def clip_by_global_norm(
+  max_norm: float,
+) -> optax.GradientTransformationExtraArgs:
+  """Clips updates to a maximum global L2 norm (``optax.clip_by_global_norm``).
+
+  The norm covers every dense leaf and every SparseRows as the dense array
+  it stands for (duplicates summed, so a row counts once). SparseRows come
+  out coalesced (sorted unique indices), which the next sparse step would do
+  anyway.
+
+  .. math::
+    u \\leftarrow u \\cdot \\min(1, \\text{max\\_norm} / \\lVert u \\rVert_2)
+
+  Args:
+    max_norm: the largest allowed global norm.
+
+  Returns:
+    A stateless transformation.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> g = gtx.SparseRows(jnp.array([0, 0]), jnp.full((2, 1), 3.0), 5)
+    >>> gtx.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0].values
+    Array([[1.],
+           [0.]], dtype=float32)
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    updates = tree_map(
+      lambda u: u.coalesce() if isinstance(u, SparseRows) else u, updates
+    )
+    norm = global_norm(updates)
+    trigger = norm < max_norm
+
+    def clip(x):
+      return lax.select(trigger, x, (x / norm.astype(x.dtype)) * max_norm)
+
+    def clip_leaf(u):
+      if u is None:
+        return None
+      if isinstance(u, SparseRows):
+        return u.with_values(clip(u.values))
+      return clip(u)
+
+    return tree_map(clip_leaf, updates), state
+
+  return with_extra_args(init_fn, update_fn)
+
+
+def _resolve_mask(mask: Any, params: Any) -> Any:
+  if mask is None:
+    return tree_map(lambda _: True, params)
+  return mask(params) if callable(mask) else mask
+
+
+def add_decayed_weights(
+  weight_decay: float = 0.0, mask: Any = None
+) -> optax.GradientTransformationExtraArgs:
+  """Adds ``weight_decay * params`` to the updates (decoupled weight decay).
+
+  Dense leaves behave exactly as ``optax.add_decayed_weights``. For a
+  SparseRows update only the touched rows decay: the update is coalesced
+  and ``weight_decay * params[row]`` is added once per touched row. Rows
+  not in the gradient are left alone, as users of sparse tables expect.
+
+  Args:
+    weight_decay: the decay rate.
+    mask: a tree of bools like params (or a callable ``params -> tree``);
+      leaves where it is False pass through unchanged.
+
+  Returns:
+    A stateless transformation that needs ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> p = jnp.ones((3, 1))
+    >>> g = gtx.SparseRows(jnp.array([2]), jnp.zeros((1, 1)), 3)
+    >>> tx = gtx.add_decayed_weights(0.1)
+    >>> tx.update(g, optax.EmptyState(), p)[0].to_dense()
+    Array([[0. ],
+           [0. ],
+           [0.1]], dtype=float32)
+  """
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError(
+        "gradtx.add_decayed_weights needs `params`: call "
+        "`tx.update(updates, state, params)`."
+      )
+    check_tree_match(updates, params, name="updates", reference_name="params")
+    m = _resolve_mask(mask, params)
+
+    def decay(u, p, keep):
+      if u is None or not keep:
+        return u
+      if isinstance(u, SparseRows):
+        _check_rows_match(u, p, "gradtx.add_decayed_weights")
+        u = u.coalesce()
+        rows = _gather(jnp.asarray(p), u.indices)
+        return u.with_values((u.values + weight_decay * rows).astype(u.dtype))
+      return (u + weight_decay * p).astype(jnp.asarray(u).dtype)
+
+    return tree_map(decay, updates, params, m), state
+
+  return with_extra_args(init_fn, update_fn)
+
+
+def row_gather(table: jax.Array, indices: jax.Array) -> jax.Array:
+  """Rows of ``table`` at ``indices``; padding indices read zeros."""
+  return _gather(table, indices)

@@ -1,0 +1,296 @@
+"""The conformance suite every gradtx transformation is run through.
+
+A capability's test module builds :class:`Case` objects and runs every check
+in :data:`CHECKS` on them::
+
+  @pytest.mark.parametrize("case", CASES, ids=str)
+  @pytest.mark.parametrize("check", CHECKS)
+  def test_conformance(case, check):
+    check(case)
+
+The checks: jit agrees with eager; init from ``jax.ShapeDtypeStruct``; no
+recompilation on a second update; state structure/shape/dtype/sharding kept
+by update (on 8 devices); optax.chain with extra args; inside
+``jax.shard_map`` and ``jax.pmap``; bf16 params keep their dtype; a jitted
+step that donates params and state runs in a loop straight from ``init``
+(no aliasing between state leaves and params).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradtx as gtx
+
+NUM_ROWS = 32
+DIM = 4
+IDS_PER_STEP = 6
+
+
+def standard_params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  """A small embedding table plus dense leaves."""
+  rng = np.random.RandomState(0)
+  return {
+    "emb": jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)), dtype),
+    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
+    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+  }
+
+
+def standard_grads(step: int, dtype: Any = jnp.float32) -> dict[str, Any]:
+  """Gradients for ``standard_params``: SparseRows with a duplicate and a
+  padding id for the table, dense for the rest. Deterministic in ``step``."""
+  rng = np.random.RandomState(100 + step)
+  ids = rng.randint(0, NUM_ROWS, size=IDS_PER_STEP)
+  ids[1] = ids[0]  # a duplicate
+  ids[-1] = NUM_ROWS  # padding
+  return {
+    "emb": gtx.SparseRows(
+      jnp.asarray(ids, jnp.int32),
+      jnp.asarray(rng.normal(size=(IDS_PER_STEP, DIM)), dtype),
+      NUM_ROWS,
+    ),
+    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
+    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+  }
+
+
+@dataclasses.dataclass
+class Case:
+  """One transformation to check.
+
+  Attributes:
+    name: shown in test ids.
+    make_tx: builds a fresh transformation.
+    params: builds params (takes a dtype).
+    grads: builds the gradient for a step index (takes step, dtype).
+    extra_args: extra keyword args for ``update`` at a step index.
+    steps: how many updates each check runs.
+    rtol: tolerance for comparing jit / shard_map / pmap results.
+  """
+
+  name: str
+  make_tx: Callable[[], optax.GradientTransformation]
+  params: Callable[..., Any] = standard_params
+  grads: Callable[..., Any] = standard_grads
+  extra_args: Callable[[int], dict[str, Any]] = lambda step: {}
+  steps: int = 3
+  rtol: float = 1e-5
+
+  def __str__(self) -> str:
+    return self.name
+
+
+def _extra(case: Case, i: int) -> dict[str, Any]:
+  return {k: jnp.asarray(v) for k, v in case.extra_args(i).items()}
+
+
+def _step_fn(tx: optax.GradientTransformation) -> Callable[..., Any]:
+  def step(params, state, grads, extra):
+    updates, state = tx.update(grads, state, params, **extra)
+    return gtx.apply_updates(params, updates), state
+
+  return step
+
+
+def _run(case: Case, step: Callable[..., Any], dtype: Any = jnp.float32):
+  tx = case.make_tx()
+  params = case.params(dtype)
+  state = tx.init(params)
+  for i in range(case.steps):
+    params, state = step(params, state, case.grads(i, dtype), _extra(case, i))
+  return params, state
+
+
+def _assert_close(a: Any, b: Any, rtol: float) -> None:
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb, f"tree mismatch: {ta} vs {tb}"
+  for x, y in zip(la, lb, strict=True):
+    assert jnp.shape(x) == jnp.shape(y)
+    assert jnp.result_type(x) == jnp.result_type(y)
+    np.testing.assert_allclose(
+      np.asarray(x, np.float64),
+      np.asarray(y, np.float64),
+      rtol=rtol,
+      atol=rtol,
+    )
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+
+
+def check_jit(case: Case) -> None:
+  """A jitted update gives the eager result."""
+  tx = case.make_tx()
+  eager = _run(case, _step_fn(tx))
+  jitted = _run(case, jax.jit(_step_fn(tx)))
+  _assert_close(eager, jitted, case.rtol)
+
+
+def check_init_abstract(case: Case) -> None:
+  """init works on ShapeDtypeStruct leaves and agrees with concrete init."""
+  tx = case.make_tx()
+  params = case.params()
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  shapes = jax.eval_shape(tx.init, abstract)
+  assert _abstract(shapes) == _abstract(tx.init(params))
+
+
+def check_no_recompile(case: Case) -> None:
+  """A second update with the same shapes reuses the compiled step."""
+  tx = case.make_tx()
+  step = jax.jit(_step_fn(tx))
+  params = case.params()
+  state = tx.init(params)
+  for i in range(max(case.steps, 3)):
+    params, state = step(params, state, case.grads(i), _extra(case, i))
+  assert step._cache_size() == 1, "update recompiled"
+
+
+def check_state_stable(case: Case) -> None:
+  """Update keeps state structure, shapes, dtypes and shardings, on a mesh
+  of 8 devices with replicated params."""
+  mesh = jax.make_mesh((8,), ("d",))
+  rep = NamedSharding(mesh, P())
+  tx = case.make_tx()
+  params = jax.device_put(case.params(), rep)
+  state = jax.device_put(tx.init(params), rep)
+  step = jax.jit(_step_fn(tx))
+  before = jax.tree.map(jax.typeof, state)
+  sharding_before = jax.tree.map(lambda x: x.sharding, state)
+  for i in range(case.steps):
+    params, state = step(params, state, case.grads(i), _extra(case, i))
+    assert jax.tree.map(jax.typeof, state) == before
+    after = jax.tree.map(lambda x: x.sharding, state)
+    assert jax.tree.all(
+      jax.tree.map(
+        lambda a, b: a.is_equivalent_to(b, 0), sharding_before, after
+      )
+    )
+
+
+def check_chain_extra_args(case: Case) -> None:
+  """Inside optax.chain, with the case's extra args plus an unknown one."""
+  tx = case.make_tx()
+  chained = optax.chain(gtx.scale(1.0), tx, optax.identity())
+  alone = _run(case, jax.jit(_step_fn(tx)))
+  params = case.params()
+  state = chained.init(params)
+  step = jax.jit(
+    lambda p, s, g, e: (lambda u_s: (gtx.apply_updates(p, u_s[0]), u_s[1]))(
+      chained.update(g, s, p, unrelated_arg=1.0, **e)
+    )
+  )
+  for i in range(case.steps):
+    params, state = step(params, state, case.grads(i), _extra(case, i))
+  _assert_close(alone[0], params, case.rtol)
+
+
+def _replicated_run(case: Case, mapper: Callable[..., Any]) -> Any:
+  tx = case.make_tx()
+  step = _step_fn(tx)
+
+  def body(params, grads_seq, extras):
+    state = tx.init(params)
+    for i in range(case.steps):
+      g = jax.tree.map(lambda x, i=i: x[i], grads_seq)
+      e = jax.tree.map(lambda x, i=i: x[i], extras)
+      params, state = step(params, state, g, e)
+    return params
+
+  grads_seq = jax.tree.map(
+    lambda *xs: jnp.stack(xs), *[case.grads(i) for i in range(case.steps)]
+  )
+  extras = jax.tree.map(
+    lambda *xs: jnp.stack(xs), *[_extra(case, i) for i in range(case.steps)]
+  )
+  return mapper(body, case.params(), grads_seq, extras)
+
+
+def check_shard_map(case: Case) -> None:
+  """init and update inside jax.shard_map on 8 devices."""
+  mesh = jax.make_mesh((8,), ("d",))
+
+  def mapper(body, *args):
+    f = jax.shard_map(
+      body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
+    )
+    return jax.jit(f)(*args)
+
+  expected = _run(case, jax.jit(_step_fn(case.make_tx())))[0]
+  _assert_close(expected, _replicated_run(case, mapper), case.rtol)
+
+
+def check_pmap(case: Case) -> None:
+  """init and update inside legacy jax.pmap on 8 devices."""
+
+  def mapper(body, *args):
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * 8), args)
+    out = jax.pmap(body, axis_name="d")(*stacked)
+    return jax.tree.map(lambda x: x[0], out)
+
+  expected = _run(case, jax.jit(_step_fn(case.make_tx())))[0]
+  _assert_close(expected, _replicated_run(case, mapper), case.rtol)
+
+
+def check_bf16(case: Case) -> None:
+  """bf16 params stay bf16; state dtypes do not drift."""
+  tx = case.make_tx()
+  step = jax.jit(_step_fn(tx))
+  params = case.params(jnp.bfloat16)
+  state = tx.init(params)
+  before = _abstract(state)
+  for i in range(case.steps):
+    params, state = step(
+      params, state, case.grads(i, jnp.bfloat16), _extra(case, i)
+    )
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+  assert _abstract(state) == before
+  assert all(
+    bool(jnp.all(jnp.isfinite(x.astype(jnp.float32))))
+    for x in jax.tree.leaves(params)
+  )
+
+
+def check_donation(case: Case) -> None:
+  """A step donating params and state runs in a loop straight from init;
+  no state leaf aliases params or another state leaf."""
+  tx = case.make_tx()
+  params = case.params()
+  state = tx.init(params)
+  bufs = [
+    x.unsafe_buffer_pointer()
+    for x in jax.tree.leaves((params, state))
+    if isinstance(x, jax.Array) and x.size > 0
+  ]
+  assert len(bufs) == len(set(bufs)), "state leaves share buffers"
+  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
+  for i in range(case.steps):
+    params, state = step(params, state, case.grads(i), _extra(case, i))
+  jax.block_until_ready((params, state))
+
+
+CHECKS = [
+  check_jit,
+  check_init_abstract,
+  check_no_recompile,
+  check_state_stable,
+  check_chain_extra_args,
+  check_shard_map,
+  check_pmap,
+  check_bf16,
+  check_donation,
+]

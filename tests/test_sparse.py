@@ -1,0 +1,478 @@
+"""Row-sparse gradients: SparseRows, lookup, sparse_value_and_grad,
+apply_updates and the sparse-aware transforms."""
+
+import re
+
+import equinox as eqx
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import references as ref
+from conformance import CHECKS, Case
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+
+# ----------------------------------------------------------------------------
+# SparseRows
+
+
+def test_sparse_rows_properties():
+  g = gtx.SparseRows(jnp.array([2, 0]), jnp.ones((2, 3, 4)), 5)
+  assert g.shape == (5, 3, 4)
+  assert g.dtype == jnp.float32
+  assert g.num_rows == 5
+  assert g.indices.dtype == jnp.int32
+  assert g.values.shape == (2, 3, 4)
+  leaves, treedef = jax.tree.flatten(g)
+  assert len(leaves) == 2
+  assert jax.tree.unflatten(treedef, leaves).num_rows == 5
+
+
+def test_sparse_rows_to_dense_drops_padding():
+  g = gtx.SparseRows(
+    jnp.array([1, -1, 4, 7, 1]), jnp.arange(5.0)[:, None] + jnp.zeros((5, 2)), 5
+  )
+  np.testing.assert_array_equal(
+    g.to_dense(), ref.to_dense(g.indices, g.values, 5)
+  )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+  st.integers(1, 12).flatmap(
+    lambda num_rows: st.tuples(
+      st.just(num_rows),
+      hnp.arrays(
+        np.int32, st.integers(0, 20), elements=st.integers(-2, num_rows + 1)
+      ),
+    )
+  ),
+  st.integers(0, 2**16),
+)
+def test_coalesce_matches_reference(rows_and_ids, seed):
+  num_rows, ids = rows_and_ids
+  vals = np.random.RandomState(seed).randint(-8, 8, size=(len(ids), 3))
+  vals = vals.astype(np.float32)
+  c = jax.jit(lambda i, v: gtx.SparseRows(i, v, num_rows).coalesce())(ids, vals)
+  want_idx, want_val = ref.coalesce(ids, vals, num_rows)
+  np.testing.assert_array_equal(np.asarray(c.indices), want_idx)
+  np.testing.assert_array_equal(np.asarray(c.values), want_val)
+  assert c.values.shape == vals.shape
+
+
+def test_coalesce_scan_path_matches_scatter_path():
+  # The GPU path (segmented scan) must give the CPU path's result.
+  from gradtx._base import _segment_sum_scan, _segment_sum_scatter
+
+  rng = np.random.RandomState(0)
+  sidx = np.sort(rng.randint(0, 9, size=50))
+  first = np.concatenate([[True], sidx[1:] != sidx[:-1]])
+  seg = np.cumsum(first) - 1
+  vals = rng.randint(-5, 5, size=(50, 3)).astype(np.float32)
+  a = _segment_sum_scan(jnp.asarray(vals), jnp.asarray(first), jnp.asarray(seg))
+  b = _segment_sum_scatter(
+    jnp.asarray(vals), jnp.asarray(first), jnp.asarray(seg)
+  )
+  np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+  "args, err, match",
+  [
+    ((jnp.array([0.0]), jnp.ones((1, 2)), 3), TypeError, "indices"),
+    ((jnp.array([[0]]), jnp.ones((1, 2)), 3), ValueError, "1-D"),
+    ((jnp.array([0, 1]), jnp.ones((3, 2)), 3), ValueError, "values"),
+    ((jnp.array([0]), jnp.ones((1, 2)), 3.0), TypeError, "num_rows"),
+    ((jnp.array([0]), jnp.ones((1, 2)), -1), ValueError, "num_rows"),
+  ],
+)
+def test_sparse_rows_bad_input(args, err, match):
+  with pytest.raises(err, match=match):
+    gtx.SparseRows(*args)
+
+
+def test_dense_optax_transform_on_sparse_rows_raises():
+  g = {"emb": gtx.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 4)}
+  tx = optax.scale(0.5)
+  with pytest.raises(TypeError, match=r"SparseRows.*densify"):
+    tx.update(g, tx.init(None))
+  with pytest.raises(TypeError, match="SparseRows"):
+    jax.jit(lambda g: tx.update(g, optax.EmptyState()))(g)
+
+
+def test_densify_then_optax():
+  g = {"emb": gtx.SparseRows(jnp.array([1, 1]), jnp.ones((2, 2)), 4)}
+  tx = optax.chain(gtx.densify(), optax.scale(0.5))
+  u, _ = tx.update(g, tx.init({"emb": jnp.zeros((4, 2))}))
+  np.testing.assert_array_equal(u["emb"], [[0, 0], [1, 1], [0, 0], [0, 0]])
+
+
+# ----------------------------------------------------------------------------
+# lookup and sparse_value_and_grad
+
+
+def _dense(x):
+  return x.to_dense() if isinstance(x, gtx.SparseRows) else x
+
+
+def _assert_grads_match(sparse_grads, dense_grads):
+  assert jax.tree.structure(
+    sparse_grads, is_leaf=lambda x: isinstance(x, gtx.SparseRows)
+  ) == jax.tree.structure(dense_grads)
+  for s, d in zip(
+    jax.tree.leaves(
+      sparse_grads, is_leaf=lambda x: isinstance(x, gtx.SparseRows)
+    ),
+    jax.tree.leaves(dense_grads),
+    strict=True,
+  ):
+    np.testing.assert_allclose(_dense(s), d, rtol=1e-5, atol=1e-5)
+
+
+def _params():
+  rng = np.random.RandomState(0)
+  return {
+    "emb": jnp.asarray(rng.normal(size=(50, 8)), jnp.float32),
+    "emb2": jnp.asarray(rng.normal(size=(20, 8)), jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32),
+  }
+
+
+def _ids(shape, hi=50, seed=1):
+  return jnp.asarray(np.random.RandomState(seed).randint(0, hi, size=shape))
+
+
+def loss_one_table(p, ids):
+  return jnp.sum(jnp.tanh(gtx.lookup(p["emb"], ids) @ p["w"]) ** 2)
+
+
+def loss_two_tables_twice(p, ids, ids2):
+  a = gtx.lookup(p["emb"], ids).mean(axis=1)  # [batch, seq] ids
+  b = gtx.lookup(p["emb2"], ids2)
+  c = gtx.lookup(p["emb"], ids2)  # the same table again
+  return jnp.sum(jnp.sin(a @ p["w"])) + jnp.sum((b * c) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sparse_grad_matches_jax_grad_one_table(jit):
+  f = gtx.sparse_value_and_grad(loss_one_table)
+  f = jax.jit(f) if jit else f
+  ids = _ids(16).at[3].set(_ids(1)[0])  # repeated ids
+  v, g = f(_params(), ids)
+  v2, g2 = jax.value_and_grad(loss_one_table)(_params(), ids)
+  np.testing.assert_allclose(v, v2, rtol=1e-6)
+  assert isinstance(g["emb"], gtx.SparseRows)
+  assert isinstance(g["w"], jax.Array)
+  assert g["emb"].indices.shape == (16,)
+  _assert_grads_match(g, g2)
+
+
+def test_sparse_grad_two_tables_twice_batch_seq_ids():
+  ids = _ids((4, 5))
+  ids2 = _ids((6,), hi=20, seed=2)
+  v, g = jax.jit(gtx.sparse_value_and_grad(loss_two_tables_twice))(
+    _params(), ids, ids2
+  )
+  v2, g2 = jax.value_and_grad(loss_two_tables_twice)(_params(), ids, ids2)
+  np.testing.assert_allclose(v, v2, rtol=1e-6)
+  # one SparseRows per table, all lookups concatenated in call order
+  assert g["emb"].indices.shape == (26,)
+  np.testing.assert_array_equal(g["emb"].indices[:20], ids.reshape(-1))
+  assert g["emb2"].indices.shape == (6,)
+  _assert_grads_match(g, g2)
+
+
+def test_table_used_outside_lookup_gets_dense_grad():
+  def loss(p, ids):
+    h = gtx.lookup(p["emb"], ids).sum(0)
+    return jnp.sum(jnp.tanh(p["emb"] @ h))  # tied output projection
+
+  g = gtx.sparse_grad(loss)(_params(), _ids(7))
+  assert not isinstance(g["emb"], gtx.SparseRows)
+  _assert_grads_match(g, jax.grad(loss)(_params(), _ids(7)))
+
+
+def test_has_aux_argnums_and_sparse_grad():
+  def loss(x, p, ids):
+    out = jnp.sum(gtx.lookup(p["emb"], ids) * x[None])
+    return out, {"n": ids.size}
+
+  x = jnp.ones(8)
+  (v, aux), (gx, gp) = gtx.sparse_value_and_grad(
+    loss, argnums=(0, 1), has_aux=True
+  )(x, _params(), _ids(5))
+  (v2, _), (gx2, gp2) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+    x, _params(), _ids(5)
+  )
+  assert aux == {"n": 5}
+  np.testing.assert_allclose(v, v2)
+  _assert_grads_match((gx, gp), (gx2, gp2))
+  grads, aux = gtx.sparse_grad(loss, argnums=1, has_aux=True)(
+    x, _params(), _ids(5)
+  )
+  _assert_grads_match(grads, gp2)
+
+
+def test_out_of_range_and_negative_ids_are_padding():
+  table = jnp.arange(12.0).reshape(4, 3)
+  ids = jnp.array([0, -1, 4, 9, 3])
+  out = gtx.lookup(table, ids)
+  np.testing.assert_array_equal(out[1:4], 0.0)
+  np.testing.assert_array_equal(out[4], table[3])
+  f = lambda t, i: jnp.sum(gtx.lookup(t, i) ** 2)  # noqa: E731
+  sparse = gtx.sparse_grad(f)(table, ids)
+  np.testing.assert_array_equal(sparse.to_dense(), jax.grad(f)(table, ids))
+  assert float(jnp.abs(sparse.to_dense()[1:3]).sum()) == 0.0
+
+
+def test_bounds_check():
+  table = jnp.ones((4, 2))
+  with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+    gtx.lookup(table, jnp.array([1, 4]), bounds_check=True)
+  f = jax.jit(lambda i: gtx.lookup(table, i, bounds_check=True))
+  f(jnp.array([0, 3])).block_until_ready()
+  with pytest.raises(Exception, match=r"outside \[0, 4\)"):
+    f(jnp.array([-1, 2])).block_until_ready()
+
+
+def test_lookup_bad_ids():
+  with pytest.raises(TypeError, match="ids"):
+    gtx.lookup(jnp.ones((3, 2)), jnp.array([0.0, 1.0]))
+  with pytest.raises(ValueError, match="table"):
+    gtx.lookup(jnp.float32(1.0), jnp.array([0]))
+
+
+def test_no_dense_table_buffer_in_compiled_gradient():
+  num_rows, dim = 200_000, 16
+  params = {"emb": jnp.zeros((num_rows, dim)), "w": jnp.zeros(dim)}
+  ids = jnp.zeros(256, jnp.int32)
+
+  def loss(p, i):
+    return jnp.sum(gtx.lookup(p["emb"], i) @ p["w"])
+
+  table_bytes = num_rows * dim * 4
+  sparse = jax.jit(gtx.sparse_value_and_grad(loss)).lower(params, ids)
+  dense = jax.jit(jax.value_and_grad(loss)).lower(params, ids)
+  sparse_mem = sparse.compile().memory_analysis()
+  dense_mem = dense.compile().memory_analysis()
+  assert sparse_mem.temp_size_in_bytes + sparse_mem.output_size_in_bytes < (
+    table_bytes / 10
+  )
+  assert dense_mem.output_size_in_bytes >= table_bytes  # the check can fail
+  # no op in the optimized HLO produces a [num_rows, dim] value
+  hlo = sparse.compile().as_text()
+  produced = [
+    line
+    for line in hlo.splitlines()
+    if re.search(rf"= f32\[{num_rows},{dim}\]", line)
+    and "parameter(" not in line
+  ]
+  assert not produced, produced
+
+
+def test_equinox_module():
+  class Model(eqx.Module):
+    emb: jax.Array
+    proj: eqx.nn.Linear
+
+    def __call__(self, ids):
+      return self.proj(gtx.lookup(self.emb, ids).sum(0))
+
+  model = Model(
+    jnp.asarray(np.random.RandomState(0).normal(size=(30, 4)), jnp.float32),
+    eqx.nn.Linear(4, 2, key=jax.random.key(0)),
+  )
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def loss(params, ids):
+    return jnp.sum(eqx.combine(params, static)(ids) ** 2)
+
+  ids = _ids(9, hi=30)
+  g = jax.jit(gtx.sparse_grad(loss))(params, ids)
+  assert isinstance(g.emb, gtx.SparseRows)
+  _assert_grads_match(g, jax.grad(loss)(params, ids))
+
+
+def test_flax_linen_module():
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      table = self.param("emb", nn.initializers.normal(1.0), (30, 4))
+      return nn.Dense(2)(gtx.lookup(table, ids).sum(0))
+
+  model = Model()
+  ids = _ids(9, hi=30)
+  variables = model.init(jax.random.key(0), ids)
+
+  def loss(v, ids):
+    return jnp.sum(model.apply(v, ids) ** 2)
+
+  g = jax.jit(gtx.sparse_grad(loss))(variables, ids)
+  assert isinstance(g["params"]["emb"], gtx.SparseRows)
+  _assert_grads_match(g, jax.grad(loss)(variables, ids))
+
+
+# ----------------------------------------------------------------------------
+# apply_updates
+
+
+def test_apply_updates_sparse_and_dense():
+  params = {"emb": jnp.zeros((5, 2)), "b": jnp.ones(2, jnp.bfloat16)}
+  updates = {
+    "emb": gtx.SparseRows(jnp.array([1, 1, -1, 5, 3]), jnp.ones((5, 2)), 5),
+    "b": jnp.full(2, 0.5),
+  }
+  out = jax.jit(gtx.apply_updates)(params, updates)
+  np.testing.assert_array_equal(
+    out["emb"], ref.to_dense(updates["emb"].indices, updates["emb"].values, 5)
+  )
+  assert out["b"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out["b"], [1.5, 1.5])
+
+
+def test_apply_updates_bf16_table_and_none():
+  params = {"emb": jnp.zeros((3, 2), jnp.bfloat16), "x": jnp.ones(1)}
+  u = {"emb": gtx.SparseRows(jnp.array([2]), jnp.ones((1, 2)), 3), "x": None}
+  out = gtx.apply_updates(params, u)
+  assert out["emb"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(out["x"], [1.0])
+
+
+def test_apply_updates_in_place_with_donation():
+  params = {"emb": jnp.zeros((1000, 8))}
+  u = {"emb": gtx.SparseRows(jnp.array([3]), jnp.ones((1, 8)), 1000)}
+  f = jax.jit(gtx.apply_updates, donate_argnums=0)
+  hlo = f.lower(params, u).compile().as_text()
+  assert "input_output_alias" in hlo
+  out = f(params, u)
+  assert float(out["emb"].sum()) == 8.0
+
+
+def test_apply_updates_bad_input():
+  with pytest.raises(ValueError, match="`updates`.*`params`"):
+    gtx.apply_updates({"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+  with pytest.raises(ValueError, match="num_rows"):
+    gtx.apply_updates(
+      {"a": jnp.ones((4, 2))},
+      {"a": gtx.SparseRows(jnp.array([0]), jnp.ones((1, 2)), 5)},
+    )
+  with pytest.raises(ValueError, match="row shape"):
+    gtx.apply_updates(
+      {"a": jnp.ones((4, 2))},
+      {"a": gtx.SparseRows(jnp.array([0]), jnp.ones((1, 3)), 4)},
+    )
+
+
+# ----------------------------------------------------------------------------
+# sparse-aware transforms against optax
+
+
+def _tree():
+  rng = np.random.RandomState(3)
+  params = {
+    "emb": jnp.asarray(rng.normal(size=(6, 2)), jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+  }
+  grads = {
+    "emb": gtx.SparseRows(
+      jnp.array([4, 1, 4, 6]), jnp.asarray(rng.normal(size=(4, 2))) * 3, 6
+    ),
+    "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+  }
+  return params, grads
+
+
+def _densified(tree):
+  return jax.tree.map(
+    _dense, tree, is_leaf=lambda x: isinstance(x, gtx.SparseRows)
+  )
+
+
+@pytest.mark.parametrize(
+  "ours, theirs",
+  [
+    (lambda: gtx.scale(-0.3), lambda: optax.scale(-0.3)),
+    (
+      lambda: gtx.scale_by_learning_rate(0.1),
+      lambda: optax.scale_by_learning_rate(0.1),
+    ),
+    (
+      lambda: gtx.scale_by_learning_rate(optax.linear_schedule(1.0, 0.1, 3)),
+      lambda: optax.scale_by_learning_rate(optax.linear_schedule(1.0, 0.1, 3)),
+    ),
+    (
+      lambda: gtx.clip_by_global_norm(1.0),
+      lambda: optax.clip_by_global_norm(1.0),
+    ),
+    (
+      lambda: gtx.clip_by_global_norm(100.0),
+      lambda: optax.clip_by_global_norm(100.0),
+    ),
+    (
+      lambda: gtx.add_decayed_weights(0.1),
+      lambda: optax.add_decayed_weights(0.1),
+    ),
+  ],
+)
+def test_transforms_match_optax_on_dense_and_sparse(ours, theirs):
+  params, grads = _tree()
+  ours, theirs = ours(), theirs()
+  s1, s2 = ours.init(params), theirs.init(params)
+  dense_grads = _densified(grads)
+  for _ in range(3):
+    u1, s1 = jax.jit(ours.update)(grads, s1, params)
+    u2, s2 = theirs.update(dense_grads, s2, params)
+    if "decayed" not in repr(ours.update):
+      _assert_grads_match(u1, u2)
+  # dense leaves alone: bit-identical to optax
+  d1, _ = ours.update({"w": grads["w"]}, ours.init(params), {"w": params["w"]})
+  d2, _ = theirs.update(
+    {"w": grads["w"]}, theirs.init(params), {"w": params["w"]}
+  )
+  np.testing.assert_array_equal(d1["w"], d2["w"])
+
+
+def test_add_decayed_weights_touches_only_gradient_rows():
+  params, grads = _tree()
+  u, _ = gtx.add_decayed_weights(0.1).update(grads, optax.EmptyState(), params)
+  dense = u["emb"].to_dense()
+  touched = np.zeros(6, bool)
+  touched[[1, 4]] = True
+  want = ref.to_dense(grads["emb"].indices, grads["emb"].values, 6)
+  want[touched] += 0.1 * np.asarray(params["emb"])[touched]
+  np.testing.assert_allclose(dense, want, rtol=1e-6)
+  masked, _ = gtx.add_decayed_weights(
+    0.1, mask={"emb": False, "w": True}
+  ).update(grads, optax.EmptyState(), params)
+  assert masked["emb"] is grads["emb"]
+
+
+def test_clip_counts_duplicates_once_per_row():
+  g = gtx.SparseRows(jnp.array([0, 0]), jnp.full((2, 1), 3.0), 2)
+  assert float(gtx.global_norm(g)) == 6.0  # |3 + 3|, not sqrt(9 + 9)
+
+
+CASES = [
+  Case("scale", lambda: gtx.scale(-0.1)),
+  Case("scale_by_learning_rate", lambda: gtx.scale_by_learning_rate(0.1)),
+  Case(
+    "scale_by_learning_rate_schedule",
+    lambda: gtx.scale_by_learning_rate(optax.cosine_decay_schedule(0.1, 5)),
+  ),
+  Case("clip_by_global_norm", lambda: gtx.clip_by_global_norm(0.5)),
+  Case("add_decayed_weights", lambda: gtx.add_decayed_weights(0.01)),
+  Case("densify", lambda: optax.chain(gtx.densify(), optax.sgd(0.1))),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("check", CHECKS)
+def test_conformance(case, check):
+  check(case)
