@@ -264,6 +264,15 @@ def tree_leaves(tree: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(tree, is_leaf=_is_leaf) if x is not None]
 
 
+def varying_axes(x: Any) -> frozenset:
+  """Mesh axes along which shard_map's type checks see ``x`` vary."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)  # jax <= 0.9
+  if vma is None:
+    vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+  return frozenset(vma)
+
+
 def safe_increment(count: jax.Array) -> jax.Array:
   """Adds one to an int32 counter, saturating at ``2**31 - 1``."""
   count = jnp.asarray(count)

@@ -24,6 +24,7 @@ from gradtx._base import (
   safe_increment,
   tree_leaves,
   tree_map,
+  varying_axes,
   with_extra_args,
   zero_counter,
 )
@@ -156,16 +157,20 @@ class _Probe(_Context):
   def __init__(self, leaves: Sequence[Any], shadows: Sequence[Any]):
     super().__init__(leaves)
     self.shadows = shadows
-    self.calls: list[tuple[int, tuple[int, ...]]] = []
+    self.calls: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
 
   def lookup(self, table: Any, ids: jax.Array) -> jax.Array | None:
     slot = self.slot_of.get(id(table))
     if slot is None:
       return None
-    self.calls.append((slot, tuple(ids.shape)))
+    out = _gather(self.shadows[slot], ids)
+    # Under shard_map's type checks the sink must vary over the same mesh
+    # axes as the rows it is added to, or autodiff would psum its cotangent.
+    vma = tuple(sorted(varying_axes(ids) | varying_axes(table)))
+    self.calls.append((slot, tuple(ids.shape), vma))
     # Read the shadow copy, so a use of the leaf itself shows in the jaxpr
     # only when the loss touches the table outside lookup.
-    return _gather(self.shadows[slot], ids)
+    return out
 
 
 class _Apply(_Context):
@@ -175,7 +180,7 @@ class _Apply(_Context):
     self,
     tables: dict[int, Any],
     sinks: Sequence[jax.Array],
-    calls: Sequence[tuple[int, tuple[int, ...]]],
+    calls: Sequence[tuple[int, tuple[int, ...], tuple[str, ...]]],
   ):
     self.slot_of = {id(t): slot for slot, t in tables.items()}
     self.sinks = sinks
@@ -187,7 +192,7 @@ class _Apply(_Context):
     if slot is None:
       return None
     k = len(self.ids)
-    if k >= len(self.calls) or self.calls[k] != (slot, tuple(ids.shape)):
+    if k >= len(self.calls) or self.calls[k][:2] != (slot, tuple(ids.shape)):
       raise RuntimeError(
         "gradtx.sparse_value_and_grad: the loss made different "
         "gradtx.lookup calls on its two traces. Lookups must not depend on "
@@ -295,7 +300,7 @@ def sparse_value_and_grad(
     jaxpr = jax.make_jaxpr(probe)(list(leaves), list(leaves))
     calls = probe_box[-1]
     dense_use = _used_outside_lookup(jaxpr, len(leaves))
-    looked_up = {slot for slot, _ in calls}
+    looked_up = {c[0] for c in calls}
     sparse_slots = sorted(s for s in looked_up if not dense_use[s])
     calls = [c for c in calls if c[0] in sparse_slots]
     # Pass 2: the tables are constants; differentiate dense leaves + sinks.
@@ -307,9 +312,10 @@ def sparse_value_and_grad(
       tables[s] = t
     dense_slots = [i for i in range(len(leaves)) if i not in tables]
     sinks = []
-    for slot, shape in calls:
+    for slot, shape, vma in calls:
       t = tables[slot]
-      sinks.append(jnp.zeros(shape + tuple(t.shape[1:]), t.dtype))
+      sink = jnp.zeros(shape + tuple(t.shape[1:]), t.dtype)
+      sinks.append(lax.pcast(sink, vma, to="varying") if vma else sink)
 
     def inner(dense_leaves, sinks_):
       full = list(leaves)
@@ -336,11 +342,19 @@ def sparse_value_and_grad(
     for s, t in tables.items():
       parts = [
         (ids.reshape(-1), g.reshape((-1,) + tuple(t.shape[1:])))
-        for (slot, _), ids, g in zip(calls, ids_list, g_sinks, strict=True)
-        if slot == s
+        for c, ids, g in zip(calls, ids_list, g_sinks, strict=True)
+        if c[0] == s
       ]
       idx = jnp.concatenate([p[0] for p in parts]).astype(jnp.int32)
       vals = jnp.concatenate([p[1] for p in parts])
+      # As jax.grad: under shard_map's type checks the gradient of a
+      # replicated table is the sum over the axes its ids vary along, which
+      # for rows is the gather of every replica's rows.
+      axes = set().union(*(c[2] for c in calls if c[0] == s))
+      axes = tuple(sorted(axes - varying_axes(t)))
+      if axes:
+        idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
+        vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
       out[s] = SparseRows(idx, vals, t.shape[0])
     grads = jax.tree.unflatten(treedef, out)
     grads = grads[0] if single else grads

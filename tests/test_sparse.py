@@ -476,3 +476,32 @@ CASES = [
 @pytest.mark.parametrize("check", CHECKS)
 def test_conformance(case, check):
   check(case)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_sparse_grad_inside_shard_map(check_vma):
+  # The same gradient as jax.grad in the same shard_map: per replica with
+  # check_vma=False; summed over replicas (rows gathered) with True.
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()), ("r",))
+
+  def per_replica(p, i):
+    g = gtx.sparse_grad(loss_one_table)(p, i)
+    d = jax.grad(loss_one_table)(p, i)
+    return jax.tree.map(lambda x: x[None], (_densified(g), d))
+
+  ours, want = jax.jit(
+    jax.shard_map(
+      per_replica,
+      mesh=mesh,
+      in_specs=(P(), P("r")),
+      out_specs=P("r"),
+      check_vma=check_vma,
+    )
+  )(_params(), _ids(16))
+  _assert_grads_match(ours, want)
+  if not check_vma:
+    local = jax.grad(loss_one_table)(_params(), _ids(16)[:2])
+    np.testing.assert_allclose(ours["emb"][0], local["emb"], atol=1e-6)
