@@ -127,7 +127,15 @@ def _assert_close(a: Any, b: Any, rtol: float) -> None:
 
 
 def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+  # Flattened, so that states holding custom pytree nodes (a SparseRows
+  # buffer, which has no __eq__) compare by structure and leaves.
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+
+
+def _types(tree: Any) -> Any:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, [jax.typeof(x) for x in leaves]
 
 
 def check_jit(case: Case) -> None:
@@ -169,11 +177,11 @@ def check_state_stable(case: Case) -> None:
   params = jax.device_put(case.params(), rep)
   state = jax.device_put(tx.init(params), rep)
   step = jax.jit(_step_fn(tx))
-  before = jax.tree.map(jax.typeof, state)
+  before = _types(state)
   sharding_before = jax.tree.map(lambda x: x.sharding, state)
   for i in range(case.steps):
     params, state = step(params, state, case.grads(i), _extra(case, i))
-    assert jax.tree.map(jax.typeof, state) == before
+    assert _types(state) == before
     after = jax.tree.map(lambda x: x.sharding, state)
     assert jax.tree.all(
       jax.tree.map(

@@ -1,0 +1,535 @@
+"""k-step gradient accumulation: emit the inner update once every k calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.typing import DTypeLike
+
+from gradtx._base import (
+  SparseRows,
+  check_tree_match,
+  safe_increment,
+  tree_map,
+  with_extra_args,
+  zero_counter,
+)
+
+
+class AccumulateState(NamedTuple):
+  """State of :func:`accumulate`.
+
+  After ``updates, state = tx.update(...)``, ``state.num_accumulated == 0``
+  exactly when that call emitted the inner update (equivalently,
+  ``state.num_updates`` went up, until it saturates).
+  """
+
+  num_micro_steps: jax.Array  # int32 [], update calls so far (saturating)
+  num_updates: jax.Array  # int32 [], inner updates emitted (saturating)
+  num_accumulated: jax.Array  # int32 [], gradients held now, in [0, k)
+  # Like params: a dense leaf holds the running sum, its shape, in the
+  # accumulator dtype; a sparse leaf holds a SparseRows buffer of k * n rows
+  # (indices int32 [k * n], padding = num_rows; values [k * n, *row] in the
+  # accumulator dtype). Every leaf is None when every_k is the int 1.
+  accumulator: Any
+  inner_state: Any  # the inner transformation's state
+
+
+def _check_every_k(every_k: Any, name: str = "every_k") -> int | None:
+  """The static k, or None for a schedule."""
+  if callable(every_k) and name == "every_k":
+    return None
+  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
+    what = " or a schedule `step -> int`" if name == "every_k" else ""
+    raise TypeError(
+      f"gradtx.accumulate `{name}` must be a Python int >= 1{what}; got "
+      f"{every_k!r} of type {type(every_k).__name__}. Pass `int(k)`"
+      + (", or a function of the number of emitted updates." if what else ".")
+    )
+  if every_k < 1:
+    raise ValueError(
+      f"gradtx.accumulate `{name}` must be >= 1; got {every_k}. Use "
+      "every_k=1 to apply the inner transformation on every call."
+    )
+  return int(every_k)
+
+
+def _check_rows(n: Any, path: str) -> int | None:
+  if n is None:
+    return None
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(
+      f"gradtx.accumulate `rows_per_step` at {path or 'the root'} must be "
+      f"an int >= 1 (the rows one SparseRows gradient carries) or None for "
+      f"a dense leaf; got {n!r}."
+    )
+  return int(n)
+
+
+def _resolve_rows_per_step(rows_per_step: Any, params: Any) -> Any:
+  """A tree like params with an int (sparse) or None (dense) per leaf."""
+  if rows_per_step is None:
+    return tree_map(lambda _: None, params)
+  if isinstance(rows_per_step, (int, np.integer)) and not isinstance(
+    rows_per_step, bool
+  ):
+    n = _check_rows(rows_per_step, "")
+    return tree_map(lambda p: None if p is None else n, params)
+  try:
+    return jax.tree.map(
+      lambda n, sub: tree_map(lambda p: None if p is None else n, sub),
+      rows_per_step,
+      params,
+      is_leaf=lambda x: x is None,
+    )
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "gradtx.accumulate `rows_per_step` must be an int (every leaf is a "
+      "sparse table) or a pytree prefix of params with an int for each "
+      "sparse leaf and None for each dense one; its structure "
+      f"{jax.tree.structure(rows_per_step, is_leaf=lambda x: x is None)} "
+      "is not a prefix of params' "
+      f"{jax.tree.structure(params)}."
+    ) from e
+
+
+def _new_buffer(p: Any, rows: int, dtype: Any) -> SparseRows:
+  shape = tuple(p.shape)
+  if len(shape) < 1:
+    raise ValueError(
+      "gradtx.accumulate `rows_per_step` gives a row count to a scalar "
+      "parameter; only tables (arrays with a row axis) take SparseRows "
+      "gradients. Set it to None for this leaf."
+    )
+  return SparseRows(
+    jnp.full([rows], shape[0], jnp.int32),
+    jnp.zeros((rows, *shape[1:]), dtype),
+    shape[0],
+  )
+
+
+def _zeros_of(shapes: Any) -> Any:
+  """Zero updates of the given abstract (eval_shape) structure."""
+
+  def zero(x: Any) -> Any:
+    if x is None:
+      return None
+    if isinstance(x, SparseRows):
+      return SparseRows(
+        jnp.full(x.indices.shape, x.num_rows, jnp.int32),
+        jnp.zeros(x.values.shape, x.values.dtype),
+        x.num_rows,
+      )
+    return jnp.zeros(x.shape, x.dtype)
+
+  return tree_map(zero, shapes)
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  """Casts each array leaf of ``new`` to the dtype of ``old``'s leaf."""
+
+  def cast(n: Any, o: Any) -> Any:
+    if hasattr(o, "dtype") and hasattr(n, "dtype"):
+      return jnp.asarray(n).astype(o.dtype)
+    return n
+
+  return jax.tree.map(cast, new, old)
+
+
+def accumulate(
+  inner: optax.GradientTransformation,
+  every_k: int | Callable[[jax.Array], Any],
+  *,
+  mean: bool = True,
+  accumulator_dtype: DTypeLike | None = None,
+  rows_per_step: Any = None,
+  max_every_k: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients and applies ``inner`` once every ``every_k`` calls.
+
+  Calls ``1 .. k-1`` of each window add the gradient to an accumulator and
+  return zero updates (dense zeros; an all-padding SparseRows where the
+  inner transformation returns one); the inner transformation is *not*
+  computed on them (it sits in a ``lax.cond``) and its state is untouched.
+  Call ``k`` hands the inner transformation the accumulated gradient, with
+  ``params`` and the extra keyword args of that call, returns its updates
+  and empties the accumulator:
+
+  .. math::
+    u_t = \\begin{cases}
+      \\text{inner}\\left(c \\sum_{i=t-k+1}^{t} g_i\\right)
+        & \\text{if } t \\equiv 0 \\pmod k \\\\
+      0 & \\text{otherwise}
+    \\end{cases},
+    \\qquad c = 1/k \\text{ if mean else } 1.
+
+  A dense leaf keeps one running sum the size of the gradient (mean divides
+  once, at emission). A :class:`SparseRows` leaf is accumulated sparsely, in
+  a buffer of ``k * n`` rows (never a dense ``[num_rows, ...]`` one): call
+  ``i`` of the window writes its rows at offset ``i * n`` and call ``k``
+  gives the inner transformation one SparseRows of all ``k * n`` rows
+  (duplicates not yet summed, as lazy optimizers expect). ``init`` sees only
+  params, so ``rows_per_step`` declares ``n`` per sparse leaf. A gradient
+  with fewer rows than declared is padded up with padding rows; one with
+  more, or a SparseRows at a leaf with no declared ``n``, raises at trace
+  time.
+
+  With ``every_k=1`` this *is* the inner transformation: no accumulator, no
+  ``lax.cond``, identical updates and inner state (the wrapper only counts).
+
+  Works under ``jit``, inside ``jax.shard_map`` (the branches' outputs are
+  cast to the same varying mesh axes) and ``jax.pmap``. The predicate comes
+  from the state's counters, which stay replicated. Under ``jax.vmap`` over
+  states with different counters the ``lax.cond`` becomes a select and both
+  branches run.
+
+  To know whether a call applied an update, read the new state: the call
+  emitted exactly when ``state.num_accumulated == 0`` after it (or when
+  ``state.num_updates`` went up). For example, log or checkpoint with
+  ``jax.lax.cond(state.num_accumulated == 0, ...)`` or, outside jit,
+  ``if int(state.num_accumulated) == 0``.
+
+  Args:
+    inner: the transformation to apply to the accumulated gradient (a plain
+      ``GradientTransformation`` works too; it then gets no extra args).
+    every_k: an int ``k >= 1``, or a schedule ``num_updates -> k`` like
+      optax.MultiSteps' ``every_k_schedule``: it is called with the number of
+      inner updates emitted so far, so ``k`` is fixed within a window. It
+      must return an integer; a value below 1 (or above ``max_every_k``)
+      fails the computation with a runtime error.
+    mean: average the ``k`` gradients when True; sum them when False.
+    accumulator_dtype: dtype of the accumulator (for example float32 for
+      bf16 gradients); defaults to each parameter's dtype. The inner
+      transformation receives the accumulated gradient cast back to the
+      dtype of the incoming gradient.
+    rows_per_step: how many rows ``n`` one SparseRows gradient carries
+      (after a mirrored all-gather: replicas x ids per replica). An int when
+      every parameter is a sparse table; otherwise a pytree prefix of params
+      with an int for each sparse leaf and None for dense ones. Not needed
+      with ``every_k=1``.
+    max_every_k: the largest value an ``every_k`` schedule returns; sizes
+      the sparse buffers (``max_every_k * n`` rows). Required when
+      ``every_k`` is a schedule and ``rows_per_step`` declares a sparse leaf;
+      only allowed with a schedule.
+
+  Returns:
+    A transformation whose state is an :class:`AccumulateState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> tx = gtx.accumulate(optax.sgd(1.0), 2)
+    >>> state = tx.init(jnp.zeros(2))
+    >>> u, state = tx.update(jnp.array([1.0, 2.0]), state)
+    >>> u, int(state.num_accumulated)
+    (Array([0., 0.], dtype=float32), 1)
+    >>> u, state = tx.update(jnp.array([3.0, 4.0]), state)
+    >>> u, int(state.num_accumulated), int(state.num_updates)
+    (Array([-2., -3.], dtype=float32), 0, 1)
+
+  References:
+    Yuxin Wu and others, `Tensorpack <https://github.com/tensorpack/tensorpack>`_
+    (``AccumGradOptimizer``), 2016.
+  """
+  static_k = _check_every_k(every_k)
+  schedule = None if static_k is not None else every_k
+  if max_every_k is not None:
+    if schedule is None:
+      raise ValueError(
+        "gradtx.accumulate `max_every_k` only bounds an `every_k` schedule; "
+        f"every_k is the int {static_k}. Drop max_every_k."
+      )
+    max_every_k = _check_every_k(max_every_k, "max_every_k")
+  if accumulator_dtype is not None:
+    accumulator_dtype = jnp.dtype(accumulator_dtype)
+    if not jnp.issubdtype(accumulator_dtype, jnp.inexact):
+      raise ValueError(
+        "gradtx.accumulate `accumulator_dtype` must be a floating dtype "
+        f"(for example jnp.float32); got {accumulator_dtype}."
+      )
+  inner = optax.with_extra_args_support(inner)
+  passthrough = static_k == 1
+
+  def buffer_k(rows: Any) -> int:
+    if static_k is not None:
+      return static_k
+    if max_every_k is None:
+      raise ValueError(
+        "gradtx.accumulate: with an `every_k` schedule, sparse leaves need "
+        "a static buffer size. Pass `max_every_k=` (the largest k the "
+        "schedule returns); the buffer then holds max_every_k * "
+        f"rows_per_step rows (here rows_per_step={rows})."
+      )
+    return max_every_k
+
+  def init_fn(params):
+    rows = _resolve_rows_per_step(rows_per_step, params)
+    paths_rows, _ = jax.tree_util.tree_flatten_with_path(
+      rows, is_leaf=lambda x: x is None
+    )
+    for path, n in paths_rows:
+      _check_rows(n, jax.tree_util.keystr(path))
+
+    def new_acc(p, n):
+      if p is None:
+        return None
+      if passthrough:
+        return None
+      dtype = accumulator_dtype or p.dtype
+      if n is None:
+        return jnp.zeros(p.shape, dtype)
+      return _new_buffer(p, buffer_k(n) * n, dtype)
+
+    accumulator = jax.tree.map(
+      new_acc, params, rows, is_leaf=lambda x: x is None
+    )
+    return AccumulateState(
+      num_micro_steps=zero_counter(),
+      num_updates=zero_counter(),
+      num_accumulated=zero_counter(),
+      accumulator=accumulator,
+      inner_state=inner.init(params),
+    )
+
+  def current_k(state: AccumulateState) -> jax.Array:
+    if schedule is None:
+      return jnp.asarray(static_k, jnp.int32)
+    k = jnp.asarray(schedule(state.num_updates))
+    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+      raise TypeError(
+        "gradtx.accumulate `every_k` schedule must return an integer scalar;"
+        f" it returned {k.dtype}{list(k.shape)}. Return an int (for a float "
+        "schedule, round it: `.astype(jnp.int32)`)."
+      )
+    k = k.astype(jnp.int32)
+    bad = k < 1
+    if max_every_k is not None:
+      bad = bad | (k > max_every_k)
+    lax.cond(
+      bad,
+      lambda: jax.debug.callback(_raise_bad_k, k, max_every_k or -1),
+      lambda: None,
+    )
+    return k
+
+  def prepare_leaf(path, g, a):
+    """Checks one gradient leaf against its accumulator leaf (trace time);
+    pads a SparseRows gradient up to the declared rows."""
+    if a is None:
+      return None
+    if isinstance(a, SparseRows):
+      total = a.nnz
+      n = total // (static_k or max_every_k)
+      if not isinstance(g, SparseRows):
+        raise ValueError(
+          f"gradtx.accumulate: the gradient at {path} is a dense "
+          f"{jnp.shape(g)} array, but `rows_per_step` declares {n} rows for"
+          " it (a SparseRows leaf). Set its rows_per_step to None, or pass "
+          "a SparseRows gradient."
+        )
+      if g.shape != a.shape:
+        raise ValueError(
+          f"gradtx.accumulate: the SparseRows gradient at {path} stands for "
+          f"shape {g.shape} but its parameter has shape {a.shape}. Build "
+          "it with num_rows=table.shape[0] and rows of the table's shape."
+        )
+      if g.nnz > n:
+        raise ValueError(
+          f"gradtx.accumulate: the SparseRows gradient at {path} carries "
+          f"{g.nnz} rows but `rows_per_step` declares {n} for it. Pass "
+          f"rows_per_step >= {g.nnz} for {path}."
+        )
+      idx = g.valid_indices()
+      vals = g.values
+      if g.nnz < n:
+        idx = jnp.concatenate(
+          [idx, jnp.full([n - g.nnz], a.num_rows, jnp.int32)]
+        )
+        vals = jnp.concatenate(
+          [vals, jnp.zeros((n - g.nnz, *vals.shape[1:]), vals.dtype)]
+        )
+      return SparseRows(idx, vals, a.num_rows)
+    if isinstance(g, SparseRows):
+      raise ValueError(
+        f"gradtx.accumulate: the gradient at {path} is a SparseRows, but "
+        "`rows_per_step` declares no row count for it, so its accumulator "
+        f"is dense. Pass rows_per_step with an int for {path} (the rows one "
+        f"gradient carries, here {g.nnz}); gradtx never densifies silently."
+      )
+    if g is None:
+      raise ValueError(
+        f"gradtx.accumulate: the gradient at {path} is None but its "
+        "parameter has an accumulator. Pass a zero gradient instead."
+      )
+    if tuple(jnp.shape(g)) != tuple(a.shape):
+      raise ValueError(
+        f"gradtx.accumulate: the gradient at {path} has shape "
+        f"{jnp.shape(g)} but its parameter (given to init) has shape "
+        f"{a.shape}."
+      )
+    return g
+
+  def add_leaf(a, g, offset):
+    """The accumulator leaf ``a`` with the prepared gradient ``g`` added."""
+    if a is None:
+      return None
+    if isinstance(a, SparseRows):
+      # Rows [offset * n, offset * n + n) of the buffer. A scatter rather
+      # than dynamic_update_slice: it accepts an update whose sharding type
+      # differs from the buffer's (explicit meshes); in place when donated.
+      n = g.nnz
+      slots = offset * n + jnp.arange(n, dtype=jnp.int32)
+      kw = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
+      return SparseRows(
+        a.indices.at[slots].set(g.indices, **kw),
+        a.values.at[slots].set(g.values.astype(a.dtype), **kw),
+        a.num_rows,
+      )
+    return a + jnp.asarray(g).astype(a.dtype)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, AccumulateState):
+      raise TypeError(
+        "gradtx.accumulate `state` must be the AccumulateState its init "
+        f"returned; got {type(state).__name__}."
+      )
+    check_tree_match(
+      updates,
+      state.accumulator,
+      name="updates",
+      reference_name="params (given to accumulate's init)",
+    )
+    counters = dict(
+      num_micro_steps=safe_increment(state.num_micro_steps),
+      num_updates=safe_increment(state.num_updates),
+    )
+    if passthrough:
+      new_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args
+      )
+      return new_updates, AccumulateState(
+        **counters,
+        num_accumulated=state.num_accumulated,
+        accumulator=state.accumulator,
+        inner_state=inner_state,
+      )
+
+    k = current_k(state)
+    count = state.num_accumulated + 1
+    emit = count >= k
+    acc_paths, acc_def = jax.tree_util.tree_flatten_with_path(
+      state.accumulator,
+      is_leaf=lambda x: x is None or isinstance(x, SparseRows),
+    )
+    prepared = [
+      prepare_leaf(jax.tree_util.keystr(path), g, a)
+      for (path, a), g in zip(
+        acc_paths, acc_def.flatten_up_to(updates), strict=True
+      )
+    ]
+
+    def accumulated():
+      return acc_def.unflatten(
+        [
+          add_leaf(a, g, state.num_accumulated)
+          for (_, a), g in zip(acc_paths, prepared, strict=True)
+        ]
+      )
+
+    def total_leaf(a, g):
+      # The accumulated gradient, as the inner transformation sees it.
+      if a is None:
+        return g
+      values = a.values if isinstance(a, SparseRows) else a
+      if mean:
+        values = values / count.astype(values.dtype)
+      values = values.astype(g.dtype)
+      if isinstance(a, SparseRows):
+        return SparseRows(a.indices, values, a.num_rows)
+      return values
+
+    def emit_raw():
+      # Recomputed here, fused into the inner transformation's first read,
+      # rather than materialized once for both the cond and the select.
+      total = tree_map(total_leaf, accumulated(), updates)
+      new_updates, inner_state = inner.update(
+        total, state.inner_state, params, **extra_args
+      )
+      return (
+        new_updates,
+        _cast_like(inner_state, state.inner_state),
+        jnp.ones([], bool),
+      )
+
+    emit_types = jax.eval_shape(emit_raw)
+
+    def silent_raw():
+      return _zeros_of(emit_types[0]), state.inner_state, jnp.zeros([], bool)
+
+    # Inside shard_map both branches must agree on which mesh axes each
+    # output varies over (jax-ml/jax#23693): cast both to the union.
+    varying = jax.tree.map(
+      lambda a, b: _varying(a) | _varying(b),
+      emit_types,
+      jax.eval_shape(silent_raw),
+    )
+    new_updates, inner_state, emitted = lax.cond(
+      emit,
+      lambda: _to_varying(emit_raw(), varying),
+      lambda: _to_varying(silent_raw(), varying),
+    )
+    # The accumulator is added to, or emptied, outside the cond: one fused
+    # elementwise pass, in place when the state is donated. (Returned from
+    # the cond, XLA copies it: its new value is not a pass-through of the
+    # cond's operand in either branch.) Selecting on the cond's own output
+    # orders this write after the emitting branch has read the old
+    # accumulator, so XLA needs no defensive copy of it either.
+    acc = jax.tree.map(
+      lambda new, zero: jnp.where(emitted, zero, new),
+      accumulated(),
+      _zeros_of(state.accumulator),
+    )
+    return new_updates, AccumulateState(
+      num_micro_steps=counters["num_micro_steps"],
+      num_updates=jnp.where(emit, counters["num_updates"], state.num_updates),
+      num_accumulated=jnp.where(emit, 0, count).astype(jnp.int32),
+      accumulator=acc,
+      inner_state=inner_state,
+    )
+
+  return with_extra_args(init_fn, update_fn)
+
+
+def _varying(x: Any) -> frozenset[str]:
+  """The manual mesh axes an abstract value varies over (inside shard_map)."""
+  mat = getattr(x, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(x, "vma", ()))
+
+
+def _to_varying(tree: Any, varying: Any) -> Any:
+  def cast(x: Any, axes: frozenset[str]) -> Any:
+    missing = tuple(sorted(axes - _varying(jax.typeof(x))))
+    if not missing:
+      return x
+    if hasattr(lax, "pcast"):
+      return lax.pcast(x, missing, to="varying")
+    return lax.pvary(x, missing)  # jax < 0.8
+
+  return jax.tree.map(cast, tree, varying)
+
+
+def _raise_bad_k(k: Any, max_every_k: Any) -> None:
+  k, max_every_k = int(k), int(max_every_k)
+  bound = f" and <= max_every_k={max_every_k}" if max_every_k > 0 else ""
+  raise ValueError(
+    f"gradtx.accumulate: the `every_k` schedule returned {k}; it must be "
+    f">= 1{bound}."
+  )
