@@ -1,0 +1,289 @@
+"""Mirrored step overhead and the bytes of the cross-replica reduction.
+
+On 8 fake CPU devices (this module sets ``XLA_FLAGS`` before JAX is first
+imported; run it as its own process):
+
+1. Step time of ``Mirrored.step`` (``optax.chain(gtx.all_reduce, sgd)`` on
+   ``gtx.sparse_value_and_grad`` gradients, params donated) against a
+   hand-written ``jax.jit`` + ``jax.shard_map`` step doing the same work
+   with ``lax.all_gather`` / ``lax.pmean`` written out, timed round-robin.
+2. Bytes the cross-replica reduction of the table's gradient moves: the
+   sparse all-gather (``replicas * n * (dim + 1)`` numbers) against a dense
+   all-reduce of the ``[rows, dim]`` gradient, computed from shapes and
+   checked against the collectives in the compiled HLO.
+
+  python -m benchmarks.mirrored [--rows 1000000] [--dim 64] [--ids 8192]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPLICAS = 8
+if "jax" not in sys.modules:
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={REPLICAS}"
+  ).strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import gradtx as gtx  # noqa: E402
+from benchmarks._common import memory, time_interleaved, write_results  # noqa: E402
+
+LR = 0.01
+SEQ = 16  # ids per example
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+
+
+def loss_fn(params, batch):
+  pooled = jnp.mean(gtx.lookup(params["emb"], batch["ids"]), axis=1)
+  logits = pooled @ params["w"]
+  return jnp.mean(jnp.logaddexp(0.0, -batch["labels"] * logits))
+
+
+def collectives(hlo: str) -> list[tuple[str, int]]:
+  """(op, result bytes) of every all-gather / all-reduce in HLO text."""
+  out = []
+  pattern = re.compile(
+    r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(all-gather|all-reduce)(?:-start)?\("
+  )
+  for m in pattern.finditer(hlo):
+    shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+    size = sum(
+      _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
+      for dt, dims in shapes
+    )
+    out.append((m.group(2), size))
+  return out
+
+
+def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
+  m = gtx.Mirrored()
+  r = m.num_replicas
+  axis = m.axis_name
+  per_replica = ids // SEQ  # examples per replica
+  rng = np.random.RandomState(0)
+  host_params = {
+    "emb": rng.normal(0.0, 0.01, size=(rows, dim)).astype(np.float32),
+    "w": rng.normal(size=(dim,)).astype(np.float32),
+  }
+  batch = m.shard_batch(
+    {
+      "ids": rng.randint(0, rows, size=(r * per_replica, SEQ)).astype(np.int32),
+      "labels": rng.choice([-1.0, 1.0], size=r * per_replica).astype(
+        np.float32
+      ),
+    }
+  )
+
+  # -- the Mirrored step -----------------------------------------------------
+  tx = optax.chain(gtx.all_reduce(axis), gtx.scale_by_learning_rate(LR))
+
+  def train_step(params, opt_state, batch):
+    loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return gtx.apply_updates(params, updates), opt_state, loss
+
+  # loss is returned per replica, so both steps do the same work.
+  mirrored = m.step(train_step, donate_argnums=(0, 1), per_replica_outputs=2)
+  opt_state = tx.init(host_params)  # stateless: no leaves
+
+  # -- the same step, written by hand ---------------------------------------
+  def hand_body(params, batch):
+    loss, g = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+    emb = g["emb"]
+    idx = lax.all_gather(emb.indices, axis, tiled=True)
+    vals = lax.all_gather(emb.values / r, axis, tiled=True)
+    w = lax.pmean(g["w"], axis)
+    table = (
+      params["emb"]
+      .at[jnp.where(idx < rows, idx, rows)]
+      .add(-LR * vals, mode="drop")
+    )
+    return {"emb": table, "w": params["w"] - LR * w}, loss[None]
+
+  hand = jax.jit(
+    jax.shard_map(
+      hand_body,
+      mesh=m.mesh,
+      in_specs=(P(), P(axis)),
+      out_specs=(P(), P(axis)),
+      check_vma=False,
+    ),
+    donate_argnums=0,
+  )
+
+  # Same result (checked once, outside the timing). Each step donates its
+  # params, so each gets its own replicated copy, placed one at a time: a
+  # copy of the table is replicas x its size.
+  def host(tree):
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+  p1, _, loss1 = mirrored(m.replicate(host_params), opt_state, batch)
+  want, want_loss = host(p1), np.asarray(loss1)
+  del p1
+  params, loss2 = hand(m.replicate(host_params), batch)
+  del host_params
+  np.testing.assert_allclose(np.asarray(loss2), want_loss, rtol=1e-6)
+  for a, b in zip(
+    jax.tree.leaves(host(params)), jax.tree.leaves(want), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  del want
+
+  # Both steps consume and return the same donated params in turn.
+  box = {"p": params}
+  del params
+
+  def call_mirrored():
+    box["p"], _, loss = mirrored(box["p"], opt_state, batch)
+    jax.block_until_ready((box["p"], loss))
+
+  def call_hand():
+    box["p"], loss = hand(box["p"], batch)
+    jax.block_until_ready((box["p"], loss))
+
+  times = time_interleaved(
+    {"mirrored": call_mirrored, "hand": call_hand}, rounds=rounds
+  )
+
+  # -- bytes of the cross-replica reduction ---------------------------------
+  compiled_sparse = mirrored.lower(box["p"], opt_state, batch).compile()
+  mem = memory(compiled_sparse)
+  dense_tx = optax.chain(gtx.all_reduce(axis), gtx.scale_by_learning_rate(LR))
+
+  def dense_step(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(params, batch)  # a dense [rows, dim] gradient
+    updates, opt_state = dense_tx.update(grads, opt_state, params)
+    return gtx.apply_updates(params, updates), opt_state
+
+  dense = m.step(dense_step, donate_argnums=(0, 1))
+  compiled_dense = dense.lower(box["p"], opt_state, batch).compile()  # not run
+
+  n = ids  # rows of the table's SparseRows gradient per replica
+  w_bytes = dim * 4  # the dense leaf w: a small all-reduce in both steps
+  from_shapes = {
+    "sparse": r * n * 4 + r * n * dim * 4,  # gathered int32 ids + f32 rows
+    "dense": rows * dim * 4,  # the f32 table gradient, all-reduced
+  }
+  want = {  # (all-gather, all-reduce) bytes of each compiled step
+    "sparse": (from_shapes["sparse"], w_bytes),
+    "dense": (0, from_shapes["dense"] + w_bytes),
+  }
+  hlo, got = {}, {}
+  for name, c in [("sparse", compiled_sparse), ("dense", compiled_dense)]:
+    hlo[name] = collectives(c.as_text())
+    got[name] = tuple(
+      sum(b for op, b in hlo[name] if op == kind)
+      for kind in ("all-gather", "all-reduce")
+    )
+    if got[name] != want[name]:
+      raise AssertionError(
+        f"{name} step: HLO collectives {hlo[name]} move {got[name]} bytes "
+        f"(all-gather, all-reduce); the shapes say {want[name]}."
+      )
+  sparse_hlo = got["sparse"][0]
+  dense_hlo = got["dense"][1] - w_bytes
+  # Bytes each device receives with ring algorithms: an all-gather brings
+  # in the other replicas' (r-1)/r of the result, an all-reduce moves
+  # 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
+  ring = {
+    "sparse": from_shapes["sparse"] * (r - 1) / r,
+    "dense": from_shapes["dense"] * 2 * (r - 1) / r,
+  }
+  row = [
+    f"{rows:,} x {dim}",
+    ids,
+    r,
+    times["hand"] * 1e3,
+    times["mirrored"] * 1e3,
+    times["mirrored"] / times["hand"],
+    from_shapes["sparse"] / 2**20,
+    sparse_hlo / 2**20,
+    from_shapes["dense"] / 2**20,
+    dense_hlo / 2**20,
+    ring["dense"] / ring["sparse"],
+  ]
+  extra = {
+    "headline": [
+      {
+        "metric": f"Mirrored.step / hand jit+shard_map time ({row[0]})",
+        "value": round(row[5], 3),
+        "target": "<= 1.05",
+      },
+      {
+        "metric": f"dense all-reduce / sparse all-gather bytes ({row[0]})",
+        "value": round(row[10], 1),
+        "target": "",
+      },
+    ],
+    "hlo_collectives": {k: [list(x) for x in v] for k, v in hlo.items()},
+    "ring_bytes_per_device": ring,
+    "mirrored_step_memory": mem,
+  }
+  return row, extra
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--rows", type=int, default=1_000_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192, help="per replica")
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.rows, args.ids, args.rounds = 20_000, 1024, 5
+  if jax.device_count() != REPLICAS:
+    raise SystemExit(
+      f"benchmarks.mirrored needs {REPLICAS} devices; JAX was imported with "
+      f"{jax.device_count()}. Run it as its own process: "
+      "python -m benchmarks.mirrored"
+    )
+  row, extra = run(args.rows, args.dim, args.ids, args.rounds)
+  write_results(
+    "mirrored",
+    "Mirrored step: overhead and cross-replica reduction bytes",
+    [
+      "table",
+      "ids / replica",
+      "replicas",
+      "hand jit+shard_map ms",
+      "Mirrored.step ms",
+      "Mirrored / hand",
+      "sparse all-gather MiB (shapes)",
+      "(HLO)",
+      "dense all-reduce MiB (shapes)",
+      "(HLO)",
+      "dense / sparse ring bytes",
+    ],
+    [row],
+    notes=(
+      "Both steps: gtx.sparse_value_and_grad, all-gather of the table's "
+      "SparseRows gradient and pmean of the dense leaf, SGD, params donated "
+      "(updated in place); timed round-robin, median. MiB: result size of "
+      "the table gradient's collective, from shapes and as parsed from the "
+      "compiled HLO (all-gather / all-reduce ops). Ring bytes: what each "
+      "device receives with ring algorithms, (r-1)/r of the all-gather "
+      "result versus 2(r-1)/r of the all-reduced buffer. The dense step is "
+      "compiled, not run."
+    ),
+    extra=extra,
+  )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,578 @@
+"""Mirrored replication: one training step run on every device, and the
+cross-replica reduction of (row-sparse) gradients.
+
+``Mirrored`` is a 1-D mesh over devices (of one or many processes) with the
+helpers a data-parallel loop needs: replicate params and optimizer state,
+split the batch, compile the per-replica step (``jit`` + ``shard_map``) and
+reduce values across replicas. ``all_reduce`` is the transformation that
+puts the cross-replica reduction of gradients into an optax chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gradtx._base import (
+  SparseRows,
+  check_tree_match,
+  tree_map,
+  varying_axes,
+  with_extra_args,
+)
+
+_TX_OPS = ("mean", "sum")
+_OPS = ("sum", "mean", "first")
+
+AxisName = Any  # a mesh / pmap axis name, or a tuple of them
+
+
+def _check_op(op: Any, allowed: Sequence[str], where: str) -> str:
+  if not isinstance(op, str) or op not in allowed:
+    raise ValueError(
+      f"{where}: `op` must be one of {', '.join(map(repr, allowed))}; got "
+      f"{op!r}."
+    )
+  return op
+
+
+def _unbound(where: str, axis_name: AxisName, err: Exception) -> NameError:
+  return NameError(
+    f"{where}: the axis name {axis_name!r} is not bound here ({err}). Call it "
+    "inside the function given to `Mirrored.step` (whose axis is "
+    "`mirrored.axis_name`), or inside `jax.shard_map` / `jax.pmap` with that "
+    "axis name."
+  )
+
+
+def _first(x: Any, axis_name: AxisName) -> jax.Array:
+  """Replica 0's value on every replica (a masked psum: exact, any dtype)."""
+  x = jnp.asarray(x)
+  is_first = lax.axis_index(axis_name) == 0
+  if x.dtype == jnp.bool_:
+    masked = jnp.where(is_first, x, False).astype(jnp.int32)
+    return lax.psum(masked, axis_name).astype(jnp.bool_)
+  return lax.psum(jnp.where(is_first, x, jnp.zeros_like(x)), axis_name)
+
+
+def _reduce_sparse(u: SparseRows, axis_name: AxisName, op: str) -> SparseRows:
+  if op == "first":
+    return SparseRows(
+      _first(u.indices, axis_name), _first(u.values, axis_name), u.num_rows
+    )
+  values = u.values
+  if op == "mean":
+    # Scaling each replica's rows before the gather is the same arithmetic
+    # as after it, on 1/replicas of the rows.
+    size = lax.axis_size(axis_name)
+    values = (values / size).astype(values.dtype)
+  # Under shard_map's type checks (check_vma=True), mark the gathered rows
+  # as the same on every replica, so state updated from them may be returned
+  # replicated. Elsewhere (pmap, vmap, check_vma=False) a plain all-gather.
+  to = "invarying" if _is_varying(u.values, axis_name) else "varying"
+  indices = lax.all_gather(u.indices, axis_name, tiled=True, to=to)
+  values = lax.all_gather(values, axis_name, tiled=True, to=to)
+  return SparseRows(indices, values, u.num_rows)
+
+
+def _is_varying(x: jax.Array, axis_name: AxisName) -> bool:
+  """Whether shard_map's type checks see ``x`` differ along the axis."""
+  varying = varying_axes(x)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return any(n in varying for n in names)
+
+
+def _reduce_tree(tree: Any, axis_name: AxisName, op: str, where: str) -> Any:
+  def reduce_leaf(x):
+    if x is None:
+      return None
+    if isinstance(x, SparseRows):
+      return _reduce_sparse(x, axis_name, op)
+    if op == "sum":
+      return lax.psum(x, axis_name)
+    if op == "mean":
+      return lax.pmean(x, axis_name)
+    return _first(x, axis_name)
+
+  try:
+    return tree_map(reduce_leaf, tree)
+  except NameError as e:
+    raise _unbound(where, axis_name, e) from e
+
+
+def all_reduce(
+  axis_name: AxisName, op: str = "mean"
+) -> optax.GradientTransformationExtraArgs:
+  """Reduces updates across replicas; SparseRows are all-gathered.
+
+  For use inside a mapped step -- the function given to
+  :meth:`Mirrored.step`, ``jax.shard_map`` or ``jax.pmap`` -- as the first
+  link of the chain, so everything after it sees the same gradient on
+  every replica and the optimizer state stays replicated. With ``R``
+  replicas whose gradients are :math:`g_r`:
+
+  .. math::
+    \\text{mean}: \\frac{1}{R} \\sum_{r=1}^{R} g_r \\qquad
+    \\text{sum}: \\sum_{r=1}^{R} g_r
+
+  Dense leaves use ``lax.pmean`` / ``lax.psum``. A :class:`SparseRows` of
+  ``n`` rows becomes one of ``R * n`` rows: the indices and values of every
+  replica, concatenated in replica order (values divided by ``R`` for
+  ``"mean"``). It stands for the same dense mean / sum, and moves
+  ``R * n * (dim + 1)`` numbers instead of the ``num_rows * dim`` of a
+  dense all-reduce of the table. Duplicates across replicas are summed by
+  whatever consumes it (``lazy_adam`` coalesces, ``apply_updates`` adds).
+
+  In a hand-written ``jax.shard_map`` step, pass ``check_vma=False`` (as
+  :meth:`Mirrored.step` does): with ``shard_map``'s type checks on, JAX's
+  autodiff already sums the gradient of a replicated parameter across
+  replicas, so a further reduction would count it again, and
+  :func:`~gradtx.sparse_value_and_grad` expects per-replica gradients.
+
+  Args:
+    axis_name: the name of the replica axis (``mirrored.axis_name``, or
+      the ``axis_name`` of ``shard_map``'s mesh / ``pmap``); a tuple of
+      names reduces over all of them.
+    op: ``"mean"`` (the gradient of the mean loss over the global batch
+      when each replica's loss is a mean over its shard) or ``"sum"``.
+
+  Returns:
+    A stateless transformation (its state is ``optax.EmptyState()``).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> tx = optax.chain(gtx.all_reduce("i"), optax.sgd(1.0))
+    >>> def step(g):
+    ...   updates, _ = tx.update(g, tx.init(g))
+    ...   return updates
+    >>> n = jax.local_device_count()
+    >>> out = jax.pmap(step, axis_name="i")(jnp.arange(n * 1.0))
+    >>> bool(jnp.allclose(out, -jnp.mean(jnp.arange(n * 1.0))))
+    True
+  """
+  _check_op(op, _TX_OPS, "gradtx.all_reduce")
+  try:
+    hash(axis_name)
+  except TypeError as e:
+    raise TypeError(
+      "gradtx.all_reduce `axis_name` must be a hashable axis name (a str, "
+      f"or a tuple of them); got {axis_name!r}."
+    ) from e
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is not None:
+      check_tree_match(updates, params, name="updates", reference_name="params")
+    return _reduce_tree(updates, axis_name, op, "gradtx.all_reduce"), state
+
+  return with_extra_args(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------
+# Mirrored
+
+
+def _int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
+  items = (x,) if isinstance(x, int) else tuple(x)
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+    raise TypeError(f"`{name}` must be an int or a tuple of ints; got {x!r}.")
+  return items
+
+
+def _paths(tree: Any) -> list[tuple[str, Any]]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
+
+
+class Mirrored:
+  """Data-parallel replication over a 1-D mesh of devices.
+
+  Like TensorFlow's ``MirroredStrategy``: params and optimizer state are
+  replicated on every device, each replica runs the same step on its part
+  of the batch, and gradients are reduced across replicas (put
+  :func:`all_reduce` first in the optax chain). Built on ``jax.jit`` +
+  ``jax.shard_map``, so the same code runs on the devices of one process
+  and across processes started with ``jax.distributed.initialize``.
+
+  A training loop::
+
+    m = gtx.Mirrored()
+    tx = optax.chain(gtx.all_reduce(m.axis_name), gtx.lazy_adam(1e-3))
+
+    def train_step(params, opt_state, batch):
+      loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = gtx.apply_updates(params, updates)
+      return params, opt_state, m.all_reduce(loss, "mean")
+
+    step = m.step(train_step, donate_argnums=(0, 1))
+    params = m.replicate(params)
+    opt_state = m.replicate(tx.init(params))
+    for batch in data:
+      params, opt_state, loss = step(params, opt_state, m.shard_batch(batch))
+
+  Outputs of the step are replicated: each must be the same on every
+  replica (reduce per-replica values inside the step with
+  :meth:`all_reduce`, as the loss above). To get per-replica values out
+  instead, name their positions in ``per_replica_outputs``; they come
+  back with a leading replica axis, and :meth:`reduce` combines them
+  outside the step (TensorFlow's ``run`` then ``reduce``).
+
+  Args:
+    devices: the devices to replicate over, in replica order. Default: all
+      devices of all processes (``jax.devices()``), ordered by process.
+    axis_name: the name of the replica axis inside the step.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> m = gtx.Mirrored()
+    >>> m.num_replicas == jax.device_count(), m.axis_name
+    (True, 'replica')
+    >>> def fn(w, state, batch):
+    ...   return w, state, m.all_reduce(jnp.sum(batch @ w), "sum")
+    >>> step = m.step(fn)
+    >>> batch = m.shard_batch(jnp.ones((2 * m.num_replicas, 3)))
+    >>> _, _, total = step(m.replicate(jnp.ones(3)), (), batch)
+    >>> int(total) == 6 * m.num_replicas
+    True
+  """
+
+  def __init__(
+    self,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    axis_name: str = "replica",
+  ):
+    if not isinstance(axis_name, str) or not axis_name:
+      raise TypeError(
+        f"Mirrored `axis_name` must be a non-empty str; got {axis_name!r}."
+      )
+    if devices is None:
+      devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = list(devices)
+    if not devices:
+      raise ValueError("Mirrored `devices` must not be empty.")
+    if not all(isinstance(d, jax.Device) for d in devices):
+      raise TypeError(
+        "Mirrored `devices` must be jax.Device objects (for example "
+        "`jax.devices()` or `jax.local_devices()`); got "
+        f"{[type(d).__name__ for d in devices]}."
+      )
+    if len(set(devices)) != len(devices):
+      raise ValueError(f"Mirrored `devices` has duplicates: {devices}.")
+    self._axis_name = axis_name
+    self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,))
+    self._replicated = NamedSharding(self._mesh, P())
+    self._split = NamedSharding(self._mesh, P(axis_name))
+    self._local_replicas = sum(
+      d.process_index == jax.process_index() for d in devices
+    )
+    self._reduce_jit = jax.jit(
+      _reduce_stacked,
+      static_argnums=(1, 2),
+      out_shardings=self._replicated,
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"Mirrored(num_replicas={self.num_replicas}, "
+      f"axis_name={self._axis_name!r})"
+    )
+
+  @property
+  def num_replicas(self) -> int:
+    """The number of replicas (devices in the mesh, all processes)."""
+    return self._mesh.size
+
+  @property
+  def axis_name(self) -> str:
+    """The replica axis name, bound inside the function given to step."""
+    return self._axis_name
+
+  @property
+  def mesh(self) -> Mesh:
+    """The 1-D ``jax.sharding.Mesh`` of the replicas."""
+    return self._mesh
+
+  # -- placing data -----------------------------------------------------------
+  def replicate(self, tree: Any) -> Any:
+    """Places every leaf, whole, on every replica.
+
+    For params, optimizer states and anything else the step takes
+    replicated (SparseRows included: their indices and values are
+    leaves). In a multi-process run every process must pass the same
+    values; each places them on its own devices.
+
+    The result never shares a buffer with ``tree`` (nor two of its leaves
+    with each other), so a step may donate it and ``tree`` stays intact.
+
+    Args:
+      tree: a pytree of arrays (numpy, jax or Python scalars).
+
+    Returns:
+      The tree with every leaf a ``jax.Array`` replicated on the mesh.
+    """
+    single = jax.process_count() == 1
+
+    def put(x):
+      if single or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        # A fresh buffer first: device_put may reuse the input's buffer for
+        # the shard on its device (even with may_alias=False), and donating
+        # that shard would delete the caller's array.
+        return jax.device_put(jnp.array(x, copy=True), self._replicated)
+      # The same value on every process: each places its own copy.
+      return jax.make_array_from_process_local_data(
+        self._replicated, np.array(x, copy=True)
+      )
+
+    return jax.tree.map(put, tree)
+
+  def shard_batch(self, tree: Any) -> Any:
+    """Splits the leading axis of every leaf across the replicas.
+
+    In a single process, ``tree`` is the global batch. In a multi-process
+    run each process passes its local part (the same size on every
+    process); the global batch is their concatenation in process order,
+    and replica ``r`` gets rows ``[r * b, (r + 1) * b)`` of it.
+
+    Args:
+      tree: a pytree of arrays, each with a leading batch axis whose size
+        is a multiple of the number of replicas (of this process's
+        devices, in a multi-process run).
+
+    Returns:
+      The tree with every leaf a ``jax.Array`` split on its leading axis.
+
+    Raises:
+      ValueError: a leaf is a scalar or its leading size does not divide.
+    """
+    local = self._local_replicas
+    if local == 0:
+      raise ValueError(
+        f"Mirrored.shard_batch: process {jax.process_index()} has none of "
+        "the mesh's devices, so it has no part of the batch to place."
+      )
+    what = "replicas" if local == self.num_replicas else "local replicas"
+    for path, x in _paths(tree):
+      shape = np.shape(x)
+      if not shape:
+        raise ValueError(
+          f"Mirrored.shard_batch: batch leaf `batch{path}` is a scalar; "
+          "every batch leaf needs a leading batch axis. Pass scalars as "
+          "extra (replicated) arguments of the step instead."
+        )
+      if shape[0] % local:
+        raise ValueError(
+          f"Mirrored.shard_batch: batch leaf `batch{path}` has leading size "
+          f"{shape[0]}, which does not split evenly over {local} {what}. "
+          f"Pad or trim the batch to a multiple of {local}."
+        )
+    if jax.process_count() == 1:
+      return jax.device_put(tree, self._split)
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(
+        self._split, np.asarray(x)
+      ),
+      tree,
+    )
+
+  # -- the step -------------------------------------------------------------
+  def step(
+    self,
+    fn: Callable[..., Any],
+    *,
+    donate_argnums: int | Sequence[int] = (),
+    per_replica_outputs: int | Sequence[int] = (),
+  ) -> Callable[..., Any]:
+    """Compiles ``fn(params, opt_state, batch, *args)`` to run per replica.
+
+    ``fn`` is written for one replica: it gets the whole (replicated)
+    ``params``, ``opt_state`` and ``args``, and its replica's shard of
+    ``batch`` (the leading axis divided by ``num_replicas``). Inside it,
+    ``self.axis_name`` names the replica axis, for :func:`all_reduce` and
+    :meth:`all_reduce`. As in ``jax.pmap`` and TensorFlow's
+    ``MirroredStrategy``, a gradient taken inside ``fn`` is the replica's
+    own, computed from its shard: reduce it across replicas (put
+    ``gtx.all_reduce(mirrored.axis_name)`` first in the optax chain).
+
+    Every output is replicated: it must be the same on every replica,
+    which holds for params and optimizer state updated from reduced
+    gradients and for values reduced with :meth:`all_reduce` (the loss,
+    metrics). This is the caller's promise and is not checked: a
+    per-replica value returned as replicated comes back as some replica's
+    value. To get per-replica values out instead, name their positions in
+    ``fn``'s output tuple in ``per_replica_outputs``; they come back with
+    a new leading axis of size ``num_replicas`` (split across the
+    devices), and :meth:`reduce` combines them.
+
+    Args:
+      fn: the per-replica step, taking at least three positional arguments.
+      donate_argnums: positional arguments whose buffers the step may reuse
+        (as in ``jax.jit``); donate ``(0, 1)`` to update params and state
+        in place. Donating the batch buys nothing (no output matches it).
+      per_replica_outputs: positions in ``fn``'s output tuple returned per
+        replica, stacked on a new leading axis.
+
+    Returns:
+      The jitted step, ``step(params, opt_state, batch, *args)``.
+    """
+    if not callable(fn):
+      raise TypeError(f"Mirrored.step `fn` must be callable; got {fn!r}.")
+    donate = _int_tuple(donate_argnums, "donate_argnums")
+    per_replica = _int_tuple(per_replica_outputs, "per_replica_outputs")
+    axis = self._axis_name
+    name = getattr(fn, "__name__", repr(fn))
+
+    def body(*local_args):
+      rep, per = _split_outputs(fn(*local_args), per_replica, name)
+      per = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), p) for p in per]
+      return rep, per
+
+    def run(*args):
+      if len(args) < 3:
+        raise TypeError(
+          f"Mirrored.step({name}): the step takes (params, opt_state, batch, "
+          f"*args); got {len(args)} positional argument(s). Pass `()` for an "
+          "absent opt_state."
+        )
+      self._check_global_batch(args[2])
+      # check_vma=False gives pmap's semantics: the gradient of a replicated
+      # input is the replica's own, not already summed across replicas.
+      mapped = jax.shard_map(
+        body,
+        mesh=self._mesh,
+        in_specs=(P(), P(), P(axis)) + (P(),) * (len(args) - 3),
+        out_specs=(P(), P(axis)),
+        check_vma=False,
+      )
+      rep, per = mapped(*args)
+      return _join_outputs(rep, per, per_replica)
+
+    run.__name__ = f"mirrored_{name}"
+    return jax.jit(run, donate_argnums=donate)
+
+  def _check_global_batch(self, batch: Any) -> None:
+    n = self.num_replicas
+    for path, x in _paths(batch):
+      shape = np.shape(x)
+      if not shape or shape[0] % n:
+        got = "a scalar" if not shape else f"leading size {shape[0]}"
+        raise ValueError(
+          f"Mirrored.step: batch leaf `batch{path}` has {got}, which does "
+          f"not split evenly over {n} replicas. Every batch leaf needs a "
+          f"leading axis whose size is a multiple of {n}; place batches "
+          "with `mirrored.shard_batch`."
+        )
+
+  # -- reductions -------------------------------------------------------------
+  def all_reduce(self, tree: Any, op: str) -> Any:
+    """Reduces values across replicas, inside the function given to step.
+
+    Args:
+      tree: any pytree of arrays (SparseRows included).
+      op: ``"sum"``, ``"mean"``, or ``"first"`` (replica 0's value on
+        every replica). For SparseRows, ``"sum"`` and ``"mean"`` gather
+        every replica's rows (as :func:`all_reduce`).
+
+    Returns:
+      The reduced tree, the same on every replica.
+    """
+    _check_op(op, _OPS, "Mirrored.all_reduce")
+    return _reduce_tree(tree, self._axis_name, op, "Mirrored.all_reduce")
+
+  def reduce(self, tree: Any, op: str) -> Any:
+    """Combines per-replica values (a leading replica axis) into one.
+
+    For the ``per_replica_outputs`` of a step, outside the step.
+
+    Args:
+      tree: a pytree whose leaves have a leading axis of size
+        ``num_replicas``; a per-replica SparseRows (indices
+        ``[num_replicas, n]``) becomes one of ``num_replicas * n`` rows.
+      op: ``"sum"``, ``"mean"`` or ``"first"`` (replica 0's value).
+
+    Returns:
+      The combined tree, replicated on the mesh.
+    """
+    _check_op(op, _OPS, "Mirrored.reduce")
+    n = self.num_replicas
+    for path, x in _paths(tree):
+      shape = np.shape(x)
+      if not shape or shape[0] != n:
+        got = "a scalar" if not shape else f"leading size {shape[0]}"
+        raise ValueError(
+          f"Mirrored.reduce: leaf `tree{path}` has {got}; per-replica values "
+          f"need a leading axis of size num_replicas={n} (list the output "
+          "in the step's `per_replica_outputs`)."
+        )
+    return self._reduce_jit(tree, op, n)
+
+
+def _split_outputs(
+  out: Any, per_replica: tuple[int, ...], name: str
+) -> tuple[Any, list[Any]]:
+  if not per_replica:
+    return out, []
+  if not isinstance(out, tuple):
+    raise TypeError(
+      f"Mirrored.step({name}): `per_replica_outputs` needs the step to "
+      f"return a tuple; it returned a {type(out).__name__}."
+    )
+  k = len(out)
+  bad = [i for i in per_replica if not -k <= i < k]
+  if bad:
+    raise ValueError(
+      f"Mirrored.step({name}): `per_replica_outputs` {bad} out of range for "
+      f"a step returning {k} outputs."
+    )
+  chosen = sorted({i % k for i in per_replica})
+  rep = tuple(x for i, x in enumerate(out) if i not in chosen)
+  return rep, [out[i] for i in chosen]
+
+
+def _join_outputs(
+  rep: Any, per: list[Any], per_replica: tuple[int, ...]
+) -> Any:
+  if not per_replica:
+    return rep
+  k = len(rep) + len(per)
+  chosen = sorted({i % k for i in per_replica})
+  rep_iter, per_iter = iter(rep), iter(per)
+  return tuple(
+    next(per_iter) if i in chosen else next(rep_iter) for i in range(k)
+  )
+
+
+def _reduce_stacked(tree: Any, op: str, n: int) -> Any:
+  def reduce_leaf(x):
+    if x is None:
+      return None
+    if isinstance(x, SparseRows):
+      idx, vals = x.indices, x.values
+      if op == "first":
+        return SparseRows(idx[0], vals[0], x.num_rows)
+      idx = idx.reshape(-1)
+      vals = vals.reshape((-1,) + vals.shape[2:])
+      if op == "mean":
+        vals = (vals / n).astype(vals.dtype)
+      return SparseRows(idx, vals, x.num_rows)
+    x = jnp.asarray(x)
+    if op == "first":
+      return x[0]
+    return jnp.sum(x, axis=0) if op == "sum" else jnp.mean(x, axis=0)
+
+  return tree_map(reduce_leaf, tree)

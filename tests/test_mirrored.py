@@ -1,0 +1,555 @@
+"""Mirrored replication and all_reduce: against numpy and single-device runs,
+in shard_map, pmap, Mirrored.step and across two real processes."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import mirrored_worker as worker
+import numpy as np
+import optax
+import pytest
+from conformance import CHECKS, Case
+from jax.sharding import PartitionSpec as P
+
+import gradtx as gtx
+
+R = 8  # conftest fakes 8 CPU devices
+NUM_ROWS = 40
+DIM = 3
+
+
+def _replica_grads(seed=0, n=5):
+  """Per-replica gradients stacked on a leading axis of R: a SparseRows with
+  duplicates (within and across replicas) and a padding id, and a dense
+  leaf."""
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(0, NUM_ROWS, size=(R, n)).astype(np.int32)
+  ids[:, 1] = ids[:, 0]
+  ids[2, -1] = NUM_ROWS  # padding
+  ids[3, 0] = ids[4, 0]  # duplicate across replicas
+  vals = rng.normal(size=(R, n, DIM)).astype(np.float32)
+  dense = rng.normal(size=(R, DIM, 2)).astype(np.float32)
+  return ids, vals, dense
+
+
+def _np_dense(ids, vals):
+  """numpy: the dense [NUM_ROWS, DIM] array of one replica's rows."""
+  out = np.zeros((NUM_ROWS, DIM), np.float64)
+  for i, v in zip(ids, vals, strict=True):
+    if 0 <= i < NUM_ROWS:
+      out[i] += v
+  return out
+
+
+def _tree(ids, vals, dense):
+  return {"emb": gtx.SparseRows(ids, vals, NUM_ROWS), "w": dense}
+
+
+def _shard_map(f, *args):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  mapped = jax.shard_map(
+    f, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False
+  )
+  return jax.jit(mapped)(*args)
+
+
+def _pmap(f, *args):
+  return jax.pmap(f, axis_name="d")(*args)
+
+
+# ----------------------------------------------------------------------------
+# gtx.all_reduce
+
+
+@pytest.mark.parametrize("mapper", ["shard_map", "pmap"])
+def test_all_reduce_matches_numpy(mapper):
+  ids, vals, dense = _replica_grads()
+  ops = ("mean", "sum")
+  txs = [gtx.all_reduce("d", op=op) for op in ops]
+
+  def f(i, v, d):
+    if mapper == "shard_map":  # blocks of one replica: drop the block axis
+      i, v, d = i[0], v[0], d[0]
+    out = []
+    for tx in txs:
+      u, state = tx.update(_tree(i, v, d), tx.init(None))
+      assert state == optax.EmptyState()
+      out.append((u["emb"].indices, u["emb"].values, u["w"]))
+    return (
+      jax.tree.map(lambda x: x[None], out) if mapper == "shard_map" else out
+    )
+
+  run = _shard_map if mapper == "shard_map" else _pmap
+  for op, (got_idx, got_val, got_w) in zip(
+    ops, run(f, ids, vals, dense), strict=True
+  ):
+    scale = 1.0 / R if op == "mean" else 1.0
+    want_w = dense.astype(np.float64).sum(0) * scale
+    want_table = sum(_np_dense(i, v) for i, v in zip(ids, vals, strict=True))
+    for r in range(R):  # every replica holds the same reduced values
+      np.testing.assert_allclose(got_w[r], want_w, rtol=1e-5, atol=1e-6)
+      # all-gather: every replica's rows, in replica order, R * n of them
+      np.testing.assert_array_equal(got_idx[r], ids.reshape(-1))
+      np.testing.assert_allclose(
+        got_val[r], vals.reshape(-1, DIM) * scale, rtol=1e-6
+      )
+      table = _np_dense(got_idx[r], got_val[r])
+      np.testing.assert_allclose(
+        table, want_table * scale, rtol=1e-5, atol=1e-6
+      )
+
+
+def test_all_reduce_sparse_under_shard_map_type_checks():
+  # With check_vma=True the gathered rows are typed as the same on every
+  # replica, so they may leave shard_map as one replicated (P()) value.
+  ids, vals, _ = _replica_grads()
+  tx = gtx.all_reduce("d", op="sum")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+
+  def f(i, v):
+    u, _ = tx.update(gtx.SparseRows(i[0], v[0], NUM_ROWS), optax.EmptyState())
+    return u.indices, u.values
+
+  mapped = jax.shard_map(
+    f, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=True
+  )
+  got_idx, got_val = jax.jit(mapped)(ids, vals)
+  np.testing.assert_array_equal(got_idx, ids.reshape(-1))
+  np.testing.assert_array_equal(got_val, vals.reshape(-1, DIM))
+
+
+def test_all_reduce_keeps_dtype_and_none():
+  ids, vals, dense = _replica_grads()
+  tx = gtx.all_reduce("d")
+
+  def f(i, v, d):
+    g = {"emb": gtx.SparseRows(i, v.astype(jnp.bfloat16), NUM_ROWS), "n": None}
+    g["w"] = d.astype(jnp.bfloat16)
+    u, _ = tx.update(g, optax.EmptyState())
+    assert u["n"] is None
+    return u["emb"].values, u["w"]
+
+  v, w = _pmap(f, ids, vals, dense)
+  assert v.dtype == w.dtype == jnp.bfloat16
+  assert v.shape == (R, R * ids.shape[1], DIM)
+
+
+def test_all_reduce_bad_inputs():
+  with pytest.raises(ValueError, match="`op` must be one of 'mean', 'sum'"):
+    gtx.all_reduce("d", op="max")
+  with pytest.raises(ValueError, match="`op` must be one of"):
+    gtx.all_reduce("d", op="first")  # "first" is for values, not gradients
+  with pytest.raises(TypeError, match="hashable axis name"):
+    gtx.all_reduce(["d"])
+  tx = gtx.all_reduce("nope")
+  with pytest.raises(NameError, match="axis name 'nope' is not bound"):
+    jax.jit(lambda g: tx.update(g, optax.EmptyState()))(jnp.ones(3))
+  tx = gtx.all_reduce("d")
+  params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  with pytest.raises(ValueError, match="does not have the tree structure"):
+    _pmap(
+      lambda g: tx.update({"a": g}, optax.EmptyState(), params)[0],
+      jnp.ones((R, 2)),
+    )
+
+
+def _bound_to_unit_axis(tx):
+  """``tx`` with its axis "r" bound by a vmap of size 1, where the
+  reduction is the identity: lets the conformance suite run all_reduce
+  outside a mapped step."""
+
+  def update_fn(updates, state, params=None, **extra):
+    def one(u):
+      return tx.update(u, state, params, **extra)
+
+    return jax.vmap(one, axis_name="r", axis_size=1, in_axes=None,
+                    out_axes=None)(updates)  # fmt: skip
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+# all_reduce alone; its chains with optimizers run in the Mirrored tests.
+CASES = [
+  Case("all_reduce_mean", lambda: _bound_to_unit_axis(gtx.all_reduce("r"))),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("check", CHECKS)
+def test_conformance(case, check):
+  check(case)
+
+
+# ----------------------------------------------------------------------------
+# Mirrored: construction, placement, reductions
+
+
+def test_mirrored_properties_and_placement():
+  m = gtx.Mirrored()
+  assert m.num_replicas == R and m.axis_name == "replica"
+  assert m.mesh.axis_names == ("replica",)
+  assert list(m.mesh.devices) == jax.devices()
+  sub = gtx.Mirrored(jax.devices()[2:6], axis_name="data")
+  assert sub.num_replicas == 4 and sub.axis_name == "data"
+  assert "num_replicas=4" in repr(sub)
+
+  g = gtx.SparseRows(jnp.array([1, 3]), jnp.ones((2, DIM)), NUM_ROWS)
+  tree = {"emb": jnp.arange(12.0).reshape(4, 3), "g": g, "c": 2}
+  rep = m.replicate(tree)
+  assert isinstance(rep["g"], gtx.SparseRows) and rep["g"].num_rows == NUM_ROWS
+  for x in jax.tree.leaves(rep):
+    assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == R
+  np.testing.assert_array_equal(rep["emb"], tree["emb"])
+
+  batch = m.shard_batch({"x": np.arange(32.0).reshape(16, 2)})
+  assert batch["x"].sharding.spec == P("replica")
+  shards = sorted(batch["x"].addressable_shards, key=lambda s: s.index[0].start)
+  np.testing.assert_array_equal(shards[1].data, [[4.0, 5.0], [6.0, 7.0]])
+
+
+def test_mirrored_bad_construction():
+  with pytest.raises(ValueError, match="must not be empty"):
+    gtx.Mirrored([])
+  with pytest.raises(ValueError, match="duplicates"):
+    gtx.Mirrored([jax.devices()[0]] * 2)
+  with pytest.raises(TypeError, match="jax.Device"):
+    gtx.Mirrored(["cpu:0"])
+  with pytest.raises(TypeError, match="axis_name"):
+    gtx.Mirrored(axis_name=("a", "b"))
+
+
+def test_replicate_copies_so_donation_keeps_the_input():
+  m = gtx.Mirrored()
+  params = {"w": jnp.ones((4, 3)), "v": np.ones(3, np.float32)}
+  rep = m.replicate(params)
+  for x, y in zip(jax.tree.leaves(rep), jax.tree.leaves(params), strict=True):
+    if isinstance(y, jax.Array):
+      ptrs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+      assert y.unsafe_buffer_pointer() not in ptrs
+  step = m.step(lambda p, s, b: (p, s), donate_argnums=(0, 1))
+  step(rep, (), m.shard_batch(jnp.zeros((R, 1))))
+  assert rep["w"].is_deleted()  # donated, and no "not usable" warning
+  np.testing.assert_array_equal(params["w"], np.ones((4, 3)))  # not deleted
+
+
+def test_shard_batch_errors_name_the_leaf():
+  m = gtx.Mirrored()
+  with pytest.raises(ValueError, match=r"batch\['y'\].*leading size 10.*8"):
+    m.shard_batch({"x": np.zeros((16, 2)), "y": np.zeros((10,))})
+  with pytest.raises(ValueError, match=r"batch\['s'\].*scalar"):
+    m.shard_batch({"s": 1.0})
+
+
+def test_step_errors():
+  m = gtx.Mirrored()
+  step = m.step(lambda p, s, b: (p, s))
+  with pytest.raises(ValueError, match=r"batch\[0\].*leading size 12.*8"):
+    step(jnp.ones(2), (), (jnp.zeros((12, 2)),))
+  with pytest.raises(TypeError, match="takes \\(params, opt_state, batch"):
+    step(jnp.ones(2), ())
+  with pytest.raises(TypeError, match="must be callable"):
+    m.step(3)
+  with pytest.raises(TypeError, match="`donate_argnums` must be an int"):
+    m.step(lambda p, s, b: p, donate_argnums=("0",))
+  batch = m.shard_batch(jnp.zeros((R, 1)))
+  with pytest.raises(ValueError, match="out of range for a step returning 2"):
+    m.step(lambda p, s, b: (p, s), per_replica_outputs=2)(1.0, (), batch)
+  with pytest.raises(TypeError, match="needs the step to return a tuple"):
+    m.step(lambda p, s, b: p, per_replica_outputs=0)(1.0, (), batch)
+
+
+def test_all_reduce_and_reduce_ops():
+  m = gtx.Mirrored()
+  rng = np.random.RandomState(3)
+  x = rng.normal(size=(R * 2, 3)).astype(np.float32)
+  ids = rng.randint(0, NUM_ROWS, size=(R * 2,)).astype(np.int32)
+  flags = np.arange(R * 2) % 3 == 0
+
+  def fn(params, state, batch):
+    x, ids, flags = batch
+    local = {
+      "x": x.sum(0),
+      "g": gtx.SparseRows(ids, jnp.ones((2, DIM)) * x[:, :1], NUM_ROWS),
+      "n": ids[0],
+      "flag": flags[0],
+    }
+    out = {op: m.all_reduce(local, op) for op in ("sum", "mean", "first")}
+    return params, state, out, local
+
+  step = m.step(fn, per_replica_outputs=3)
+  _, _, got, per = step(1.0, (), m.shard_batch((x, ids, flags)))
+  xs = x.reshape(R, 2, 3).astype(np.float64).sum(1)  # per-replica sums
+  np.testing.assert_allclose(got["sum"]["x"], xs.sum(0), rtol=1e-5)
+  np.testing.assert_allclose(got["mean"]["x"], xs.mean(0), rtol=1e-5)
+  np.testing.assert_array_equal(got["first"]["x"], x[:2].sum(0))
+  assert int(got["sum"]["n"]) == ids[::2].sum()
+  assert got["mean"]["n"].dtype == jnp.float32  # mean of ints is a float
+  assert int(got["first"]["n"]) == ids[0]
+  assert got["first"]["flag"].dtype == jnp.bool_
+  assert bool(got["first"]["flag"]) == flags[0]
+  # SparseRows: sum/mean gather every replica's rows; first is replica 0's
+  vals = np.ones((R * 2, DIM)) * x[:, :1]
+  np.testing.assert_array_equal(got["sum"]["g"].indices, ids)
+  np.testing.assert_allclose(got["sum"]["g"].values, vals, rtol=1e-6)
+  np.testing.assert_allclose(got["mean"]["g"].values, vals / R, rtol=1e-6)
+  np.testing.assert_array_equal(got["first"]["g"].indices, ids[:2])
+  np.testing.assert_allclose(got["first"]["g"].values, vals[:2], rtol=1e-6)
+
+  # per-replica outputs: a leading replica axis, combined by reduce
+  assert per["x"].shape == (R, 3) and per["g"].indices.shape == (R, 2)
+  np.testing.assert_allclose(per["x"], xs, rtol=1e-5)
+  for op in ("sum", "mean", "first"):
+    red = m.reduce(per, op)
+    np.testing.assert_allclose(red["x"], got[op]["x"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(red["g"].indices, got[op]["g"].indices)
+    np.testing.assert_allclose(red["g"].values, got[op]["g"].values, rtol=1e-6)
+    assert red["x"].sharding.is_fully_replicated
+
+
+def test_reduction_bad_inputs():
+  m = gtx.Mirrored()
+  with pytest.raises(ValueError, match="`op` must be one of 'sum', 'mean'"):
+    m.reduce(jnp.ones((R,)), "max")
+  with pytest.raises(ValueError, match=r"tree\['a'\].*leading size 3.*8"):
+    m.reduce({"a": jnp.ones((3,))}, "sum")
+  with pytest.raises(ValueError, match="`op` must be one of"):
+    m.step(lambda p, s, b: (m.all_reduce(p, "avg"), s))(
+      1.0, (), m.shard_batch(jnp.zeros((R,)))
+    )
+  with pytest.raises(NameError, match="inside the function given to"):
+    m.all_reduce(jnp.ones(2), "sum")
+
+
+# ----------------------------------------------------------------------------
+# Mirrored training equals single-device training on the whole batch
+
+
+def _batches(steps, batch=32, seed=0):
+  rng = np.random.RandomState(seed)
+  return [
+    {
+      "ids": rng.randint(0, NUM_ROWS, size=(batch, 2)).astype(np.int32),
+      "x": rng.normal(size=(batch, DIM)).astype(np.float32),
+      "y": rng.normal(size=(batch,)).astype(np.float32),
+    }
+    for _ in range(steps)
+  ]
+
+
+def _params():
+  rng = np.random.RandomState(7)
+  return {
+    "emb": rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32),
+    "w": rng.normal(size=(DIM,)).astype(np.float32),
+  }
+
+
+def _loss(p, batch, lookup=gtx.lookup):
+  h = lookup(p["emb"], batch["ids"]).sum(1) + batch["x"]
+  return jnp.mean(jnp.square(jnp.tanh(h) @ p["w"] - batch["y"]))
+
+
+def _mirrored_run(m, tx, batches, grad_fn, extra=lambda i: ()):
+  def train_step(params, opt_state, batch, *args):
+    loss, grads = grad_fn(_loss)(params, batch)
+    kwargs = dict(zip(("grad_step",), args, strict=False))
+    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+    return (
+      gtx.apply_updates(params, updates),
+      opt_state,
+      m.all_reduce(loss, "mean"),
+    )
+
+  step = m.step(train_step, donate_argnums=(0, 1))
+  params = m.replicate(_params())
+  state = m.replicate(tx.init(_params()))
+  losses = []
+  for i, b in enumerate(batches):
+    params, state, loss = step(params, state, m.shard_batch(b), *extra(i))
+    losses.append(float(loss))
+  assert step._cache_size() == 1
+  return params, state, losses
+
+
+def _single_run(tx, batches, grad_fn, extra=lambda i: {}):
+  @jax.jit
+  def step(params, opt_state, batch, kwargs):
+    loss, grads = grad_fn(_loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
+    return gtx.apply_updates(params, updates), opt_state, loss
+
+  params = jax.tree.map(jnp.asarray, _params())
+  state = tx.init(params)
+  losses = []
+  for i, b in enumerate(batches):
+    params, state, loss = step(params, state, b, extra(i))
+    losses.append(float(loss))
+  return params, state, losses
+
+
+def _dense_grad(f):
+  # the independent path: plain JAX autodiff through an ordinary gather
+  return jax.value_and_grad(lambda p, b: f(p, b, lookup=lambda t, i: t[i]))
+
+
+def _assert_tree_close(a, b, rtol=2e-5):
+  jax.tree.map(
+    lambda x, y: np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol
+    ),
+    a,
+    b,
+  )
+
+
+def test_mirrored_dense_adam_equals_single_device():
+  m = gtx.Mirrored()
+  batches = _batches(4)
+  tx_m = optax.chain(gtx.all_reduce(m.axis_name), optax.adam(0.05))
+  got, _, losses = _mirrored_run(m, tx_m, batches, _dense_grad)
+  want, _, want_losses = _single_run(optax.adam(0.05), batches, _dense_grad)
+  _assert_tree_close(got, want)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  # the run moved the params: the comparison is not vacuous
+  assert np.max(np.abs(np.asarray(got["emb"]) - _params()["emb"])) > 0.05
+
+
+def test_mirrored_sparse_lazy_adam_equals_single_device():
+  m = gtx.Mirrored()
+  batches = _batches(4)
+  tx_m = optax.chain(gtx.all_reduce(m.axis_name), gtx.lazy_adam(0.05))
+  got, state, losses = _mirrored_run(
+    m, tx_m, batches, gtx.sparse_value_and_grad
+  )
+  want, want_state, want_losses = _single_run(
+    gtx.lazy_adam(0.05), batches, gtx.sparse_value_and_grad
+  )
+  _assert_tree_close(got, want)
+  _assert_tree_close(state[1], want_state)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+def test_mirrored_sparse_sgd_equals_dense_optax_sgd():
+  # sparse all-gather + gradtx sgd against optax.sgd on jax.grad's dense grads
+  m = gtx.Mirrored()
+  batches = _batches(3)
+  tx_m = optax.chain(
+    gtx.all_reduce(m.axis_name), gtx.scale_by_learning_rate(0.3)
+  )
+  got, _, _ = _mirrored_run(m, tx_m, batches, gtx.sparse_value_and_grad)
+  want, _, _ = _single_run(optax.sgd(0.3), batches, _dense_grad)
+  _assert_tree_close(got, want)
+
+
+def test_mirrored_accumulate_lazy_adam_equals_single_device():
+  m = gtx.Mirrored()
+  batches = _batches(4, batch=16)
+  n = 16 // R * 2  # ids per replica: rows of 2 ids each
+  inner = gtx.lazy_adam(0.05)
+  tx_m = optax.chain(
+    gtx.all_reduce(m.axis_name),
+    gtx.accumulate(inner, 2, rows_per_step={"emb": R * n, "w": None}),
+  )
+  got, _, _ = _mirrored_run(m, tx_m, batches, gtx.sparse_value_and_grad)
+  tx_1 = gtx.accumulate(inner, 2, rows_per_step={"emb": R * n, "w": None})
+  want, _, _ = _single_run(tx_1, batches, gtx.sparse_value_and_grad)
+  _assert_tree_close(got, want)
+
+
+def test_mirrored_drop_stale_equals_single_device():
+  m = gtx.Mirrored()
+  batches = _batches(4)
+  read_at = [0, 0, 0, 2]  # staleness 0, 1, 2 (dropped), 0
+  extra = lambda i: (jnp.int32(read_at[i]),)  # noqa: E731
+  tx_m = optax.chain(
+    gtx.all_reduce(m.axis_name), gtx.drop_stale(gtx.lazy_adam(0.05), 1)
+  )
+  got, state, _ = _mirrored_run(
+    m, tx_m, batches, gtx.sparse_value_and_grad, extra
+  )
+  want, want_state, _ = _single_run(
+    gtx.drop_stale(gtx.lazy_adam(0.05), 1),
+    batches,
+    gtx.sparse_value_and_grad,
+    lambda i: {"grad_step": read_at[i]},
+  )
+  _assert_tree_close(got, want)
+  assert int(state[1].num_dropped) == int(want_state.num_dropped) == 1
+
+
+def test_pmap_step_equals_single_device():
+  # legacy pmap code: sparse gradients reduced by gtx.all_reduce, against
+  # optax.sgd on jax.grad's dense gradients of the whole batch
+  batches = _batches(3)
+  tx = optax.chain(gtx.all_reduce("i"), gtx.scale_by_learning_rate(0.3))
+
+  def train_step(params, opt_state, batch):
+    grads = gtx.sparse_grad(_loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return gtx.apply_updates(params, updates), opt_state
+
+  pstep = jax.pmap(train_step, axis_name="i", donate_argnums=(0, 1))
+  params = jax.tree.map(lambda x: np.stack([x] * R), _params())
+  state = jax.pmap(tx.init)(params)
+  for b in batches:
+    local = jax.tree.map(lambda x: x.reshape((R, -1) + x.shape[1:]), b)
+    params, state = pstep(params, state, local)
+  want, _, _ = _single_run(optax.sgd(0.3), batches, _dense_grad)
+  for r in (0, 5):
+    _assert_tree_close(jax.tree.map(lambda x, r=r: x[r], params), want)
+
+
+# ----------------------------------------------------------------------------
+# two real processes x 2 CPU devices
+
+
+def _free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_equal_single_process_four_devices(tmp_path):
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+  )
+  script = str(Path(__file__).with_name("mirrored_worker.py"))
+  port = str(_free_port())
+  procs, logs = [], []
+  try:
+    for i in range(2):
+      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
+      cmd += ["--process-id", str(i), "--out", str(tmp_path)]
+      # Logs go to files, not pipes: a full pipe could stall one process
+      # while the other waits for it in a collective.
+      logs.append(tmp_path / f"log_{i}.txt")
+      with open(logs[-1], "wb") as log:
+        procs.append(
+          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
+    # the reference, while they run: one process, 4 of the 8 local devices
+    want, want_losses = worker.train(gtx.Mirrored(jax.devices()[:4]))
+    for p in procs:
+      p.wait(timeout=90)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
+
+  for i in range(2):
+    got = np.load(tmp_path / f"process_{i}.npz")
+    assert int(got["num_replicas"]) == 4 and int(got["local_devices"]) == 2
+    for k, v in want.items():
+      np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
+  assert np.max(np.abs(want["emb"] - worker.init_params()["emb"])) > 0.05
