@@ -1,7 +1,18 @@
 """gradtx: sparse, lazy, accumulated, stale-aware and mirrored gradient
 transformations for JAX, composable with optax."""
 
+from gradtx._accumulate import AccumulateState as AccumulateState
+from gradtx._accumulate import accumulate as accumulate
 from gradtx._base import SparseRows as SparseRows
+from gradtx._lazy_adam import (
+  ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
+)
+from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
+from gradtx._lazy_adam import lazy_adam as lazy_adam
+from gradtx._lazy_adam import lazy_adamw as lazy_adamw
+from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
+from gradtx._mirrored import Mirrored as Mirrored
+from gradtx._mirrored import all_reduce as all_reduce
 from gradtx._sparse import add_decayed_weights as add_decayed_weights
 from gradtx._sparse import apply_updates as apply_updates
 from gradtx._sparse import clip_by_global_norm as clip_by_global_norm
@@ -12,19 +23,34 @@ from gradtx._sparse import scale as scale
 from gradtx._sparse import scale_by_learning_rate as scale_by_learning_rate
 from gradtx._sparse import sparse_grad as sparse_grad
 from gradtx._sparse import sparse_value_and_grad as sparse_value_and_grad
+from gradtx._staleness import DropStaleState as DropStaleState
+from gradtx._staleness import drop_stale as drop_stale
+from gradtx._staleness import staleness_stats as staleness_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+  "AccumulateState",
+  "DropStaleState",
+  "Mirrored",
+  "ScaleByLazyAdamCatchUpState",
+  "ScaleByLazyAdamState",
   "SparseRows",
+  "accumulate",
   "add_decayed_weights",
+  "all_reduce",
   "apply_updates",
   "clip_by_global_norm",
   "densify",
+  "drop_stale",
   "global_norm",
+  "lazy_adam",
+  "lazy_adamw",
   "lookup",
   "scale",
+  "scale_by_lazy_adam",
   "scale_by_learning_rate",
   "sparse_grad",
   "sparse_value_and_grad",
+  "staleness_stats",
 ]

@@ -1,0 +1,324 @@
+"""Lazy Adam step on an embedding table: gradtx vs optax.adam vs plain jnp.
+
+One optimizer step on a ``[rows, dim]`` table given a row-sparse gradient of
+``ids`` rows (uniform random ids, duplicates included), three ways, jitted
+with params and optimizer state donated:
+
+* ``gtx.lazy_adam``: SparseRows gradient, coalesce, gather, update, scatter
+  back in place, ``gtx.apply_updates``;
+* ``optax.adam`` on the dense ``[rows, dim]`` gradient (every row updated);
+* a reference lazy step written with plain ``jnp`` ops and no hints
+  (``jnp.unique(size=...)`` + ``segment_sum``, gather, update, scatter).
+
+Reported: ms/step, the speed-up over optax.adam, and the ratio to the
+memory-bandwidth floor: the bytes a lazy step must move (read and write the
+touched rows of params, m and v; read the gradient rows) over the measured
+copy bandwidth. Variants are timed round-robin when they fit in memory
+together (``--mem-gib``), else one after the other; optax.adam is skipped
+where its four tables would not fit.
+
+  python -m benchmarks.lazy_adam [--rows 100000 1000000 10000000]
+      [--dim 64] [--ids 8192] [--mem-gib 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradtx as gtx
+from benchmarks._common import (
+  copy_bandwidth,
+  time_fn,
+  time_interleaved,
+  write_results,
+)
+
+LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
+BATCHES = 4  # distinct gradients, cycled
+
+
+def reference_lazy_step(params, state, indices, values):
+  """Lazy Adam in plain jnp: no gradtx, no scatter/gather hints."""
+  m, v, count = state
+  rows = params.shape[0]
+  n = indices.shape[0]
+  uniq, inverse = jnp.unique(
+    indices, size=n, fill_value=rows, return_inverse=True
+  )
+  g = jax.ops.segment_sum(values, inverse.reshape(-1), num_segments=n)
+  count = count + 1
+  m_rows = B1 * m[uniq] + (1 - B1) * g
+  v_rows = B2 * v[uniq] + (1 - B2) * g * g
+  m_hat = m_rows / (1 - B1**count)
+  v_hat = v_rows / (1 - B2**count)
+  u = -LR * m_hat / (jnp.sqrt(v_hat) + EPS)
+  params = params.at[uniq].add(u, mode="drop")
+  m = m.at[uniq].set(m_rows, mode="drop")
+  v = v.at[uniq].set(v_rows, mode="drop")
+  return params, (m, v, count)
+
+
+def _gtx_variant(rows, dim):
+  tx = gtx.lazy_adam(LR, B1, B2, EPS)
+
+  def step(params, state, grad):
+    u, state = tx.update({"emb": grad}, state, {"emb": params})
+    return gtx.apply_updates({"emb": params}, u)["emb"], state
+
+  def init():
+    params = jnp.zeros((rows, dim), jnp.float32)
+    return params, tx.init({"emb": params})
+
+  return jax.jit(step, donate_argnums=(0, 1)), init
+
+
+def _optax_variant(rows, dim):
+  tx = optax.adam(LR, B1, B2, EPS)
+
+  def step(params, state, grad):
+    u, state = tx.update(grad, state, params)
+    return optax.apply_updates(params, u), state
+
+  def init():
+    params = jnp.zeros((rows, dim), jnp.float32)
+    return params, tx.init(params)
+
+  return jax.jit(step, donate_argnums=(0, 1)), init
+
+
+def _reference_variant(rows, dim):
+  def step(params, state, grad):
+    return reference_lazy_step(params, state, grad.indices, grad.values)
+
+  def init():
+    params = jnp.zeros((rows, dim), jnp.float32)
+    zeros = jnp.zeros((rows, dim), jnp.float32)
+    return params, (zeros, jnp.zeros((rows, dim)), jnp.zeros([], jnp.int32))
+
+  return jax.jit(step, donate_argnums=(0, 1)), init
+
+
+class _Runner:
+  """Holds one variant's params and state; each call is one step."""
+
+  def __init__(self, step, init, grads):
+    self.step, self.grads = step, grads
+    self.params, self.state = init()
+    self.i = 0
+
+  def __call__(self):
+    g = self.grads[self.i % len(self.grads)]
+    self.i += 1
+    self.params, self.state = self.step(self.params, self.state, g)
+    jax.block_until_ready(self.params)
+
+  def close(self):
+    del self.params, self.state
+
+
+def _check_same_step(rows, dim, grad):
+  """gtx and the jnp reference agree after one step (outside the timing)."""
+  outs = []
+  for make in (_gtx_variant, _reference_variant):
+    step, init = make(rows, dim)
+    p, s = init()
+    p, s = step(p, s, grad)
+    outs.append(np.asarray(p[: min(rows, 200_000)]))
+    del p, s
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
+
+
+def inplace_bandwidth(num_bytes: int = 256 * 2**20) -> float:
+  """Bytes/s (read + write) of ``a + 1`` updated in place (donated).
+
+  ``copy_bandwidth()`` writes a fresh output each call; on CPU that adds
+  the page faults of a new 256 MiB buffer, which in-place optimizer steps
+  do not pay, so this is the tighter floor.
+  """
+  f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+  box = [jnp.ones(num_bytes // 4, jnp.float32)]
+
+  def call():
+    box[0] = f(box[0])
+    box[0].block_until_ready()
+
+  sec = time_fn(call, repeats=10)
+  box.clear()
+  return 2 * num_bytes / sec
+
+
+def run(
+  rows: int,
+  dim: int,
+  ids: int,
+  mem_bytes: float,
+  bandwidth: float,
+  bandwidth_inplace: float,
+):
+  rng = np.random.RandomState(0)
+  grads, uniques = [], []
+  for _ in range(BATCHES):
+    idx = rng.randint(0, rows, size=ids)
+    uniques.append(len(np.unique(idx)))
+    grads.append(
+      gtx.SparseRows(
+        jnp.asarray(idx, jnp.int32),
+        jnp.asarray(rng.normal(size=(ids, dim)), jnp.float32),
+        rows,
+      )
+    )
+  table = rows * dim * 4
+  _check_same_step(rows, dim, grads[0])
+  gc.collect()
+
+  variants = {"gtx": (_gtx_variant, 3 * table, grads)}
+  variants["ref"] = (_reference_variant, 3 * table, grads)
+  dense_ok = 4 * table <= mem_bytes
+  if dense_ok:
+    dense = [g.to_dense() for g in grads[:1]]
+    variants["optax"] = (_optax_variant, 3 * table, dense)
+  together = sum(v[1] for v in variants.values()) + (table if dense_ok else 0)
+  interleaved = together <= mem_bytes
+  if interleaved:
+    runners = {
+      k: _Runner(*m(rows, dim), g) for k, (m, _, g) in variants.items()
+    }
+    times = time_interleaved(runners, rounds=15)
+    for r in runners.values():
+      r.close()
+    del runners
+  else:
+    times = {}
+    for k, (m, _, g) in variants.items():
+      runner = _Runner(*m(rows, dim), g)
+      times[k] = time_fn(runner, repeats=15)
+      runner.close()
+      del runner
+      gc.collect()
+  del grads, variants
+  if dense_ok:
+    del dense
+  gc.collect()
+
+  unique = float(np.mean(uniques))
+  # Read + write the touched rows of params, m, v; read the gradient rows.
+  floor_bytes = unique * dim * 4 * 6 + ids * (dim + 1) * 4
+  floor = floor_bytes / bandwidth
+  floor_inplace = floor_bytes / bandwidth_inplace
+  ms = {k: t * 1e3 for k, t in times.items()}
+  return [
+    f"{rows:,} x {dim}",
+    ids,
+    round(unique),
+    ms["gtx"],
+    ms["ref"],
+    ms.get("optax", "skipped (> mem)"),
+    ms["optax"] / ms["gtx"] if "optax" in ms else "-",
+    ms["ref"] / ms["gtx"],
+    floor * 1e3,
+    ms["gtx"] / (floor * 1e3),
+    ms["gtx"] / (floor_inplace * 1e3),
+    "interleaved" if interleaved else "sequential",
+  ]
+
+
+def _default_mem_bytes() -> float:
+  dev = jax.devices()[0]
+  stats = dev.memory_stats() if dev.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    return 0.5 * stats["bytes_limit"]
+  return 8 * 2**30
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument(
+    "--rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000]
+  )
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument(
+    "--mem-gib",
+    type=float,
+    default=None,
+    help="memory the benchmark may hold at once (default 8 GiB on CPU, "
+    "half the device memory on accelerators)",
+  )
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.rows, args.ids = [20_000, 200_000], 1024
+  mem_bytes = (
+    args.mem_gib * 2**30 if args.mem_gib is not None else _default_mem_bytes()
+  )
+  bandwidth = copy_bandwidth()
+  bandwidth_inplace = inplace_bandwidth()
+  rows = []
+  for r in args.rows:
+    rows.append(
+      run(r, args.dim, args.ids, mem_bytes, bandwidth, bandwidth_inplace)
+    )
+    print(rows[-1], flush=True)
+  headline = []
+  for r in rows:
+    if isinstance(r[6], float):
+      headline.append(
+        {
+          "metric": f"lazy_adam speed-up vs optax.adam ({r[0]})",
+          "value": round(r[6], 1),
+          "target": ">= 15x at 1M rows",
+        }
+      )
+    headline.append(
+      {
+        "metric": f"lazy_adam / bandwidth floor ({r[0]})",
+        "value": round(r[9], 2),
+        "target": "<= 4x",
+      }
+    )
+  write_results(
+    "lazy_adam",
+    "Lazy Adam step: gradtx vs optax.adam (dense) vs plain-jnp lazy step",
+    [
+      "table",
+      "ids/step",
+      "unique rows",
+      "gtx ms",
+      "jnp ref ms",
+      "optax.adam ms",
+      "speed-up vs optax",
+      "jnp ref / gtx",
+      "floor ms",
+      "gtx / floor",
+      "gtx / in-place floor",
+      "timing",
+    ],
+    rows,
+    notes=(
+      "All jitted with params and state donated; median of 15 steps, "
+      "round-robin when all variants fit in memory together, else one "
+      "after the other. optax.adam gets the dense [rows, dim] gradient; "
+      "it is skipped where params, m, v and the gradient would exceed "
+      f"{mem_bytes / 2**30:.0f} GiB. floor = bytes a lazy step must move "
+      "(read+write the touched rows of params, m and v, read the gradient) "
+      f"/ measured copy bandwidth (`copy_bandwidth()`, {bandwidth / 1e9:.1f}"
+      " GB/s, a fresh output buffer per call); the in-place floor uses the "
+      f"bandwidth of a donated in-place `a + 1` ({bandwidth_inplace / 1e9:.1f}"
+      " GB/s)."
+    ),
+    extra={
+      "headline": headline,
+      "copy_bandwidth": bandwidth,
+      "inplace_bandwidth": bandwidth_inplace,
+    },
+  )
+
+
+if __name__ == "__main__":
+  main()

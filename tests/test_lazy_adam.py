@@ -1,0 +1,602 @@
+"""Lazy Adam: scale_by_lazy_adam, lazy_adam, lazy_adamw (and catch_up)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import references_lazy_adam as ref
+from conformance import CHECKS, Case
+
+import gradtx as gtx
+
+SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
+SPARSE = ("emb", "tab")
+
+
+def make_params(seed=0, dtype=jnp.float32):
+  rng = np.random.RandomState(seed)
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+
+
+def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
+  """Random ids with a forced duplicate and two padding ids."""
+  ids = rng.randint(0, num_rows, size=n)
+  ids[1] = ids[0]
+  ids[2] = -1
+  ids[3] = num_rows + 2
+  vals = rng.normal(size=(n, *row_shape)) * scale
+  return gtx.SparseRows(
+    jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), num_rows
+  )
+
+
+def make_grads(step, n=9, dtype=jnp.float32):
+  rng = np.random.RandomState(1000 + step)
+  out = {}
+  for k, s in SHAPES.items():
+    if k in SPARSE:
+      out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
+    else:
+      out[k] = jnp.asarray(rng.normal(size=s), dtype)
+  return out
+
+
+def to_ref(grads):
+  return {
+    k: (np.asarray(g.indices), np.asarray(g.values), g.num_rows)
+    if isinstance(g, gtx.SparseRows)
+    else np.asarray(g)
+    for k, g in grads.items()
+  }
+
+
+def step_fn(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state
+
+  return step
+
+
+def lazy_state(state):
+  """The ScaleByLazyAdam(CatchUp)State inside a chain's state."""
+  return state[0]
+
+
+SCHEDULE = optax.linear_schedule(0.1, 0.01, 30)
+CONFIGS = {
+  "adam_schedule": (
+    lambda cu: gtx.lazy_adam(SCHEDULE, catch_up=cu),
+    dict(lr=SCHEDULE),
+  ),
+  "adamw_mask": (
+    lambda cu: gtx.lazy_adamw(
+      0.05,
+      weight_decay=0.1,
+      catch_up=cu,
+      mask={"emb": True, "tab": False, "w": True, "b": False},
+    ),
+    dict(
+      lr=0.05,
+      weight_decay=0.1,
+      decay_mask={"emb": True, "tab": False, "w": True, "b": False},
+    ),
+  ),
+  "betas_eps_root": (
+    lambda cu: gtx.lazy_adam(
+      0.05, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-14, catch_up=cu
+    ),
+    dict(lr=0.05, b1=0.8, b2=0.99, eps=1e-7, eps_root=1e-14),
+  ),
+}
+
+
+# ----------------------------------------------------------------------------
+# Against the numpy reference
+
+
+@pytest.mark.parametrize("catch_up", [False, True], ids=["lazy", "catch_up"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_numpy_reference(config, catch_up):
+  make_tx, kw = CONFIGS[config]
+  kw = dict(kw)
+  lr = kw.pop("lr")
+  lr_fn = lr if callable(lr) else (lambda _: lr)
+  params = make_params()
+  tx = make_tx(catch_up)
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  r = ref.LazyAdam(
+    {k: np.asarray(v) for k, v in params.items()},
+    lr_fn,
+    catch_up=catch_up,
+    **kw,
+  )
+  for i in range(20):
+    g = make_grads(i)
+    params, state = step(params, state, g)
+    r.step(to_ref(g))
+  s = lazy_state(state)
+  for k in SHAPES:
+    np.testing.assert_allclose(params[k], r.p[k], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.mu[k], r.m[k], rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(s.nu[k], r.v[k], rtol=2e-5, atol=1e-9)
+    if catch_up:
+      np.testing.assert_array_equal(s.last_step[k], r.last[k])
+  assert int(s.count) == 20
+
+
+# ----------------------------------------------------------------------------
+# Equal to optax when every row is touched
+
+
+def all_rows_grads(step, dtype=jnp.float32):
+  """Dense grads, and the same as SparseRows that touch every row exactly
+  once (in a shuffled order) plus padding."""
+  rng = np.random.RandomState(2000 + step)
+  dense, sparse = {}, {}
+  for k, s in SHAPES.items():
+    g = rng.normal(size=s).astype(np.float32)
+    dense[k] = jnp.asarray(g, dtype)
+    if k in SPARSE:
+      perm = rng.permutation(s[0])
+      ids = np.concatenate([perm, [s[0], -1]])
+      vals = np.concatenate([g[perm], np.ones((2, *s[1:]), np.float32)])
+      sparse[k] = gtx.SparseRows(
+        jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), s[0]
+      )
+    else:
+      sparse[k] = dense[k]
+  return dense, sparse
+
+
+OPTAX_PAIRS = {
+  "adam": (lambda: gtx.lazy_adam(0.05), lambda: optax.adam(0.05)),
+  "adamw_schedule_eps_root": (
+    lambda: gtx.lazy_adamw(SCHEDULE, eps_root=1e-6, weight_decay=0.1),
+    lambda: optax.adamw(SCHEDULE, eps_root=1e-6, weight_decay=0.1),
+  ),
+  "adam_catch_up": (
+    lambda: gtx.lazy_adam(0.05, catch_up=True),
+    lambda: optax.adam(0.05),
+  ),
+  "mu_bf16": (
+    lambda: gtx.lazy_adam(0.05, mu_dtype=jnp.bfloat16),
+    lambda: optax.adam(0.05, mu_dtype=jnp.bfloat16),
+  ),
+}
+
+
+def _run_pair(ours, theirs, jit, steps=4, dtype=jnp.float32):
+  params = make_params(dtype=dtype)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+
+  def step_theirs(p, s, g):
+    u, s = theirs.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  f_ours, f_theirs = step_fn(ours), step_theirs
+  if jit:
+    f_ours, f_theirs = jax.jit(f_ours), jax.jit(f_theirs)
+  p_ours = p_theirs = params
+  for i in range(steps):
+    dense, sparse = all_rows_grads(i, dtype)
+    p_ours, s_ours = f_ours(p_ours, s_ours, sparse)
+    p_theirs, s_theirs = f_theirs(p_theirs, s_theirs, dense)
+  return p_ours, s_ours, p_theirs, s_theirs
+
+
+@pytest.mark.parametrize("pair", list(OPTAX_PAIRS))
+def test_all_rows_touched_equals_optax(pair):
+  make_ours, make_theirs = OPTAX_PAIRS[pair]
+  # Jitted: the moments of every leaf and the dense params are still
+  # optax's bits. Sparse params may differ in the last bit or two: XLA's CPU
+  # fusion contracts a*b+c into an FMA differently when the final add is a
+  # scatter rather than an elementwise add.
+  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
+    make_ours(), make_theirs(), jit=True
+  )
+  for k in SHAPES:
+    np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])
+    np.testing.assert_array_equal(s_ours[0].nu[k], s_theirs[0].nu[k])
+    if k in SPARSE:  # |params| < 4: an f32 ulp is at most 2.4e-7
+      np.testing.assert_allclose(p_ours[k], p_theirs[k], rtol=0, atol=5e-7)
+    else:
+      np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
+
+
+def test_all_rows_touched_equals_optax_bitwise_op_by_op():
+  # Op by op (no jit): every leaf, sparse ones included, is optax's bits.
+  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
+    gtx.lazy_adam(0.05), optax.adam(0.05), jit=False, steps=2
+  )
+  for k in SHAPES:
+    np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
+    np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])
+    np.testing.assert_array_equal(s_ours[0].nu[k], s_theirs[0].nu[k])
+
+
+@pytest.mark.parametrize("mu_dtype", [None, jnp.float32], ids=["bf16", "f32"])
+def test_bf16_params_stay_bf16_and_match_optax(mu_dtype):
+  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
+    gtx.lazy_adam(0.05, mu_dtype=mu_dtype),
+    optax.adam(0.05, mu_dtype=mu_dtype),
+    jit=True,
+    dtype=jnp.bfloat16,
+  )
+  for k in SHAPES:
+    assert p_ours[k].dtype == jnp.bfloat16
+    assert s_ours[0].mu[k].dtype == (mu_dtype or jnp.bfloat16)
+    assert s_ours[0].nu[k].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])
+    np.testing.assert_array_equal(s_ours[0].nu[k], s_theirs[0].nu[k])
+    ours = np.asarray(p_ours[k], np.float32)
+    theirs = np.asarray(p_theirs[k], np.float32)
+    if k in SPARSE and mu_dtype is not None:
+      # float32 updates: gtx.apply_updates rounds a SparseRows update to
+      # bf16 before its in-place scatter-add, optax adds in float32 and
+      # rounds once. |params| < 4, so a bf16 ulp is at most 2**-6.
+      np.testing.assert_allclose(ours, theirs, rtol=0, atol=2**-5)
+    else:
+      np.testing.assert_array_equal(ours, theirs)
+
+
+# ----------------------------------------------------------------------------
+# Untouched rows, determinism
+
+
+@pytest.mark.parametrize("catch_up", [False, True], ids=["lazy", "catch_up"])
+def test_untouched_rows_unchanged_bit_for_bit(catch_up):
+  tx = gtx.lazy_adamw(0.1, weight_decay=0.1, catch_up=catch_up)
+  params = make_params()
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  for i in range(3):
+    params, state = step(params, state, make_grads(i))
+  g = make_grads(7)
+  new_params, new_state = step(params, state, g)
+  s, ns = lazy_state(state), lazy_state(new_state)
+  for k in SPARSE:
+    idx = np.asarray(g[k].indices)
+    touched = np.zeros(SHAPES[k][0], bool)
+    touched[idx[(idx >= 0) & (idx < SHAPES[k][0])]] = True
+    assert 0 < touched.sum() < len(touched)
+    trees = [(params, new_params), (s.mu, ns.mu), (s.nu, ns.nu)]
+    if catch_up:
+      trees += [(s.last_step, ns.last_step), (s.future_sum, ns.future_sum)]
+    for before, after in trees:
+      a, b = np.asarray(before[k]), np.asarray(after[k])
+      assert a[~touched].tobytes() == b[~touched].tobytes()
+      assert not np.array_equal(a[touched], b[touched])
+
+
+def test_deterministic_with_duplicates():
+  def run():
+    tx = gtx.lazy_adam(0.05, catch_up=True)
+    params = {"emb": make_params()["emb"]}
+    state = tx.init(params)
+    # A fresh function object each run: compiled anew.
+    step = jax.jit(lambda p, s, g: step_fn(tx)(p, s, g))
+    for i in range(4):
+      g = make_grads(i, n=32)["emb"]
+      # many duplicates of a few rows
+      g = {"emb": gtx.SparseRows(g.indices % 5, g.values, 40)}
+      params, state = step(params, state, g)
+    return [np.asarray(x) for x in jax.tree.leaves((params, state))]
+
+  first, second = run(), run()
+  for a, b in zip(first, second, strict=True):
+    assert a.tobytes() == b.tobytes()
+
+
+# ----------------------------------------------------------------------------
+# Catch-up
+
+
+def test_catch_up_equals_dense_adam_on_fixed_gradients():
+  """A gradient sequence that is zero on the rows it does not list: dense
+  Adam on it, and lazy Adam with catch-up, agree once every row has been
+  touched again (the last step lists every row)."""
+  num_rows, dim, steps = 64, 4, 40
+  rng = np.random.RandomState(5)
+  seq = []
+  for i in range(steps):
+    ids = np.arange(num_rows)  # the last step lists every row
+    if i < steps - 1:  # the others 6 (uneven) rows, the rest padding
+      ids = np.full(num_rows, -1)
+      ids[:6] = rng.randint(0, num_rows, size=6) ** 2 % num_rows
+    vals = rng.normal(size=(len(ids), dim)).astype(np.float32)
+    seq.append(gtx.SparseRows(jnp.asarray(ids, jnp.int32), vals, num_rows))
+  p0 = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
+
+  def run(tx, densify):
+    p, s = p0, tx.init(p0)
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g.to_dense() if densify else g, s, p)
+      return gtx.apply_updates(p, u), s
+
+    for g in seq:
+      p, s = step(p, s, g)
+    return np.asarray(p)
+
+  dense = run(optax.adam(0.01), True)
+  caught = run(gtx.lazy_adam(0.01, catch_up=True), False)
+  lazy = run(gtx.lazy_adam(0.01), False)
+  np.testing.assert_allclose(caught, dense, rtol=1e-5, atol=1e-6)
+  # ... and the check can fail: plain lazy is far off.
+  assert np.abs(lazy - dense).max() > 1e-2
+
+
+def test_catch_up_epsilon_error_within_documented_bound():
+  """Tiny gradients, where eps matters: the closed-form drift is within
+  the docstring's bound of the exact step-by-step drift, and errs on the
+  documented side."""
+  eps, eps_root, b1, b2 = 1e-8, 1e-18, 0.9, 0.999
+  num_rows, dim, k = 2, 16, 25
+  rng = np.random.RandomState(3)
+  g0 = (rng.lognormal(size=(1, dim)) * 1e-8).astype(np.float32)
+  tx = gtx.scale_by_lazy_adam(b1, b2, eps, eps_root, catch_up=True)
+  state = tx.init(jnp.zeros((num_rows, dim)))
+  update = jax.jit(tx.update)
+
+  def rows(i, v):
+    return gtx.SparseRows(jnp.array([i]), jnp.asarray(v, jnp.float32), 2)
+
+  _, state = update(rows(0, g0), state)  # row 0 at step 1
+  for _ in range(k):  # row 0 skips k steps
+    _, state = update(rows(1, np.ones((1, dim))), state)
+  u, _ = update(rows(0, np.zeros((1, dim))), state)  # step k + 2
+  # Exact: moments after step 1, k skipped steps, then step k + 2.
+  m = (1 - b1) * g0[0].astype(np.float64)
+  v = (1 - b2) * m**2 / (1 - b1) ** 2
+  drift, m_k, v_k = ref.skipped_drift(m, v, 1, k, b1, b2, eps, eps_root)
+  d_now = ref.adam_direction(b1 * m_k, b2 * v_k, k + 2, b1, b2, eps, eps_root)
+  ours = np.asarray(u.values[0], np.float64) - d_now
+  rel = (ours - drift) / ours
+  delta = eps + np.sqrt(eps_root)
+  v_hat_k = b2**k * v / (1 - b2 ** (k + 1))
+  bound = delta / (np.sqrt(v_hat_k) + delta)
+  assert np.all(rel >= -1e-4), rel
+  assert np.all(rel <= bound + 1e-4), (rel, bound)
+  assert rel.max() > 0.01  # eps does matter here: the check can fail
+
+
+def _trajectory(kind, lr, steps=300, num_rows=200, dim=4):
+  """Embedding regression with Zipf-distributed ids, then one batch of
+  every row (which applies any catch-up still pending); returns params."""
+  rng = np.random.RandomState(0)
+  target = jnp.asarray(rng.normal(size=(num_rows,)), jnp.float32)
+  prob = 1.0 / np.arange(1, num_rows + 1) ** 1.2
+  batches = rng.choice(num_rows, size=(steps, 16), p=prob / prob.sum())
+  params = {
+    "emb": jnp.asarray(rng.normal(size=(num_rows, dim)) * 0.1, jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(dim,)), jnp.float32),
+  }
+
+  def loss(p, ids):
+    pred = gtx.lookup(p["emb"], ids) @ p["w"]
+    return jnp.mean((pred - target[ids]) ** 2)
+
+  if kind == "dense":
+    tx, grad = optax.adam(lr), jax.grad(loss)
+  else:
+    tx = gtx.lazy_adam(lr, catch_up=kind == "catch_up")
+    grad = gtx.sparse_grad(loss)
+
+  def step(carry, ids):
+    p, s = carry
+    u, s = tx.update(grad(p, ids), s, p)
+    return (gtx.apply_updates(p, u), s), None
+
+  @jax.jit
+  def run(carry, batches, last):
+    carry, _ = jax.lax.scan(step, carry, batches)
+    return step(carry, last)[0][0]
+
+  return run(
+    (params, tx.init(params)),
+    jnp.asarray(batches, jnp.int32),
+    jnp.arange(num_rows, dtype=jnp.int32),
+  )
+
+
+def test_catch_up_tracks_dense_adam_trajectory():
+  # The catch-up error left is that a row's gradient is taken before its
+  # pending drift is applied: it shrinks like lr**2, the lazy error like lr.
+  dense, lazy, caught = (
+    _trajectory(k, lr=1e-3) for k in ("dense", "lazy", "catch_up")
+  )
+
+  def dist(p):
+    return float(
+      jnp.sqrt(sum(jnp.sum((p[k] - dense[k]) ** 2) for k in ("emb", "w")))
+    )
+
+  d_lazy, d_caught = dist(lazy), dist(caught)
+  print(f"distance to dense Adam: lazy {d_lazy:.4g}, catch_up {d_caught:.4g}")
+  assert d_caught < 0.1 * d_lazy, (d_lazy, d_caught)
+
+
+def test_catch_up_with_injected_hyperparams():
+  """inject_hyperparams passes b1, b2 as traced arrays; catch-up works."""
+  params = {"emb": make_params()["emb"]}
+  ours = gtx.lazy_adam(0.05, catch_up=True)
+  injected = optax.inject_hyperparams(gtx.lazy_adam, static_args="catch_up")(
+    learning_rate=0.05, catch_up=True
+  )
+  p1, s1, p2, s2 = params, ours.init(params), params, injected.init(params)
+  f1, f2 = jax.jit(step_fn(ours)), jax.jit(step_fn(injected))
+  for i in range(8):
+    g = {"emb": make_grads(i)["emb"]}
+    p1, s1 = f1(p1, s1, g)
+    p2, s2 = f2(p2, s2, g)
+  # Injected hyperparameters are float32 arrays rather than Python floats
+  # (1 - b1 rounds differently), so agreement is to float32 accuracy.
+  np.testing.assert_allclose(p1["emb"], p2["emb"], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# inject_hyperparams, chains
+
+
+def test_inject_hyperparams_learning_rate():
+  params = make_params()
+  tx = optax.inject_hyperparams(gtx.lazy_adam)(learning_rate=0.05)
+  plain = gtx.lazy_adam(0.05)
+  s, sp = tx.init(params), plain.init(params)
+  step, step_plain = jax.jit(step_fn(tx)), jax.jit(step_fn(plain))
+  p = pp = params
+  for i in range(4):
+    p, s = step(p, s, make_grads(i))
+    pp, sp = step_plain(pp, sp, make_grads(i))
+  for k in SHAPES:  # injected hyperparameters are float32 arrays
+    np.testing.assert_allclose(p[k], pp[k], rtol=1e-5, atol=1e-5)
+  # Changing the injected rate changes the step by that factor.
+  s.hyperparams["learning_rate"] = jnp.asarray(0.5)
+  g = make_grads(9)
+  p_big, _ = step(p, s, g)
+  s.hyperparams["learning_rate"] = jnp.asarray(0.05)
+  p_small, _ = step(p, s, g)
+  np.testing.assert_allclose(
+    p_big["w"] - p["w"], 10 * (p_small["w"] - p["w"]), rtol=1e-4
+  )
+
+
+def test_clip_then_lazy_adam_in_optax_chain():
+  tx = optax.chain(gtx.clip_by_global_norm(1.0), gtx.lazy_adam(0.1))
+  params = make_params()
+  state = tx.init(params)
+  params, state = jax.jit(step_fn(tx))(params, state, make_grads(0))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------
+# Cost: only the touched rows
+
+
+@pytest.mark.parametrize("catch_up", [False, True], ids=["lazy", "catch_up"])
+def test_compiled_step_touches_only_gradient_rows(catch_up):
+  num_rows, dim, n = 50_021, 8, 64
+  tx = gtx.lazy_adamw(0.1, catch_up=catch_up)
+  params = {"emb": jnp.zeros((num_rows, dim)), "w": jnp.zeros(3)}
+  state = tx.init(params)
+  g = {
+    "emb": gtx.SparseRows(jnp.zeros(n, jnp.int32), jnp.ones((n, dim)), 50_021),
+    "w": jnp.ones(3),
+  }
+  compiled = (
+    jax.jit(step_fn(tx), donate_argnums=(0, 1))
+    .lower(params, state, g)
+    .compile()
+  )
+  # Every op that produces a whole-table value is an in-place scatter.
+  entry = compiled.as_text().split("ENTRY", 1)[1]
+  whole = [
+    line.strip()
+    for line in entry.splitlines()
+    if re.search(rf"= [a-z0-9]+\[{num_rows}(,{dim})?\]", line)
+    and "parameter(" not in line
+  ]
+  assert whole, "the check can fail: the table updates must show up"
+  for line in whole:
+    assert re.search(r"scatter", line), line
+  mem = compiled.memory_analysis()
+  table_bytes = num_rows * dim * 4
+  assert mem.temp_size_in_bytes < table_bytes / 20
+  assert mem.alias_size_in_bytes >= 3 * table_bytes  # params, mu, nu
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+
+
+# Errors are raised at trace time: jax.eval_shape traces without compiling.
+
+
+def test_bad_sparse_rows_raise():
+  params = make_params()
+  tx = gtx.lazy_adam(0.1)
+  state = tx.init(params)
+  g = make_grads(0)
+  bad_rows = dict(g, emb=gtx.SparseRows(g["emb"].indices, g["emb"].values, 41))
+  with pytest.raises(ValueError, match="num_rows=41.*shape"):
+    jax.eval_shape(tx.update, bad_rows, state, params)
+  bad_row_shape = dict(
+    g, emb=gtx.SparseRows(g["emb"].indices, jnp.ones((9, 4)), 40)
+  )
+  with pytest.raises(ValueError, match=r"row shape \(4,\)"):
+    jax.eval_shape(tx.update, bad_row_shape, state, params)
+  # Without params, the state's shapes are checked.
+  with pytest.raises(ValueError, match="optimizer state"):
+    jax.eval_shape(tx.update, bad_rows, state)
+
+
+def test_sparse_rows_where_state_has_no_moments_raises():
+  params = dict(make_params(), emb=None)
+  tx = gtx.scale_by_lazy_adam()
+  state = tx.init(params)
+  g = dict(make_grads(0))
+  with pytest.raises(ValueError, match="holds no moments"):
+    jax.eval_shape(tx.update, g, state)
+
+
+def test_sparse_rows_at_dense_only_catch_up_state_raises():
+  params = make_params()
+  tx = gtx.scale_by_lazy_adam(catch_up=True)
+  state = tx.init(params)
+  # a state whose catch-up entry for "emb" belongs to another leaf
+  state = state._replace(
+    last_step=dict(state.last_step, emb=jnp.zeros([], jnp.int32))
+  )
+  with pytest.raises(ValueError, match="catch-up state"):
+    jax.eval_shape(tx.update, make_grads(0), state)
+
+
+def test_tree_mismatch_and_bad_betas_raise():
+  tx = gtx.lazy_adam(0.1)
+  state = tx.init(make_params())
+  with pytest.raises(ValueError, match="tree structure"):
+    jax.eval_shape(tx.update, {"emb": jnp.ones((40, 3))}, state)
+  with pytest.raises(ValueError, match="b1 < sqrt\\(b2\\)"):
+    gtx.lazy_adam(0.1, b1=0.99, b2=0.9, catch_up=True)
+
+
+def test_dense_optax_transform_after_lazy_adam_raises():
+  tx = optax.chain(gtx.scale_by_lazy_adam(), optax.scale(-0.1))
+  params = make_params()
+  with pytest.raises(TypeError, match="SparseRows"):
+    jax.eval_shape(tx.update, make_grads(0), tx.init(params), params)
+
+
+# ----------------------------------------------------------------------------
+# Conformance
+
+CASES = [
+  Case("scale_by_lazy_adam", lambda: gtx.scale_by_lazy_adam()),
+  Case("lazy_adam", lambda: gtx.lazy_adam(0.05)),
+  Case(
+    "lazy_adam_schedule",
+    lambda: gtx.lazy_adam(optax.cosine_decay_schedule(0.1, 10)),
+  ),
+  Case("lazy_adamw", lambda: gtx.lazy_adamw(0.05, weight_decay=0.1)),
+  Case("lazy_adam_catch_up", lambda: gtx.lazy_adam(0.05, catch_up=True)),
+  # A bf16 first moment rounds differently when jit fuses its update into
+  # an FMA; one bf16 ulp of m moves later steps by ~1e-4 (optax.adam with
+  # mu_dtype=bf16 does the same).
+  Case(
+    "lazy_adam_mu_bf16",
+    lambda: gtx.lazy_adam(0.05, mu_dtype=jnp.bfloat16),
+    rtol=1e-3,
+  ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("check", CHECKS)
+def test_conformance(case, check):
+  check(case)
