@@ -1,0 +1,66 @@
+"""Runs every benchmark, makes the plots, prints one table of ratios.
+
+  python -m benchmarks [--quick] [--only NAME ...]
+
+Each benchmark runs in its own process (clean memory, its own device
+flags) and writes ``benchmarks/results/<name>.md|json``; the plots are made
+from those files by ``benchmarks.plots``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from benchmarks._common import RESULTS, machine, markdown_table
+
+BENCHMARKS = ["sparse_grad", "lazy_adam", "accumulate", "staleness", "mirrored"]
+
+
+def headlines() -> list[list]:
+  rows = []
+  for name in BENCHMARKS:
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+      continue
+    for h in json.loads(path.read_text()).get("headline", []):
+      rows.append([name, h["metric"], h["value"], h.get("target", "")])
+  return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="small sizes")
+  parser.add_argument("--only", nargs="+", choices=BENCHMARKS)
+  args = parser.parse_args(argv)
+  failed = []
+  for name in args.only or BENCHMARKS:
+    cmd = [sys.executable, "-m", f"benchmarks.{name}"]
+    cmd += ["--quick"] if args.quick else []
+    print(f"\n=== {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    if subprocess.run(cmd).returncode:
+      failed.append(name)
+    print(f"=== {name}: {time.perf_counter() - t0:.0f}s", flush=True)
+  subprocess.run([sys.executable, "-m", "benchmarks.plots"], check=False)
+  m = machine()
+  table = markdown_table(
+    ["benchmark", "metric", "value", "target"], headlines()
+  )
+  print(
+    f"\n## Headline ratios ({m['cpu']}, {m['cores']} cores, "
+    f"JAX {m['jax']})\n\n{table}"
+  )
+  (RESULTS / "summary.md").write_text(
+    f"## Headline ratios\n\nMachine: {m['cpu']}, {m['cores']} cores, "
+    f"backend {m['backend']}, JAX {m['jax']}.\n\n{table}\n"
+  )
+  if failed:
+    raise SystemExit(f"failed: {failed}")
+
+
+if __name__ == "__main__":
+  main()
