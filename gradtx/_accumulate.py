@@ -428,7 +428,7 @@ def accumulate(
       is_leaf=lambda x: x is None or isinstance(x, SparseRows),
     )
     prepared = [
-      prepare_leaf(jax.tree_util.keystr(path), g, a)
+      prepare_leaf(jax.tree_util.keystr(path) or "the root", g, a)
       for (path, a), g in zip(
         acc_paths, acc_def.flatten_up_to(updates), strict=True
       )

@@ -186,7 +186,6 @@ class SparseRows:
       return SparseRows(idx, self._values, self._num_rows)
     order = jnp.argsort(idx, stable=True)
     sidx = idx[order]
-    svals = self._values[order]
     first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
     seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
     uniq = jnp.full([n], self._num_rows, jnp.int32)
@@ -194,14 +193,14 @@ class SparseRows:
       sidx, mode="drop", unique_indices=True
     )
     summed = lax.platform_dependent(
-      svals,
-      first,
+      self._values,
+      order,
       seg,
       cuda=_segment_sum_scan,
       rocm=_segment_sum_scan,
       default=_segment_sum_scatter,
     )
-    keep = (uniq < self._num_rows).reshape((n,) + (1,) * (svals.ndim - 1))
+    keep = (uniq < self._num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
     summed = jnp.where(keep, summed, jnp.zeros_like(summed))
     return SparseRows(uniq, summed, self._num_rows)
 
@@ -216,20 +215,29 @@ class SparseRows:
 
 
 def _segment_sum_scatter(
-  svals: jax.Array, first: jax.Array, seg: jax.Array
+  values: jax.Array, order: jax.Array, seg: jax.Array
 ) -> jax.Array:
-  # Sorted segment ids; a sequential scatter (CPU/TPU) adds in input order.
-  del first
-  return jax.ops.segment_sum(
-    svals, seg, num_segments=svals.shape[0], indices_are_sorted=True
+  """Sums rows into their segments with one scatter-add of the unsorted rows.
+
+  ``seg`` is the segment of each *sorted* position; scattering the segment
+  ids back through ``order`` avoids gathering the rows into sorted order. A
+  scatter on CPU/TPU is sequential: the sum runs in input order, always.
+  """
+  n = values.shape[0]
+  seg_of_input = (
+    jnp.zeros([n], jnp.int32).at[order].set(seg, unique_indices=True)
   )
+  return jax.ops.segment_sum(values, seg_of_input, num_segments=n)
 
 
 def _segment_sum_scan(
-  svals: jax.Array, first: jax.Array, seg: jax.Array
+  values: jax.Array, order: jax.Array, seg: jax.Array
 ) -> jax.Array:
-  """Segmented sum by an associative scan: no atomics, fixed order."""
-  n = svals.shape[0]
+  """Sums rows into their segments by a segmented associative scan over the
+  sorted rows: no atomics, so the order of additions is fixed on GPUs."""
+  n = values.shape[0]
+  svals = values[order]
+  first = jnp.concatenate([jnp.ones([1], bool), seg[1:] != seg[:-1]])
 
   def combine(a, b):
     fa, va = a

@@ -394,6 +394,39 @@ def sparse_grad(
 # apply_updates
 
 
+def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
+  # Each row is written once: add in the wider dtype, round once (as
+  # optax.apply_updates does for dense leaves), deterministic everywhere.
+  u = u.coalesce()
+  rows = _gather(p, u.indices)
+  new = (rows + u.values).astype(p.dtype)
+  return p.at[u.indices].set(
+    new, mode="drop", unique_indices=True, indices_are_sorted=True
+  )
+
+
+def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
+  """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
+
+  A plain scatter-add where it is exact and deterministic (CPU/TPU scatters
+  are sequential); on GPUs, whose scatter-add is atomic, and for updates
+  wider than the param (float32 rows into a bf16 table, which a cast-then-add
+  would round twice) the rows are coalesced and written once.
+  """
+  if jnp.dtype(u.dtype).itemsize > jnp.dtype(p.dtype).itemsize:
+    return _add_unique_rows(p, u)
+
+  def direct(p, idx, vals):
+    return p.at[idx].add(vals.astype(p.dtype), mode="drop")
+
+  def unique(p, idx, vals):
+    return _add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
+
+  return lax.platform_dependent(
+    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
+  )
+
+
 def _check_rows_match(u: SparseRows, p: Any, what: str) -> None:
   shape = tuple(jnp.shape(p))
   if not shape or u.shape != shape:
@@ -437,8 +470,13 @@ def apply_updates(params: Any, updates: Any) -> Any:
       return p
     if isinstance(u, SparseRows):
       _check_rows_match(u, p, "gradtx.apply_updates")
-      p = jnp.asarray(p)
-      return p.at[u.valid_indices()].add(u.values.astype(p.dtype), mode="drop")
+      return _scatter_add_rows(jnp.asarray(p), u)
+    if jnp.shape(u) != jnp.shape(p):
+      raise ValueError(
+        f"gradtx.apply_updates: an update of shape {jnp.shape(u)} for a "
+        f"parameter of shape {jnp.shape(p)}. Updates must have their "
+        "parameter's shape (no broadcasting)."
+      )
     return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
   return tree_map(apply, updates, params)

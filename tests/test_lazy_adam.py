@@ -600,3 +600,10 @@ CASES = [
 @pytest.mark.parametrize("check", CHECKS)
 def test_conformance(case, check):
   check(case)
+
+
+def test_dense_gradient_of_wrong_shape_is_an_error():
+  tx = gtx.lazy_adam(0.1)
+  p = jnp.ones(3)
+  with pytest.raises(ValueError, match=r"shape \(3, 1\).*shape \(3,\)"):
+    tx.update(jnp.ones((3, 1)), tx.init(p), p)

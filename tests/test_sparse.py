@@ -70,15 +70,18 @@ def test_coalesce_scan_path_matches_scatter_path():
   from gradtx._base import _segment_sum_scan, _segment_sum_scatter
 
   rng = np.random.RandomState(0)
-  sidx = np.sort(rng.randint(0, 9, size=50))
-  first = np.concatenate([[True], sidx[1:] != sidx[:-1]])
-  seg = np.cumsum(first) - 1
+  idx = rng.randint(0, 9, size=50)
+  order = np.argsort(idx, kind="stable")
+  sidx = idx[order]
+  seg = np.cumsum(np.concatenate([[True], sidx[1:] != sidx[:-1]])) - 1
   vals = rng.randint(-5, 5, size=(50, 3)).astype(np.float32)
-  a = _segment_sum_scan(jnp.asarray(vals), jnp.asarray(first), jnp.asarray(seg))
-  b = _segment_sum_scatter(
-    jnp.asarray(vals), jnp.asarray(first), jnp.asarray(seg)
-  )
+  args = jnp.asarray(vals), jnp.asarray(order), jnp.asarray(seg, jnp.int32)
+  a = _segment_sum_scan(*args)
+  b = _segment_sum_scatter(*args)
   np.testing.assert_array_equal(a, b)
+  want = np.zeros_like(vals)
+  np.add.at(want, seg[np.argsort(order)], vals)
+  np.testing.assert_array_equal(b, want)
 
 
 @pytest.mark.parametrize(
@@ -505,3 +508,32 @@ def test_sparse_grad_inside_shard_map(check_vma):
   if not check_vma:
     local = jax.grad(loss_one_table)(_params(), _ids(16)[:2])
     np.testing.assert_allclose(ours["emb"][0], local["emb"], atol=1e-6)
+
+
+def test_apply_updates_rounds_once_into_bf16_like_optax():
+  rng = np.random.RandomState(0)
+  table = jnp.asarray(rng.normal(size=(6, 3)), jnp.bfloat16)
+  u = gtx.SparseRows(
+    jnp.array([4, 1, 4, 9]), jnp.asarray(rng.normal(size=(4, 3)) * 1e-2), 6
+  )
+  got = gtx.apply_updates(table, u)
+  want = optax.apply_updates(table, u.to_dense())
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+    np.asarray(got, np.float32), np.asarray(want, np.float32)
+  )
+
+
+def test_apply_updates_gpu_path_matches_cpu_path():
+  from gradtx._sparse import _add_unique_rows
+
+  p = jnp.asarray(np.random.RandomState(1).normal(size=(7, 2)), jnp.float32)
+  u = gtx.SparseRows(jnp.array([3, -1, 3, 6, 0]), jnp.ones((5, 2)) * 0.5, 7)
+  np.testing.assert_allclose(
+    _add_unique_rows(p, u), gtx.apply_updates(p, u), rtol=1e-7
+  )
+
+
+def test_apply_updates_rejects_broadcasting_dense_update():
+  with pytest.raises(ValueError, match=r"shape \(3,\).*shape \(1,\)"):
+    gtx.apply_updates(jnp.ones(1), jnp.ones(3))
