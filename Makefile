@@ -17,7 +17,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(PY) -m examples.demo $(ARGS)

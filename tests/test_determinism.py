@@ -136,12 +136,12 @@ def test_coalesce_is_deterministic_on_both_code_paths():
 
   idx = g.valid_indices()
   order = jnp.argsort(idx, stable=True)
-  sidx, svals = idx[order], g.values[order]
+  sidx = idx[order]
   first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
   seg = jnp.cumsum(first, dtype=jnp.int32) - 1
   for fn in (_segment_sum_scan, _segment_sum_scatter):
-    a = jax.jit(fn)(svals, first, seg)
-    b = jax.jit(lambda *x, fn=fn: fn(*x))(svals, first, seg)
+    a = jax.jit(fn)(g.values, order, seg)
+    b = jax.jit(lambda *x, fn=fn: fn(*x))(g.values, order, seg)
     np.testing.assert_array_equal(a, b)
     # Row j of the result is segment j; segment of the padding is last.
     np.testing.assert_allclose(
