@@ -18,12 +18,13 @@ import time
 from benchmarks._common import RESULTS, machine, markdown_table
 
 BENCHMARKS = ["sparse_grad", "lazy_adam", "accumulate", "staleness", "mirrored"]
+RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
 
 def headlines() -> list[list]:
   rows = []
   for name in BENCHMARKS:
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / f"{RESULT_NAME.get(name, name)}.json"
     if not path.exists():
       continue
     for h in json.loads(path.read_text()).get("headline", []):
