@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--only", nargs="+", choices=BENCHMARKS)
   args = parser.parse_args(argv)
   failed = []
+  if args.quick:
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
   for name in args.only or BENCHMARKS:
     cmd = [sys.executable, "-m", f"benchmarks.{name}"]
     cmd += ["--quick"] if args.quick else []
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     if subprocess.run(cmd).returncode:
       failed.append(name)
     print(f"=== {name}: {time.perf_counter() - t0:.0f}s", flush=True)
+  if args.quick:
+    print("quick run: results written with suffix _quick; plots unchanged")
+    return
   subprocess.run([sys.executable, "-m", "benchmarks.plots"], check=False)
   m = machine()
   table = markdown_table(

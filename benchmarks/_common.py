@@ -100,7 +100,13 @@ def write_results(
   notes: str = "",
   extra: dict[str, Any] | None = None,
 ) -> str:
-  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``."""
+  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``.
+
+  ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` runs of the runner and by
+  ``gpu.sh``) is appended to ``name``, so smoke runs and other machines
+  never overwrite the reference results.
+  """
+  name += os.environ.get("GRADTX_BENCH_SUFFIX", "")
   RESULTS.mkdir(exist_ok=True)
   m = machine()
   table = markdown_table(headers, rows)

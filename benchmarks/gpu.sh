@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU benchmark set, as one prepared script for a lent GPU machine.
+# Needs a Python with gradtx's dependencies and a CUDA build of jaxlib
+# (e.g. `pip install -e . "jax[cuda12]"`). Results go to
+# benchmarks/results/*_gpu.{md,json} (and to $OUT when it is set).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+export GRADTX_BENCH_SUFFIX=_gpu
+unset XLA_FLAGS JAX_PLATFORMS
+$PY -c "import jax; print(jax.devices()); assert jax.default_backend() == 'gpu'"
+nvidia-smi --query-gpu=name,memory.total --format=csv || true
+# Lazy Adam at GPU scale (issue 3): 1e7 x 128 table, 65,536 ids per step.
+timeout 300 $PY -m benchmarks.lazy_adam --rows 1000000 10000000 --dim 128 \
+  --ids 65536
+# Sparse vs dense gradient at the same scale.
+timeout 200 $PY -m benchmarks.sparse_grad --rows 1000000 10000000 --dim 128 \
+  --ids 65536
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/*_gpu.* "$OUT"/; fi
