@@ -335,3 +335,15 @@ def with_extra_args(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps two closures as an optax transformation that takes extra args."""
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def stateless(
+  update_fn: Callable[..., Any],
+) -> optax.GradientTransformationExtraArgs:
+  """A transformation with an empty state around ``update_fn``."""
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  return with_extra_args(init_fn, update_fn)

@@ -28,7 +28,11 @@ from gradtx._base import (
   with_extra_args,
   zero_counter,
 )
-from gradtx._sparse import add_decayed_weights, scale_by_learning_rate
+from gradtx._sparse import (
+  _check_rows_match,
+  add_decayed_weights,
+  scale_by_learning_rate,
+)
 
 # Exact terms of the per-step sum R (see _future_sum); the rest of the
 # geometric series is summed in closed form.
@@ -170,16 +174,8 @@ def _check_sparse_leaf(
       "`tx.init(params)` with the table itself at that position."
     )
   for ref, name in ((p, "parameter"), (m, "optimizer state")):
-    if ref is None:
-      continue
-    shape = tuple(jnp.shape(ref))
-    if not shape or g.shape != shape:
-      raise ValueError(
-        f"{what}: a SparseRows gradient of dense shape {g.shape} (num_rows="
-        f"{g.num_rows}, row shape {g.shape[1:]}) does not match its {name} "
-        f"of shape {shape}. Build it with num_rows=table.shape[0] and "
-        "values of shape [n, *table.shape[1:]]."
-      )
+    if ref is not None:
+      _check_rows_match(g, ref, what, name)
   if catch_up_state is not None and jnp.shape(catch_up_state) != g.shape[:1]:
     raise ValueError(
       f"{what}: the catch-up state at this position has shape "

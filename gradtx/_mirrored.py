@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  stateless,
   tree_map,
   varying_axes,
-  with_extra_args,
 )
 
 _TX_OPS = ("mean", "sum")
@@ -168,17 +168,13 @@ def all_reduce(
       f"or a tuple of them); got {axis_name!r}."
     ) from e
 
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is not None:
       check_tree_match(updates, params, name="updates", reference_name="params")
     return _reduce_tree(updates, axis_name, op, "gradtx.all_reduce"), state
 
-  return with_extra_args(init_fn, update_fn)
+  return stateless(update_fn)
 
 
 # ----------------------------------------------------------------------------

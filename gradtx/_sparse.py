@@ -22,6 +22,7 @@ from gradtx._base import (
   SparseRows,
   check_tree_match,
   safe_increment,
+  stateless,
   tree_leaves,
   tree_map,
   varying_axes,
@@ -427,12 +428,14 @@ def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   )
 
 
-def _check_rows_match(u: SparseRows, p: Any, what: str) -> None:
+def _check_rows_match(
+  u: SparseRows, p: Any, what: str, name: str = "parameter"
+) -> None:
   shape = tuple(jnp.shape(p))
   if not shape or u.shape != shape:
     raise ValueError(
       f"{what}: a SparseRows of dense shape {u.shape} (num_rows="
-      f"{u.num_rows}, row shape {u.shape[1:]}) does not match its parameter "
+      f"{u.num_rows}, row shape {u.shape[1:]}) does not match its {name} "
       f"of shape {shape}. Build it with num_rows=table.shape[0] and values "
       "of shape [n, *table.shape[1:]]."
     )
@@ -505,17 +508,13 @@ def densify() -> optax.GradientTransformationExtraArgs:
            [0.]], dtype=float32)
   """
 
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     return tree_map(
       lambda u: u.to_dense() if isinstance(u, SparseRows) else u, updates
     ), state
 
-  return with_extra_args(init_fn, update_fn)
+  return stateless(update_fn)
 
 
 def _scale_tree(updates: Any, factor: Any) -> Any:
@@ -548,15 +547,11 @@ def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
     Array([[-0.1, -0.1]], dtype=float32)
   """
 
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     return _scale_tree(updates, step_size), state
 
-  return with_extra_args(init_fn, update_fn)
+  return stateless(update_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -647,10 +642,6 @@ def clip_by_global_norm(
            [0.]], dtype=float32)
   """
 
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     updates = tree_map(
@@ -671,7 +662,7 @@ def clip_by_global_norm(
 
     return tree_map(clip_leaf, updates), state
 
-  return with_extra_args(init_fn, update_fn)
+  return stateless(update_fn)
 
 
 def _resolve_mask(mask: Any, params: Any) -> Any:
@@ -710,10 +701,6 @@ def add_decayed_weights(
            [0.1]], dtype=float32)
   """
 
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
@@ -736,7 +723,7 @@ def add_decayed_weights(
 
     return tree_map(decay, updates, params, m), state
 
-  return with_extra_args(init_fn, update_fn)
+  return stateless(update_fn)
 
 
 def row_gather(table: jax.Array, indices: jax.Array) -> jax.Array:
