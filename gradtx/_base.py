@@ -184,8 +184,8 @@ class SparseRows:
     idx = self.valid_indices()
     if n == 0:
       return SparseRows(idx, self._values, self._num_rows)
-    order = jnp.argsort(idx, stable=True)
-    sidx = idx[order]
+    # A lone int32 sort is several times faster on CPU than an argsort.
+    sidx = jnp.sort(idx)
     first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
     seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
     uniq = jnp.full([n], self._num_rows, jnp.int32)
@@ -194,7 +194,8 @@ class SparseRows:
     )
     summed = lax.platform_dependent(
       self._values,
-      order,
+      idx,
+      sidx,
       seg,
       cuda=_segment_sum_scan,
       rocm=_segment_sum_scan,
@@ -215,28 +216,28 @@ class SparseRows:
 
 
 def _segment_sum_scatter(
-  values: jax.Array, order: jax.Array, seg: jax.Array
+  values: jax.Array, idx: jax.Array, sidx: jax.Array, seg: jax.Array
 ) -> jax.Array:
   """Sums rows into their segments with one scatter-add of the unsorted rows.
 
-  ``seg`` is the segment of each *sorted* position; scattering the segment
-  ids back through ``order`` avoids gathering the rows into sorted order. A
-  scatter on CPU/TPU is sequential: the sum runs in input order, always.
+  ``seg`` is the segment of each position of the sorted ids ``sidx``; a
+  binary search finds each input row's segment, so the rows are never
+  gathered into sorted order. A scatter on CPU/TPU is sequential: the sum
+  runs in input order, always.
   """
-  n = values.shape[0]
-  seg_of_input = (
-    jnp.zeros([n], jnp.int32).at[order].set(seg, unique_indices=True)
-  )
-  return jax.ops.segment_sum(values, seg_of_input, num_segments=n)
+  seg_of_input = seg[jnp.searchsorted(sidx, idx, method="scan")]
+  return jax.ops.segment_sum(values, seg_of_input, num_segments=len(values))
 
 
 def _segment_sum_scan(
-  values: jax.Array, order: jax.Array, seg: jax.Array
+  values: jax.Array, idx: jax.Array, sidx: jax.Array, seg: jax.Array
 ) -> jax.Array:
   """Sums rows into their segments by a segmented associative scan over the
-  sorted rows: no atomics, so the order of additions is fixed on GPUs."""
+  stably sorted rows: no atomics, so the order of additions is fixed on
+  GPUs."""
+  del sidx
   n = values.shape[0]
-  svals = values[order]
+  svals = values[jnp.argsort(idx, stable=True)]
   first = jnp.concatenate([jnp.ones([1], bool), seg[1:] != seg[:-1]])
 
   def combine(a, b):

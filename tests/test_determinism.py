@@ -140,8 +140,8 @@ def test_coalesce_is_deterministic_on_both_code_paths():
   first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
   seg = jnp.cumsum(first, dtype=jnp.int32) - 1
   for fn in (_segment_sum_scan, _segment_sum_scatter):
-    a = jax.jit(fn)(g.values, order, seg)
-    b = jax.jit(lambda *x, fn=fn: fn(*x))(g.values, order, seg)
+    a = jax.jit(fn)(g.values, idx, sidx, seg)
+    b = jax.jit(lambda *x, fn=fn: fn(*x))(g.values, idx, sidx, seg)
     np.testing.assert_array_equal(a, b)
     # Row j of the result is segment j; segment of the padding is last.
     np.testing.assert_allclose(
