@@ -17,6 +17,7 @@ from gradtx._base import (
   check_tree_match,
   safe_increment,
   tree_map,
+  varying_axes,
   with_extra_args,
   zero_counter,
 )
@@ -475,7 +476,7 @@ def accumulate(
     # Inside shard_map both branches must agree on which mesh axes each
     # output varies over (jax-ml/jax#23693): cast both to the union.
     varying = jax.tree.map(
-      lambda a, b: _varying(a) | _varying(b),
+      lambda a, b: varying_axes(a) | varying_axes(b),
       emit_types,
       jax.eval_shape(silent_raw),
     )
@@ -506,17 +507,9 @@ def accumulate(
   return with_extra_args(init_fn, update_fn)
 
 
-def _varying(x: Any) -> frozenset[str]:
-  """The manual mesh axes an abstract value varies over (inside shard_map)."""
-  mat = getattr(x, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(x, "vma", ()))
-
-
 def _to_varying(tree: Any, varying: Any) -> Any:
   def cast(x: Any, axes: frozenset[str]) -> Any:
-    missing = tuple(sorted(axes - _varying(jax.typeof(x))))
+    missing = tuple(sorted(axes - varying_axes(x)))
     if not missing:
       return x
     if hasattr(lax, "pcast"):

@@ -274,12 +274,15 @@ def tree_leaves(tree: Any) -> list[Any]:
 
 
 def varying_axes(x: Any) -> frozenset:
-  """Mesh axes along which shard_map's type checks see ``x`` vary."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)  # jax <= 0.9
-  if vma is None:
-    vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  return frozenset(vma)
+  """Mesh axes along which shard_map's type checks see ``x`` vary.
+
+  ``x`` is a value or a ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``).
+  """
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", None) or ())  # jax <= 0.9
 
 
 def safe_increment(count: jax.Array) -> jax.Array:
