@@ -12,6 +12,8 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
+from gradtx import _sharded
+
 INT32_MAX = 2**31 - 1
 
 
@@ -184,6 +186,8 @@ class SparseRows:
     idx = self.valid_indices()
     if n == 0:
       return SparseRows(idx, self._values, self._num_rows)
+    # Ids split over Explicit mesh axes are sorted whole on every device.
+    idx, values = _sharded.unsplit(idx), _sharded.unsplit(self._values)
     # A lone int32 sort is several times faster on CPU than an argsort.
     sidx = jnp.sort(idx)
     first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
@@ -193,7 +197,7 @@ class SparseRows:
       sidx, mode="drop", unique_indices=True
     )
     summed = lax.platform_dependent(
-      self._values,
+      values,
       idx,
       sidx,
       seg,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
+from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
@@ -148,19 +149,12 @@ def _is_leaf(x: Any) -> bool:
 
 def _gather(table: jax.Array, idx: jax.Array) -> jax.Array:
   """Rows ``table[idx]``; sorted unique ``idx``, padding rows read zeros."""
-  return table.at[idx].get(
-    mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
-  )
+  return _sharded.gather_rows(table, idx)
 
 
 def _scatter(table: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
   """``table[idx] = rows`` in place; sorted unique ``idx``, padding dropped."""
-  return table.at[idx].set(
-    rows.astype(table.dtype),
-    mode="drop",
-    indices_are_sorted=True,
-    unique_indices=True,
-  )
+  return _sharded.scatter_rows(table, idx, rows)
 
 
 def _check_sparse_leaf(
@@ -327,11 +321,11 @@ def scale_by_lazy_adam(
     if not catch_up:
       return ScaleByLazyAdamState(count=zero_counter(), mu=mu, nu=nu)
     last = tree_map(
-      lambda p: None if p is None else jnp.zeros(p.shape[:1], jnp.int32),
+      lambda p: None if p is None else _sharded.per_row_full(p, 0, jnp.int32),
       params,
     )
     fsum = tree_map(
-      lambda p: None if p is None else jnp.zeros(p.shape[:1], jnp.float32),
+      lambda p: None if p is None else _sharded.per_row_full(p, 0, jnp.float32),
       params,
     )
     return ScaleByLazyAdamCatchUpState(

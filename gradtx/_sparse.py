@@ -18,6 +18,7 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
+from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
@@ -69,6 +70,8 @@ def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   # padding, so the forward pass and both gradients agree.
   num_rows = table.shape[0]
   ids = ids.astype(jnp.int32)
+  if _sharded.is_row_sharded(table):
+    return _sharded.read_rows(table, ids, what="gradtx.lookup")
   ids = jnp.where(ids < 0, num_rows, ids)
   return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
 
@@ -401,9 +404,7 @@ def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   u = u.coalesce()
   rows = _gather(p, u.indices)
   new = (rows + u.values).astype(p.dtype)
-  return p.at[u.indices].set(
-    new, mode="drop", unique_indices=True, indices_are_sorted=True
-  )
+  return _sharded.scatter_rows(p, u.indices, new)
 
 
 def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
@@ -418,7 +419,7 @@ def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
     return _add_unique_rows(p, u)
 
   def direct(p, idx, vals):
-    return p.at[idx].add(vals.astype(p.dtype), mode="drop")
+    return _sharded.scatter_rows(p, idx, vals, add=True, sorted_unique=False)
 
   def unique(p, idx, vals):
     return _add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
