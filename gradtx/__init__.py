@@ -13,6 +13,17 @@ from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
 from gradtx._mirrored import Mirrored as Mirrored
 from gradtx._mirrored import all_reduce as all_reduce
+from gradtx._optimizers import FtrlState as FtrlState
+from gradtx._optimizers import LazyTraceState as LazyTraceState
+from gradtx._optimizers import ScaleByRowwiseRssState as ScaleByRowwiseRssState
+from gradtx._optimizers import ScaleByRssState as ScaleByRssState
+from gradtx._optimizers import adagrad as adagrad
+from gradtx._optimizers import ftrl as ftrl
+from gradtx._optimizers import lazy_sgd as lazy_sgd
+from gradtx._optimizers import lazy_trace as lazy_trace
+from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
+from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
+from gradtx._optimizers import scale_by_rss as scale_by_rss
 from gradtx._sparse import add_decayed_weights as add_decayed_weights
 from gradtx._sparse import apply_updates as apply_updates
 from gradtx._sparse import clip_by_global_norm as clip_by_global_norm
@@ -32,24 +43,35 @@ __version__ = "0.1.0"
 __all__ = [
   "AccumulateState",
   "DropStaleState",
+  "FtrlState",
+  "LazyTraceState",
   "Mirrored",
   "ScaleByLazyAdamCatchUpState",
   "ScaleByLazyAdamState",
+  "ScaleByRowwiseRssState",
+  "ScaleByRssState",
   "SparseRows",
   "accumulate",
+  "adagrad",
   "add_decayed_weights",
   "all_reduce",
   "apply_updates",
   "clip_by_global_norm",
   "densify",
   "drop_stale",
+  "ftrl",
   "global_norm",
   "lazy_adam",
   "lazy_adamw",
+  "lazy_sgd",
+  "lazy_trace",
   "lookup",
+  "rowwise_adagrad",
   "scale",
   "scale_by_lazy_adam",
   "scale_by_learning_rate",
+  "scale_by_rowwise_rss",
+  "scale_by_rss",
   "sparse_grad",
   "sparse_value_and_grad",
   "staleness_stats",
