@@ -154,6 +154,94 @@ class SparseRows:
       f"values={self._values!r})"
     )
 
+  # -- arithmetic -----------------------------------------------------------
+  # numpy must defer to __radd__ instead of broadcasting over the object.
+  __array_ufunc__ = None
+
+  def __add__(self, other: Any) -> Any:
+    """``self + other``: see :meth:`__radd__` (addition commutes)."""
+    if isinstance(other, SparseRows):
+      return self._concat(other)
+    return self._add_to_dense(other, "SparseRows + array")
+
+  def __radd__(self, other: Any) -> Any:
+    """``array + SparseRows``: the array with the rows scatter-added.
+
+    This is what ``optax.apply_updates`` computes for a SparseRows update,
+    so Flax's ``TrainState.apply_gradients`` and ``nnx.Optimizer.update``
+    take gradtx updates. The result keeps the array's dtype and equals
+    ``(array + self.to_dense()).astype(array.dtype)`` (each row summed in
+    the wider dtype and rounded once), without a dense copy of ``self``.
+    Two SparseRows add up to one holding both sets of rows.
+    """
+    if isinstance(other, SparseRows):
+      return other._concat(self)
+    return self._add_to_dense(other, "array + SparseRows")
+
+  def __neg__(self) -> SparseRows:
+    return self.with_values(-self._values)
+
+  def __sub__(self, other: Any) -> Any:
+    """``self - other``: ``self + (-other)`` (``other`` dense or sparse)."""
+    if isinstance(other, SparseRows):
+      return self._concat(-other)
+    if _is_dense_operand(other):
+      other = -jnp.asarray(other)
+    return self._add_to_dense(other, "SparseRows - array")
+
+  def __rsub__(self, other: Any) -> Any:
+    """``array - SparseRows``: the array with the rows scatter-subtracted."""
+    return (-self)._add_to_dense(other, "array - SparseRows")
+
+  def __mul__(self, other: Any) -> SparseRows:
+    """``self * scalar``: the values scaled (a dense factor is refused)."""
+    return self.with_values(self._values * self._scalar(other, "*"))
+
+  __rmul__ = __mul__
+
+  def __truediv__(self, other: Any) -> SparseRows:
+    """``self / scalar``: the values divided."""
+    return self.with_values(self._values / self._scalar(other, "/"))
+
+  def _scalar(self, other: Any, op: str) -> Any:
+    if isinstance(other, SparseRows) or jnp.ndim(other) != 0:
+      raise TypeError(
+        f"SparseRows {op} x takes a scalar x only; got "
+        f"{type(other).__name__} of shape {jnp.shape(other)}. For a "
+        "row-wise product use `g.with_values(g.values * w[g.indices])`, "
+        "or densify first with `g.to_dense()`."
+      )
+    return other
+
+  def _concat(self, other: SparseRows) -> SparseRows:
+    if other.shape != self.shape:
+      raise ValueError(
+        f"SparseRows + SparseRows: dense shapes {self.shape} and "
+        f"{other.shape} differ. Both must stand for arrays of the same "
+        "shape (same num_rows and row shape)."
+      )
+    return SparseRows(
+      jnp.concatenate([self._indices, other.indices]),
+      jnp.concatenate([self._values, other.values]),
+      self._num_rows,
+    )
+
+  def _add_to_dense(self, other: Any, what: str) -> Any:
+    if not _is_dense_operand(other):
+      if isinstance(other, (int, float, complex)):
+        raise TypeError(
+          f"{what}: adding a Python scalar to a SparseRows would make every "
+          "row dense. Add it to `g.values` (`g.with_values(g.values + x)`) "
+          "for the stored rows, or to `g.to_dense()`."
+        )
+      return NotImplemented
+    # One row-scatter code path for this and gradtx.apply_updates.
+    from gradtx._sparse import _check_rows_match, _scatter_add_rows
+
+    other = jnp.asarray(other)
+    _check_rows_match(self, other, what, name="array operand")
+    return _scatter_add_rows(other, self)
+
   # -- operations -----------------------------------------------------------
   def valid_indices(self) -> jax.Array:
     """Indices with every padding id replaced by ``num_rows``.
@@ -217,6 +305,10 @@ class SparseRows:
       jnp.zeros_like(x.values),
       x.num_rows,
     )
+
+
+def _is_dense_operand(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _segment_sum_scatter(

@@ -410,12 +410,16 @@ def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
 def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
 
+  The result keeps ``p``'s dtype and equals ``(p + u.to_dense()).astype(
+  p.dtype)``, the rule of ``optax.apply_updates``. Shared by
+  :func:`apply_updates` and ``array + SparseRows``.
+
   A plain scatter-add where it is exact and deterministic (CPU/TPU scatters
   are sequential); on GPUs, whose scatter-add is atomic, and for updates
-  wider than the param (float32 rows into a bf16 table, which a cast-then-add
-  would round twice) the rows are coalesced and written once.
+  that promote the param (float32 rows into a bf16 table, which a
+  cast-then-add would round twice) the rows are coalesced and written once.
   """
-  if jnp.dtype(u.dtype).itemsize > jnp.dtype(p.dtype).itemsize:
+  if jnp.result_type(p.dtype, u.dtype) != p.dtype:
     return _add_unique_rows(p, u)
 
   def direct(p, idx, vals):
