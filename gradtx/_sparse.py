@@ -398,6 +398,38 @@ def sparse_grad(
 # apply_updates
 
 
+def _order_after(tree: Any, value: jax.Array) -> Any:
+  """``tree`` unchanged, with a data dependency on ``value`` XLA keeps.
+
+  Why: when a row gradient does not read the rows (a loss linear in the
+  table), nothing orders the forward read of a donated table before the
+  in-place scatter that applies the update, so XLA's copy insertion copies
+  the whole table (twice) to keep the read safe. ``lax.optimization_barrier``
+  does not help: XLA:CPU deletes barriers before copy insertion. Making
+  every gradient leaf depend on the loss (which depends on every read that
+  matters) orders all reads before all writes, and the update stays in
+  place. The dependency is ``x - zero`` with ``zero = 0 * (value != value)``:
+  exactly ``x`` for every float (``-0.0``, inf and NaN included), a product
+  XLA does not fold (``0 * x`` is not 0 for NaN), one scalar per leaf.
+  """
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.inexact):
+    return tree
+  flag = jnp.any(value != value)
+
+  def tie(x):
+    if x is None:
+      return None
+    if isinstance(x, SparseRows):
+      return x.with_values(tie(x.values))
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return x
+    return x - flag.astype(x.dtype) * jnp.zeros([], x.dtype)
+
+  return tree_map(tie, tree)
+
+
 def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   # Each row is written once: add in the wider dtype, round once (as
   # optax.apply_updates does for dense leaves), deterministic everywhere.

@@ -1,0 +1,379 @@
+"""The whole training step: gradtx lazy_adam vs torch SparseAdam vs optax.adam.
+
+What users run, timed side by side in one process on the same model and the
+same ids: forward with the loss returned, backward, optimizer, apply.
+
+* ``gtx``: ``gtx.sparse_value_and_grad`` (SparseRows gradient),
+  ``gtx.lazy_adam``, ``gtx.apply_updates``; jitted, params and state
+  donated. ``gtx catch_up`` is the same with ``catch_up=True``.
+* ``torch``: ``nn.Embedding(sparse=True)`` + ``torch.optim.SparseAdam``
+  (``torch.set_num_threads(2)``), ``loss.item()`` returned.
+* ``optax``: ``jax.value_and_grad`` (dense gradient) + ``optax.adam`` +
+  ``optax.apply_updates``; jitted, donated. Skipped where its four tables
+  would not fit in ``--mem-gib`` beside the others.
+* ``gtx opt only``: the gtx optimizer part alone (``update`` +
+  ``apply_updates`` on a pre-built SparseRows gradient of the step's fresh
+  ids), on the same donated buffers as ``gtx``.
+
+Every step gets fresh ids (pre-generated outside the timed region): uniform,
+or Zipf with s = 1.05 over a fixed random permutation of the rows. Two loss
+forms: ``sum(E[ids] * ct)`` (linear in the table: the row gradient does not
+read the rows) and ``sum(tanh(E[ids]) * ct)``. The floor is the bytes a lazy
+step must move (read + write the touched rows of params, m and v; read the
+gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
+
+  python -m benchmarks.train_step [--rows 100000 1000000 4000000] [--dim 64]
+      [--ids 8192] [--rounds 15] [--mem-gib 10] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradtx as gtx
+from benchmarks._common import (
+  hlo_table_copies,
+  load_note,
+  time_interleaved,
+  warm_copy_bandwidth,
+  write_results,
+)
+
+LR = 1e-3
+ZIPF_S = 1.05
+SEED = 0
+
+
+def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = SEED):
+  """``steps`` fresh int32 id vectors of length ``n`` (uniform or Zipf)."""
+  rng = np.random.default_rng(seed)
+  if dist == "uniform":
+    return [rng.integers(0, rows, n).astype(np.int32) for _ in range(steps)]
+  # Bounded Zipf: P(rank k) ~ k^-s over the rows; ranks land on a fixed
+  # random permutation so the hot rows are spread over the table.
+  cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S)
+  cdf /= cdf[-1]
+  perm = rng.permutation(rows).astype(np.int32)
+  out = []
+  for _ in range(steps):
+    rank = np.searchsorted(cdf, rng.random(n), side="right")
+    out.append(perm[np.minimum(rank, rows - 1)])
+  return out
+
+
+def _loss_jax(rows: jax.Array, ct: jax.Array, linear: bool) -> jax.Array:
+  return jnp.sum((rows if linear else jnp.tanh(rows)) * ct)
+
+
+class _Runner:
+  """Holds one variant's buffers; each call runs one step on fresh ids."""
+
+  def __init__(self, step: Callable[[int], Any]):
+    self.step, self.i = step, 0
+
+  def __call__(self) -> None:
+    self.step(self.i)
+    self.i += 1
+
+
+def _gtx(table, ids, grads, ct, linear, catch_up):
+  tx = gtx.lazy_adam(LR, catch_up=catch_up)
+
+  def loss_fn(params, ids_, ct_):
+    return _loss_jax(gtx.lookup(params["emb"], ids_), ct_, linear)
+
+  def step(params, state, ids_, ct_):
+    loss, g = gtx.sparse_value_and_grad(loss_fn)(params, ids_, ct_)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, loss
+
+  def opt_step(params, state, g):
+    u, state = tx.update({"emb": g}, state, params)
+    return gtx.apply_updates(params, u), state
+
+  params = {"emb": jnp.array(table)}
+  box = [params, tx.init(params)]
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  jopt = jax.jit(opt_step, donate_argnums=(0, 1))
+  copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
+
+  def run(i):
+    k = i % len(ids)
+    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
+    jax.block_until_ready((box[0], loss))
+
+  def run_opt(i):
+    k = i % len(ids)
+    box[0], box[1] = jopt(box[0], box[1], grads[k])
+    jax.block_until_ready(box[0])
+
+  return run, run_opt, copies, box
+
+
+def _optax(table, ids, ct, linear):
+  tx = optax.adam(LR)
+
+  def step(params, state, ids_, ct_):
+    loss, g = jax.value_and_grad(lambda p: _loss_jax(p[ids_], ct_, linear))(
+      params
+    )
+    u, state = tx.update(g, state, params)
+    return optax.apply_updates(params, u), state, loss
+
+  params = jnp.array(table)
+  box = [params, tx.init(params)]
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
+
+  def run(i):
+    k = i % len(ids)
+    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
+    jax.block_until_ready((box[0], loss))
+
+  return run, copies, box
+
+
+def _torch(table_np, ids_np, ct_np, linear):
+  import torch
+
+  torch.set_num_threads(2)
+  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
+  with torch.no_grad():
+    emb.weight.copy_(torch.from_numpy(table_np))
+  opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
+  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
+  ct = torch.from_numpy(ct_np)
+
+  def run(i):
+    opt.zero_grad(set_to_none=True)
+    rows = emb(ids[i % len(ids)])
+    loss = ((rows if linear else torch.tanh(rows)) * ct).sum()
+    loss.backward()
+    opt.step()
+    loss.item()
+
+  return run, (emb, opt)
+
+
+def _torch_available() -> bool:
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def run_config(
+  rows: int,
+  dim: int,
+  n: int,
+  dist: str,
+  linear: bool,
+  rounds: int,
+  mem_bytes: float,
+  bandwidth: float,
+  with_torch: bool,
+) -> dict[str, Any]:
+  steps = rounds + 3  # warmup 2 + one for the HLO check
+  ids_np = make_ids(rows, n, steps, dist)
+  rng = np.random.default_rng(SEED + 1)
+  table_np = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
+  ct_np = rng.standard_normal((n, dim)).astype(np.float32)
+  ids = [jnp.asarray(i) for i in ids_np]
+  ct = jnp.asarray(ct_np)
+  grad_vals = jnp.asarray(rng.standard_normal((n, dim)).astype(np.float32))
+  grads = [gtx.SparseRows(i, grad_vals, rows) for i in ids]
+  table_bytes = rows * dim * 4
+  fns, keep, copies = {}, [], {}
+  run, run_opt, copies["gtx"], b = _gtx(table_np, ids, grads, ct, linear, False)
+  fns["gtx"], fns["gtx opt only"] = run, run_opt
+  keep.append(b)
+  run, _, copies["gtx catch_up"], b = _gtx(
+    table_np, ids, grads, ct, linear, True
+  )
+  fns["gtx catch_up"] = run
+  keep.append(b)
+  used = 6 * table_bytes
+  if with_torch:
+    fns["torch"], b = _torch(table_np, ids_np, ct_np, linear)
+    keep.append(b)
+    used += 3 * table_bytes
+  if used + 4 * table_bytes <= mem_bytes:
+    fns["optax"], copies["optax"], b = _optax(table_np, ids, ct, linear)
+    keep.append(b)
+  del table_np
+  gc.collect()
+  times = time_interleaved(
+    {k: _Runner(f) for k, f in fns.items()}, warmup=2, rounds=rounds
+  )
+  unique = float(np.mean([len(np.unique(i)) for i in ids_np]))
+  floor_bytes = unique * dim * 4 * 6 + n * (dim + 1) * 4
+  del keep, fns, grads, ids
+  gc.collect()
+  return {
+    "ms": {k: t * 1e3 for k, t in times.items()},
+    "unique": unique,
+    "floor_ms": floor_bytes / bandwidth * 1e3,
+    "copies": copies,
+  }
+
+
+def _row(rows, dim, n, dist, linear, res):
+  ms = res["ms"]
+  g, t, o = ms["gtx"], ms.get("torch"), ms.get("optax")
+  floor = res["floor_ms"]
+
+  def fmt(x):
+    return x if x is not None else "-"
+
+  return [
+    f"{rows:,} x {dim}",
+    dist,
+    "linear" if linear else "tanh",
+    n,
+    round(res["unique"]),
+    g,
+    ms["gtx catch_up"],
+    fmt(t),
+    fmt(o),
+    t / g if t is not None else "-",
+    o / g if o is not None else "-",
+    ms["gtx opt only"],
+    floor,
+    ms["gtx opt only"] / floor,
+    g / floor,
+    "/".join(str(res["copies"][k]) for k in ("gtx", "gtx catch_up")),
+    res["copies"].get("optax", "-"),
+  ]
+
+
+HEADERS = [
+  "table",
+  "ids",
+  "loss",
+  "ids/step",
+  "unique rows",
+  "gtx ms",
+  "gtx catch_up ms",
+  "torch SparseAdam ms",
+  "optax.adam ms",
+  "torch / gtx",
+  "optax / gtx",
+  "gtx opt only ms",
+  "floor ms",
+  "opt only / floor",
+  "step / floor",
+  "gtx table copies (lazy/catch_up)",
+  "optax table copies",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument(
+    "--rows", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000]
+  )
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  parser.add_argument("--losses", nargs="+", default=["linear", "tanh"])
+  parser.add_argument(
+    "--mem-gib",
+    type=float,
+    default=None,
+    help="memory the variants may hold at once (default 10 GiB on CPU, "
+    "half the device memory on accelerators)",
+  )
+  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument(
+    "--smoke", "--quick", action="store_true", help="tiny shapes, no files"
+  )
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.rows, args.ids, args.rounds = [5_000], 256, 3
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
+  mem = args.mem_gib
+  if mem is None:
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    mem_bytes = 0.5 * limit if limit else 10 * 2**30
+  else:
+    mem_bytes = mem * 2**30
+  with_torch = not args.no_torch and _torch_available()
+  load_before = load_note()
+  bandwidth = warm_copy_bandwidth()
+  results = []
+  for rows in args.rows:
+    for dist in args.dists:
+      for loss in args.losses:
+        res = run_config(
+          rows,
+          args.dim,
+          args.ids,
+          dist,
+          loss == "linear",
+          args.rounds,
+          mem_bytes,
+          bandwidth,
+          with_torch,
+        )
+        results.append(
+          _row(rows, args.dim, args.ids, dist, loss == "linear", res)
+        )
+        print(results[-1], flush=True)
+  load_after = load_note()
+  headline = []
+  for r in results:
+    if isinstance(r[9], float):
+      headline.append(
+        {
+          "metric": f"train step speed-up vs torch SparseAdam ({r[0]}, "
+          f"{r[1]}, {r[2]})",
+          "value": round(r[9], 2),
+          "target": ">= 2x at 1M x 64, uniform",
+        }
+      )
+  headline.append(
+    {
+      "metric": "optimizer part / bandwidth floor (worst)",
+      "value": round(max(r[13] for r in results), 2),
+      "target": "<= 8x",
+    }
+  )
+  write_results(
+    "train_step",
+    "Whole training step: gradtx lazy_adam vs torch SparseAdam vs optax.adam",
+    HEADERS,
+    results,
+    notes=(
+      f"Forward (loss returned) + backward + optimizer + apply, {args.ids:,}"
+      " fresh ids every step (pre-generated), median of "
+      f"{args.rounds} interleaved rounds (every variant one step per round, "
+      "so machine noise hits all alike). gtx and optax jitted with params "
+      "and state donated; torch `nn.Embedding(sparse=True)` + `SparseAdam`, "
+      "2 threads. `gtx opt only` = `lazy_adam.update` + `apply_updates` on a"
+      " SparseRows of the same fresh ids. floor = (read + write the touched "
+      "rows of params, m, v; read the gradient rows) / warm copy bandwidth "
+      f"({bandwidth / 1e9:.1f} GB/s, `np.copyto` into a pre-faulted buffer, "
+      "read + write counted). Table copies = `copy` instructions producing a"
+      " table-shaped value in the compiled step. Load average (1/5/15 min) "
+      f"before: {load_before}; after: {load_after} (the machine is shared: "
+      "compare ratios within a row)."
+    ),
+    extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
+  )
+
+
+if __name__ == "__main__":
+  main()
