@@ -24,6 +24,7 @@ from gradtx._optimizers import lazy_trace as lazy_trace
 from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
+from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse import add_decayed_weights as add_decayed_weights
 from gradtx._sparse import apply_updates as apply_updates
 from gradtx._sparse import clip_by_global_norm as clip_by_global_norm
@@ -72,6 +73,7 @@ __all__ = [
   "scale_by_learning_rate",
   "scale_by_rowwise_rss",
   "scale_by_rss",
+  "sharded_init",
   "sparse_grad",
   "sparse_value_and_grad",
   "staleness_stats",

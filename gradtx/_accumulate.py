@@ -12,6 +12,7 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
@@ -284,7 +285,7 @@ def accumulate(
         return None
       dtype = accumulator_dtype or p.dtype
       if n is None:
-        return jnp.zeros(p.shape, dtype)
+        return jnp.zeros_like(p, dtype=dtype)  # keeps p's sharding
       return _new_buffer(p, buffer_k(n) * n, dtype)
 
     accumulator = jax.tree.map(
@@ -346,8 +347,9 @@ def accumulate(
           f"{g.nnz} rows but `rows_per_step` declares {n} for it. Pass "
           f"rows_per_step >= {g.nnz} for {path}."
         )
-      idx = g.valid_indices()
-      vals = g.values
+      # Rows split over Explicit mesh axes join the replicated buffer whole.
+      idx = _sharded.unsplit(g.valid_indices())
+      vals = _sharded.unsplit(g.values)
       if g.nnz < n:
         idx = jnp.concatenate(
           [idx, jnp.full([n - g.nnz], a.num_rows, jnp.int32)]

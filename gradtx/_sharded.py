@@ -367,3 +367,67 @@ def unsplit(x: jax.Array) -> jax.Array:
   if not any(a in explicit for e in spec for a in _names(e)):
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, P()))
+
+
+def sharded_init(tx: Any, params: Any) -> Any:
+  """``tx.init(params)`` under ``jit``, each state leaf sharded like its param.
+
+  ``jax.jit(tx.init)(params)`` on a mesh with ``AxisType.Auto`` axes lets
+  the compiler place the state, and it puts the moments of a row-sharded
+  table on one device (the next step then replicates them on every
+  device). This runs ``init`` on a twin of the params' mesh whose axes are
+  Explicit, where a sharding is part of an array's type and every
+  transformation's ``init`` keeps it (``zeros_like`` keeps the param's
+  sharding, per-row state follows the rows), then places the state back on
+  the params' mesh. On an Explicit mesh it is ``jax.jit(tx.init)`` under
+  ``jax.set_mesh``; without a mesh, plain ``jax.jit(tx.init)``.
+
+  Args:
+    tx: an optax transformation.
+    params: the params, placed (a mesh's ``NamedSharding`` or one device).
+
+  Returns:
+    The state; ``[V, ...]`` and ``[V]`` leaves of a row-sharded table are
+    row-sharded on the same mesh, other leaves replicated or sharded like
+    their params.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import gradtx as gtx
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("d",),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,))
+    >>> table = jax.device_put(jnp.zeros((64, 4)),
+    ...                        NamedSharding(mesh, P("d", None)))
+    >>> state = gtx.sharded_init(gtx.lazy_adam(1e-3), {"emb": table})
+    >>> state[0].mu["emb"].sharding.spec
+    PartitionSpec('d', None)
+  """
+  meshes = {
+    x.sharding.mesh
+    for x in jax.tree.leaves(params)
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+  }
+  if not meshes:
+    return jax.jit(tx.init)(params)
+  if len(meshes) > 1:
+    raise ValueError(
+      "gradtx.sharded_init: the params are placed on "
+      f"{len(meshes)} different meshes; place every leaf on one mesh (or on "
+      "a single device)."
+    )
+  (mesh,) = meshes
+  explicit = jax.sharding.Mesh(
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(AxisType.Explicit,) * len(mesh.axis_names),
+  )
+
+  def move(x: Any, to: Any) -> Any:
+    if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(to, x.sharding.spec))
+    return x
+
+  with jax.set_mesh(explicit):
+    state = jax.jit(tx.init)(jax.tree.map(lambda x: move(x, explicit), params))
+  return jax.tree.map(lambda x: move(x, mesh), state)
