@@ -173,6 +173,36 @@ def _local_ids(
   return jnp.where(owned, local, local_rows)
 
 
+def is_split(x: Any) -> bool:
+  """Whether ``x``'s type splits it over Explicit mesh axes."""
+  if not hasattr(x, "shape"):
+    return False
+  spec = _spec(x, jnp.ndim(x))
+  if spec is None:
+    return False
+  explicit = _explicit_axes(_mesh_of(x))
+  return any(a in explicit for e in spec for a in _names(e))
+
+
+def _read_whole(table: jax.Array, ids: jax.Array, sorted_unique: bool):
+  """Rows of a table whose rows are not split; the output is split as the
+  ids are (JAX asks for the output sharding of such a gather)."""
+  num_rows = table.shape[0]
+  ids = jnp.where(ids < 0, num_rows, ids.astype(jnp.int32))
+  out = None
+  if is_split(ids) and _mesh_of(ids) == _mesh_of(table):
+    t_spec = _spec(table, table.ndim)
+    spec = P(*_spec(ids, ids.ndim), *t_spec[1:])
+    out = NamedSharding(_mesh_of(ids), spec)
+  return table.at[ids].get(
+    mode="fill",
+    fill_value=0,
+    indices_are_sorted=sorted_unique,
+    unique_indices=sorted_unique,
+    out_sharding=out,
+  )
+
+
 def read_rows(
   table: jax.Array,
   ids: jax.Array,
@@ -199,6 +229,8 @@ def read_rows(
     ``ids.shape + row`` rows, sharded as ``ids`` on its dims.
   """
   axes = row_axes(table)
+  if not axes:
+    return _read_whole(table, ids, sorted_unique)
   mesh = _mesh_of(table)
   local_rows = _check_divisible(table, axes, what)
   num_rows = table.shape[0]
@@ -401,7 +433,7 @@ def sharded_init(tx: Any, params: Any) -> Any:
     ...                        NamedSharding(mesh, P("d", None)))
     >>> state = gtx.sharded_init(gtx.lazy_adam(1e-3), {"emb": table})
     >>> state[0].mu["emb"].sharding.spec
-    PartitionSpec('d', None)
+    P('d', None)
   """
   meshes = {
     x.sharding.mesh

@@ -70,7 +70,7 @@ def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   # padding, so the forward pass and both gradients agree.
   num_rows = table.shape[0]
   ids = ids.astype(jnp.int32)
-  if _sharded.is_row_sharded(table):
+  if _sharded.is_row_sharded(table) or _sharded.is_split(ids):
     return _sharded.read_rows(table, ids, what="gradtx.lookup")
   ids = jnp.where(ids < 0, num_rows, ids)
   return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)

@@ -1,0 +1,289 @@
+"""Row-sharded vs replicated tables: collective bytes, memory, step time.
+
+On 8 fake CPU devices (this module sets ``XLA_FLAGS`` before JAX is first
+imported; run it as its own process). The training step (gtx.lookup bag of
+embeddings, ``sparse_value_and_grad``, ``lazy_adam``, ``apply_updates``,
+params and state donated) is jitted on an Explicit mesh with the batch split
+over the 8 devices and the table either replicated (``P()``) or row-sharded
+(``P("d", None)``). For each table size (fixed batch):
+
+1. bytes moved by collectives per step, summed from the compiled HLO
+   (result shapes of all-gather / all-reduce / reduce-scatter /
+   all-to-all / collective-permute);
+2. per-device memory (``memory_analysis``: arguments + temporaries);
+3. step time (median, round-robin), where the whole state fits this
+   machine's memory (replicated tables are 8 copies).
+
+It also compares the two ways to read rows of a sharded table: the masked
+local read + reduce-scatter gradtx uses, and routing ids to their owners
+with two all-to-alls (TorchRec's way; static shapes force each owner's
+bucket to the worst case, ``n`` ids per source device).
+
+  python -m benchmarks.sharded [--rows 1000000 8000000] [--dim 32]
+      [--ids 8192] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DEVICES = 8
+if "jax" not in sys.modules:
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={DEVICES}"
+  ).strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import gradtx as gtx  # noqa: E402
+from benchmarks._common import memory, time_interleaved, write_results  # noqa: E402
+
+SEQ = 8  # ids per example
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+_OPS = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+
+
+def collective_bytes(hlo: str) -> int:
+  """Result bytes of every collective in HLO text (per device)."""
+  pattern = re.compile(
+    r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    rf"({_OPS})(?:-start)?\("
+  )
+  total = 0
+  hlo = re.sub(r"/\*.*?\*/", "", hlo)  # comments such as /*index=5*/
+  for m in pattern.finditer(hlo):
+    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+      total += _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total
+
+
+def loss_fn(params, batch):
+  pooled = jnp.mean(gtx.lookup(params["emb"], batch["ids"]), axis=1)
+  return jnp.mean(jnp.logaddexp(0.0, -batch["labels"] * (pooled @ params["w"])))
+
+
+TX = gtx.lazy_adam(1e-3)
+
+
+def train_step(params, state, batch):
+  loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+  updates, state = TX.update(grads, state, params)
+  return gtx.apply_updates(params, updates), state, loss
+
+
+def _abstract(mesh, shape, dtype, *spec):
+  return jax.ShapeDtypeStruct(
+    shape, dtype, sharding=NamedSharding(mesh, P(*spec))
+  )
+
+
+def compile_step(mesh, rows, dim, n, table_spec):
+  params = {
+    "emb": _abstract(mesh, (rows, dim), jnp.float32, *table_spec),
+    "w": _abstract(mesh, (dim,), jnp.float32),
+  }
+  batch = {
+    "ids": _abstract(mesh, (n // SEQ, SEQ), jnp.int32, "d"),
+    "labels": _abstract(mesh, (n // SEQ,), jnp.float32, "d"),
+  }
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(TX.init, params)
+    step = jax.jit(train_step, donate_argnums=(0, 1))
+    return step, step.lower(params, state, batch).compile()
+
+
+def a2a_read(table, ids, mesh):
+  """Rows by routing ids to owners with all-to-all (fixed-size buckets)."""
+  rows, dim = table.shape
+  local_rows = rows // DEVICES
+
+  def body(t, i):
+    n = i.shape[0]
+    owner = i // local_rows
+    # Bucket b holds this device's ids owned by device b (capacity n).
+    order = jnp.argsort(owner, stable=True)
+    so = owner[order]
+    start = jnp.searchsorted(so, jnp.arange(DEVICES), method="scan")
+    pos = jnp.arange(n) - start[so]
+    send = jnp.full((DEVICES, n), -1, jnp.int32).at[so, pos].set(i[order])
+    recv = lax.all_to_all(send, "d", 0, 0, tiled=True)
+    local = recv - lax.axis_index("d") * local_rows
+    got = t.at[jnp.where(recv >= 0, local, local_rows)].get(
+      mode="fill", fill_value=0
+    )
+    back = lax.all_to_all(got, "d", 0, 0, tiled=True)  # [DEVICES, n, dim]
+    out = jnp.zeros((n, dim), t.dtype).at[order].set(back[so, pos])
+    return out
+
+  return jax.shard_map(
+    body, mesh=mesh, in_specs=(P("d", None), P("d")), out_specs=P("d", None)
+  )(table, ids)
+
+
+def read_methods(mesh, rows, dim, n, rounds):
+  """Forward read only: masked + reduce-scatter vs all-to-all routing."""
+  rng = np.random.RandomState(1)
+  table = jax.device_put(
+    rng.normal(size=(rows, dim)).astype(np.float32),
+    NamedSharding(mesh, P("d", None)),
+  )
+  ids = jax.device_put(
+    rng.randint(0, rows, size=n).astype(np.int32), NamedSharding(mesh, P("d"))
+  )
+  with jax.set_mesh(mesh):
+    masked = jax.jit(gtx.lookup)
+    a2a = jax.jit(lambda t, i: a2a_read(t, i, mesh))
+    same = np.array_equal(
+      np.asarray(masked(table, ids)), np.asarray(a2a(table, ids))
+    )
+    assert same, "the two read methods disagree"
+    out = []
+    times = time_interleaved(
+      {
+        "masked": lambda: masked(table, ids).block_until_ready(),
+        "a2a": lambda: a2a(table, ids).block_until_ready(),
+      },
+      rounds=rounds,
+    )
+    for name, fn in (("masked + reduce-scatter", masked), ("all-to-all", a2a)):
+      key = "masked" if name.startswith("masked") else "a2a"
+      hlo = fn.lower(table, ids).compile().as_text()
+      out.append([name, rows, n, collective_bytes(hlo), times[key] * 1e3])
+  return out
+
+
+def run_step(mesh, rows, dim, n, spec, rounds):
+  step, compiled = compile_step(mesh, rows, dim, n, spec)
+  rng = np.random.RandomState(0)
+  params = {
+    "emb": jax.device_put(
+      rng.normal(0, 0.01, size=(rows, dim)).astype(np.float32),
+      NamedSharding(mesh, P(*spec)),
+    ),
+    "w": jax.device_put(
+      rng.normal(size=(dim,)).astype(np.float32), NamedSharding(mesh, P())
+    ),
+  }
+  with jax.set_mesh(mesh):
+    state = jax.jit(TX.init)(params)
+  batches = [
+    jax.device_put(
+      {
+        "ids": rng.randint(0, rows, size=(n // SEQ, SEQ)).astype(np.int32),
+        "labels": rng.choice([-1.0, 1.0], size=n // SEQ).astype(np.float32),
+      },
+      NamedSharding(mesh, P("d")),
+    )
+    for _ in range(4)
+  ]
+  box = {"p": params, "s": state, "i": 0}
+
+  def one():
+    with jax.set_mesh(mesh):
+      box["p"], box["s"], loss = step(box["p"], box["s"], batches[box["i"] % 4])
+    box["i"] += 1
+    loss.block_until_ready()
+
+  sec = time_interleaved({"step": one}, rounds=rounds)["step"]
+  return sec
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument(
+    "--rows", type=int, nargs="+", default=[1_000_000, 8_000_000]
+  )
+  parser.add_argument("--dim", type=int, default=32)
+  parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument("--rounds", type=int, default=10)
+  parser.add_argument("--max-state-gib", type=float, default=6.0)
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.rows, args.ids, args.rounds = [65_536, 262_144], 1024, 3
+  mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
+  rows_out, headline = [], []
+  for rows in args.rows:
+    for name, spec in (("replicated", ()), ("row-sharded", ("d", None))):
+      _, compiled = compile_step(mesh, rows, args.dim, args.ids, spec)
+      mem = memory(compiled)
+      comm = collective_bytes(compiled.as_text())
+      # Table + m + v, on every device when replicated.
+      copies = DEVICES if name == "replicated" else 1
+      state_gib = 3 * rows * args.dim * 4 * copies / 2**30
+      sec = (
+        run_step(mesh, rows, args.dim, args.ids, spec, args.rounds)
+        if state_gib <= args.max_state_gib
+        else None
+      )
+      rows_out.append(
+        [
+          name,
+          rows,
+          args.ids,
+          comm,
+          round((mem["argument"] + mem["temp"]) / 2**20, 1),
+          round(mem["temp"] / 2**20, 2),
+          "not run (memory)" if sec is None else round(sec * 1e3, 2),
+        ]
+      )
+  reads = read_methods(mesh, args.rows[0], args.dim, args.ids, args.rounds)
+  by = {(r[0], r[1]): r for r in rows_out}
+  big, small = args.rows[-1], args.rows[0]
+  headline = [
+    {
+      "metric": f"row-sharded collective bytes/step, {big} vs {small} rows",
+      "value": f"{by['row-sharded', big][3]} vs {by['row-sharded', small][3]}",
+      "target": "equal (does not grow with the table)",
+    },
+    {
+      "metric": f"per-device memory row-sharded / replicated at {big} rows",
+      "value": round(by["row-sharded", big][4] / by["replicated", big][4], 3),
+      "target": "about 1/8",
+    },
+  ]
+  notes = (
+    f"Explicit mesh of {DEVICES} fake CPU devices; table [rows, {args.dim}] "
+    f"float32, lazy_adam, {args.ids} ids per step split over the devices, "
+    "params and state donated. Collective bytes: result bytes of every "
+    "collective in the compiled step, per device. Memory: arguments + "
+    "temporaries per device from memory_analysis. Step time only where "
+    f"table + m + v on all devices fit {args.max_state_gib} GiB.\n\n"
+    "Reading rows of a sharded table (forward only, first table size):\n\n"
+    "| method | rows | ids | collective bytes | ms |\n|---|---|---|---|---|\n"
+    + "\n".join(
+      f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3g} |" for r in reads
+    )
+  )
+  write_results(
+    "sharded",
+    "Row-sharded vs replicated tables (8 devices)",
+    [
+      "table",
+      "rows",
+      "ids/step",
+      "collective bytes/step",
+      "memory MiB/device",
+      "temp MiB/device",
+      "step ms",
+    ],
+    rows_out,
+    notes=notes,
+    extra={"headline": headline, "reads": reads},
+  )
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
