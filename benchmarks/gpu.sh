@@ -16,4 +16,9 @@ timeout 300 $PY -m benchmarks.lazy_adam --rows 1000000 10000000 --dim 128 \
 # Sparse vs dense gradient at the same scale.
 timeout 200 $PY -m benchmarks.sparse_grad --rows 1000000 10000000 --dim 128 \
   --ids 65536
+# Row-sharded vs replicated tables over the GPUs (needs >= 2 GPUs; the
+# module fakes 8 CPU devices only when JAX_PLATFORMS=cpu).
+if [ "$($PY -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
+  timeout 300 $PY -m benchmarks.sharded --rows 1000000 8000000 --dim 128
+fi
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*_gpu.* "$OUT"/; fi
