@@ -18,7 +18,14 @@ import time
 
 from benchmarks._common import RESULTS, machine, markdown_table
 
-BENCHMARKS = ["sparse_grad", "lazy_adam", "accumulate", "staleness", "mirrored"]
+BENCHMARKS = [
+  "sparse_grad",
+  "lazy_adam",
+  "accumulate",
+  "staleness",
+  "mirrored",
+  "train_step",
+]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
 
