@@ -15,7 +15,16 @@ N worker threads and one applier share the parameters:
 
 With one worker every gradient is fresh (staleness 0). With N workers a
 gradient arrives after the others' gradients that were applied while it was
-computed, so its staleness is typically up to N - 1.
+computed, so its staleness is typically up to N - 1. A straggler (a worker
+with a longer ``delay``) brings gradients so stale that ``drop_stale``
+drops them; ``RunResult.dropped_by_worker`` counts them per worker.
+
+Faults: when a worker raises, the applier and every other worker stop (they
+check a shared stop event between steps, and the applier polls its queue),
+all threads are joined within ``join_timeout`` seconds, and ``run_async``
+re-raises the worker's exception (with a note naming the worker). No thread
+is left running; a thread that does not stop in time is a ``RuntimeError``
+naming it.
 
 The task is a small sparse-feature classifier: each example is a bag of
 feature ids drawn from a power law over an embedding table; the model sums
@@ -34,7 +43,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -158,6 +167,8 @@ class RunResult:
   curve: list[tuple[int, float]]  # (applied steps, eval loss)
   stopped_by: str  # "steps" or "time"
   params: Any  # the final parameters
+  received_by_worker: dict[int, int]  # worker -> gradients received
+  dropped_by_worker: dict[int, int]  # worker -> gradients dropped as stale
 
 
 class _Shared:
@@ -180,8 +191,10 @@ def run_async(
   rescale: bool = False,
   batch_size: int = 32,
   eval_every: int = 10,
-  delay: float = 0.0,
+  delay: float | Sequence[float] = 0.0,
   seed: int = 0,
+  fault: Callable[[int, int], None] | None = None,
+  join_timeout: float = 10.0,
 ) -> RunResult:
   """Trains with ``workers`` threads until ``num_steps`` gradients have been
   applied or ``time_limit`` seconds have passed, whichever comes first.
@@ -197,16 +210,33 @@ def run_async(
     batch_size: examples per gradient.
     eval_every: evaluate the eval loss every this many applied steps.
     delay: seconds each worker sleeps between reading the parameters and
-      computing its gradient (a slower worker or network; 0 for none).
+      computing its gradient (a slower worker or network; 0 for none); a
+      sequence gives one delay per worker (a straggler).
     seed: seeds the parameters and each worker's batch sampling.
+    fault: a test hook, ``fault(worker, i)``, called by each worker before
+      computing its ``i``-th gradient; what it raises is that worker's
+      failure.
+    join_timeout: seconds to wait for the threads to stop once the run
+      ends or fails.
 
   Returns:
     A :class:`RunResult`. The worker threads have all been joined.
+
+  Raises:
+    The exception of the first worker that failed (the other workers and
+    the applier are stopped and joined first), or RuntimeError when a
+    thread does not stop within ``join_timeout``.
   """
   if workers < 1:
     raise ValueError(f"`workers` must be >= 1; got {workers}.")
   if num_steps < 1:
     raise ValueError(f"`num_steps` must be >= 1; got {num_steps}.")
+  delays = [delay] * workers if np.ndim(delay) == 0 else list(delay)
+  if len(delays) != workers or min(delays) < 0:
+    raise ValueError(
+      f"`delay` must be a number >= 0 or one per worker ({workers}); got "
+      f"{delay!r}."
+    )
   tx, apply_step = _apply_step(max_staleness, learning_rate, rescale)
   params = init_params(task, seed=seed)
   state = tx.init(params)
@@ -226,27 +256,31 @@ def run_async(
   shared = _Shared(params, 0)
   inbox: queue.Queue = queue.Queue()
   stop = threading.Event()
-  errors: list[BaseException] = []
+  errors: list[tuple[int, BaseException]] = []
 
   def worker(wid: int) -> None:
     try:
       rng = np.random.default_rng([seed, wid])
       ids, labels = shards[wid]
+      i = 0
       while not stop.is_set():
         with shared.lock:
           p, step_read = shared.params, shared.step
-        if delay:
-          time.sleep(delay)
+        if delays[wid] and stop.wait(delays[wid]):
+          return
+        if fault is not None:
+          fault(wid, i)
         pick = rng.integers(0, len(ids), size=batch_size)
         loss, grads = grad_fn(p, ids[pick], labels[pick])
         jax.block_until_ready(grads)
         handled = threading.Event()
-        inbox.put((grads, step_read, handled))
+        inbox.put((wid, grads, step_read, handled))
         while not handled.wait(0.02):
           if stop.is_set():
             return
-    except BaseException as e:  # reported by the applier
-      errors.append(e)
+        i += 1
+    except BaseException as e:  # re-raised by the applier
+      errors.append((wid, e))
       stop.set()
 
   threads = [
@@ -254,6 +288,8 @@ def run_async(
     for w in range(workers)
   ]
   hist: collections.Counter = collections.Counter()
+  by_worker: collections.Counter = collections.Counter()
+  dropped_by: collections.Counter = collections.Counter()
   curve = [(0, float(eval_fn(params, eval_ids, eval_labels)))]
   step = received = 0
   stopped_by = "time"
@@ -263,13 +299,16 @@ def run_async(
   try:
     while time.perf_counter() - t0 < time_limit and not errors:
       try:
-        grads, step_read, handled = inbox.get(timeout=0.02)
+        wid, grads, step_read, handled = inbox.get(timeout=0.02)
       except queue.Empty:
         continue
+      dropped_before = state.num_dropped
       params, state = apply_step(params, state, grads, step_read)
       new_step = int(state.step)  # waits for the update
       hist[step - step_read] += 1
       received += 1
+      by_worker[wid] += 1
+      dropped_by[wid] += int(state.num_dropped) - int(dropped_before)
       with shared.lock:
         shared.params, shared.step = params, new_step
       handled.set()
@@ -281,11 +320,25 @@ def run_async(
         break
   finally:
     stop.set()
+    deadline = time.monotonic() + join_timeout
     for t in threads:
-      t.join()
+      t.join(max(deadline - time.monotonic(), 0.0))
     wall = time.perf_counter() - t0
+  stuck = [t.name for t in threads if t.is_alive()]
   if errors:
-    raise RuntimeError("an async worker failed") from errors[0]
+    wid, error = errors[0]
+    if hasattr(error, "add_note"):  # Python >= 3.11
+      error.add_note(f"(raised in async worker {wid}; the run was stopped)")
+    if stuck:
+      raise RuntimeError(
+        f"async worker {wid} failed and threads {stuck} did not stop within "
+        f"join_timeout={join_timeout} s"
+      ) from error
+    raise error
+  if stuck:
+    raise RuntimeError(
+      f"threads {stuck} did not stop within join_timeout={join_timeout} s"
+    )
   final_loss = float(eval_fn(params, eval_ids, eval_labels))
   if curve[-1][0] != step:
     curve.append((step, final_loss))
@@ -303,6 +356,8 @@ def run_async(
     curve=curve,
     stopped_by=stopped_by,
     params=params,
+    received_by_worker=dict(sorted(by_worker.items())),
+    dropped_by_worker={w: dropped_by[w] for w in sorted(by_worker)},
   )
 
 
