@@ -13,6 +13,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv || true
 # Lazy Adam at GPU scale (issue 3): 1e7 x 128 table, 65,536 ids per step.
 timeout 300 $PY -m benchmarks.lazy_adam --rows 1000000 10000000 --dim 128 \
   --ids 65536
+# The whole training step (issue 13) at the same scale: gtx lazy_adam and
+# catch_up vs optax.adam (torch is CPU-only in the bench extra: skipped).
+# jaxlib 0.10.2-0.11.0 emit a CAS loop for f32 scatter-add on GPUs
+# (jax#38806, xla#46225): the dense baseline (duplicate ids, Zipf above all)
+# pays it; gtx coalesces first and scatters unique rows.
+timeout 420 $PY -m benchmarks.train_step --rows 10000000 --dim 128 \
+  --ids 65536 --no-torch
 # Sparse vs dense gradient at the same scale.
 timeout 200 $PY -m benchmarks.sparse_grad --rows 1000000 10000000 --dim 128 \
   --ids 65536
