@@ -362,6 +362,10 @@ def sparse_value_and_grad(
       out[s] = SparseRows(idx, vals, t.shape[0])
     grads = jax.tree.unflatten(treedef, out)
     grads = grads[0] if single else grads
+    # Every forward read of a table before any in-place write of its update:
+    # else XLA copies a donated table when the gradient does not read the
+    # rows (a loss linear in the table). See _order_after.
+    grads = _order_after(grads, value)
     return ((value, aux), grads) if has_aux else (value, grads)
 
   return value_and_grad_fn
