@@ -1,0 +1,386 @@
+"""Real models from each framework, unmodified: their embedding tables get
+SparseRows gradients equal to ``jax.grad``'s, and the compiled training
+step (sparse gradients, a gradtx optimizer, apply) holds no table-sized
+value besides the params and optimizer state it updates in place.
+
+Row counts are primes (1009, 211) so that ``f32[1009,20]`` in the HLO can
+only be the table (keep ``B * T != D``: XLA may transpose a ``[B * T, V]``
+value into ``[V, B * T]``).
+"""
+
+import functools
+import re
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import gradtx as gtx
+
+V, D = 1009, 20  # the big table
+V_TAGS, H = 211, 32  # a second table
+B, T, C = 4, 6, 5  # batch, time, classes
+
+
+def batch(seed=0, vocab=V):
+  rng = np.random.RandomState(seed)
+  return (
+    jnp.asarray(rng.randint(0, vocab, size=(B, T)), jnp.int32),
+    jnp.asarray(rng.randint(0, V_TAGS, size=(B,)), jnp.int32),
+    jnp.asarray(rng.randint(0, C, size=(B, T)), jnp.int32),
+  )
+
+
+def cross_entropy(logits, labels):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _is_sparse(x):
+  return isinstance(x, gtx.SparseRows)
+
+
+def check_grads(loss, params, args, sparse, rtol=2e-5):
+  """Compares gtx.sparse_value_and_grad with jax.value_and_grad.
+
+  ``sparse`` maps a substring of a leaf's path to the number of rows its
+  SparseRows gradient must hold (one per id read); every other leaf must
+  come out dense.
+  """
+  value, grads = jax.jit(gtx.sparse_value_and_grad(loss))(params, *args)
+  want_value, want = jax.jit(jax.value_and_grad(loss))(params, *args)
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  got = jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_sparse)[0]
+  ref = jax.tree_util.tree_flatten_with_path(want)[0]
+  assert [jax.tree_util.keystr(p) for p, _ in got] == [
+    jax.tree_util.keystr(p) for p, _ in ref
+  ]
+  for (path, g), (_, w) in zip(got, ref, strict=True):
+    dense = g.to_dense() if _is_sparse(g) else g
+    np.testing.assert_allclose(
+      dense, w, rtol=rtol, atol=rtol / 20, err_msg=jax.tree_util.keystr(path)
+    )
+  found = {jax.tree_util.keystr(p): g.nnz for p, g in got if _is_sparse(g)}
+  for name, rows in sparse.items():
+    hits = [p for p in found if name in p]
+    assert len(hits) == 1, f"{name} is not one SparseRows leaf: {found}"
+    assert found[hits[0]] == rows, (name, found[hits[0]], rows)
+  assert len(found) == len(sparse), found
+  return grads
+
+
+_HARMLESS = ("parameter(", "get-tuple-element(", "bitcast(")
+
+
+def table_sized_values(hlo_text, shapes):
+  """HLO instructions that produce a value of one of ``shapes`` and are not
+  a parameter, a view of one, or an (in-place) scatter into one."""
+  pat = re.compile("|".join(rf"= [a-z0-9]+\[{r},{d}\]\{{" for r, d in shapes))
+  return [
+    line.strip()
+    for line in hlo_text.splitlines()
+    if pat.search(line)
+    and not any(h in line for h in _HARMLESS)
+    and "scatter" not in line.split("metadata=")[0]
+  ]
+
+
+def make_step(loss, tx, grad=gtx.sparse_value_and_grad, apply=None):
+  apply = apply or gtx.apply_updates
+
+  def step(params, opt_state, *args):
+    value, grads = grad(loss)(params, *args)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return apply(params, updates), opt_state, value
+
+  return step
+
+
+def check_step(loss, params, args, shapes, tx=None, apply=None):
+  """Compiles and runs one donated training step; no table-sized value.
+
+  Returns the params after the step.
+  """
+  tx = tx or gtx.lazy_adam(1e-2)
+  step = jax.jit(make_step(loss, tx, apply=apply), donate_argnums=(0, 1))
+  opt_state = tx.init(params)
+  compiled = step.lower(params, opt_state, *args).compile()
+  bad = table_sized_values(compiled.as_text(), shapes)
+  assert not bad, "\n".join(bad)
+  copy = jax.tree.map(jnp.array, params)
+  new_params, _, value = step(copy, opt_state, *args)
+  assert np.isfinite(value)
+  return new_params
+
+
+def touched_rows_only(before, after, ids):
+  changed = np.flatnonzero(np.any(np.asarray(before != after), axis=1))
+  assert changed.size, "the step must change the read rows"
+  assert set(changed.tolist()) <= set(np.asarray(ids).ravel().tolist())
+
+
+# ----------------------------------------------------------------------------
+# Flax linen: nn.Embed at the top level and inside nn.scan(nn.remat(...))
+
+
+class LinenStep(nn.Module):
+  @nn.compact
+  def __call__(self, h, ids_t):
+    x = nn.Embed(V, D, name="words")(ids_t)
+    h = jnp.tanh(nn.Dense(H, name="mix")(jnp.concatenate([x, h], axis=-1)))
+    return h, h
+
+
+class LinenRNN(nn.Module):
+  @nn.compact
+  def __call__(self, ids, tags):
+    h0 = nn.Embed(V_TAGS, H, name="tags")(tags)
+    rnn = nn.scan(
+      nn.remat(LinenStep),
+      variable_broadcast="params",
+      split_rngs={"params": False},
+      in_axes=1,
+      out_axes=1,
+    )
+    _, hs = rnn(name="rnn")(h0, ids)
+    return nn.Dense(C, name="head")(hs)
+
+
+@functools.cache
+def linen_setup():
+  model = LinenRNN()
+  ids, tags, labels = batch(0)
+  params = jax.jit(model.init)(jax.random.key(0), ids, tags)
+
+  def loss(params, ids, tags, labels):
+    return cross_entropy(model.apply(params, ids, tags), labels)
+
+  return loss, params, (ids, tags, labels)
+
+
+def test_flax_linen_embed_scan_remat_grads():
+  loss, params, args = linen_setup()
+  check_grads(loss, params, args, {"['words']": B * T, "['tags']": B})
+
+
+def test_flax_linen_compiled_step_has_no_table_copy():
+  loss, params, args = linen_setup()
+  shapes = [(V, D), (V_TAGS, H)]
+  new = check_step(loss, params, args, shapes)
+  words = ("params", "rnn", "words", "embedding")
+  get = lambda p: functools.reduce(lambda t, k: t[k], words, p)  # noqa: E731
+  touched_rows_only(get(params), get(new), args[0])
+  # The check can fail: jax.value_and_grad's step builds [V, D] gradients.
+  dense = jax.jit(
+    make_step(loss, optax.adam(1e-2), grad=jax.value_and_grad),
+    donate_argnums=(0, 1),
+  )
+  hlo = dense.lower(params, optax.adam(1e-2).init(params), *args).compile()
+  assert table_sized_values(hlo.as_text(), shapes)
+
+
+def test_optax_apply_updates_in_the_compiled_step():
+  loss, params, args = linen_setup()
+  check_step(loss, params, args, [(V, D)], apply=optax.apply_updates)
+
+
+# ----------------------------------------------------------------------------
+# Flax nnx: nnx.Embed, nnx.split / nnx.merge, nnx.Optimizer
+
+
+class NnxModel(nnx.Module):
+  def __init__(self, rngs):
+    self.words = nnx.Embed(V, D, rngs=rngs)
+    self.tags = nnx.Embed(V_TAGS, D, rngs=rngs)
+    self.hidden = nnx.Linear(D, H, rngs=rngs)
+    self.head = nnx.Linear(H, C, rngs=rngs)
+
+  def __call__(self, ids, tags):
+    x = self.words(ids) + self.tags(tags)[:, None, :]
+    return self.head(nnx.gelu(self.hidden(x)))
+
+
+def test_flax_nnx_embed_split_merge_optimizer():
+  model = NnxModel(nnx.Rngs(0))
+  ids, tags, labels = batch(1)
+  graphdef, state = nnx.split(model)
+
+  def loss(state, ids, tags, labels):
+    return cross_entropy(nnx.merge(graphdef, state)(ids, tags), labels)
+
+  check_grads(
+    loss, state, (ids, tags, labels), {"['words']": B * T, "['tags']": B}
+  )
+
+  # The nnx training step: merge, sparse grads, optimizer.update, split.
+  optimizer = nnx.Optimizer(model, gtx.lazy_adam(1e-2), wrt=nnx.Param)
+  graph, both = nnx.split((model, optimizer))
+
+  def step(both, ids, tags, labels):
+    model, optimizer = nnx.merge(graph, both)
+    mgraph, mstate = nnx.split(model)
+
+    def loss(mstate):
+      return cross_entropy(nnx.merge(mgraph, mstate)(ids, tags), labels)
+
+    value, grads = gtx.sparse_value_and_grad(loss)(mstate)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), value
+
+  jitted = jax.jit(step, donate_argnums=0)
+  compiled = jitted.lower(both, ids, tags, labels).compile()
+  bad = table_sized_values(compiled.as_text(), [(V, D), (V_TAGS, D)])
+  assert not bad, "\n".join(bad)
+  before = np.asarray(model.words.embedding[...])
+  both, _ = jitted(both, ids, tags, labels)
+  model, optimizer = nnx.merge(graph, both)
+  touched_rows_only(before, model.words.embedding[...], ids)
+  assert int(optimizer.step[...]) == 1
+
+
+# ----------------------------------------------------------------------------
+# Equinox: two eqx.nn.Embedding tables under jax.vmap, eqx.filter_jit
+
+
+class EqxModel(eqx.Module):
+  words: eqx.nn.Embedding
+  tags: eqx.nn.Embedding
+  head: eqx.nn.MLP
+
+  def __init__(self, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    self.words = eqx.nn.Embedding(V, D, key=k1)
+    self.tags = eqx.nn.Embedding(V_TAGS, D, key=k2)
+    self.head = eqx.nn.MLP(D, C, H, depth=1, key=k3)
+
+  def __call__(self, ids, tag):  # one example: ids [T], tag []
+    x = jax.vmap(self.words)(ids).mean(0) + self.tags(tag)
+    return self.head(jnp.tanh(x))
+
+
+def test_equinox_embeddings_under_vmap_filter_jit():
+  model = EqxModel(jax.random.key(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  ids, tags, labels = batch(2)
+
+  def loss(params, ids, tags, labels):
+    logits = jax.vmap(eqx.combine(params, static))(ids, tags)
+    return cross_entropy(logits, labels[:, 0])
+
+  check_grads(loss, params, (ids, tags, labels), {".words": B * T, ".tags": B})
+
+  tx = gtx.lazy_adam(1e-2)
+
+  @eqx.filter_jit(donate="all-except-first")
+  def step(batch, model, opt_state):
+    ids, tags, labels = batch
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(params):
+      logits = jax.vmap(eqx.combine(params, static))(ids, tags)
+      return cross_entropy(logits, labels[:, 0])
+
+    value, grads = gtx.sparse_value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return eqx.combine(gtx.apply_updates(params, updates), static), opt_state
+
+  opt_state = tx.init(params)
+  compiled = step.lower((ids, tags, labels), model, opt_state).compile()
+  hlo = compiled.compiled.as_text()  # eqx.filter_jit's Compiled wraps jax's
+  bad = table_sized_values(hlo, [(V, D), (V_TAGS, D)])
+  assert not bad, "\n".join(bad)
+  before = np.asarray(model.words.weight)
+  new_model, _ = compiled((ids, tags, labels), model, opt_state)
+  touched_rows_only(before, new_model.words.weight, ids)
+
+
+# ----------------------------------------------------------------------------
+# Haiku: hk.Embed inside an LSTM core run by hk.dynamic_unroll
+
+
+def haiku_forward(ids, labels):  # ids, labels [T, B]
+  core = hk.DeepRNN([hk.Embed(V, D, name="embed"), hk.LSTM(H, name="lstm")])
+  outs, _ = hk.dynamic_unroll(core, ids, core.initial_state(ids.shape[1]))
+  return cross_entropy(hk.Linear(C, name="head")(outs), labels)
+
+
+def test_haiku_embed_lstm_dynamic_unroll():
+  f = hk.without_apply_rng(hk.transform(haiku_forward))
+  ids, _, labels = batch(3)
+  ids, labels = ids.T, labels.T
+  params = jax.jit(f.init)(jax.random.key(0), ids, labels)
+  check_grads(f.apply, params, (ids, labels), {"['embed']": B * T})
+  new = check_step(f.apply, params, (ids, labels), [(V, D)])
+  touched_rows_only(
+    params["embed"]["embeddings"], new["embed"]["embeddings"], ids
+  )
+
+
+# ----------------------------------------------------------------------------
+# A decoder-only language model: untied, factorised input embedding
+# ([V, E] then E -> width), rematerialised blocks under nn.scan.
+
+WIDTH, LAYERS = 32, 2
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    h = nn.LayerNorm(name="ln1")(x)
+    x = x + nn.MultiHeadDotProductAttention(2, deterministic=True, name="attn")(
+      h, mask=mask
+    )
+    h = nn.LayerNorm(name="ln2")(x)
+    x = x + nn.Dense(WIDTH, name="down")(nn.gelu(nn.Dense(4 * WIDTH)(h)))
+    return x, None
+
+
+class DecoderLM(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Dense(WIDTH, use_bias=False, name="proj")(
+      nn.Embed(V, D, name="tok")(ids)
+    )
+    pos = self.param("pos", nn.initializers.normal(0.02), (T, WIDTH))
+    x = x + pos[None, : ids.shape[1]]
+    blocks = nn.scan(
+      nn.remat(Block),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=LAYERS,
+    )
+    x, _ = blocks(name="blocks")(x, None)
+    return nn.Dense(V, use_bias=False, name="unembed")(nn.LayerNorm()(x))
+
+
+def test_decoder_lm_untied_embedding_scanned_remat_blocks():
+  model = DecoderLM()
+  ids = batch(4)[0]
+  params = jax.jit(model.init)(jax.random.key(0), ids)
+
+  def loss(params, ids):
+    logits = model.apply(params, ids)
+    return cross_entropy(logits[:, :-1], ids[:, 1:])
+
+  check_grads(loss, params, (ids,), {"['tok']": B * T})
+  new = check_step(loss, params, (ids,), [(V, D)])
+  tok = lambda p: p["params"]["tok"]["embedding"]  # noqa: E731
+  touched_rows_only(tok(params), tok(new), ids)
+
+
+def test_flax_embed_bf16_compute_dtype():
+  # nn.Embed(dtype=bf16) casts the whole float32 table, then reads rows.
+  model = nn.Embed(V, D, dtype=jnp.bfloat16)
+  ids = batch(5)[0]
+  params = jax.jit(model.init)(jax.random.key(0), ids)
+
+  def loss(params, ids):
+    return jnp.sum(jnp.tanh(model.apply(params, ids)).astype(jnp.float32))
+
+  check_grads(loss, params, (ids,), {"['embedding']": B * T}, rtol=1e-2)
+  check_step(loss, params, (ids,), [(V, D)])
