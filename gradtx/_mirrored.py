@@ -4,8 +4,13 @@ cross-replica reduction of (row-sparse) gradients.
 ``Mirrored`` is a 1-D mesh over devices (of one or many processes) with the
 helpers a data-parallel loop needs: replicate params and optimizer state,
 split the batch, compile the per-replica step (``jit`` + ``shard_map``) and
-reduce values across replicas. ``all_reduce`` is the transformation that
-puts the cross-replica reduction of gradients into an optax chain.
+reduce values across replicas. With ``shard_rows=`` chosen tables are split
+by rows over the same devices instead of replicated (hybrid parallelism);
+the step then maps the per-replica function with ``jax.vmap`` over the
+replica axis at the global view, so a row-sharded table is whole in the
+step's eyes and XLA's partitioner reads and updates each row on its owner.
+``all_reduce`` is the transformation that puts the cross-replica reduction
+of gradients into an optax chain.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from gradtx._base import (
   tree_map,
   varying_axes,
 )
+from gradtx._sharded import sharded_init
 
 _TX_OPS = ("mean", "sum")
 _OPS = ("sum", "mean", "first")
@@ -193,6 +199,33 @@ def _paths(tree: Any) -> list[tuple[str, Any]]:
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
 
 
+RowSelector = Callable[[str, Any], bool]
+
+
+def _row_selector(shard_rows: Any) -> tuple[RowSelector, tuple[str, ...]]:
+  """A predicate ``(path, leaf) -> bool`` and the names it must match.
+
+  ``shard_rows`` is a predicate, a name, or a sequence of names: a key
+  path as ``jax.tree_util.keystr`` writes it (``"['tower']['emb']"``) or a
+  top-level dict key (``"emb"``).
+  """
+  if callable(shard_rows):
+    return shard_rows, ()
+  names = (shard_rows,) if isinstance(shard_rows, str) else shard_rows
+  try:
+    names = tuple(names)
+  except TypeError:
+    names = None
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise TypeError(
+      "Mirrored `shard_rows` must be a table's key path (a str such as "
+      "'emb' or \"['tower']['emb']\"), a sequence of them, or a predicate "
+      f"`(path: str, leaf) -> bool`; got {shard_rows!r}."
+    )
+  paths = tuple(n if n.startswith(("[", ".")) else f"[{n!r}]" for n in names)
+  return (lambda path, leaf: path in paths), paths
+
+
 class Mirrored:
   """Data-parallel replication over a 1-D mesh of devices.
 
@@ -227,10 +260,38 @@ class Mirrored:
   back with a leading replica axis, and :meth:`reduce` combines them
   outside the step (TensorFlow's ``run`` then ``reduce``).
 
+  **Hybrid parallelism** (TorchRec's model-parallel embeddings with
+  data-parallel dense layers): name the tables in ``shard_rows`` and each
+  is split by rows over the replicas instead of replicated -- ``V /
+  num_replicas`` rows of the table and of every ``[V, ...]`` optimizer
+  state leaf per device -- while the dense params stay mirrored and the
+  batch split. Place the params with :meth:`place` and the state with
+  :meth:`init_state`; the per-replica step and the chain (with
+  :func:`all_reduce` first) stay as they are::
+
+    m = gtx.Mirrored(shard_rows=["emb"])
+    params = m.place(params)          # "emb" row-sharded, the rest mirrored
+    opt_state = m.init_state(tx, params)
+    step = m.step(train_step, donate_argnums=(0, 1))
+
+  The step then runs ``fn`` under ``jax.vmap`` over the replica axis (named
+  ``axis_name``, split across the devices with ``spmd_axis_name``) rather
+  than ``shard_map``: the same per-replica program -- each replica's
+  gradient from its own shard, collectives over ``axis_name`` -- but traced
+  at the global view, where a row-sharded table has all its rows and the
+  compiler reads and updates each row on the device that owns it. No
+  collective moves table-sized data. Outputs declared replicated are
+  checked: one that still differs across replicas raises.
+
   Args:
     devices: the devices to replicate over, in replica order. Default: all
       devices of all processes (``jax.devices()``), ordered by process.
     axis_name: the name of the replica axis inside the step.
+    shard_rows: the tables to split by rows over the replicas: a key path
+      (``"emb"`` for a top-level dict key, or as ``jax.tree_util.keystr``
+      writes it, ``"['tower']['emb']"``), a sequence of them, or a
+      predicate ``(path, leaf) -> bool``. Default ``None``: replicate
+      every param.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -252,7 +313,11 @@ class Mirrored:
     devices: Sequence[jax.Device] | None = None,
     *,
     axis_name: str = "replica",
+    shard_rows: str | Sequence[str] | RowSelector | None = None,
   ):
+    self._shard_rows, self._row_paths = (
+      (None, ()) if shard_rows is None else _row_selector(shard_rows)
+    )
     if not isinstance(axis_name, str) or not axis_name:
       raise TypeError(
         f"Mirrored `axis_name` must be a non-empty str; got {axis_name!r}."
@@ -284,9 +349,10 @@ class Mirrored:
     )
 
   def __repr__(self) -> str:
+    rows = "" if self._shard_rows is None else ", shard_rows=..."
     return (
       f"Mirrored(num_replicas={self.num_replicas}, "
-      f"axis_name={self._axis_name!r})"
+      f"axis_name={self._axis_name!r}{rows})"
     )
 
   @property
@@ -336,6 +402,90 @@ class Mirrored:
       )
 
     return jax.tree.map(put, tree)
+
+  def place(self, params: Any) -> Any:
+    """Places params for the step: ``shard_rows`` tables split, rest mirrored.
+
+    Each table chosen by ``shard_rows`` is split by rows over the replicas
+    (``NamedSharding(mesh, P(axis_name))``: replica ``r`` holds rows
+    ``[r * V / R, (r + 1) * V / R)``); every other leaf is replicated as
+    by :meth:`replicate`. Without ``shard_rows`` it is :meth:`replicate`.
+    In a multi-process run every process passes the same values and each
+    places the rows of its own devices. The result never shares a buffer
+    with ``params``, so a step may donate it.
+
+    Args:
+      params: a pytree of arrays (numpy, jax or Python scalars).
+
+    Returns:
+      The placed params.
+
+    Raises:
+      ValueError: a name in ``shard_rows`` matches no leaf, or a chosen
+        table is a scalar or its rows do not divide by ``num_replicas``.
+    """
+    if self._shard_rows is None:
+      return self.replicate(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+    missing = [p for p in self._row_paths if p not in paths]
+    if missing:
+      raise ValueError(
+        f"Mirrored.place: `shard_rows` names {missing}, which are not leaves "
+        f"of the params; their leaves are {paths}."
+      )
+    out = []
+    for path, (_, x) in zip(paths, leaves, strict=True):
+      if not self._shard_rows(path, x):
+        out.append(self.replicate(x))
+        continue
+      shape = np.shape(x)
+      if not shape or shape[0] % self.num_replicas:
+        got = "a scalar" if not shape else f"{shape[0]} rows"
+        raise ValueError(
+          f"Mirrored.place: table `params{path}` (chosen by `shard_rows`) "
+          f"has {got}, which does not split evenly over "
+          f"{self.num_replicas} replicas. Pad it to a multiple of "
+          f"{self.num_replicas} rows (padding rows are never read)."
+        )
+      out.append(self._put_rows(x))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def _put_rows(self, x: Any) -> jax.Array:
+    """``x`` split by rows over the replicas, in fresh buffers."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(jnp.array(x, copy=True), self._split)
+    host = np.asarray(x)
+    # Each process builds only its devices' rows, never the whole table on
+    # one device.
+    return jax.make_array_from_callback(
+      host.shape, self._split, lambda index: np.array(host[index], copy=True)
+    )
+
+  def init_state(self, tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx.init(params)`` for placed params, each leaf placed like its param.
+
+    The ``[V, ...]`` and per-row ``[V]`` state of a row-sharded table is
+    split by rows like the table (``m`` and ``v`` never become replicated);
+    every other leaf is replicated. For params from :meth:`place` (or
+    :meth:`replicate`).
+
+    Args:
+      tx: the optax transformation of the step.
+      params: the placed params.
+
+    Returns:
+      The optimizer state, placed on the mesh.
+    """
+    state = sharded_init(tx, params)
+
+    def on_mesh(x):
+      sharding = getattr(x, "sharding", None)
+      if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
+        return x
+      return self.replicate(x)
+
+    return jax.tree.map(on_mesh, state)
 
   def shard_batch(self, tree: Any) -> Any:
     """Splits the leading axis of every leaf across the replicas.
@@ -459,7 +609,54 @@ class Mirrored:
       return _join_outputs(rep, per, per_replica)
 
     run.__name__ = f"mirrored_{name}"
+    if self._shard_rows is not None:
+      run = self._hybrid(fn, per_replica, name)
     return jax.jit(run, donate_argnums=donate)
+
+  def _hybrid(
+    self, fn: Callable[..., Any], per_replica: tuple[int, ...], name: str
+  ) -> Callable[..., Any]:
+    """The step of a Mirrored with row-sharded tables: ``fn`` vmapped over
+    the replica axis at the global view (see the class docstring)."""
+    axis, replicas = self._axis_name, self.num_replicas
+
+    def body(*local_args):
+      return _split_outputs(fn(*local_args), per_replica, name)
+
+    def run(*args):
+      if len(args) < 3:
+        raise TypeError(
+          f"Mirrored.step({name}): the step takes (params, opt_state, batch, "
+          f"*args); got {len(args)} positional argument(s). Pass `()` for an "
+          "absent opt_state."
+        )
+      self._check_global_batch(args[2])
+      batch = jax.tree.map(
+        lambda x: x.reshape((replicas, -1) + x.shape[1:]), args[2]
+      )
+      mapped = jax.vmap(
+        body,
+        in_axes=(None, None, 0) + (None,) * (len(args) - 3),
+        out_axes=(None, 0),
+        axis_name=axis,
+        spmd_axis_name=axis,
+      )
+      try:
+        rep, per = mapped(args[0], args[1], batch, *args[3:])
+      except ValueError as e:
+        if "out_axes is" not in str(e):
+          raise
+        raise ValueError(
+          f"Mirrored.step({name}): an output returned as replicated differs "
+          "across replicas. Reduce per-replica values inside the step "
+          "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
+          "first in the optax chain), or list the output's position in "
+          f"`per_replica_outputs`. ({e})"
+        ) from e
+      return _join_outputs(rep, per, per_replica)
+
+    run.__name__ = f"mirrored_{name}"
+    return run
 
   def _check_global_batch(self, batch: Any) -> None:
     n = self.num_replicas

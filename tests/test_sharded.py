@@ -83,13 +83,17 @@ TXS = {
 READ_AT = (0, -1, 2)
 
 
-def _make_step(tx, loss_fn):
+def _step_fn(tx, loss_fn, reduce=lambda loss: loss):
   def step(params, state, batch, grad_step):
     loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params, grad_step=grad_step)
-    return gtx.apply_updates(params, updates), state, loss
+    return gtx.apply_updates(params, updates), state, reduce(loss)
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return step
+
+
+def _make_step(tx, loss_fn):
+  return jax.jit(_step_fn(tx, loss_fn), donate_argnums=(0, 1))
 
 
 def _mesh(kind, shape=(8,), names=("d",)):
@@ -147,16 +151,21 @@ def _train(tx_name, layout=None, loss_fn=_lookup_loss):
     state = gtx.sharded_init(tx, params)
     place = layout.batch
     ctx = layout.context()
-  losses, compiled, before = [], None, None
   with ctx if ctx is not None else _null():
-    for s in range(STEPS):
-      batch = place(_batch(s))
-      grad_step = jnp.asarray(s + READ_AT[s] if READ_AT[s] < 0 else s)
-      if compiled is None:
-        compiled = step.lower(params, state, batch, grad_step).compile()
-        before = _shardings((params, state))
-      params, state, loss = step(params, state, batch, grad_step)
-      losses.append(float(loss))
+    return _loop(step, params, state, place)
+
+
+def _loop(step, params, state, place):
+  """Compiles ``step`` once and runs STEPS calls of the executable."""
+  losses, compiled, before = [], None, None
+  for s in range(STEPS):
+    batch = place(_batch(s))
+    grad_step = jnp.asarray(s + READ_AT[s] if READ_AT[s] < 0 else s)
+    if compiled is None:
+      compiled = step.lower(params, state, batch, grad_step).compile()
+      before = _shardings((params, state))
+    params, state, loss = compiled(params, state, batch, grad_step)
+    losses.append(float(loss))
   return params, state, losses, compiled, before
 
 
@@ -210,8 +219,15 @@ def _reference(tx_name, loss_fn=_lookup_loss):
 )
 def test_row_sharded_step_equals_single_device(tx_name, layout_name):
   layout = LAYOUTS[layout_name]()
-  params, state, losses, compiled, before = _train(tx_name, layout)
-  want_params, want_state, want_losses, _, _ = _reference(tx_name)
+  _check_run(_train(tx_name, layout), _reference(tx_name), "d", layout.mesh)
+
+
+def _check_run(run, reference, axis, mesh):
+  """``run`` equals the single-device ``reference``, kept the table and its
+  state split over ``axis``, moved no table-sized data and needed less
+  temporary memory than a table shard."""
+  params, state, losses, compiled, before = run
+  want_params, want_state, want_losses, _, _ = reference
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   for got, want in zip(
     jax.tree.leaves((params, state)),
@@ -229,14 +245,66 @@ def test_row_sharded_step_equals_single_device(tx_name, layout_name):
   table_like = [(s, p) for s, p in after if s and s[0] == V]
   assert len(table_like) >= 3  # the table and (at least) m and v
   for shape, spec in table_like:
-    assert spec[0] == "d", (shape, spec)
+    assert spec[0] == axis, (shape, spec)
   # No collective moves a table-sized (or shard-sized) block.
   hlo = compiled.as_text()
   assert not _table_sized_collectives(hlo, {V, V // 8, V // 4})
   # Temporary memory per device stays below one table shard.
-  shard_bytes = V // layout.mesh.shape["d"] * D * 4
+  shard_bytes = V // mesh.shape[axis] * D * 4
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < shard_bytes, (temp, shard_bytes)
+
+
+def _hybrid_train(m, tx):
+  """STEPS of the per-replica step under ``m`` (a Mirrored with shard_rows)."""
+  fn = _step_fn(tx, _lookup_loss, lambda loss: m.all_reduce(loss, "mean"))
+  step = m.step(fn, donate_argnums=(0, 1))
+  params = m.place(_params())
+  return _loop(step, params, m.init_state(tx, params), m.shard_batch)
+
+
+def test_hybrid_mirrored_equals_single_device():
+  # Dense params mirrored, the batch split over the 8 replicas, the table
+  # and its state row-sharded over the same devices; the chain of the
+  # single-device run with the cross-replica reduction in front.
+  m = gtx.Mirrored(shard_rows="emb")
+  tx = optax.chain(
+    gtx.all_reduce(m.axis_name), TXS["stale_accumulate_clip_catch_up"]()
+  )
+  run = _hybrid_train(m, tx)
+  _check_run(
+    run, _reference("stale_accumulate_clip_catch_up"), "replica", m.mesh
+  )
+  params, state = run[:2]
+  assert params["emb"].addressable_shards[0].data.shape == (V // 8, D)
+  assert params["w"].sharding.is_fully_replicated
+  # Everything but the table's [V, ...] / [V] leaves stays mirrored.
+  for leaf in jax.tree.leaves((params, state)):
+    assert leaf.shape[:1] == (V,) or leaf.sharding.is_fully_replicated
+
+
+def test_hybrid_mirrored_checks_outputs_and_placement():
+  m = gtx.Mirrored(shard_rows=lambda path, x: path == "['emb']")
+  host = _params()
+  with pytest.raises(ValueError, match=r"`shard_rows` names \["):
+    gtx.Mirrored(shard_rows=["emb", "nope"]).place(host)
+  with pytest.raises(ValueError, match="Pad it to a multiple of 8 rows"):
+    gtx.Mirrored(shard_rows="emb").place({"emb": np.zeros((12, 2))})
+  with pytest.raises(TypeError, match="`shard_rows` must be"):
+    gtx.Mirrored(shard_rows=3)
+  placed = m.place(host)
+  assert placed["emb"].sharding.spec[0] == "replica"
+  # A per-replica value returned as replicated is an error (the plain
+  # shard_map step cannot tell), and per_replica_outputs stacks it.
+  step = m.step(lambda p, s, b: (p, s, jnp.sum(b["y"])))
+  batch = m.shard_batch(_batch(0))
+  with pytest.raises(ValueError, match="differs across replicas"):
+    step(placed, (), batch)
+  step = m.step(lambda p, s, b: (p, s, jnp.sum(b["y"])), per_replica_outputs=2)
+  _, _, sums = step(placed, (), batch)
+  np.testing.assert_allclose(
+    sums, _batch(0)["y"].reshape(8, -1).sum(1), rtol=1e-6
+  )
 
 
 def test_unmodified_reads_on_an_auto_mesh():
