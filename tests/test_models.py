@@ -8,7 +8,6 @@ only be the table (keep ``B * T != D``: XLA may transpose a ``[B * T, V]``
 value into ``[V, B * T]``).
 """
 
-import functools
 import re
 
 import equinox as eqx
@@ -44,15 +43,13 @@ def _is_sparse(x):
   return isinstance(x, gtx.SparseRows)
 
 
-def check_grads(loss, params, args, sparse, rtol=2e-5):
-  """Compares gtx.sparse_value_and_grad with jax.value_and_grad.
+def compare_grads(value, grads, want_value, want, sparse, rtol=2e-5):
+  """Checks gradtx's value and grads against ``jax.value_and_grad``'s.
 
   ``sparse`` maps a substring of a leaf's path to the number of rows its
   SparseRows gradient must hold (one per id read); every other leaf must
   come out dense.
   """
-  value, grads = jax.jit(gtx.sparse_value_and_grad(loss))(params, *args)
-  want_value, want = jax.jit(jax.value_and_grad(loss))(params, *args)
   np.testing.assert_allclose(value, want_value, rtol=1e-6)
   got = jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_sparse)[0]
   ref = jax.tree_util.tree_flatten_with_path(want)[0]
@@ -70,7 +67,6 @@ def check_grads(loss, params, args, sparse, rtol=2e-5):
     assert len(hits) == 1, f"{name} is not one SparseRows leaf: {found}"
     assert found[hits[0]] == rows, (name, found[hits[0]], rows)
   assert len(found) == len(sparse), found
-  return grads
 
 
 _HARMLESS = ("parameter(", "get-tuple-element(", "bitcast(")
@@ -89,31 +85,41 @@ def table_sized_values(hlo_text, shapes):
   ]
 
 
+def assert_no_table_sized_values(hlo_text, shapes):
+  bad = table_sized_values(hlo_text, shapes)
+  assert not bad, "\n".join(bad)
+
+
 def make_step(loss, tx, grad=gtx.sparse_value_and_grad, apply=None):
+  """One training step; it returns the grads too, for the comparison."""
   apply = apply or gtx.apply_updates
 
   def step(params, opt_state, *args):
     value, grads = grad(loss)(params, *args)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return apply(params, updates), opt_state, value
+    return apply(params, updates), opt_state, value, grads
 
   return step
 
 
-def check_step(loss, params, args, shapes, tx=None, apply=None):
-  """Compiles and runs one donated training step; no table-sized value.
+def check_model(loss, params, args, sparse, shapes, apply=None, rtol=2e-5):
+  """The whole check for a functional loss ``loss(params, *args)``.
 
-  Returns the params after the step.
+  Compiles one donated step (gtx.sparse_value_and_grad, gtx.lazy_adam,
+  ``apply``), asserts its HLO holds no value of the table ``shapes``, runs
+  it and compares its value and grads with ``jax.value_and_grad``. Returns
+  the params after the step.
   """
-  tx = tx or gtx.lazy_adam(1e-2)
-  step = jax.jit(make_step(loss, tx, apply=apply), donate_argnums=(0, 1))
+  want_value, want = jax.jit(jax.value_and_grad(loss))(params, *args)
+  tx = gtx.lazy_adam(1e-2)
   opt_state = tx.init(params)
+  step = jax.jit(make_step(loss, tx, apply=apply), donate_argnums=(0, 1))
   compiled = step.lower(params, opt_state, *args).compile()
-  bad = table_sized_values(compiled.as_text(), shapes)
-  assert not bad, "\n".join(bad)
-  copy = jax.tree.map(jnp.array, params)
-  new_params, _, value = step(copy, opt_state, *args)
-  assert np.isfinite(value)
+  assert_no_table_sized_values(compiled.as_text(), shapes)
+  new_params, _, value, grads = compiled(
+    jax.tree.map(jnp.array, params), opt_state, *args
+  )
+  compare_grads(value, grads, want_value, want, sparse, rtol=rtol)
   return new_params
 
 
@@ -150,8 +156,7 @@ class LinenRNN(nn.Module):
     return nn.Dense(C, name="head")(hs)
 
 
-@functools.cache
-def linen_setup():
+def test_flax_linen_embed_in_scan_and_remat():
   model = LinenRNN()
   ids, tags, labels = batch(0)
   params = jax.jit(model.init)(jax.random.key(0), ids, tags)
@@ -159,33 +164,15 @@ def linen_setup():
   def loss(params, ids, tags, labels):
     return cross_entropy(model.apply(params, ids, tags), labels)
 
-  return loss, params, (ids, tags, labels)
-
-
-def test_flax_linen_embed_scan_remat_grads():
-  loss, params, args = linen_setup()
-  check_grads(loss, params, args, {"['words']": B * T, "['tags']": B})
-
-
-def test_flax_linen_compiled_step_has_no_table_copy():
-  loss, params, args = linen_setup()
-  shapes = [(V, D), (V_TAGS, H)]
-  new = check_step(loss, params, args, shapes)
-  words = ("params", "rnn", "words", "embedding")
-  get = lambda p: functools.reduce(lambda t, k: t[k], words, p)  # noqa: E731
-  touched_rows_only(get(params), get(new), args[0])
-  # The check can fail: jax.value_and_grad's step builds [V, D] gradients.
-  dense = jax.jit(
-    make_step(loss, optax.adam(1e-2), grad=jax.value_and_grad),
-    donate_argnums=(0, 1),
+  new = check_model(
+    loss,
+    params,
+    (ids, tags, labels),
+    {"['words']": B * T, "['tags']": B},
+    [(V, D), (V_TAGS, H)],
   )
-  hlo = dense.lower(params, optax.adam(1e-2).init(params), *args).compile()
-  assert table_sized_values(hlo.as_text(), shapes)
-
-
-def test_optax_apply_updates_in_the_compiled_step():
-  loss, params, args = linen_setup()
-  check_step(loss, params, args, [(V, D)], apply=optax.apply_updates)
+  words = lambda p: p["params"]["rnn"]["words"]["embedding"]  # noqa: E731
+  touched_rows_only(words(params), words(new), ids)
 
 
 # ----------------------------------------------------------------------------
@@ -212,9 +199,7 @@ def test_flax_nnx_embed_split_merge_optimizer():
   def loss(state, ids, tags, labels):
     return cross_entropy(nnx.merge(graphdef, state)(ids, tags), labels)
 
-  check_grads(
-    loss, state, (ids, tags, labels), {"['words']": B * T, "['tags']": B}
-  )
+  want_value, want = jax.jit(jax.value_and_grad(loss))(state, ids, tags, labels)
 
   # The nnx training step: merge, sparse grads, optimizer.update, split.
   optimizer = nnx.Optimizer(model, gtx.lazy_adam(1e-2), wrt=nnx.Param)
@@ -229,14 +214,16 @@ def test_flax_nnx_embed_split_merge_optimizer():
 
     value, grads = gtx.sparse_value_and_grad(loss)(mstate)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), value
+    return nnx.state((model, optimizer)), value, grads
 
-  jitted = jax.jit(step, donate_argnums=0)
-  compiled = jitted.lower(both, ids, tags, labels).compile()
-  bad = table_sized_values(compiled.as_text(), [(V, D), (V_TAGS, D)])
-  assert not bad, "\n".join(bad)
+  compiled = jax.jit(step, donate_argnums=0).lower(both, ids, tags, labels)
+  compiled = compiled.compile()
+  assert_no_table_sized_values(compiled.as_text(), [(V, D), (V_TAGS, D)])
   before = np.asarray(model.words.embedding[...])
-  both, _ = jitted(both, ids, tags, labels)
+  both, value, grads = compiled(both, ids, tags, labels)
+  compare_grads(
+    value, grads, want_value, want, {"['words']": B * T, "['tags']": B}
+  )
   model, optimizer = nnx.merge(graph, both)
   touched_rows_only(before, model.words.embedding[...], ids)
   assert int(optimizer.step[...]) == 1
@@ -271,8 +258,9 @@ def test_equinox_embeddings_under_vmap_filter_jit():
     logits = jax.vmap(eqx.combine(params, static))(ids, tags)
     return cross_entropy(logits, labels[:, 0])
 
-  check_grads(loss, params, (ids, tags, labels), {".words": B * T, ".tags": B})
-
+  want_value, want = jax.jit(jax.value_and_grad(loss))(
+    params, ids, tags, labels
+  )
   tx = gtx.lazy_adam(1e-2)
 
   @eqx.filter_jit(donate="all-except-first")
@@ -286,15 +274,16 @@ def test_equinox_embeddings_under_vmap_filter_jit():
 
     value, grads = gtx.sparse_value_and_grad(loss)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return eqx.combine(gtx.apply_updates(params, updates), static), opt_state
+    new_model = eqx.combine(gtx.apply_updates(params, updates), static)
+    return new_model, opt_state, value, grads
 
   opt_state = tx.init(params)
   compiled = step.lower((ids, tags, labels), model, opt_state).compile()
   hlo = compiled.compiled.as_text()  # eqx.filter_jit's Compiled wraps jax's
-  bad = table_sized_values(hlo, [(V, D), (V_TAGS, D)])
-  assert not bad, "\n".join(bad)
+  assert_no_table_sized_values(hlo, [(V, D), (V_TAGS, D)])
   before = np.asarray(model.words.weight)
-  new_model, _ = compiled((ids, tags, labels), model, opt_state)
+  new_model, _, value, grads = compiled((ids, tags, labels), model, opt_state)
+  compare_grads(value, grads, want_value, want, {".words": B * T, ".tags": B})
   touched_rows_only(before, new_model.words.weight, ids)
 
 
@@ -313,8 +302,15 @@ def test_haiku_embed_lstm_dynamic_unroll():
   ids, _, labels = batch(3)
   ids, labels = ids.T, labels.T
   params = jax.jit(f.init)(jax.random.key(0), ids, labels)
-  check_grads(f.apply, params, (ids, labels), {"['embed']": B * T})
-  new = check_step(f.apply, params, (ids, labels), [(V, D)])
+  # optax.apply_updates (what TrainState calls) in place of gtx's.
+  new = check_model(
+    f.apply,
+    params,
+    (ids, labels),
+    {"['embed']": B * T},
+    [(V, D)],
+    apply=optax.apply_updates,
+  )
   touched_rows_only(
     params["embed"]["embeddings"], new["embed"]["embeddings"], ids
   )
@@ -367,8 +363,7 @@ def test_decoder_lm_untied_embedding_scanned_remat_blocks():
     logits = model.apply(params, ids)
     return cross_entropy(logits[:, :-1], ids[:, 1:])
 
-  check_grads(loss, params, (ids,), {"['tok']": B * T})
-  new = check_step(loss, params, (ids,), [(V, D)])
+  new = check_model(loss, params, (ids,), {"['tok']": B * T}, [(V, D)])
   tok = lambda p: p["params"]["tok"]["embedding"]  # noqa: E731
   touched_rows_only(tok(params), tok(new), ids)
 
@@ -382,5 +377,11 @@ def test_flax_embed_bf16_compute_dtype():
   def loss(params, ids):
     return jnp.sum(jnp.tanh(model.apply(params, ids)).astype(jnp.float32))
 
-  check_grads(loss, params, (ids,), {"['embedding']": B * T}, rtol=1e-2)
-  check_step(loss, params, (ids,), [(V, D)])
+  check_model(
+    loss, params, (ids,), {"['embedding']": B * T}, [(V, D)], rtol=1e-2
+  )
+  # The check can fail: jax.value_and_grad's step builds [V, D] gradients.
+  tx = optax.adam(1e-2)
+  dense = jax.jit(make_step(loss, tx, grad=jax.value_and_grad))
+  hlo = dense.lower(params, tx.init(params), ids).compile().as_text()
+  assert table_sized_values(hlo, [(V, D)])
