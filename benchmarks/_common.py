@@ -19,22 +19,25 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def machine() -> dict[str, Any]:
-  """What the numbers were measured on."""
-  import jax
-
-  cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+  """The CPU model (from /proc/cpuinfo where there is one)."""
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
         if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
+          return line.split(":", 1)[1].strip()
   except OSError:
     pass
+  return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+  """What the numbers were measured on."""
+  import jax
+
   dev = jax.devices()[0]
   return {
-    "cpu": cpu,
+    "cpu": cpu_name(),
     "cores": os.cpu_count(),
     "backend": jax.default_backend(),
     "device": getattr(dev, "device_kind", str(dev)),

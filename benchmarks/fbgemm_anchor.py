@@ -7,7 +7,7 @@ jax nor gradtx, so it runs in that other environment:
 
   python -m venv /tmp/fbvenv
   /tmp/fbvenv/bin/pip install fbgemm-gpu-cpu==1.9.0 torch==2.14.1 numpy
-  /tmp/fbvenv/bin/python benchmarks/fbgemm_anchor.py [--rows 1000000]
+  /tmp/fbvenv/bin/python -m benchmarks.fbgemm_anchor [--rows 1000000]
 
 The same training step as ``benchmarks/train_step.py`` (fresh uniform ids
 each step, loss ``sum(tanh(E[ids]) * ct)``), timed round-robin with
@@ -24,24 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _cpu() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+# Stdlib-only helpers: this runs in an environment without jax.
+from benchmarks._common import RESULTS, cpu_name, markdown_table
 
 
 def _tbe(rows, dim, optim, pooling, lr):
@@ -140,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
   lines = [
     "## FBGEMM anchor: fused CPU embedding step vs torch SparseAdam",
     "",
-    f"Machine: {_cpu()}, {os.cpu_count()} cores; torch {torch.__version__},"
+    f"Machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__},"
     f" fbgemm_gpu {fbgemm_gpu.__version__}, 2 threads.",
     "",
-    "| system | ms/step | / torch SparseAdam |",
-    "|---|---|---|",
+    markdown_table(
+      ["system", "ms/step", "/ torch SparseAdam"],
+      [[k, v, v / ref] for k, v in ms.items()],
+    ),
   ]
-  lines += [f"| {k} | {v:.3g} | {v / ref:.3g} |" for k, v in ms.items()]
   load = "/".join(f"{x:.1f}" for x in os.getloadavg())
   lines += [
     "",
