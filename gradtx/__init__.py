@@ -4,6 +4,7 @@ transformations for JAX, composable with optax."""
 from gradtx._accumulate import AccumulateState as AccumulateState
 from gradtx._accumulate import accumulate as accumulate
 from gradtx._base import SparseRows as SparseRows
+from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
 )
@@ -25,6 +26,8 @@ from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
 from gradtx._sharded import sharded_init as sharded_init
+from gradtx._sparse import LeafSparsity as LeafSparsity
+from gradtx._sparse import SparsityReport as SparsityReport
 from gradtx._sparse import add_decayed_weights as add_decayed_weights
 from gradtx._sparse import apply_updates as apply_updates
 from gradtx._sparse import clip_by_global_norm as clip_by_global_norm
@@ -35,6 +38,7 @@ from gradtx._sparse import scale as scale
 from gradtx._sparse import scale_by_learning_rate as scale_by_learning_rate
 from gradtx._sparse import sparse_grad as sparse_grad
 from gradtx._sparse import sparse_value_and_grad as sparse_value_and_grad
+from gradtx._sparse import sparsity_report as sparsity_report
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
@@ -46,12 +50,15 @@ __all__ = [
   "DropStaleState",
   "FtrlState",
   "LazyTraceState",
+  "LeafSparsity",
   "Mirrored",
   "ScaleByLazyAdamCatchUpState",
   "ScaleByLazyAdamState",
   "ScaleByRowwiseRssState",
   "ScaleByRssState",
   "SparseRows",
+  "SparsityReport",
+  "SparsityWarning",
   "accumulate",
   "adagrad",
   "add_decayed_weights",
@@ -76,5 +83,6 @@ __all__ = [
   "sharded_init",
   "sparse_grad",
   "sparse_value_and_grad",
+  "sparsity_report",
   "staleness_stats",
 ]

@@ -7,7 +7,7 @@ an optimizer (scale, learning rate, global-norm clipping, weight decay) and
 
 from __future__ import annotations
 
-import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -18,7 +18,7 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
-from gradtx import _sharded
+from gradtx import _jaxpr, _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
@@ -76,15 +76,29 @@ def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
 
 
+def gtx_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """The row read of :func:`lookup`, a ``jit`` that the jaxpr shows by name.
+
+  :func:`sparse_value_and_grad` recognises it by this name and re-binds it
+  with a sink added, so it never depends on how ``_gather`` reads rows.
+  """
+  return _gather(table, ids)
+
+
+_lookup_rows = jax.jit(gtx_lookup)
+_jaxpr.register_lookup(_lookup_rows)
+
+
 def lookup(
   table: jax.Array, ids: ArrayLike, *, bounds_check: bool = False
 ) -> jax.Array:
-  """Reads rows of an embedding table: ``table[ids]``.
+  """Reads rows of an embedding table: ``table[ids]`` with padding ids.
 
-  Use it where ``table[ids]`` or ``jnp.take(table, ids, axis=0)`` would
-  stand. Outside :func:`sparse_value_and_grad` it is an ordinary
-  differentiable gather; inside, the table's gradient comes out as a
-  :class:`SparseRows` with one row per looked-up id.
+  :func:`sparse_value_and_grad` gives a table read by ``table[ids]``,
+  ``jnp.take`` or an embedding layer a :class:`SparseRows` gradient already;
+  ``lookup`` is the explicit form, for its padding rule and bounds check.
+  Outside :func:`sparse_value_and_grad` it is an ordinary differentiable
+  gather.
 
   Ids outside ``[0, num_rows)`` -- negative ones included, which do *not*
   wrap around -- are padding: they read a zero row and give no gradient.
@@ -118,101 +132,71 @@ def lookup(
     )
   if bounds_check:
     _bounds_check(ids, table.shape[0])
-  ctx = _current_context()
-  if ctx is not None:
-    out = ctx.lookup(table, ids)
-    if out is not None:
-      return out
-  return _gather(table, ids)
+  return _lookup_rows(table, ids)
 
 
 # ----------------------------------------------------------------------------
 # sparse_value_and_grad
 
-_local = threading.local()
+
+class LeafSparsity(NamedTuple):
+  """How :func:`sparse_value_and_grad` treats one differentiated leaf."""
+
+  path: str  # jax.tree_util.keystr of the leaf in the differentiated args
+  shape: tuple[int, ...]
+  dtype: str
+  sparse: bool  # the gradient is a SparseRows
+  rows_per_step: int  # ids read per call: the SparseRows length (0: dense)
+  reason: str  # why the gradient is dense ("" when sparse)
+  where: str  # file:line of the use that kept it dense ("" if none)
 
 
-def _current_context() -> _Probe | _Apply | None:
-  stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
+class SparsityReport(tuple):
+  """Per-leaf :class:`LeafSparsity` records, in tree-flattening order.
 
+  ``str(report)`` is a table: path, shape, gradient kind, rows per step and
+  why a leaf stays dense, with the source line of the use that decided it.
+  """
 
-class _Context:
-  """Active while the loss runs; routes lookups of param leaves."""
+  @property
+  def sparse_paths(self) -> tuple[str, ...]:
+    """Paths of the leaves that get a SparseRows gradient."""
+    return tuple(r.path for r in self if r.sparse)
 
-  def __init__(self, leaves: Sequence[Any]):
-    self.slot_of = {}
-    for i, leaf in enumerate(leaves):
-      self.slot_of.setdefault(id(leaf), i)
-
-  def __enter__(self):
-    if not hasattr(_local, "stack"):
-      _local.stack = []
-    _local.stack.append(self)
-    return self
-
-  def __exit__(self, *exc):
-    _local.stack.pop()
-
-
-class _Probe(_Context):
-  """Abstract pass: records which leaves are looked up, and with what ids."""
-
-  def __init__(self, leaves: Sequence[Any], shadows: Sequence[Any]):
-    super().__init__(leaves)
-    self.shadows = shadows
-    self.calls: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
-
-  def lookup(self, table: Any, ids: jax.Array) -> jax.Array | None:
-    slot = self.slot_of.get(id(table))
-    if slot is None:
-      return None
-    out = _gather(self.shadows[slot], ids)
-    # Under shard_map's type checks the sink must vary over the same mesh
-    # axes as the rows it is added to, or autodiff would psum its cotangent.
-    vma = tuple(sorted(varying_axes(ids) | varying_axes(table)))
-    self.calls.append((slot, tuple(ids.shape), vma))
-    # Read the shadow copy, so a use of the leaf itself shows in the jaxpr
-    # only when the loss touches the table outside lookup.
-    return out
-
-
-class _Apply(_Context):
-  """Real pass: lookups of sparse tables add a zero "sink" input."""
-
-  def __init__(
-    self,
-    tables: dict[int, Any],
-    sinks: Sequence[jax.Array],
-    calls: Sequence[tuple[int, tuple[int, ...], tuple[str, ...]]],
-  ):
-    self.slot_of = {id(t): slot for slot, t in tables.items()}
-    self.sinks = sinks
-    self.calls = calls
-    self.ids: list[jax.Array] = []
-
-  def lookup(self, table: Any, ids: jax.Array) -> jax.Array | None:
-    slot = self.slot_of.get(id(table))
-    if slot is None:
-      return None
-    k = len(self.ids)
-    if k >= len(self.calls) or self.calls[k][:2] != (slot, tuple(ids.shape)):
-      raise RuntimeError(
-        "gradtx.sparse_value_and_grad: the loss made different "
-        "gradtx.lookup calls on its two traces. Lookups must not depend on "
-        "Python state that changes between calls."
+  def __str__(self) -> str:
+    head = ("leaf", "shape", "gradient", "rows/step", "why dense")
+    rows = [head] + [
+      (
+        r.path,
+        f"{r.dtype}{list(r.shape)}",
+        "sparse" if r.sparse else "dense",
+        str(r.rows_per_step) if r.sparse else "",
+        r.reason + (f" ({r.where})" if r.where else ""),
       )
-    self.ids.append(ids)
-    # The cotangent of the sink is exactly the gradient of each looked-up
-    # row; the table itself is a constant here, so no dense cotangent exists.
-    return _gather(table, ids) + self.sinks[k]
+      for r in self
+    ]
+    widths = [max(len(row[k]) for row in rows) for k in range(4)]
+    return "\n".join(
+      (
+        "  ".join(c.ljust(w) for c, w in zip(row[:4], widths, strict=True))
+        + "  "
+        + row[4]
+      ).rstrip()
+      for row in rows
+    )
+
+  def __repr__(self) -> str:
+    return f"SparsityReport({list(self)!r})"
 
 
-def _used_outside_lookup(jaxpr: Any, n_leaves: int) -> list[bool]:
-  invars = jaxpr.jaxpr.invars[:n_leaves]
-  used = {id(v) for eqn in jaxpr.jaxpr.eqns for v in eqn.invars}
-  used |= {id(v) for v in jaxpr.jaxpr.outvars}
-  return [id(v) in used for v in invars]
+class _Plan(NamedTuple):
+  leaves: list[Any]
+  treedef: Any
+  closed: Any
+  out_tree: Any
+  analysis: Any
+  groups: list[Any]
+  report: SparsityReport
 
 
 def _normalize_argnums(
@@ -228,45 +212,179 @@ def _normalize_argnums(
   return argnums, False
 
 
+def _leaf_record(path: str, aval: Any, group: Any) -> LeafSparsity:
+  shape, dtype = tuple(aval.shape), str(aval.dtype)
+  if group is None:
+    why = (
+      "not a floating-point array"
+      if not jnp.issubdtype(aval.dtype, jnp.floating)
+      else "a scalar (no rows)"
+    )
+    return LeafSparsity(path, shape, dtype, False, 0, why, "")
+  if group.dense is not None:
+    d = group.dense
+    return LeafSparsity(path, shape, dtype, False, 0, d.what, d.where)
+  if not group.reads:
+    why = "not used by the loss (zero gradient)"
+    return LeafSparsity(path, shape, dtype, False, 0, why, "")
+  rows = sum(int(np.prod(r.ids_shape)) for r in group.reads)
+  return LeafSparsity(path, shape, dtype, True, rows, "", "")
+
+
+def _plan(
+  fun: Callable[..., Any],
+  args: Sequence[Any],
+  kwargs: dict[str, Any],
+  argnums: tuple[int, ...],
+  single: bool,
+  has_aux: bool,
+) -> _Plan:
+  for a in argnums:
+    if a >= len(args) or a < -len(args):
+      raise ValueError(
+        f"`argnums` {argnums[0] if single else argnums} out of range for "
+        f"{len(args)} positional arguments."
+      )
+  diff = tuple(args[a] for a in argnums)
+  leaves, treedef = jax.tree.flatten(diff)
+  paths = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(
+      diff[0] if single else diff
+    )[0]
+  ]
+
+  def call(new_leaves):
+    new_args = list(args)
+    new_diff = jax.tree.unflatten(treedef, new_leaves)
+    for a, d in zip(argnums, new_diff, strict=True):
+      new_args[a] = d
+    out = fun(*new_args, **kwargs)
+    return out if has_aux else (out, None)
+
+  closed, out_tree = _jaxpr.trace(call, leaves)
+  avals = [v.aval for v in closed.jaxpr.invars]
+  candidates = [
+    jnp.issubdtype(a.dtype, jnp.floating) and len(a.shape) >= 1 for a in avals
+  ]
+  analysis, groups = _jaxpr.analyze(closed, candidates)
+  report = SparsityReport(
+    _leaf_record(p, a, g) for p, a, g in zip(paths, avals, groups, strict=True)
+  )
+  return _Plan(leaves, treedef, closed, out_tree, analysis, groups, report)
+
+
+def _check_required(require: Any, report: SparsityReport) -> None:
+  if require is None:
+    return
+  if callable(require):
+    wanted = [r for r in report if require(r.path)]
+  else:
+    names = [require] if isinstance(require, str) else list(require)
+    by_path = {r.path: r for r in report}
+    unknown = [n for n in names if n not in by_path]
+    if unknown:
+      raise ValueError(
+        f"`require_sparse` names {unknown}, which are not differentiated "
+        f"leaves. The leaves are {list(by_path)} "
+        "(jax.tree_util.keystr paths)."
+      )
+    wanted = [by_path[n] for n in names]
+  for r in wanted:
+    if not r.sparse:
+      at = f" at {r.where}" if r.where else ""
+      raise ValueError(
+        f"gradtx.sparse_value_and_grad: `require_sparse` asks for a sparse "
+        f"gradient of {r.path}, but it stays dense: {r.reason}{at}. Read "
+        "the table only as whole rows (table[ids], jnp.take, an embedding "
+        "layer, gtx.lookup), outside lax.cond and custom_jvp/custom_vjp "
+        "functions; see gtx.sparsity_report."
+      )
+
+
+def _warn_unknown(report: SparsityReport, groups: Sequence[Any]) -> None:
+  for r, g in zip(report, groups, strict=True):
+    if g is not None and g.dense is not None and g.dense.warn:
+      at = f" at {r.where}" if r.where else ""
+      warnings.warn(
+        f"gradtx.sparse_value_and_grad: {r.path} keeps a dense gradient: "
+        f"{r.reason}{at}.",
+        _jaxpr.SparsityWarning,
+        stacklevel=3,
+      )
+
+
 def sparse_value_and_grad(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
+  *,
+  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> Callable[..., Any]:
-  """Like ``jax.value_and_grad``, with SparseRows gradients for lookups.
+  """Like ``jax.value_and_grad``, with SparseRows gradients for tables.
 
-  Every parameter leaf that ``fun`` reads only through :func:`lookup` gets a
-  :class:`SparseRows` gradient: the ids of all its lookups (flattened and
-  concatenated in call order) and, for each id, the gradient of the loss
-  with respect to the row it read. Every other leaf gets its ordinary dense
-  gradient -- including a table that the loss also uses outside ``lookup``
-  (for example a tied output projection), whose gradient is dense anyway.
+  The loss needs no change. Every differentiated leaf whose every use in
+  ``fun`` is a whole-row read gets a :class:`SparseRows` gradient: the ids
+  of all its reads and, for each id, the gradient of the loss with respect
+  to the row it read. Every other leaf gets exactly ``jax.value_and_grad``'s
+  dense gradient. No dense ``[num_rows, dim]`` buffer is built: ``fun`` is
+  traced to a jaxpr and evaluated again with a zero "sink" added to each
+  row read; a sink's cotangent is the gradient of the rows read.
 
-  No dense ``[num_rows, dim]`` buffer is built: each lookup's output gets a
-  zero "sink" added, and the sink's cotangent is the per-id row gradient.
-  The lookups are found by an abstract pass over ``fun`` (trace time only).
+  Whole-row reads, recognised wherever they occur:
 
-  Lookups must be made in ``fun``'s own trace, not inside the body of a
-  ``lax.scan``, ``vmap`` or ``checkpoint`` (look the rows up first, then
-  pass them in), and a param leaf must reach ``lookup`` as the same object
-  (``params["emb"]``, ``module.weight``), not a transformed copy.
+  * ``table[ids]``, ``jnp.take(table, ids, axis=0)`` (any ``mode``), Flax
+    ``nn.Embed`` / ``nnx.Embed``, Haiku ``hk.Embed``: a ``gather`` of whole
+    rows, also with vmap-batched ids;
+  * ``table[i]`` with a scalar ``i`` (``eqx.nn.Embedding`` on one id, also
+    under ``jax.vmap`` with the table unbatched);
+  * :func:`lookup`;
+  * all of these after a float cast of the whole table (``nn.Embed(dtype=
+    jnp.bfloat16)``; the gradient keeps the table's dtype), inside nested
+    ``jax.jit``, ``jax.checkpoint`` / ``nn.remat`` /
+    ``eqx.filter_checkpoint`` (policy kept) and ``lax.scan`` /
+    ``fori_loop`` bodies where the table is a loop constant (ids may be
+    computed inside the loop).
+
+  A table keeps its dense gradient when it has any other use: a tied output
+  projection, a weight-decay term, reads inside ``lax.cond`` /
+  ``lax.switch`` / ``while_loop``, a ``custom_jvp`` / ``custom_vjp``
+  function of the table, the table returned (in aux), a static slice
+  ``table[:8]``, a partial-row read, the table as scan carry or xs, any
+  other primitive. An unfamiliar higher-order primitive (a ``shard_map``
+  inside the loss) or parameter layout also keeps it dense, with a
+  :class:`SparsityWarning`. :func:`sparsity_report` shows what happened.
+
+  The SparseRows of a table holds the ids of its reads in program order
+  (depth-first through nested jit/checkpoint/scan bodies), each read's ids
+  flattened row-major; a read inside a scan contributes its ids of every
+  iteration, in iteration order. An id the read gives no gradient to is
+  padding: an out-of-range id of a ``mode="fill"`` or ``promise_in_bounds``
+  gather (``table[ids]``) or of :func:`lookup`; ``mode="clip"`` ids come
+  out clipped, like the rows they read. Under ``shard_map(check_vma=True)``
+  the rows of every replica are gathered, as ``jax.grad`` sums them.
 
   Args:
     fun: the loss; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
     argnums: which positional argument(s) to differentiate.
     has_aux: as in ``jax.value_and_grad``.
+    require_sparse: leaves that must come out sparse: a path
+      (``jax.tree_util.keystr`` of the leaf, as :func:`sparsity_report`
+      prints it, e.g. ``"['emb']"``), a sequence of paths, or a predicate
+      on the path. A ValueError names each such leaf that stays dense, the
+      use that kept it dense and its source line.
 
   Returns:
     A function with ``fun``'s signature returning ``(value, grads)`` (or
     ``((value, aux), grads)``), ``grads`` shaped like the differentiated
-    argument(s), with SparseRows at the looked-up tables.
+    argument(s), with SparseRows at the tables.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import gradtx as gtx
     >>> params = {"emb": jnp.ones((1000, 4)), "w": jnp.ones(4)}
     >>> def loss(p, ids):
-    ...   return jnp.sum(gtx.lookup(p["emb"], ids) @ p["w"])
+    ...   return jnp.sum(p["emb"][ids] @ p["w"])
     >>> value, g = gtx.sparse_value_and_grad(loss)(params, jnp.array([3, 7]))
     >>> g["emb"].indices, g["emb"].values.shape, g["w"].shape
     (Array([3, 7], dtype=int32), (2, 4), (4,))
@@ -274,93 +392,59 @@ def sparse_value_and_grad(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def value_and_grad_fn(*args, **kwargs):
-    for a in argnum_tuple:
-      if a >= len(args) or a < -len(args):
-        raise ValueError(
-          f"`argnums` {argnums} out of range for {len(args)} positional "
-          "arguments."
-        )
-    diff = tuple(args[a] for a in argnum_tuple)
-    leaves, treedef = jax.tree.flatten(diff)
-
-    def call(new_leaves):
-      new_diff = jax.tree.unflatten(treedef, new_leaves)
-      new_args = list(args)
-      for a, d in zip(argnum_tuple, new_diff, strict=True):
-        new_args[a] = d
-      out = fun(*new_args, **kwargs)
-      return out if has_aux else (out, None)
-
-    # Pass 1 (abstract): which leaves are looked up, with which id shapes,
-    # and is any looked-up leaf also used outside lookup?
-    probe_box = []
-
-    def probe(leaves_, shadows):
-      with _Probe(leaves_, shadows) as p:
-        loss, _ = call(list(leaves_))
-      probe_box.append(p.calls)
-      return loss
-
-    jaxpr = jax.make_jaxpr(probe)(list(leaves), list(leaves))
-    calls = probe_box[-1]
-    dense_use = _used_outside_lookup(jaxpr, len(leaves))
-    looked_up = {c[0] for c in calls}
-    sparse_slots = sorted(s for s in looked_up if not dense_use[s])
-    calls = [c for c in calls if c[0] in sparse_slots]
-    # Pass 2: the tables are constants; differentiate dense leaves + sinks.
-    tables = {}
-    for s in sparse_slots:
+    plan = _plan(fun, args, kwargs, argnum_tuple, single, has_aux)
+    _check_required(require_sparse, plan.report)
+    _warn_unknown(plan.report, plan.groups)
+    leaves = plan.leaves
+    sparse = [i for i, r in enumerate(plan.report) if r.sparse]
+    if not sparse:  # nothing to do: exactly jax's gradients
+      out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+        *args, **kwargs
+      )
+      # As below: no table copy when a dense gradient skips the reads.
+      return out, _order_after(grads, out[0] if has_aux else out)
+    dense_slots = [i for i in range(len(leaves)) if i not in sparse]
+    sinks = {}
+    for s in sparse:
       t = leaves[s]
-      if any(id(t) == id(o) for o in tables.values()):
-        t = jnp.array(t, copy=True)  # the same object at two leaves
-      tables[s] = t
-    dense_slots = [i for i in range(len(leaves)) if i not in tables]
-    sinks = []
-    for slot, shape, vma in calls:
-      t = tables[slot]
-      sink = jnp.zeros(shape + tuple(t.shape[1:]), t.dtype)
-      sinks.append(lax.pcast(sink, vma, to="varying") if vma else sink)
+      sinks[s] = []
+      for r in plan.groups[s].reads:
+        sink = jnp.zeros(r.ids_shape + tuple(t.shape[1:]), t.dtype)
+        # Under shard_map's type checks the sink must vary over the same
+        # mesh axes as the rows it is added to.
+        vma = tuple(sorted(r.vma))
+        sinks[s].append(lax.pcast(sink, vma, to="varying") if vma else sink)
 
     def inner(dense_leaves, sinks_):
       full = list(leaves)
       for i, x in zip(dense_slots, dense_leaves, strict=True):
         full[i] = x
-      for s, t in tables.items():
-        full[s] = t
-      with _Apply(tables, sinks_, calls) as ctx:
-        loss, aux = call(full)
-      if len(ctx.ids) != len(calls):
-        raise RuntimeError(
-          "gradtx.sparse_value_and_grad: the loss made fewer gradtx.lookup "
-          "calls than on its abstract trace."
-        )
-      return loss, (aux, ctx.ids)
+      outs, ids = _jaxpr.evaluate(plan.analysis, plan.closed, full, sinks_)
+      loss, aux = jax.tree.unflatten(plan.out_tree, outs)
+      return loss, (aux, ids)
 
-    (value, (aux, ids_list)), (g_dense, g_sinks) = jax.value_and_grad(
+    (value, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(
       inner, argnums=(0, 1), has_aux=True
     )([leaves[i] for i in dense_slots], sinks)
 
     out = [None] * len(leaves)
     for i, g in zip(dense_slots, g_dense, strict=True):
       out[i] = g
-    for s, t in tables.items():
-      parts = [
-        (ids.reshape(-1), g.reshape((-1,) + tuple(t.shape[1:])))
-        for c, ids, g in zip(calls, ids_list, g_sinks, strict=True)
-        if c[0] == s
-      ]
-      idx = jnp.concatenate([p[0] for p in parts]).astype(jnp.int32)
-      vals = jnp.concatenate([p[1] for p in parts])
+    for s in sparse:
+      t = leaves[s]
+      row = tuple(t.shape[1:])
+      idx = jnp.concatenate([i.reshape(-1) for i in ids[s]])
+      vals = jnp.concatenate([g.reshape((-1,) + row) for g in g_sinks[s]])
       # As jax.grad: under shard_map's type checks the gradient of a
       # replicated table is the sum over the axes its ids vary along, which
       # for rows is the gather of every replica's rows.
-      axes = set().union(*(c[2] for c in calls if c[0] == s))
+      axes = frozenset().union(*(r.vma for r in plan.groups[s].reads))
       axes = tuple(sorted(axes - varying_axes(t)))
       if axes:
         idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
         vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
       out[s] = SparseRows(idx, vals, t.shape[0])
-    grads = jax.tree.unflatten(treedef, out)
+    grads = jax.tree.unflatten(plan.treedef, out)
     grads = grads[0] if single else grads
     # Every forward read of a table before any in-place write of its update:
     # else XLA copies a donated table when the gradient does not read the
@@ -375,8 +459,10 @@ def sparse_grad(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
+  *,
+  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> Callable[..., Any]:
-  """Like ``jax.grad``, with SparseRows gradients for lookups.
+  """Like ``jax.grad``, with SparseRows gradients for tables.
 
   See :func:`sparse_value_and_grad`; this returns only the gradients (and
   ``aux`` with ``has_aux``: ``(grads, aux)``).
@@ -384,18 +470,62 @@ def sparse_grad(
   Examples:
     >>> import jax.numpy as jnp
     >>> import gradtx as gtx
-    >>> g = gtx.sparse_grad(lambda t, i: gtx.lookup(t, i).sum())(
+    >>> g = gtx.sparse_grad(lambda t, i: jnp.take(t, i, axis=0).sum())(
     ...     jnp.zeros((5, 2)), jnp.array([4, 4]))
     >>> g.to_dense()[4]
     Array([2., 2.], dtype=float32)
   """
-  vg = sparse_value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+  vg = sparse_value_and_grad(
+    fun, argnums=argnums, has_aux=has_aux, require_sparse=require_sparse
+  )
 
   def grad_fn(*args, **kwargs):
     value, grads = vg(*args, **kwargs)
     return (grads, value[1]) if has_aux else grads
 
   return grad_fn
+
+
+def sparsity_report(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., SparsityReport]:
+  """Which leaves :func:`sparse_value_and_grad` makes sparse, and why not.
+
+  Traces ``fun`` (nothing runs on the device) and returns a
+  :class:`SparsityReport`: one :class:`LeafSparsity` per differentiated
+  leaf with its path, whether its gradient is a SparseRows, the rows it
+  reads per call and, for a dense leaf, the first use that kept it dense
+  with its source line.
+
+  Args:
+    fun: the loss, as for :func:`sparse_value_and_grad`.
+    argnums: which positional argument(s) are differentiated.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    A function with ``fun``'s signature returning the report.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.ones((100, 4)), "out": jnp.ones((100, 4))}
+    >>> def loss(p, ids):
+    ...   h = p["emb"][ids]
+    ...   return jnp.sum(h @ p["out"].T)
+    >>> report = gtx.sparsity_report(loss)(params, jnp.array([[1, 2, 3]]))
+    >>> report.sparse_paths
+    ("['emb']",)
+    >>> report[0].rows_per_step, report[1].reason
+    (3, 'used by `transpose`')
+  """
+  argnum_tuple, single = _normalize_argnums(argnums)
+
+  def report_fn(*args, **kwargs):
+    return _plan(fun, args, kwargs, argnum_tuple, single, has_aux).report
+
+  return report_fn
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,582 @@
+"""Reading jaxprs: which leaves a loss reads only as whole rows.
+
+The only module of gradtx that reads jaxprs (they depend on JAX internals
+that change between releases). A loss is traced to a jaxpr. A differentiated
+leaf (a "table") whose every use is a whole-row read is *sparse*:
+
+* a ``gather`` of whole rows along axis 0 (``table[ids]``, ``jnp.take``,
+  Flax ``nn.Embed`` / ``nnx.Embed``), vmap-batched ids included, in every
+  gather mode;
+* a ``dynamic_slice`` of one whole row (``table[i]`` with a scalar ``i``,
+  Equinox ``eqx.nn.Embedding``);
+* :func:`gradtx.lookup` (a ``jit`` named ``gtx_lookup``), re-bound as is;
+* through a float-to-float cast of the whole table, nested ``jit``,
+  ``checkpoint`` (policy kept) and the loop constants of ``scan``.
+
+The jaxpr is then evaluated again with each read returning ``read(table,
+ids) + sink`` -- a zero input whose cotangent is the gradient of the rows
+read -- and the ids of every read coming out alongside. Any other use keeps
+the table dense; an unfamiliar higher-order primitive or parameter layout
+does too, with a :class:`SparsityWarning`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+LOOKUP_NAME = "gtx_lookup"
+_JIT = ("jit", "pjit")
+_REMAT = ("remat2", "checkpoint", "remat")
+_GATHER_MODES = ("CLIP", "FILL_OR_DROP", "PROMISE_IN_BOUNDS")
+# Higher-order primitives whose bodies are deliberately not followed: a read
+# there keeps the table dense, without a warning.
+_NOT_FOLLOWED = {
+  "cond": "reads inside lax.cond/lax.switch are not followed",
+  "while": "reads inside lax.while_loop are not followed",
+  "custom_jvp_call": "a custom_jvp function of the table",
+  "custom_vjp_call": "a custom_vjp function of the table",
+  "custom_vjp_call_jaxpr": "a custom_vjp function of the table",
+}
+_GRADTX_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class SparsityWarning(UserWarning):
+  """A table kept its dense gradient because gradtx met a construct it does
+  not know.
+
+  Raised (as a warning) by :func:`gradtx.sparse_value_and_grad` when a
+  table is passed to a higher-order primitive gradtx does not follow (for
+  example a ``shard_map`` inside the loss) or to a primitive whose
+  parameters have a layout gradtx does not recognise (a newer JAX). The
+  gradient is still exact, only dense. :func:`gradtx.sparsity_report` names
+  the use and its source line.
+
+  Examples:
+    >>> import warnings
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> import gradtx as gtx
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    >>> def loss(table, ids):
+    ...   read = lambda t: t[ids]
+    ...   rows = jax.shard_map(read, mesh=mesh, in_specs=P(), out_specs=P())
+    ...   return rows(table).sum()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   g = gtx.sparse_grad(loss)(jnp.ones((4, 2)), jnp.array([1]))
+    >>> g.shape, caught[0].category.__name__
+    ((4, 2), 'SparsityWarning')
+  """
+
+
+# ----------------------------------------------------------------------------
+# analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+  """One row-read site: ``ids_shape`` (stacked over enclosing scans) ids."""
+
+  ids_shape: tuple[int, ...]
+  vma: frozenset  # mesh axes the rows read vary along (shard_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseUse:
+  """The first use of a table that keeps its gradient dense."""
+
+  what: str
+  where: str = ""
+  warn: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """What a jaxpr does with one table (and its casts): reads, or a dense use."""
+
+  reads: tuple[Read, ...]
+  dense: DenseUse | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowRead:
+  kind: str  # "gather" | "dynamic_slice" | "lookup"
+  ids_shape: tuple[int, ...]
+  vma: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cast:
+  dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pvary:
+  """A shard_map type cast (invariant -> varying) of whole tables."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sub:
+  kind: str  # "jit" | "remat" | "scan"
+  jaxpr: Any  # core.Jaxpr, invars aligned with the eqn's operands
+  consts: Sequence[Any]
+  prefix: tuple[int, ...]  # (length,) for scan: reads are stacked
+
+
+def _vma(aval: Any) -> frozenset:
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _is_var(v: Any) -> bool:
+  return isinstance(v, jcore.Var) and not isinstance(v, jcore.DropVar)
+
+
+def location(eqn: Any) -> str:
+  """``file:line`` of the user code that made ``eqn`` (model code first)."""
+  tb = getattr(eqn.source_info, "traceback", None)
+  frames = [
+    f
+    for f in source_info_util.user_frames(tb)
+    if not os.path.abspath(f.file_name).startswith(_GRADTX_DIR)
+  ]
+  if not frames:
+    return ""
+  own = [
+    f
+    for f in frames
+    if "site-packages" not in f.file_name and "dist-packages" not in f.file_name
+  ]
+  f = (own or frames)[0]
+  return f"{f.file_name}:{f.start_line}"
+
+
+def _dense(eqn: Any, what: str, warn: bool = False) -> DenseUse:
+  return DenseUse(what, location(eqn), warn)
+
+
+def _is_float(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _match(eqn: Any, pos: list[int]) -> Any:
+  """How ``eqn`` uses the table(s) at operand positions ``pos``."""
+  name = eqn.primitive.name
+  try:
+    return _match_known(eqn, pos, name)
+  except Exception as e:  # an unfamiliar parameter layout: never crash
+    return _dense(
+      eqn,
+      f"`{name}` with parameters gradtx does not recognise "
+      f"({type(e).__name__}: {e})",
+      warn=True,
+    )
+
+
+def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
+  params = eqn.params
+  shape = tuple(eqn.invars[pos[0]].aval.shape)
+  row_shape = shape[1:]
+  if name == "gather":
+    dn = params["dimension_numbers"]
+    if pos != [0]:
+      return _dense(eqn, "`gather` with the table as its indices")
+    if dn.operand_batching_dims or dn.start_indices_batching_dims:
+      return _dense(eqn, "`gather` batched over the table (vmap of tables)")
+    if tuple(params["slice_sizes"]) != (1, *row_shape) or (
+      0 not in dn.start_index_map
+    ):
+      return _dense(eqn, "`gather` that does not read whole rows")
+    if getattr(params["mode"], "name", None) not in _GATHER_MODES:
+      return _dense(eqn, f"`gather` in mode {params['mode']}", warn=True)
+    ids_shape = tuple(eqn.invars[1].aval.shape[:-1])
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    offsets = tuple(dn.offset_dims)
+    if len(out_shape) != len(ids_shape) + len(offsets) or list(offsets) != (
+      sorted(offsets)
+    ):
+      raise ValueError(f"gather output {out_shape} with offset_dims {offsets}")
+    return _RowRead("gather", ids_shape, _vma(eqn.outvars[0].aval))
+  if name == "dynamic_slice":
+    if pos != [0] or len(eqn.invars) != 1 + len(shape):
+      return _dense(eqn, "`dynamic_slice` with the table as a start index")
+    if tuple(params["slice_sizes"]) != (1, *row_shape):
+      return _dense(eqn, "`dynamic_slice` that does not read one whole row")
+    return _RowRead("dynamic_slice", (1,), _vma(eqn.outvars[0].aval))
+  if name == "convert_element_type":
+    new = params["new_dtype"]
+    if params.get("sharding") is None and _is_float(new):
+      return _Cast(np.dtype(new))
+    return _dense(eqn, f"`convert_element_type` to {new}")
+  if name in ("pvary", "pcast") and params.get("to", "varying") == "varying":
+    # shard_map(check_vma=True) marks an invariant table varying before a
+    # read with varying ids; no value changes.
+    if len(eqn.outvars) != len(eqn.invars):
+      raise ValueError(f"{len(eqn.outvars)} outputs for {len(eqn.invars)}")
+    return _Pvary()
+  if name in _JIT:
+    closed = params["jaxpr"]
+    if params.get("name") == LOOKUP_NAME and pos == [0]:
+      ids_aval = eqn.invars[1].aval
+      out = eqn.outvars[0].aval
+      if len(eqn.invars) == 2 and tuple(out.shape) == (
+        tuple(ids_aval.shape) + row_shape
+      ):
+        return _RowRead("lookup", tuple(ids_aval.shape), _vma(out))
+    _check_aligned(closed.jaxpr, eqn)
+    return _Sub("jit", closed.jaxpr, closed.consts, ())
+  if name in _REMAT:
+    jaxpr = params["jaxpr"]
+    _check_aligned(jaxpr, eqn, params, ("prevent_cse", "policy"))
+    return _Sub("remat", jaxpr, (), ())
+  if name == "scan":
+    closed = params["jaxpr"]
+    n = params["num_consts"]
+    if any(p >= n for p in pos):
+      return _dense(
+        eqn,
+        "passed to `scan` as carry or xs (only loop constants are followed)",
+      )
+    _check_aligned(
+      closed.jaxpr, eqn, params, ("num_carry", "length", "reverse", "unroll")
+    )
+    return _Sub("scan", closed.jaxpr, closed.consts, (int(params["length"]),))
+  if name in _NOT_FOLLOWED:
+    return _dense(eqn, f"passed to `{name}` ({_NOT_FOLLOWED[name]})")
+  bodies = list(jcore.jaxprs_in_params(params))
+  if bodies:
+    # Warn where the body reads rows: a table; a dense weight is no news.
+    return _dense(
+      eqn,
+      f"passed to `{name}`, a higher-order primitive gradtx does not follow",
+      warn=any(_reads_rows(b) for b in bodies),
+    )
+  return _dense(eqn, f"used by `{name}`")
+
+
+def _reads_rows(jaxpr: Any) -> bool:
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("gather", "dynamic_slice") or eqn.params.get("name") == (
+      LOOKUP_NAME
+    ):
+      return True
+    if any(_reads_rows(b) for b in jcore.jaxprs_in_params(eqn.params)):
+      return True
+  return False
+
+
+def _check_aligned(
+  jaxpr: Any, eqn: Any, params: Any = None, keys: Sequence[str] = ()
+) -> None:
+  missing = [k for k in keys if k not in params]
+  if missing:
+    raise KeyError(f"no {missing} in the parameters")
+  if len(jaxpr.invars) != len(eqn.invars):
+    raise ValueError(
+      f"{len(jaxpr.invars)} body inputs for {len(eqn.invars)} operands"
+    )
+
+
+class Analysis:
+  """Finds the row reads of tables in jaxprs; memoised per (jaxpr, tables)."""
+
+  def __init__(self):
+    self._memo: dict[Any, tuple[Any, Group]] = {}
+
+  def group(self, jaxpr: Any, members: dict[int, Any]) -> Group:
+    """What ``jaxpr`` does with the table at invars ``members`` (index ->
+    dtype the table has there): its reads in program order, or the first
+    use that keeps it dense."""
+    key = (id(jaxpr), tuple(sorted((i, str(d)) for i, d in members.items())))
+    hit = self._memo.get(key)
+    if hit is not None and hit[0] is jaxpr:
+      return hit[1]
+    result = self._walk(jaxpr, members)
+    self._memo[key] = (jaxpr, result)
+    return result
+
+  def _walk(self, jaxpr: Any, members: dict[int, Any]) -> Group:
+    alias = {jaxpr.invars[i]: d for i, d in members.items()}
+    reads: list[Read] = []
+    for eqn in jaxpr.eqns:
+      pos = [k for k, v in enumerate(eqn.invars) if _is_var(v) and v in alias]
+      if not pos:
+        continue
+      m = _match(eqn, pos)
+      if isinstance(m, DenseUse):
+        return Group(tuple(reads), m)
+      if isinstance(m, _RowRead):
+        reads.append(Read(m.ids_shape, m.vma))
+      elif isinstance(m, _Cast):
+        alias[eqn.outvars[0]] = m.dtype
+      elif isinstance(m, _Pvary):
+        for p in pos:
+          alias[eqn.outvars[p]] = alias[eqn.invars[p]]
+      else:
+        sub = self.group(m.jaxpr, {p: alias[eqn.invars[p]] for p in pos})
+        reads.extend(Read(m.prefix + r.ids_shape, r.vma) for r in sub.reads)
+        if sub.dense is not None:
+          return Group(tuple(reads), sub.dense)
+    if any(_is_var(v) and v in alias for v in jaxpr.outvars):
+      return Group(
+        tuple(reads),
+        DenseUse("returned by the loss or a nested jit/checkpoint/scan"),
+      )
+    return Group(tuple(reads), None)
+
+
+def trace(fun: Callable[..., Any], leaves: Sequence[Any]) -> tuple[Any, Any]:
+  """``fun(leaves)``'s closed jaxpr (flat outputs) and output treedef."""
+  box = []
+
+  def flat(*xs):
+    out, tree = jax.tree.flatten(fun(list(xs)))
+    box.append(tree)
+    return out
+
+  closed = jax.make_jaxpr(flat)(*leaves)
+  return closed, box[-1]
+
+
+def analyze(
+  closed: Any, candidates: Sequence[bool]
+) -> tuple[Analysis, list[Group | None]]:
+  """One :class:`Group` per invar of ``closed`` (None where not a
+  candidate)."""
+  an = Analysis()
+  out = []
+  for i, (v, c) in enumerate(zip(closed.jaxpr.invars, candidates, strict=True)):
+    out.append(an.group(closed.jaxpr, {i: v.aval.dtype}) if c else None)
+  return an, out
+
+
+# ----------------------------------------------------------------------------
+# re-evaluation with sinks
+
+_lookup_reader: list[Callable[[Any, Any], Any]] = []
+
+
+def register_lookup(read_rows: Callable[[Any, Any], Any]) -> None:
+  """Registers the ``gtx_lookup`` jitted row reader (to read cast tables)."""
+  _lookup_reader[:] = [read_rows]
+
+
+class _Queue:
+  """The sinks a table's reads consume, and the row ids they produce."""
+
+  def __init__(self, sinks: Sequence[Any]):
+    self.sinks = collections.deque(sinks)
+    self.ids: list[Any] = []
+
+
+@dataclasses.dataclass
+class _Table:
+  value: Any  # the table itself, in its own dtype: a constant for autodiff
+  dtype: Any  # the dtype it has at this point of the jaxpr (after casts)
+  queue: _Queue
+
+
+def evaluate(
+  an: Analysis,
+  closed: Any,
+  args: Sequence[Any],
+  sinks: dict[int, Sequence[Any]],
+) -> tuple[list[Any], dict[int, list[Any]]]:
+  """Evaluates ``closed`` on ``args`` with a sink at each read of the
+  tables ``sinks`` names (invar index -> one sink per read, in the order of
+  the analysis). Returns the outputs and, per table, the row ids of each
+  read (``ids_shape`` int32; padding outside ``[0, num_rows)``)."""
+  args = list(args)
+  queues = {}
+  for i, s in sinks.items():
+    queues[i] = _Queue(s)
+    args[i] = _Table(args[i], args[i].dtype, queues[i])
+  outs = _eval(an, closed.jaxpr, closed.consts, args)
+  for q in queues.values():
+    if q.sinks:
+      raise RuntimeError("gradtx internal error: unused sinks")
+  return outs, {i: q.ids for i, q in queues.items()}
+
+
+def _eval(an: Analysis, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]):
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    pos = [k for k, x in enumerate(invals) if isinstance(x, _Table)]
+    name_stack = (
+      source_info_util.current_name_stack() + eqn.source_info.name_stack
+    )
+    with (
+      source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=name_stack
+      ),
+      eqn.ctx.manager,
+    ):
+      if pos:
+        outs = _rewrite(an, eqn, pos, invals)
+      else:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        ans = eqn.primitive.bind(*invals, **params)
+        outs = ans if eqn.primitive.multiple_results else [ans]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if not isinstance(v, jcore.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _rewrite(an: Analysis, eqn: Any, pos: list[int], invals: list[Any]):
+  m = _match(eqn, pos)
+  if isinstance(m, _RowRead):
+    return [_read_rows(eqn, m, invals)]
+  if isinstance(m, _Cast):
+    t = invals[0]
+    return [_Table(t.value, m.dtype, t.queue)]
+  if isinstance(m, _Pvary):
+    raw = [x.value if isinstance(x, _Table) else x for x in invals]
+    outs = eqn.primitive.bind(*raw, **eqn.primitive.get_bind_params(eqn.params))
+    outs = outs if eqn.primitive.multiple_results else [outs]
+    return [
+      _Table(o, x.dtype, x.queue) if isinstance(x, _Table) else o
+      for o, x in zip(outs, invals, strict=True)
+    ]
+  if isinstance(m, _Sub) and m.kind == "jit":
+    return _eval(an, m.jaxpr, m.consts, invals)
+  if isinstance(m, _Sub):
+    return _rewrite_body(an, eqn, m, invals)
+  raise RuntimeError(  # the analysis saw the same eqn and said "sparse"
+    f"gradtx internal error: a sparse table reached {m.what}"
+  )
+
+
+def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
+  t = invals[0]
+  num_rows = t.value.shape[0]
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if m.kind == "gather":
+    idx = invals[1]
+    rows = eqn.primitive.bind(t.value, idx, **params)
+    ids = _gather_row_ids(idx, params, num_rows)
+  elif m.kind == "dynamic_slice":
+    rows = eqn.primitive.bind(t.value, *invals[1:], **params)
+    ids = jnp.clip(invals[1], 0, num_rows - 1).astype(jnp.int32)[None]
+  else:  # the gtx_lookup jit: re-bound as is (it may dispatch on the table)
+    idx = invals[1]
+    if t.dtype == t.value.dtype:
+      rows = eqn.primitive.bind(t.value, idx, **params)[0]
+    else:
+      rows = _lookup_reader[0](t.value, idx)
+    ids = jnp.asarray(idx).astype(jnp.int32)
+  sink = t.queue.sinks.popleft()
+  t.queue.ids.append(ids)
+  if m.kind == "gather":
+    sink = _to_gather_layout(sink, eqn, len(m.ids_shape))
+  out = rows + sink
+  if t.dtype != out.dtype:
+    out = lax.convert_element_type(out, t.dtype)
+  return out
+
+
+def _gather_row_ids(idx: Any, params: dict, num_rows: int) -> Any:
+  """The row each gathered slice read; padding where the gradient of the
+  gather (a scatter-add in the same mode) gives it nothing."""
+  dn = params["dimension_numbers"]
+  row = idx[..., dn.start_index_map.index(0)]
+  if params["mode"].name == "CLIP":
+    # Full-width dimensions clamp their start to 0 whatever it is.
+    return jnp.clip(row, 0, num_rows - 1).astype(jnp.int32)
+  # FILL_OR_DROP reads (and PROMISE_IN_BOUNDS scatters back) only in-bounds
+  # windows: the row in [0, num_rows), every full-width start exactly 0.
+  ok = (row >= 0) & (row < num_rows)
+  for j, d in enumerate(dn.start_index_map):
+    if d != 0:
+      ok = ok & (idx[..., j] == 0)
+  return jnp.where(ok, row, num_rows).astype(jnp.int32)
+
+
+def _to_gather_layout(sink: Any, eqn: Any, nb: int) -> Any:
+  """``[*ids_shape, *row_shape]`` -> the gather's output layout."""
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  offsets = list(eqn.params["dimension_numbers"].offset_dims)
+  batch = [a for a in range(len(out_shape)) if a not in offsets]
+  x = sink.reshape(sink.shape[:nb] + tuple(out_shape[a] for a in offsets))
+  perm = [
+    batch.index(a) if a in batch else nb + offsets.index(a)
+    for a in range(len(out_shape))
+  ]
+  return x.transpose(perm) if perm != sorted(perm) else x
+
+
+def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
+  """Re-binds a checkpoint or scan whose body reads tables: the sinks go in
+  as extra inputs (scan: xs), the ids come out as extra outputs (scan: ys)."""
+  groups: dict[int, list[int]] = {}
+  for p in sorted(i for i, x in enumerate(invals) if isinstance(x, _Table)):
+    groups.setdefault(id(invals[p].queue), []).append(p)
+  members = list(groups.values())
+  raws, sinks = [], []
+  for ps in members:
+    q = invals[ps[0]].queue
+    sub = an.group(m.jaxpr, {p: invals[p].dtype for p in ps})
+    raws.append(invals[ps[0]].value)
+    sinks.append([q.sinks.popleft() for _ in sub.reads])
+  spec = [(p, g, invals[p].dtype) for g, ps in enumerate(members) for p in ps]
+  plain = [None if isinstance(x, _Table) else x for x in invals]
+
+  def run(args, raws, sinks):
+    qs = [_Queue(s) for s in sinks]
+    args = list(args)
+    for p, g, dtype in spec:
+      args[p] = _Table(raws[g], dtype, qs[g])
+    outs = _eval(an, m.jaxpr, m.consts, args)
+    return outs, [q.ids for q in qs]
+
+  if m.kind == "remat":
+    params = eqn.params
+    outs, ids = jax.checkpoint(
+      run, prevent_cse=params["prevent_cse"], policy=params["policy"]
+    )(plain, raws, sinks)
+  else:
+    params = eqn.params
+    nc, nk = params["num_consts"], params["num_carry"]
+    consts = plain[:nc]
+
+    def body(carry, x):
+      xs, step_sinks = x
+      outs, ids = run(consts + list(carry) + list(xs), raws, step_sinks)
+      return outs[:nk], (outs[nk:], ids)
+
+    carry, (ys, ids) = lax.scan(
+      body,
+      plain[nc : nc + nk],
+      (plain[nc + nk :], sinks),
+      length=params["length"],
+      reverse=params["reverse"],
+      unroll=params["unroll"],
+    )
+    outs = list(carry) + list(ys)
+  for ps, group_ids in zip(members, ids, strict=True):
+    invals[ps[0]].queue.ids.extend(group_ids)
+  return outs

@@ -1,0 +1,527 @@
+"""Sparse gradients of unmodified losses: the constructs recognised, the
+fallbacks to dense (never a wrong answer), the report and require_sparse."""
+
+import pathlib
+import re
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import gradtx as gtx
+from gradtx import _jaxpr
+
+V, D = 12, 3
+RNG = np.random.RandomState(0)
+TABLE = jnp.asarray(RNG.normal(size=(V, D)), jnp.float32)
+TABLE2 = jnp.asarray(RNG.normal(size=(7, D)), jnp.float32)
+W = jnp.asarray(RNG.normal(size=(D,)), jnp.float32)
+IDS = jnp.array([3, 1, 3, 11, 0, 5])  # a repeated id, both ends
+BAD_IDS = jnp.array([3, -1, 12, 40, -20, 0])  # out of range both ways
+
+
+def _is_sparse(x):
+  return isinstance(x, gtx.SparseRows)
+
+
+def _leaves(tree):
+  return jax.tree.leaves(tree, is_leaf=_is_sparse)
+
+
+def _check(loss, params, *args, sparse=1, rtol=1e-5):
+  """sparse_grad == jax.grad (to_dense); returns the sparse gradients."""
+  got = gtx.sparse_grad(loss)(params, *args)
+  want = jax.grad(loss)(params, *args)
+  assert jax.tree.structure(got, is_leaf=_is_sparse) == (
+    jax.tree.structure(want)
+  )
+  n = 0
+  for g, w in zip(_leaves(got), jax.tree.leaves(want), strict=True):
+    if _is_sparse(g):
+      n += 1
+      assert g.dtype == w.dtype
+      g = g.to_dense()
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
+  assert n == sparse, f"{n} sparse leaves, expected {sparse}"
+  return got
+
+
+def _mlp(h, w):
+  return jnp.sum(jnp.tanh(h @ w) ** 2)
+
+
+# ----------------------------------------------------------------------------
+# constructs that come out sparse
+
+
+def _scan_rnn(p, ids):
+  def step(c, i):
+    return jnp.tanh(c + p["t"][i]), None
+
+  return jnp.sum(lax.scan(step, jnp.zeros(D), ids)[0] * p["w"])
+
+
+def _greedy(p, ids):
+  # ids computed inside the loop from the previous output
+  def body(_, carry):
+    tok, acc = carry
+    h = p["t"][tok]
+    return jnp.argmax(h * p["w"]).astype(tok.dtype) + 5, acc + _mlp(h, p["w"])
+
+  return lax.fori_loop(0, 4, body, (ids[0], 0.0))[1]
+
+
+def _remat_in_scan_in_jit(p, ids):
+  @jax.jit
+  def run(p, ids):
+    def step(c, i):
+      f = jax.checkpoint(lambda c, i: jnp.tanh(c + p["t"][i].sum(0) * p["w"]))
+      return f(c, i), None
+
+    return lax.scan(step, jnp.zeros(D), ids.reshape(3, 2))[0]
+
+  return jnp.sum(run(p, ids) ** 2)
+
+
+CONSTRUCTS = {
+  "getitem": lambda p, i: _mlp(p["t"][i], p["w"]),
+  "take": lambda p, i: _mlp(jnp.take(p["t"], i, axis=0), p["w"]),
+  "take_clip": lambda p, i: _mlp(jnp.take(p["t"], i, 0, mode="clip"), p["w"]),
+  "lookup": lambda p, i: _mlp(gtx.lookup(p["t"], i), p["w"]),
+  "2d_ids": lambda p, i: _mlp(p["t"][i.reshape(2, 3)], p["w"]),
+  "scalar_id": lambda p, i: _mlp(p["t"][i[1]], p["w"]),
+  "vmap_scalar": lambda p, i: _mlp(jax.vmap(lambda j: p["t"][j])(i), p["w"]),
+  "vmap_lookup": lambda p, i: _mlp(
+    jax.vmap(lambda j: gtx.lookup(p["t"], j))(i.reshape(3, 2)), p["w"]
+  ),
+  "vmap_in_axes_none": lambda p, i: _mlp(
+    jax.vmap(lambda q, j: q["t"][j], in_axes=(None, 0))(p, i), p["w"]
+  ),
+  "nested_jit": lambda p, i: jax.jit(_mlp)(
+    jax.jit(lambda t: t[i])(p["t"]), p["w"]
+  ),
+  "remat": lambda p, i: jax.checkpoint(
+    lambda p: _mlp(p["t"][i], p["w"]),
+    policy=jax.checkpoint_policies.nothing_saveable,
+  )(p),
+  "scan_rnn": _scan_rnn,
+  "greedy_fori_loop": _greedy,
+  "remat_in_scan_in_jit": _remat_in_scan_in_jit,
+  "dead_read": lambda p, i: (p["t"][i], _mlp(p["t"][i], p["w"]))[1],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONSTRUCTS))
+def test_construct_is_sparse_and_matches_jax_grad(name):
+  loss = CONSTRUCTS[name]
+  p = {"t": TABLE, "w": W}
+  g = _check(loss, p, IDS)
+  report = gtx.sparsity_report(loss)(p, IDS)
+  assert report.sparse_paths == ("['t']",)
+  assert report[0].rows_per_step == g["t"].nnz
+
+
+def test_jitted_sparse_grad_matches():
+  loss = CONSTRUCTS["remat_in_scan_in_jit"]
+  p = {"t": TABLE, "w": W}
+  g = jax.jit(gtx.sparse_grad(loss))(p, IDS)
+  np.testing.assert_allclose(
+    g["t"].to_dense(), jax.grad(loss)(p, IDS)["t"], rtol=1e-5, atol=1e-6
+  )
+
+
+def test_ids_in_program_order_top_level_then_scan():
+  def loss(p, ids):
+    first = p["t"][ids[:2]]  # top level: 2 ids
+    return _scan_rnn(p, ids) + _mlp(first, p["w"])  # then 6 in the scan
+
+  g = _check(loss, {"t": TABLE, "w": W}, IDS)
+  ids = np.asarray(IDS)
+  want = np.concatenate([ids[:2], ids])
+  np.testing.assert_array_equal(g["t"].indices, want)
+
+
+def test_two_tables_and_same_object_at_two_leaves():
+  def loss(p, ids):
+    a = p["a"][ids]
+    b = jax.vmap(lambda j: p["b"][j % 7])(ids)
+    return _mlp(a * b, p["w"]) + _mlp(p["c"][ids], p["w"])
+
+  p = {"a": TABLE, "b": TABLE2, "c": TABLE, "w": W}
+  g = _check(loss, p, IDS, sparse=3)
+  np.testing.assert_array_equal(g["b"].indices, np.asarray(IDS) % 7)
+
+
+@pytest.mark.parametrize(
+  "mode, want",
+  [
+    ("clip", [3, 0, 11, 11, 0, 0]),  # the row each id actually read
+    ("fill", [3, V, V, V, V, 0]),  # out of range: padding
+    ("promise_in_bounds", [3, V, V, V, V, 0]),  # jax.grad drops them
+  ],
+)
+def test_gather_modes_assign_the_rows_read(mode, want):
+  def loss(t, ids):
+    # jnp.take wraps negative ids first; lax.gather sees them raw.
+    dn = lax.GatherDimensionNumbers((1,), (0,), (0,))
+    rows = lax.gather(t, ids[:, None], dn, (1, D), mode=mode, fill_value=0)
+    return _mlp(rows, W)
+
+  g = _check(loss, TABLE, BAD_IDS)
+  got = np.asarray(g.indices)
+  got = np.where((got >= 0) & (got < V), got, V)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_vmapped_clip_gather_on_non_row_dims():
+  # eqx.nn.Embedding under vmap: a CLIP gather that also indexes dim 1.
+  emb = eqx.nn.Embedding(weight=TABLE)
+  ids = jnp.clip(BAD_IDS, 0, V - 1)
+  g = _check(lambda m, i: _mlp(jax.vmap(m)(i), W), emb, ids)
+  np.testing.assert_array_equal(g.weight.indices, ids)
+
+
+def test_lookup_padding_and_bounds_check_kept():
+  g = _check(lambda t, i: _mlp(gtx.lookup(t, i), W), TABLE, BAD_IDS)
+  assert float(jnp.abs(g.to_dense()).sum()) > 0
+  with pytest.raises(ValueError, match=r"outside \[0, 12\)"):
+    gtx.sparse_grad(lambda t, i: gtx.lookup(t, i, bounds_check=True).sum())(
+      TABLE, BAD_IDS
+    )
+
+
+def test_lookup_is_rebound_by_name_not_inlined():
+  def loss(t, i):
+    return _mlp(gtx.lookup(t, i), W)
+
+  jaxpr = jax.make_jaxpr(gtx.sparse_grad(loss))(TABLE, IDS)
+  names = [e.params.get("name") for e in jaxpr.jaxpr.eqns]
+  assert _jaxpr.LOOKUP_NAME in names
+
+
+def test_remat_policy_and_prevent_cse_kept():
+  policy = jax.checkpoint_policies.nothing_saveable
+
+  def loss(t, i):
+    return jax.checkpoint(lambda t: _mlp(t[i], W), policy=policy)(t)
+
+  jaxpr = jax.make_jaxpr(gtx.sparse_grad(loss))(TABLE, IDS)
+  remats = [
+    e
+    for e in jaxpr.jaxpr.eqns
+    if e.primitive.name == "remat2" and e.params["policy"] is policy
+  ]
+  assert remats and all(e.params["prevent_cse"] for e in remats)
+
+
+def test_bf16_cast_table_flax_embed():
+  model = nn.Embed(V, D, dtype=jnp.bfloat16)
+  variables = model.init(jax.random.key(0), IDS)
+
+  def loss(v, ids):
+    return _mlp(model.apply(v, ids).astype(jnp.float32), W)
+
+  g = _check(loss, variables, IDS, rtol=1e-2)
+  emb = g["params"]["embedding"]
+  assert emb.dtype == jnp.float32  # the table's dtype, not bf16
+
+
+def test_bf16_table_cast_to_f32():
+  t16 = TABLE.astype(jnp.bfloat16)
+  g = _check(lambda t, i: _mlp(t.astype(jnp.float32)[i], W), t16, IDS)
+  assert g.dtype == jnp.bfloat16
+
+
+def test_argnums_has_aux_and_unused_table():
+  def loss(x, p, ids, use_b):
+    out = _mlp(p["a"][ids] * x[None], p["w"])
+    if use_b:
+      out = out + _mlp(p["b"][ids % 7], p["w"])
+    return out, {"n": ids.size}
+
+  p = {"a": TABLE, "b": TABLE2, "w": W}
+  x = jnp.ones(D)
+  for use_b in (False, True):
+    f = gtx.sparse_value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    (v, aux), (gx, gp) = f(x, p, IDS, use_b)
+    (v2, _), (gx2, gp2) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+      x, p, IDS, use_b
+    )
+    assert int(aux["n"]) == 6
+    np.testing.assert_allclose(v, v2, rtol=1e-6)
+    np.testing.assert_allclose(gx, gx2, rtol=1e-5)
+    assert _is_sparse(gp["a"]) and _is_sparse(gp["b"]) == use_b
+    np.testing.assert_allclose(_dense(gp["b"]), gp2["b"], rtol=1e-5, atol=1e-6)
+
+
+def _dense(x):
+  return x.to_dense() if _is_sparse(x) else x
+
+
+def test_sparse_grad_of_getitem_inside_shard_map():
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()), ("r",))
+  loss = CONSTRUCTS["vmap_scalar"]
+
+  def per_replica(p, i):
+    g = gtx.sparse_grad(loss)(p, i)
+    return jax.tree.map(lambda x: x[None], (g["t"].to_dense(), g["w"]))
+
+  ids = jnp.arange(16) % V
+  got = jax.jit(
+    jax.shard_map(
+      per_replica, mesh=mesh, in_specs=(P(), P("r")), out_specs=P("r")
+    )
+  )({"t": TABLE, "w": W}, ids)
+  want = jax.grad(loss)({"t": TABLE, "w": W}, ids)
+  np.testing.assert_allclose(got[0][0], want["t"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got[1][0], want["w"], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# never a wrong answer: any other use keeps jax's exact dense gradient
+
+
+@jax.custom_jvp
+def _cjvp(t):
+  return t * 2.0
+
+
+_cjvp.defjvp(lambda p, d: (_cjvp(p[0]), d[0] * 2.0))
+
+
+@jax.custom_vjp
+def _cvjp(t):
+  return t * 2.0
+
+
+_cvjp.defvjp(lambda t: (t * 2.0, None), lambda _, c: (c * 2.0,))
+
+DENSE = {
+  "tied_output": (
+    lambda t, i: jnp.sum(jnp.tanh(t[i] @ t.T)),
+    "used by `transpose`",
+  ),
+  "weight_decay": (
+    lambda t, i: _mlp(t[i], W) + 1e-2 * jnp.sum(t**2),
+    "used by `integer_pow`",
+  ),
+  "cond": (
+    lambda t, i: lax.cond(i[0] > 2, lambda: _mlp(t[i], W), lambda: 0.0),
+    "`cond`",
+  ),
+  "switch": (
+    lambda t, i: lax.switch(i[0] % 2, [lambda: t[i].sum(), lambda: 0.0]),
+    "`cond`",
+  ),
+  "custom_jvp": (lambda t, i: _mlp(_cjvp(t)[i], W), "custom_jvp"),
+  "custom_vjp": (lambda t, i: _mlp(_cvjp(t)[i], W), "custom_vjp"),
+  "static_slice": (lambda t, i: _mlp(t[:8][i % 8], W), "used by `slice`"),
+  "partial_row": (
+    lambda t, i: jnp.sum(jnp.tanh(t[i, :2])),
+    "does not read whole rows",
+  ),
+  "scan_carry": (
+    lambda t, i: lax.scan(lambda c, j: (c * 0.5, c[j].sum()), t, i)[1].sum(),
+    "carry or xs",
+  ),
+  "scan_xs": (
+    lambda t, i: (
+      lax.scan(lambda c, r: (c + r, None), 0.0, t[:, 0])[0] + _mlp(t[i], W)
+    ),
+    "used by `slice`",
+  ),
+  "scan_xs_whole": (
+    lambda t, i: lax.scan(lambda c, r: (c + r.sum(), None), 0.0, t)[0],
+    "carry or xs",
+  ),
+  "read_then_dense_in_jit": (
+    lambda t, i: jax.jit(lambda t: _mlp(t[i], W) + t.sum())(t),
+    "used by `reduce_sum`",
+  ),
+  "cast_to_int": (
+    lambda t, i: _mlp(t[i], W) + t.astype(jnp.int32)[i].sum(),
+    "convert_element_type",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_other_uses_keep_the_exact_dense_gradient(name):
+  loss, reason = DENSE[name]
+  got = gtx.sparse_grad(loss)(TABLE, IDS)  # warnings are errors: none here
+  assert not _is_sparse(got)
+  np.testing.assert_array_equal(got, jax.grad(loss)(TABLE, IDS))
+  (record,) = gtx.sparsity_report(loss)(TABLE, IDS)
+  assert not record.sparse and reason in record.reason
+  assert record.where.startswith(__file__), record.where
+
+
+def test_table_in_aux_is_dense():
+  def loss(t, i):
+    return _mlp(t[i], W), {"table": t}
+
+  (v, aux), g = gtx.sparse_value_and_grad(loss, has_aux=True)(TABLE, IDS)
+  np.testing.assert_array_equal(g, jax.grad(loss, has_aux=True)(TABLE, IDS)[0])
+  np.testing.assert_array_equal(aux["table"], TABLE)
+  (record,) = gtx.sparsity_report(loss, has_aux=True)(TABLE, IDS)
+  assert "returned" in record.reason
+
+
+def test_dense_leaves_exact_next_to_a_sparse_table():
+  def loss(p, i):
+    return jnp.sum(jnp.tanh(p["t"][i] @ p["m"]) ** 2) + jnp.sum(p["b"] ** 3)
+
+  m = jnp.asarray(RNG.normal(size=(D, 4)), jnp.float32)
+  p = {"t": TABLE, "m": m, "b": W}
+  got = jax.jit(gtx.sparse_grad(loss))(p, IDS)
+  want = jax.jit(jax.grad(loss))(p, IDS)
+  np.testing.assert_allclose(got["m"], want["m"], rtol=1e-6)
+  np.testing.assert_array_equal(got["b"], want["b"])
+
+
+# ----------------------------------------------------------------------------
+# unknown constructs: dense with a SparsityWarning, never a crash
+
+
+def test_unknown_higher_order_primitive_warns_and_stays_exact():
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+
+  def loss(t, i):
+    read = jax.shard_map(lambda t: t[i], mesh=mesh, in_specs=P(), out_specs=P())
+    return _mlp(read(t), W)
+
+  with pytest.warns(gtx.SparsityWarning, match=r"\['t'\]|shard_map"):
+    got = gtx.sparse_grad(loss)(TABLE, IDS)
+  np.testing.assert_array_equal(got, jax.grad(loss)(TABLE, IDS))
+
+
+def test_dense_weight_in_unknown_primitive_does_not_warn():
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+
+  def loss(w, t, i):
+    f = jax.shard_map(lambda w: w * 2, mesh=mesh, in_specs=P(), out_specs=P())
+    return _mlp(t[i], f(w))
+
+  g = gtx.sparse_grad(loss, argnums=(0, 1))(W, TABLE, IDS)  # no warning
+  assert _is_sparse(g[1])
+
+
+def test_unfamiliar_parameter_layout_warns(monkeypatch):
+  monkeypatch.setattr(_jaxpr, "_GATHER_MODES", ())  # as if a new JAX
+  loss = CONSTRUCTS["getitem"]
+  p = {"t": TABLE, "w": W}
+  with pytest.warns(gtx.SparsityWarning, match="gather"):
+    got = gtx.sparse_grad(loss)(p, IDS)
+  assert not _is_sparse(got["t"])
+  np.testing.assert_array_equal(got["t"], jax.grad(loss)(p, IDS)["t"])
+
+  def broken(*_):
+    raise KeyError("num_consts")  # an eqn parameter that moved
+
+  monkeypatch.setattr(_jaxpr, "_match_known", broken)
+  with pytest.warns(gtx.SparsityWarning, match="num_consts"):
+    got = gtx.sparse_grad(_scan_rnn)(p, IDS)
+  np.testing.assert_array_equal(got["t"], jax.grad(_scan_rnn)(p, IDS)["t"])
+
+
+# ----------------------------------------------------------------------------
+# sparsity_report and require_sparse
+
+
+def test_report_table_and_records():
+  def loss(p, i):
+    h = p["emb"][i] + p["tied"][i]
+    return jnp.sum(h @ p["tied"].T) + jnp.sum(p["w"])
+
+  p = {"emb": TABLE, "tied": TABLE, "w": W, "n": jnp.arange(3)}
+  report = gtx.sparsity_report(loss)(p, IDS.reshape(2, 3))
+  by_path = {r.path: r for r in report}
+  assert [r.path for r in report] == ["['emb']", "['n']", "['tied']", "['w']"]
+  assert by_path["['emb']"].sparse and by_path["['emb']"].rows_per_step == 6
+  tied = by_path["['tied']"]
+  assert not tied.sparse and tied.reason == "used by `transpose`"
+  line = int(tied.where.rsplit(":", 1)[1])
+  assert tied.where.startswith(__file__)
+  source = pathlib.Path(__file__).read_text().splitlines()
+  assert 'p["tied"].T' in source[line - 1]
+  assert "not a floating-point" in by_path["['n']"].reason
+  text = str(report)
+  assert re.search(r"\['emb'\]\s+float32\[12, 3\]\s+sparse\s+6", text)
+  assert re.search(r"\['tied'\].*dense.*transpose.*test_jaxpr.py:\d+", text)
+
+
+def test_require_sparse_names_the_leaf_use_and_line():
+  def loss(p, i):
+    return _mlp(p["emb"][i], p["w"]) + 1e-3 * jnp.sum(p["emb"] ** 2)
+
+  p = {"emb": TABLE, "w": W}
+  f = gtx.sparse_value_and_grad(loss, require_sparse="['emb']")
+  with pytest.raises(ValueError, match=r"\['emb'\].*integer_pow.*test_jaxpr"):
+    f(p, IDS)
+  with pytest.raises(ValueError, match=r"\['emb'\]"):
+    gtx.sparse_grad(loss, require_sparse=lambda path: "emb" in path)(p, IDS)
+  with pytest.raises(ValueError, match=r"\['embedding'\].*The leaves are"):
+    gtx.sparse_grad(loss, require_sparse=["['embedding']"])(p, IDS)
+  ok = gtx.sparse_grad(CONSTRUCTS["getitem"], require_sparse=["['t']"])
+  assert _is_sparse(ok({"t": TABLE, "w": W}, IDS)["t"])
+
+
+# ----------------------------------------------------------------------------
+# efficiency: no [V, D] value in the compiled step
+
+
+def test_no_table_sized_value_in_compiled_step():
+  num_rows, dim = 40_000, 8
+  model = nn.Embed(num_rows, dim)
+
+  def loss(p, ids):
+    def step(c, i):
+      f = jax.checkpoint(
+        lambda c, i: jnp.tanh(c + model.apply(p["emb"], i) * p["w"])
+      )
+      return f(c, i), None
+
+    return jnp.sum(lax.scan(step, jnp.zeros(dim), ids)[0] ** 2)
+
+  params = {
+    "emb": model.init(jax.random.key(0), jnp.zeros(1, jnp.int32)),
+    "w": jnp.ones(dim),
+  }
+  ids = jnp.zeros((5,), jnp.int32)
+
+  def step(p, ids):
+    g = gtx.sparse_grad(loss)(p, ids)
+    return gtx.apply_updates(p, g)
+
+  def dense_step(p, ids):
+    return jax.tree.map(lambda a, b: a - b, p, jax.grad(loss)(p, ids))
+
+  pattern = rf"= f32\[{num_rows},{dim}\]"
+  # The table itself (a parameter, loop-invariant tuple elements of the scan)
+  # and the in-place scatter of apply_updates into the donated table.
+  allowed = ("parameter(", "get-tuple-element(", "scatter")
+
+  def produced(f):
+    hlo = jax.jit(f, donate_argnums=0).lower(params, ids).compile().as_text()
+    assert "input_output_alias={ {0}: (0, {}" in hlo  # updated in place
+    return [
+      ln
+      for ln in hlo.splitlines()
+      if re.search(pattern, ln) and not any(a in ln for a in allowed)
+    ]
+
+  assert produced(dense_step)  # the check can fail
+  assert not produced(step), produced(step)
