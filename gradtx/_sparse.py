@@ -545,11 +545,14 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
   place. The dependency is ``x - zero`` with ``zero = 0 * (value != value)``:
   exactly ``x`` for every float (``-0.0``, inf and NaN included), a product
   XLA does not fold (``0 * x`` is not 0 for NaN), one scalar per leaf.
+  A leaf that does not vary over all the mesh axes ``value`` varies over
+  (inside ``shard_map``) is left alone: tying it would change its type.
   """
   value = jnp.asarray(value)
   if not jnp.issubdtype(value.dtype, jnp.inexact):
     return tree
   flag = jnp.any(value != value)
+  axes = varying_axes(flag)
 
   def tie(x):
     if x is None:
@@ -557,7 +560,7 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
     if isinstance(x, SparseRows):
       return x.with_values(tie(x.values))
     x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
+    if not jnp.issubdtype(x.dtype, jnp.inexact) or axes - varying_axes(x):
       return x
     return x - flag.astype(x.dtype) * jnp.zeros([], x.dtype)
 

@@ -6,13 +6,20 @@ leaf row-sharded, moves no table-sized data between devices (read from the
 compiled HLO) and needs less temporary memory than one table shard.
 """
 
+import os
 import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import checkpoint_worker
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import sharded_worker as worker
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -376,3 +383,104 @@ def test_write_rows_sets_and_adds_owner_rows():
   )
   np.testing.assert_array_equal(np.asarray(added), want)
   assert added.sharding.spec == P("d", None)
+
+
+# ----------------------------------------------------------------------------
+# Two processes x 2 devices, and an 8-device checkpoint restored onto them
+
+
+def _free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _close(got, want, rtol=2e-5):
+  for g, w in zip(got, jax.tree.leaves(want), strict=True):
+    w = np.asarray(w)
+    if np.issubdtype(w.dtype, np.integer):
+      np.testing.assert_array_equal(g, w)
+    else:
+      np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
+
+
+def test_two_processes_and_eight_to_four_device_restore(tmp_path):
+  # 8 devices: the hybrid run up to SAVE_AT (mid accumulation window), saved.
+  m8 = gtx.Mirrored(shard_rows="emb")
+  tx8 = worker.make_tx(m8.axis_name)
+  start = worker.fresh(m8, tx8)
+  params, state, _ = worker.train(
+    start["params"],
+    start["opt_state"],
+    0,
+    worker.SAVE_AT,
+    worker.make_step(tx8, m8),
+    m8,
+  )
+  saved = {"params": params, "opt_state": state}
+  assert int(state[1].inner_state.num_accumulated) == 1
+  assert int(state[1].num_dropped) == 1
+  mu = state[1].inner_state.inner_state[1][0].mu["emb"]
+  assert mu.addressable_shards[0].data.shape == (worker.NUM_ROWS // 8, 4)
+  checkpoint_worker.save_orbax(tmp_path / "ckpt", saved)
+  saved = jax.tree.map(np.asarray, saved)
+
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+  )
+  script = str(Path(__file__).with_name("sharded_worker.py"))
+  port = str(_free_port())
+  procs, logs = [], []
+  try:
+    for i in range(2):
+      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
+      cmd += ["--process-id", str(i), "--ckpt", str(tmp_path / "ckpt")]
+      cmd += ["--out", str(tmp_path)]
+      # Logs go to files: a full pipe could stall one process in a
+      # collective the other waits on.
+      logs.append(tmp_path / f"log_{i}.txt")
+      with open(logs[-1], "wb") as log:
+        procs.append(
+          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
+    # The single-device reference, while they run.
+    tx1 = worker.make_tx()
+    host = jax.tree.map(jnp.asarray, worker.init_params())
+    p1, s1, want_losses = worker.train(
+      host, tx1.init(host), 0, worker.STEPS, worker.make_step(tx1, None)
+    )
+    for p in procs:
+      p.wait(timeout=180)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
+
+  want = {"params": p1, "opt_state": (optax.EmptyState(), s1)}
+  moved = np.abs(np.asarray(p1["emb"]) - worker.init_params()["emb"]).max()
+  assert moved > 0.05
+  for i in range(2):
+    with np.load(tmp_path / f"process_{i}.npz") as f:
+      got = dict(f)
+    assert int(got["num_replicas"]) == 4 and int(got["local_devices"]) == 2
+    # The 8-device rows were restored onto 4 devices, 16 rows each.
+    assert tuple(got["emb_shard"]) == tuple(got["mu_shard"]) == (16, 4)
+    assert str(got["emb_spec"]).startswith("P('replica'")
+    leaves = lambda name, g=got: [  # noqa: E731
+      g[f"{name}_{j}"] for j in range(len(jax.tree.leaves(want)))
+    ]
+    for g, w in zip(leaves("restored"), jax.tree.leaves(saved), strict=True):
+      np.testing.assert_array_equal(g, w)  # bit for bit
+    # From scratch on 2 processes, and resumed from the 8-device
+    # checkpoint: both equal the uninterrupted single-device run.
+    _close(leaves("full"), want)
+    _close(leaves("resumed"), want)
+    np.testing.assert_allclose(got["full_losses"], want_losses, rtol=1e-5)
+    np.testing.assert_allclose(
+      got["resumed_losses"], want_losses[worker.SAVE_AT :], rtol=1e-5
+    )
