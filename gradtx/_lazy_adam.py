@@ -1,13 +1,13 @@
 """Lazy (row-sparse) Adam: scale_by_lazy_adam, lazy_adam, lazy_adamw.
 
-Dense leaves follow ``optax.scale_by_adam`` operation for operation (the
-moment updates and bias corrections are the same tree-level ``optax.tree``
-calls, in the same order), so they give optax's bits. A
-:class:`~gradtx.SparseRows` leaf updates only the rows in its gradient:
-coalesce once, gather those rows of the moments, compute, scatter them back
-in place. With ``catch_up=True`` a row that
-skipped steps first receives, in closed form, what dense Adam would have
-done to it on the steps it had no gradient.
+Adam's per-row rule on the row engine (:mod:`gradtx._rows`). Dense leaves
+follow ``optax.scale_by_adam`` operation for operation (the moment updates
+and bias corrections are the same ``optax.tree`` calls, in the same order),
+so they give optax's bits. A :class:`~gradtx.SparseRows` leaf updates only
+the rows in its gradient: the engine coalesces once, gathers those rows of
+the moments, calls the rule, scatters them back in place. With
+``catch_up=True`` a row that skipped steps first receives, in closed form,
+what dense Adam would have done to it on the steps it had no gradient.
 """
 
 from __future__ import annotations
@@ -20,20 +20,14 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from gradtx import _sharded
 from gradtx._base import (
-  SparseRows,
-  check_tree_match,
   safe_increment,
   tree_map,
   with_extra_args,
   zero_counter,
 )
-from gradtx._sparse import (
-  _check_rows_match,
-  add_decayed_weights,
-  scale_by_learning_rate,
-)
+from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
+from gradtx._sparse import add_decayed_weights, scale_by_learning_rate
 
 # Exact terms of the per-step sum R (see _future_sum); the rest of the
 # geometric series is summed in closed form.
@@ -56,18 +50,6 @@ class ScaleByLazyAdamCatchUpState(NamedTuple):
   nu: Any  # like params; second moment, param dtype
   last_step: Any  # per leaf int32 [rows] (shape[:1]); step of last update
   future_sum: Any  # per leaf float32 [rows]; R(last_step), see the docstring
-
-
-def _concrete_float(x: Any) -> float | None:
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return None
-
-
-def _per_row(x: jax.Array, ndim: int) -> jax.Array:
-  """Reshapes a per-row ``[n]`` array to broadcast against ``[n, *row]``."""
-  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
 def _bias_factor(step: jax.Array, b1: Any, b2: Any) -> jax.Array:
@@ -130,53 +112,17 @@ def _catch_up(
   ctype = jnp.promote_types(jnp.promote_types(m.dtype, v.dtype), jnp.float32)
   mc = m.astype(ctype)
   vc = v.astype(ctype)
-  d1 = (b1f * mc / _per_row(bc1, ndim)) / (
-    jnp.sqrt(b2f * vc / _per_row(bc2, ndim) + eps_root) + eps
+  d1 = (b1f * mc / per_row(bc1, ndim)) / (
+    jnp.sqrt(b2f * vc / per_row(bc2, ndim) + eps_root) + eps
   )
   # Sum of the skipped steps relative to the first one; exact in eps = 0.
   ratio = (r_last - r**kf * r_prev) / (jnp.sqrt(bc2) / bc1)
   drift = jnp.where(
-    _per_row(skipped, ndim) & (mc != 0), d1 * _per_row(ratio, ndim), 0
+    per_row(skipped, ndim) & (mc != 0), d1 * per_row(ratio, ndim), 0
   )
-  m = m * _per_row(b1f**kf, ndim).astype(m.dtype)
-  v = v * _per_row(b2f**kf, ndim).astype(v.dtype)
+  m = m * per_row(b1f**kf, ndim).astype(m.dtype)
+  v = v * per_row(b2f**kf, ndim).astype(v.dtype)
   return m, v, drift, skipped
-
-
-def _is_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, SparseRows)
-
-
-def _gather(table: jax.Array, idx: jax.Array) -> jax.Array:
-  """Rows ``table[idx]``; sorted unique ``idx``, padding rows read zeros."""
-  return _sharded.gather_rows(table, idx)
-
-
-def _scatter(table: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
-  """``table[idx] = rows`` in place; sorted unique ``idx``, padding dropped."""
-  return _sharded.scatter_rows(table, idx, rows)
-
-
-def _check_sparse_leaf(
-  g: SparseRows, m: Any, p: Any, what: str, catch_up_state: Any
-) -> None:
-  if m is None or not hasattr(m, "shape"):
-    raise ValueError(
-      f"{what}: got a SparseRows gradient of dense shape {g.shape} at a "
-      "position whose optimizer state holds no moments (the state was "
-      "initialized from a params tree with None or no array there). Call "
-      "`tx.init(params)` with the table itself at that position."
-    )
-  for ref, name in ((p, "parameter"), (m, "optimizer state")):
-    if ref is not None:
-      _check_rows_match(g, ref, what, name)
-  if catch_up_state is not None and jnp.shape(catch_up_state) != g.shape[:1]:
-    raise ValueError(
-      f"{what}: the catch-up state at this position has shape "
-      f"{jnp.shape(catch_up_state)}, not [num_rows] = {list(g.shape[:1])}: it"
-      " was initialized for a dense-only leaf of another shape. Initialize "
-      "the state from the params the gradients belong to."
-    )
 
 
 def scale_by_lazy_adam(
@@ -304,7 +250,7 @@ def scale_by_lazy_adam(
     None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   )
   if catch_up:
-    fb1, fb2 = _concrete_float(b1), _concrete_float(b2)
+    fb1, fb2 = concrete_float(b1), concrete_float(b2)
     if fb1 is not None and fb2 is not None and not 0 <= fb1 < math.sqrt(fb2):
       raise ValueError(
         "gradtx.scale_by_lazy_adam(catch_up=True) needs 0 <= b1 < sqrt(b2) "
@@ -321,11 +267,11 @@ def scale_by_lazy_adam(
     if not catch_up:
       return ScaleByLazyAdamState(count=zero_counter(), mu=mu, nu=nu)
     last = tree_map(
-      lambda p: None if p is None else _sharded.per_row_full(p, 0, jnp.int32),
+      lambda p: None if p is None else per_row_full(p, 0, jnp.int32),
       params,
     )
     fsum = tree_map(
-      lambda p: None if p is None else _sharded.per_row_full(p, 0, jnp.float32),
+      lambda p: None if p is None else per_row_full(p, 0, jnp.float32),
       params,
     )
     return ScaleByLazyAdamCatchUpState(
@@ -334,128 +280,65 @@ def scale_by_lazy_adam(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    what = "gradtx.scale_by_lazy_adam"
-    check_tree_match(updates, state.mu, name="updates", reference_name="params")
-    if params is not None:
-      check_tree_match(updates, params, name="updates", reference_name="params")
-    treedef = jax.tree.structure(updates, is_leaf=_is_leaf)
-    g_list = treedef.flatten_up_to(updates)
-    m_list = treedef.flatten_up_to(state.mu)
-    v_list = treedef.flatten_up_to(state.nu)
-    n = len(g_list)
-    p_list = [None] * n if params is None else treedef.flatten_up_to(params)
-    if catch_up:
-      last_list = treedef.flatten_up_to(state.last_step)
-      fsum_list = treedef.flatten_up_to(state.future_sum)
-    else:
-      last_list = fsum_list = [None] * n
     count_inc = safe_increment(state.count)
     if catch_up:
       r_prev, r_now = _future_sum(jnp.stack([count_inc - 1, count_inc]), b1, b2)
 
-    # 1. Per leaf: the gradient rows and the moment rows they meet.
-    grads, m_in, v_in, drifts, skips, rows = [], [], [], [], [], []
-    for g, m, v, p, last, fsum in zip(
-      g_list, m_list, v_list, p_list, last_list, fsum_list, strict=True
-    ):
-      idx = last_rows = fsum_rows = None
-      if isinstance(g, SparseRows):
-        _check_sparse_leaf(g, m, p, what, last if catch_up else None)
-        g = g.coalesce()
-        idx = g.indices  # sorted, unique; padding = num_rows (dropped)
-        m, v = _gather(m, idx), _gather(v, idx)
-        if catch_up:
-          last_rows, fsum_rows = _gather(last, idx), _gather(fsum, idx)
-        g = g.values
-      elif g is not None:
-        if jnp.shape(g) != jnp.shape(m):
-          raise ValueError(
-            f"{what}: a dense gradient of shape {jnp.shape(g)} for a "
-            f"parameter of shape {jnp.shape(m)}. Gradients must have their "
-            "parameter's shape (no broadcasting)."
-          )
-        if catch_up:
-          last_rows, fsum_rows = last, fsum
-      drift = skipped = None
-      if g is not None and catch_up:
-        m, v, drift, skipped = _catch_up(
-          m, v, last_rows, fsum_rows, count_inc, r_prev, b1, b2, eps, eps_root
-        )
-      grads.append(g)
-      m_in.append(m)
-      v_in.append(v)
-      drifts.append(drift)
-      skips.append(skipped)
-      rows.append((idx, last_rows, fsum_rows))
+    def rule(g, p, m, v, *rows):
+      # Lists over leaves: the moments and bias corrections are the
+      # optax.tree calls of optax.scale_by_adam, over the same leaves in the
+      # same order, so dense leaves get its bits (XLA rewrites divisions by
+      # a shared scalar depending on the graph around them).
+      del p
+      if catch_up:
+        caught = [
+          _catch_up(*x, count_inc, r_prev, b1, b2, eps, eps_root)
+          for x in zip(m, v, *rows, strict=True)
+        ]
+        m, v, drift, skipped = (list(x) for x in zip(*caught, strict=True))
+      mu = optax.tree.update_moment(g, m, b1, 1)
+      nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+      u = [
+        m / (jnp.sqrt(v + eps_root) + eps)
+        for m, v in zip(mu_hat, nu_hat, strict=True)
+      ]
+      if not catch_up:
+        return u, mu, nu
+      u = [
+        jnp.where(per_row(s, u.ndim), u + d.astype(u.dtype), u)
+        for u, d, s in zip(u, drift, skipped, strict=True)
+      ]
+      last, fsum = rows
+      # Functions of the rows read (last < count_inc, so these are count_inc
+      # and R(count_inc)): the writes depend on the reads and XLA updates
+      # the [V] state in place, with no copy.
+      fsum = [
+        jnp.where(la < count_inc, r_now, f)
+        for la, f in zip(last, fsum, strict=True)
+      ]
+      last = [jnp.maximum(la, count_inc) for la in last]
+      return u, mu, nu, last, fsum
 
-    # 2. The moments and direction, as optax.scale_by_adam computes them:
-    # the same tree-level calls in the same order, so dense leaves get its
-    # bits (XLA rewrites some divisions depending on the graph around them).
-    mu = optax.tree.update_moment(grads, m_in, b1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(grads, v_in, b2, 2)
-    mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-    nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
-    direction = jax.tree.map(
-      lambda m, v: None if m is None else m / (jnp.sqrt(v + eps_root) + eps),
-      mu_hat,
-      nu_hat,
-      is_leaf=lambda x: x is None,
+    states = [state.mu, state.nu]
+    if catch_up:
+      states += [state.last_step, state.future_sum]
+    u, new = update_rows(
+      rule,
+      updates,
+      states,
+      params,
+      what="gradtx.scale_by_lazy_adam",
+      state_names=["first moment", "second moment"]
+      + ["catch-up state"] * (2 * catch_up),
+      row_states=[False, False] + [True] * (2 * catch_up),
+      across_leaves=True,
     )
-
-    # 3. Per leaf: add the catch-up drift, write the rows back.
-    out_u, out_m, out_v, out_last, out_fsum = [], [], [], [], []
-    for i in range(n):
-      g, u = g_list[i], direction[i]
-      m_old, v_old = m_list[i], v_list[i]
-      last, fsum = last_list[i], fsum_list[i]
-      idx, last_rows, fsum_rows = rows[i]
-      if g is None:
-        new = (None, m_old, v_old, last, fsum)
-      elif isinstance(g, SparseRows):
-        if catch_up:
-          u = u + drifts[i].astype(u.dtype)
-          # Written as functions of the rows read (last_rows < count_inc,
-          # so these are count_inc and R(count_inc)): the writes then
-          # depend on the reads and XLA updates in place, with no copy.
-          fsum = _scatter(
-            fsum, idx, jnp.where(last_rows < count_inc, r_now, fsum_rows)
-          )
-          last = _scatter(last, idx, jnp.maximum(last_rows, count_inc))
-        valid = _per_row(idx < g.num_rows, u.ndim)
-        u = jnp.where(valid, u, jnp.zeros_like(u))
-        new = (
-          SparseRows(idx, u, g.num_rows),
-          _scatter(m_old, idx, mu[i]),
-          _scatter(v_old, idx, nu[i]),
-          last,
-          fsum,
-        )
-      else:
-        if catch_up:
-          skipped = _per_row(skips[i], u.ndim)
-          u = jnp.where(skipped, u + drifts[i].astype(u.dtype), u)
-          last = jnp.full_like(last, count_inc)
-          fsum = jnp.full_like(fsum, r_now)
-        new = (u, mu[i].astype(m_old.dtype), nu[i].astype(v_old.dtype))
-        new += (last, fsum)
-      for out, x in zip(
-        (out_u, out_m, out_v, out_last, out_fsum), new, strict=True
-      ):
-        out.append(x)
-
-    def unflat(xs):
-      return treedef.unflatten(xs)
-
     if not catch_up:
-      return unflat(out_u), ScaleByLazyAdamState(
-        count=count_inc, mu=unflat(out_m), nu=unflat(out_v)
-      )
-    return unflat(out_u), ScaleByLazyAdamCatchUpState(
-      count=count_inc,
-      mu=unflat(out_m),
-      nu=unflat(out_v),
-      last_step=unflat(out_last),
-      future_sum=unflat(out_fsum),
+      return u, ScaleByLazyAdamState(count=count_inc, mu=new[0], nu=new[1])
+    return u, ScaleByLazyAdamCatchUpState(
+      count_inc, new[0], new[1], last_step=new[2], future_sum=new[3]
     )
 
   return with_extra_args(init_fn, update_fn)

@@ -116,8 +116,10 @@ def scale_by_rss(
     )
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    u, (s,) = update_rows(rule, updates, [state.sum_of_squares], what=what)
+    del extra_args
+    u, (s,) = update_rows(
+      rule, updates, [state.sum_of_squares], params, what=what
+    )
     return u, ScaleByRssState(s)
 
   return with_extra_args(init_fn, update_fn)
@@ -193,7 +195,7 @@ def scale_by_rowwise_rss(
   initial_accumulator_value: ArrayLike = 0.0,
   weight_decay: ArrayLike = 0.0,
   *,
-  accumulator_dtype: DTypeLike | None = jnp.float32,
+  accumulator_dtype: DTypeLike | None = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Row-wise Adagrad scaling: one accumulator per row (FBGEMM's
   EXACT_ROWWISE_ADAGRAD).
@@ -289,6 +291,7 @@ def scale_by_rowwise_rss(
       what=what,
       state_names=["row-wise accumulator"],
       needs_params=decays,
+      row_states=True,
     )
     return u, ScaleByRowwiseRssState(s)
 
@@ -301,7 +304,7 @@ def rowwise_adagrad(
   initial_accumulator_value: ArrayLike = 0.0,
   weight_decay: ArrayLike = 0.0,
   *,
-  accumulator_dtype: DTypeLike | None = jnp.float32,
+  accumulator_dtype: DTypeLike | None = "float32",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Row-wise Adagrad (FBGEMM/TorchRec's EXACT_ROWWISE_ADAGRAD).
 
@@ -416,9 +419,9 @@ def lazy_trace(
     return LazyTraceState(_full_like(params, 0, acc_dtype))
 
   def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
+    del extra_args
     u, (t,) = update_rows(
-      rule, updates, [state.trace], what="gradtx.lazy_trace"
+      rule, updates, [state.trace], params, what="gradtx.lazy_trace"
     )
     return u, LazyTraceState(t)
 

@@ -12,21 +12,32 @@ gets exactly the dense optimizer.
 
 A state leaf is either shaped like its parameter (``[V, *row]``, one value per
 element) or per row (``[V]``, e.g. row-wise Adagrad's accumulator); the
-engine reads both with the same two helpers, :func:`gather_rows` and
-:func:`scatter_rows`, the only places that read or write rows of a table.
+engine reads both with the same two helpers, ``gather_rows`` and
+``scatter_rows`` (defined in :mod:`gradtx._sharded`, owner-local for
+row-sharded tables), the only places that read or write rows of a table;
+``per_row_full`` allocates ``[V]`` state split like the table's rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 
 from gradtx._base import SparseRows, check_tree_match
+from gradtx._sharded import gather_rows, per_row_full, scatter_rows
 from gradtx._sparse import _check_rows_match
+
+__all__ = [
+  "concrete_float",
+  "gather_rows",
+  "per_row",
+  "per_row_full",
+  "scatter_rows",
+  "update_rows",
+]
 
 # rule(g, p, *state) -> (update, *new_state), on rows or whole leaves.
 Rule = Callable[..., tuple[Any, ...]]
@@ -34,28 +45,6 @@ Rule = Callable[..., tuple[Any, ...]]
 
 def _is_leaf(x: Any) -> bool:
   return x is None or isinstance(x, SparseRows)
-
-
-def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """Rows ``x[idx]`` for sorted unique ``idx``; padding ids read zeros."""
-  return x.at[idx].get(
-    mode="fill", fill_value=0, indices_are_sorted=True, unique_indices=True
-  )
-
-
-def scatter_rows(x: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
-  """``x[idx] = rows`` in place for sorted unique ``idx``; padding dropped."""
-  return x.at[idx].set(
-    rows.astype(x.dtype),
-    mode="drop",
-    indices_are_sorted=True,
-    unique_indices=True,
-  )
-
-
-def per_row_full(p: Any, fill_value: Any, dtype: DTypeLike) -> jax.Array:
-  """A fresh ``[V]`` state leaf (one value per row of ``p``)."""
-  return jnp.full(jnp.shape(p)[:1], fill_value, dtype)
 
 
 def concrete_float(x: Any) -> float | None:
@@ -71,7 +60,9 @@ def per_row(x: jax.Array, ndim: int) -> jax.Array:
   return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
-def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
+def _check_state_leaf(
+  g: SparseRows, s: Any, what: str, name: str, row_states: bool
+) -> None:
   if s is None or not hasattr(s, "shape"):
     raise ValueError(
       f"{what}: got a SparseRows gradient of dense shape {g.shape} at a "
@@ -79,7 +70,7 @@ def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
       "state was initialized from a params tree with None or no array "
       "there). Call `tx.init(params)` with the table itself at that position."
     )
-  if jnp.ndim(s) == len(g.shape):
+  if jnp.ndim(s) == len(g.shape) or not row_states:
     _check_rows_match(g, s, what, "optimizer state")
   elif jnp.shape(s) != g.shape[:1]:
     raise ValueError(
@@ -90,34 +81,56 @@ def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
     )
 
 
-def _sparse_leaf(rule, g, p, states, what, names, needs_params):
+class _Leaf(NamedTuple):
+  """One leaf's inputs to the rule and how to write its outputs back."""
+
+  g: jax.Array  # [n, *row] coalesced rows, or the whole dense gradient
+  p: Any  # matching rows of the parameter, or None
+  states: list[jax.Array]  # matching rows of each state leaf
+  idx: Any  # int32 [n] sorted unique ids (padding = num_rows); None if dense
+  num_rows: int
+
+
+def _read_sparse(g, p, states, what, names, needs_params, row_states):
   if p is not None:
     _check_rows_match(g, p, what, "parameter")
-  for s, name in zip(states, names, strict=True):
-    _check_state_leaf(g, s, what, name)
+  for s, name, rows in zip(states, names, row_states, strict=True):
+    _check_state_leaf(g, s, what, name, rows)
   g = g.coalesce()  # once per leaf: sorted, unique, padding = num_rows
   idx = g.indices
   p_rows = gather_rows(jnp.asarray(p), idx) if needs_params else None
-  out = rule(g.values, p_rows, *(gather_rows(s, idx) for s in states))
-  u = out[0]
-  valid = per_row(idx < g.num_rows, u.ndim)
+  rows = [gather_rows(s, idx) for s in states]
+  return _Leaf(g.values, p_rows, rows, idx, g.num_rows)
+
+
+def _read_dense(g, p, states, what, needs_params, row_states):
+  shape = jnp.shape(g)
+  if p is not None:
+    wants = [jnp.shape(p)]
+  else:  # without params, a state leaf shaped like the parameter shows it
+    wants = [
+      jnp.shape(s)
+      for s, rows in zip(states, row_states, strict=True)
+      if s is not None and not (rows and jnp.shape(s) == shape[:1])
+    ]
+  for want in wants[:1]:
+    if shape != want:
+      raise ValueError(
+        f"{what}: a dense gradient of shape {shape} for a parameter of "
+        f"shape {want}. Gradients must have their parameter's shape (no "
+        "broadcasting)."
+      )
+  return _Leaf(g, p if needs_params else None, list(states), None, 0)
+
+
+def _write(leaf: _Leaf, states: list[Any], out: Sequence[Any]):
+  u, new = out[0], out[1:]
+  if leaf.idx is None:
+    return u, [r.astype(s.dtype) for s, r in zip(states, new, strict=True)]
+  valid = per_row(leaf.idx < leaf.num_rows, u.ndim)
   u = jnp.where(valid, u, jnp.zeros_like(u))
-  new = [scatter_rows(s, idx, r) for s, r in zip(states, out[1:], strict=True)]
-  return SparseRows(idx, u, g.num_rows), new
-
-
-def _dense_leaf(rule, g, p, states, what, needs_params):
-  refs = [p] if p is not None else [s for s in states if s is not None]
-  want = jnp.shape(refs[0]) if refs else jnp.shape(g)
-  if jnp.shape(g) != want and (p is not None or len(want) == jnp.ndim(g)):
-    raise ValueError(
-      f"{what}: a dense gradient of shape {jnp.shape(g)} for a parameter of "
-      f"shape {want}. Gradients must have their parameter's shape (no "
-      "broadcasting)."
-    )
-  out = rule(g, p if needs_params else None, *states)
-  new = [r.astype(s.dtype) for s, r in zip(states, out[1:], strict=True)]
-  return out[0], new
+  new = [scatter_rows(s, leaf.idx, r) for s, r in zip(states, new, strict=True)]
+  return SparseRows(leaf.idx, u, leaf.num_rows), new
 
 
 def update_rows(
@@ -129,8 +142,16 @@ def update_rows(
   what: str,
   state_names: Sequence[str] | None = None,
   needs_params: bool = False,
+  row_states: bool | Sequence[bool] = False,
+  across_leaves: bool = False,
 ) -> tuple[Any, list[Any]]:
   """Applies a per-row ``rule`` to every leaf; SparseRows only on its rows.
+
+  Per leaf: a SparseRows gradient is coalesced once and the rows it touches
+  are read from the parameter (if needed) and every state leaf; the rule
+  computes on those rows; the new state rows are written back in place and
+  the update is a SparseRows on the coalesced ids, zero on padding rows. A
+  dense leaf gives the rule whole arrays.
 
   Args:
     rule: ``rule(g, p, *state) -> (update, *new_state)``, pure and
@@ -145,12 +166,20 @@ def update_rows(
     what: the transformation's name, for error messages.
     state_names: names of the states, for error messages.
     needs_params: pass parameter rows to the rule.
+    row_states: whether state leaves may be per row (``[V]``) instead of
+      shaped like their parameter; one bool, or one per state.
+    across_leaves: call the rule once with lists (one entry per non-None
+      leaf) instead of once per leaf; it returns lists. For rules written
+      with optax's tree-level helpers, whose compiled form can depend on
+      the leaves computed together (so dense leaves keep optax's bits).
 
   Returns:
     ``(updates, new_states)``; a SparseRows leaf's update is a SparseRows on
     the coalesced ids (padding rows zero), its new states written in place.
   """
   names = list(state_names or ["optimizer state"] * len(states))
+  if isinstance(row_states, bool):
+    row_states = [row_states] * len(states)
   for s in states:
     check_tree_match(updates, s, name="updates", reference_name="params")
   if params is not None:
@@ -165,15 +194,35 @@ def update_rows(
   p_list = (
     [None] * len(g_list) if params is None else treedef.flatten_up_to(params)
   )
-  out_u, out_s = [], [[] for _ in states]
+  leaf_states = [[s[i] for s in s_lists] for i in range(len(g_list))]
+  read = {}
   for i, (g, p) in enumerate(zip(g_list, p_list, strict=True)):
-    leaf_states = [s[i] for s in s_lists]
-    if g is None:
-      u, new = None, leaf_states
-    elif isinstance(g, SparseRows):
-      u, new = _sparse_leaf(rule, g, p, leaf_states, what, names, needs_params)
+    if isinstance(g, SparseRows):
+      read[i] = _read_sparse(
+        g, p, leaf_states[i], what, names, needs_params, row_states
+      )
+    elif g is not None:
+      read[i] = _read_dense(
+        g, p, leaf_states[i], what, needs_params, row_states
+      )
+  if across_leaves and read:
+    leaves = list(read.values())
+    outs = rule(
+      [x.g for x in leaves],
+      [x.p for x in leaves],
+      *([x.states[j] for x in leaves] for j in range(len(states))),
+    )
+    outs = dict(zip(read, zip(*outs, strict=True), strict=True))
+  elif not across_leaves:
+    outs = {i: rule(x.g, x.p, *x.states) for i, x in read.items()}
+  else:
+    outs = {}
+  out_u, out_s = [], [[] for _ in states]
+  for i in range(len(g_list)):
+    if i in read:
+      u, new = _write(read[i], leaf_states[i], outs[i])
     else:
-      u, new = _dense_leaf(rule, g, p, leaf_states, what, needs_params)
+      u, new = None, leaf_states[i]
     out_u.append(u)
     for acc, x in zip(out_s, new, strict=True):
       acc.append(x)
