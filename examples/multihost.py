@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import logging
 import os
 import re
@@ -207,12 +208,12 @@ def _fatal_reason(report: str) -> str:
   return f"{who}: the JAX distributed service reported {status.strip()}"
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
   """In the child, before exec: SIGKILL it when the supervisor dies."""
   libc = ctypes.CDLL(None, use_errno=True)
   pr_set_pdeathsig = 1
   libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-  if os.getppid() == 1:  # the supervisor died before prctl
+  if os.getppid() != parent:  # the supervisor died before prctl
     os._exit(EXIT_PEER_LOST)
 
 
@@ -229,7 +230,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     [sys.executable, "-m", module, *argv],
     env=dict(os.environ, **{CHILD_ENV: "1"}),
     stderr=subprocess.PIPE,
-    preexec_fn=_die_with_parent,
+    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
   )
 
   def forward_kill(signum, frame):
