@@ -274,6 +274,10 @@ def _plan(
   return _Plan(leaves, treedef, closed, out_tree, analysis, groups, report)
 
 
+def _name(path: str) -> str:
+  return f"leaf {path}" if path else "the differentiated array"
+
+
 def _check_required(require: Any, report: SparsityReport) -> None:
   if require is None:
     return
@@ -295,8 +299,8 @@ def _check_required(require: Any, report: SparsityReport) -> None:
       at = f" at {r.where}" if r.where else ""
       raise ValueError(
         f"gradtx.sparse_value_and_grad: `require_sparse` asks for a sparse "
-        f"gradient of {r.path}, but it stays dense: {r.reason}{at}. Read "
-        "the table only as whole rows (table[ids], jnp.take, an embedding "
+        f"gradient of {_name(r.path)}, but it stays dense: {r.reason}{at}. "
+        "Read the table only as whole rows (table[ids], jnp.take, an embedding "
         "layer, gtx.lookup), outside lax.cond and custom_jvp/custom_vjp "
         "functions; see gtx.sparsity_report."
       )
@@ -307,7 +311,8 @@ def _warn_unknown(report: SparsityReport, groups: Sequence[Any]) -> None:
     if g is not None and g.dense is not None and g.dense.warn:
       at = f" at {r.where}" if r.where else ""
       warnings.warn(
-        f"gradtx.sparse_value_and_grad: {r.path} keeps a dense gradient: "
+        f"gradtx.sparse_value_and_grad: {_name(r.path)} keeps a dense "
+        "gradient: "
         f"{r.reason}{at}.",
         _jaxpr.SparsityWarning,
         stacklevel=3,
