@@ -85,6 +85,18 @@ STATES = {
     lambda: optax.apply_if_finite(gtx.lazy_adam(0.1, catch_up=True), 2),
     3,
   ),
+  # [V] row-wise accumulators and a schedule's count.
+  "rowwise_adagrad_schedule": (
+    lambda: gtx.rowwise_adagrad(SCHEDULE, weight_decay=0.01),
+    3,
+  ),
+  # FTRL's count, n and z, inside an accumulation window.
+  "ftrl_accumulate": (
+    lambda: gtx.accumulate(
+      gtx.ftrl(0.1, l1_regularization_strength=0.01), 3, rows_per_step=ROWS
+    ),
+    2,
+  ),
 }
 
 
@@ -139,7 +151,7 @@ def test_state_round_trips_and_continues_exactly(name, tmp_path):
   step = _step_fn(tx)
   params = _params()
   params, state = _run(step, params, tx.init(params), before)
-  if name in ("accumulate_mid_window", "nested_chain"):
+  if name in ("accumulate_mid_window", "nested_chain", "ftrl_accumulate"):
     acc = [
       x
       for x in jax.tree.leaves(
