@@ -36,9 +36,9 @@ from jax.experimental import multihost_utils
 
 import gradtx as gtx
 
-NUM_ROWS = 64  # 8 rows per device on 8 devices, 16 on 4
-DIM = 4
-GLOBAL_BATCH = 8
+NUM_ROWS = 16384  # one shard of 8: 2048 x 16 float32 = 128 KiB
+DIM = 16
+GLOBAL_BATCH = 16
 IDS_PER_EXAMPLE = 3
 IDS_PER_STEP = GLOBAL_BATCH * IDS_PER_EXAMPLE
 MAX_STALENESS = 1
@@ -77,35 +77,49 @@ def loss_fn(params, batch):
   return jnp.mean(jnp.square(pred - batch["y"]))
 
 
-def make_tx(axis_name: str | None = None) -> optax.GradientTransformation:
-  """drop_stale(accumulate(clip + lazy_adam with catch-up)), with
-  all_reduce in front when mirrored (``rows_per_step`` counts the whole
-  batch's rows, after the all-gather, whatever the replica count)."""
-  inner = optax.chain(
-    gtx.clip_by_global_norm(1.0), gtx.lazy_adam(0.05, catch_up=True)
-  )
-  rows = {"emb": IDS_PER_STEP, "w": None, "b": None}
-  tx = gtx.drop_stale(gtx.accumulate(inner, 2, rows_per_step=rows), 1)
+def make_tx(
+  axis_name: str | None = None, chain: str = "stale_accumulate_clip_adam"
+) -> optax.GradientTransformation:
+  """Every row-touching transformation in one chain: drop_stale around
+  accumulate around a global-norm clip (a norm across the shards) and lazy
+  Adam with catch-up; or ``chain="lazy_adamw"`` (reads param rows for the
+  decay). With ``axis_name``, all_reduce in front (``rows_per_step``
+  counts the whole batch's rows, after the all-gather, whatever the
+  replica count)."""
+  if chain == "lazy_adamw":
+    tx = gtx.lazy_adamw(0.05, weight_decay=0.1)
+  else:
+    inner = optax.chain(
+      gtx.clip_by_global_norm(0.05), gtx.lazy_adam(0.05, catch_up=True)
+    )
+    rows = {"emb": IDS_PER_STEP, "w": None, "b": None}
+    tx = gtx.drop_stale(
+      gtx.accumulate(inner, 2, rows_per_step=rows), MAX_STALENESS
+    )
   if axis_name is None:
     return tx
   return optax.chain(gtx.all_reduce(axis_name), tx)
 
 
-def make_step(tx: optax.GradientTransformation, m: gtx.Mirrored | None):
+def make_step(
+  tx: optax.GradientTransformation,
+  m: gtx.Mirrored | None,
+  loss: Any = loss_fn,
+):
   """``(params, state, batch, grad_step) -> (params, state, loss)``:
-  plain jit on one device, or the Mirrored step (donating)."""
+  jit donating params and state, or the Mirrored step."""
 
   def train_step(params, opt_state, batch, grad_step):
-    loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+    value, grads = gtx.sparse_value_and_grad(loss)(params, batch)
     updates, opt_state = tx.update(
       grads, opt_state, params, grad_step=grad_step
     )
     if m is not None:
-      loss = m.all_reduce(loss, "mean")
-    return gtx.apply_updates(params, updates), opt_state, loss
+      value = m.all_reduce(value, "mean")
+    return gtx.apply_updates(params, updates), opt_state, value
 
   if m is None:
-    return jax.jit(train_step)
+    return jax.jit(train_step, donate_argnums=(0, 1))
   return m.step(train_step, donate_argnums=(0, 1))
 
 
@@ -122,19 +136,23 @@ def train(
   start: int,
   stop: int,
   step_fn: Any,
-  m: gtx.Mirrored | None = None,
+  place: Any = None,
 ) -> tuple[Any, Any, list[float]]:
-  """Calls ``start .. stop - 1``; each process feeds its rows of a batch."""
+  """Calls ``start .. stop - 1``; each process passes its rows of a batch
+  through ``place`` (``mirrored.shard_batch``, a ``device_put``)."""
   n, i = jax.process_count(), jax.process_index()
   rows = GLOBAL_BATCH // n
   losses = []
   for t in range(start, stop):
-    step = _scalar(gtx.staleness_stats(opt_state)["step"])
+    try:
+      step = _scalar(gtx.staleness_stats(opt_state)["step"])
+    except ValueError:  # no drop_stale in this chain: grad_step is unused
+      step = t
     grad_step = jnp.int32(max(step - DELAYS[t], 0))
     batch = global_batch(t)
-    if m is not None:
+    if place is not None:
       local = jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch)
-      batch = m.shard_batch(local)
+      batch = place(local)
     params, opt_state, loss = step_fn(params, opt_state, batch, grad_step)
     losses.append(_scalar(loss))
   return params, opt_state, losses
@@ -187,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     start = fresh(m, tx)
     target = abstract_like(start)
     params, state, losses = train(
-      start["params"], start["opt_state"], 0, STEPS, step, m
+      start["params"], start["opt_state"], 0, STEPS, step, m.shard_batch
     )
     full = {"params": params, "opt_state": state}
     restored = checkpoint_worker.restore_orbax(Path(args.ckpt), target)
@@ -199,7 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     }
     restored_leaves = gathered(restored)
     params, state, resumed_losses = train(
-      restored["params"], restored["opt_state"], SAVE_AT, STEPS, step, m
+      restored["params"],
+      restored["opt_state"],
+      SAVE_AT,
+      STEPS,
+      step,
+      m.shard_batch,
     )
     out = {}
     for name, leaves in (

@@ -1,9 +1,14 @@
-"""Row-sharded tables on the 8 fake CPU devices (Auto and Explicit meshes).
+"""Row-sharded tables on the 8 fake CPU devices (Auto and Explicit meshes,
+hybrid Mirrored), across two processes, and restored onto 4 devices.
 
-The jitted, donated training step with the table placed ``P("d", None)``
-equals the single-device step, keeps the table and every ``[V, ...]`` state
-leaf row-sharded, moves no table-sized data between devices (read from the
-compiled HLO) and needs less temporary memory than one table shard.
+The donated training step with the table placed ``P("d", None)`` -- a plain
+jitted step on a mesh, or the per-replica step of a ``Mirrored`` with
+``shard_rows`` -- equals the single-device step, keeps the table and every
+``[V, ...]`` state leaf row-sharded, moves no table-sized data between
+devices (read from the compiled HLO) and needs less temporary memory than
+one table shard. The model, the batches and the chains are
+``sharded_worker``'s, shared with the two-process run. Each configuration
+is compiled once and its run shared by every assertion about it.
 """
 
 import os
@@ -26,9 +31,8 @@ from jax.sharding import PartitionSpec as P
 import gradtx as gtx
 from gradtx import _sharded
 
-V, D = 16384, 16  # one shard of 8: 2048 x 16 float32 = 128 KiB
-B, L = 16, 3  # ids [B, L]: 48 rows read per step
-STEPS = 3
+V, D = worker.NUM_ROWS, worker.DIM
+STEPS, SAVE_AT = worker.STEPS, worker.SAVE_AT
 COLLECTIVES = (
   "all-gather",
   "all-reduce",
@@ -36,71 +40,19 @@ COLLECTIVES = (
   "collective-permute",
   "reduce-scatter",
 )
+CHAIN = "stale_accumulate_clip_adam"
 
 
 def _params():
-  rng = np.random.RandomState(0)
-  return {
-    "emb": rng.normal(size=(V, D)).astype(np.float32),
-    "w": rng.normal(size=(D,)).astype(np.float32),
-    "b": np.zeros((), np.float32),
-  }
-
-
-def _batch(step):
-  """Ids with duplicates and padding (-1 and V read zero rows)."""
-  rng = np.random.RandomState(100 + step)
-  ids = rng.randint(0, V, size=(B, L)).astype(np.int32)
-  ids[1, 0] = ids[0, 0]
-  ids[2, 1] = -1
-  ids[3, 2] = V
-  return {"ids": ids, "y": rng.normal(size=(B,)).astype(np.float32)}
-
-
-def _lookup_loss(p, batch):
-  bag = gtx.lookup(p["emb"], batch["ids"]).sum(axis=1)
-  return jnp.mean(jnp.square(bag @ p["w"] + p["b"] - batch["y"]))
+  return worker.init_params()
 
 
 def _index_loss(p, batch):
-  # The unmodified read: padding is clipped by JAX, so keep ids in range.
-  ids = jnp.clip(batch["ids"], 0, V - 1)
-  bag = p["emb"][ids].sum(axis=1)
+  # The unmodified read: JAX clips out-of-range ids, so mask the padding.
+  ids = batch["ids"]
+  valid = (ids >= 0) & (ids < V)
+  bag = (p["emb"][jnp.clip(ids, 0, V - 1)] * valid[..., None]).sum(axis=1)
   return jnp.mean(jnp.square(bag @ p["w"] + p["b"] - batch["y"]))
-
-
-ROWS = {"emb": B * L, "w": None, "b": None}
-TXS = {
-  # Every row-touching transformation in one chain: drop_stale drops step
-  # 1's gradient, accumulate emits at step 2, clipping takes a global norm
-  # across the shards, lazy Adam catches up skipped rows.
-  "stale_accumulate_clip_catch_up": lambda: gtx.drop_stale(
-    gtx.accumulate(
-      optax.chain(
-        gtx.clip_by_global_norm(0.05), gtx.lazy_adam(0.05, catch_up=True)
-      ),
-      2,
-      rows_per_step=ROWS,
-    ),
-    1,
-  ),
-  "lazy_adamw": lambda: gtx.lazy_adamw(0.05, weight_decay=0.1),
-}
-# The step each gradient was computed at (drop_stale drops step 1's).
-READ_AT = (0, -1, 2)
-
-
-def _step_fn(tx, loss_fn, reduce=lambda loss: loss):
-  def step(params, state, batch, grad_step):
-    loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state, params, grad_step=grad_step)
-    return gtx.apply_updates(params, updates), state, reduce(loss)
-
-  return step
-
-
-def _make_step(tx, loss_fn):
-  return jax.jit(_step_fn(tx, loss_fn), donate_argnums=(0, 1))
 
 
 def _mesh(kind, shape=(8,), names=("d",)):
@@ -128,13 +80,9 @@ class _Layout:
   def batch(self, host):
     return jax.tree.map(lambda x: self.put(x, self.batch_axis), host)
 
-  def context(self):
-    return jax.set_mesh(self.mesh)
-
 
 LAYOUTS = {
   "explicit_same_axis": lambda: _Layout(AxisType.Explicit),
-  "explicit_replicated_ids": lambda: _Layout(AxisType.Explicit, None),
   "explicit_other_axis": lambda: _Layout(
     AxisType.Explicit, "b", (4, 2), ("d", "b")
   ),
@@ -143,45 +91,54 @@ LAYOUTS = {
 }
 
 
-def _train(tx_name, layout=None, loss_fn=_lookup_loss):
-  """STEPS donated steps; returns params, state, losses, compiled step."""
-  tx = TXS[tx_name]()
-  step = _make_step(tx, loss_fn)
-  host = _params()
-  if layout is None:
-    params = jax.tree.map(jnp.asarray, host)
-    state = tx.init(params)
-    place = lambda b: jax.tree.map(jnp.asarray, b)  # noqa: E731
-    ctx = None
-  else:
-    params = layout.params(host)
-    state = gtx.sharded_init(tx, params)
-    place = layout.batch
-    ctx = layout.context()
-  with ctx if ctx is not None else _null():
-    return _loop(step, params, state, place)
+def _compile_and_train(step, params, state, place, stop=STEPS):
+  """Compiles ``step`` once, runs calls ``0 .. stop - 1`` of the executable.
 
-
-def _loop(step, params, state, place):
-  """Compiles ``step`` once and runs STEPS calls of the executable."""
-  losses, compiled, before = [], None, None
-  for s in range(STEPS):
-    batch = place(_batch(s))
-    grad_step = jnp.asarray(s + READ_AT[s] if READ_AT[s] < 0 else s)
-    if compiled is None:
-      compiled = step.lower(params, state, batch, grad_step).compile()
-      before = _shardings((params, state))
-    params, state, loss = compiled(params, state, batch, grad_step)
-    losses.append(float(loss))
+  Returns params, state, losses, the compiled step and the shardings of
+  params and state before the first call.
+  """
+  batch = place(worker.global_batch(0))
+  compiled = step.lower(params, state, batch, jnp.int32(0)).compile()
+  before = _shardings((params, state))
+  params, state, losses = worker.train(params, state, 0, stop, compiled, place)
   return params, state, losses, compiled, before
 
 
-class _null:
-  def __enter__(self):
-    return self
+_RUNS = {}
 
-  def __exit__(self, *exc):
-    return False
+
+def _cached(key, run):
+  if key not in _RUNS:
+    _RUNS[key] = run()
+  return _RUNS[key]
+
+
+def _reference(chain, loss=worker.loss_fn):
+  """The single-device run."""
+
+  def run():
+    tx = worker.make_tx(None, chain)
+    params = jax.tree.map(jnp.asarray, _params())
+    step = worker.make_step(tx, None, loss)
+    place = lambda b: jax.tree.map(jnp.asarray, b)  # noqa: E731
+    return _compile_and_train(step, params, tx.init(params), place)
+
+  return _cached(("reference", chain, loss), run)
+
+
+def _layout_run(chain, layout_name, loss=worker.loss_fn):
+  """The plain jitted step on a mesh, state from ``gtx.sharded_init``."""
+  layout = LAYOUTS[layout_name]()
+
+  def run():
+    tx = worker.make_tx(None, chain)
+    params = layout.params(_params())
+    with jax.set_mesh(layout.mesh):
+      step = worker.make_step(tx, None, loss)
+      state = gtx.sharded_init(tx, params)
+      return _compile_and_train(step, params, state, layout.batch)
+
+  return layout, _cached(("layout", chain, layout_name, loss), run)
 
 
 def _shardings(tree):
@@ -205,30 +162,6 @@ def _table_sized_collectives(hlo, rows):
   return bad
 
 
-_REFERENCE = {}
-
-
-def _reference(tx_name, loss_fn=_lookup_loss):
-  key = (tx_name, loss_fn)
-  if key not in _REFERENCE:
-    _REFERENCE[key] = _train(tx_name, None, loss_fn)
-  return _REFERENCE[key]
-
-
-@pytest.mark.parametrize(
-  "tx_name, layout_name",
-  [
-    ("stale_accumulate_clip_catch_up", "explicit_same_axis"),
-    ("stale_accumulate_clip_catch_up", "auto_other_axis"),
-    ("lazy_adamw", "explicit_other_axis"),
-    ("lazy_adamw", "explicit_replicated_ids"),
-  ],
-)
-def test_row_sharded_step_equals_single_device(tx_name, layout_name):
-  layout = LAYOUTS[layout_name]()
-  _check_run(_train(tx_name, layout), _reference(tx_name), "d", layout.mesh)
-
-
 def _check_run(run, reference, axis, mesh):
   """``run`` equals the single-device ``reference``, kept the table and its
   state split over ``axis``, moved no table-sized data and needed less
@@ -244,7 +177,7 @@ def _check_run(run, reference, axis, mesh):
     np.testing.assert_allclose(
       np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6
     )
-  # Moved: the table really trained, and differently per row.
+  # Moved: the table really trained.
   assert np.max(np.abs(np.asarray(params["emb"]) - _params()["emb"])) > 0.01
   # The table and every [V, ...] / [V] state leaf stay row-sharded.
   after = _shardings((params, state))
@@ -262,37 +195,82 @@ def _check_run(run, reference, axis, mesh):
   assert temp < shard_bytes, (temp, shard_bytes)
 
 
-def _hybrid_train(m, tx):
-  """STEPS of the per-replica step under ``m`` (a Mirrored with shard_rows)."""
-  fn = _step_fn(tx, _lookup_loss, lambda loss: m.all_reduce(loss, "mean"))
-  step = m.step(fn, donate_argnums=(0, 1))
-  params = m.place(_params())
-  return _loop(step, params, m.init_state(tx, params), m.shard_batch)
+@pytest.mark.parametrize(
+  "chain, layout_name",
+  [
+    (CHAIN, "explicit_same_axis"),
+    (CHAIN, "auto_other_axis"),
+    ("lazy_adamw", "explicit_other_axis"),
+  ],
+)
+def test_row_sharded_step_equals_single_device(chain, layout_name):
+  layout, run = _layout_run(chain, layout_name)
+  _check_run(run, _reference(chain), "d", layout.mesh)
 
 
-def test_hybrid_mirrored_equals_single_device():
+def test_unmodified_reads_on_an_auto_mesh():
+  layout, got = _layout_run("lazy_adamw", "auto_same_axis", _index_loss)
+  want = _reference("lazy_adamw", _index_loss)
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+  for g, w in zip(
+    jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True
+  ):
+    np.testing.assert_allclose(
+      np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6
+    )
+  assert got[0]["emb"].sharding.spec[0] == "d"
+  assert got[1][0].mu["emb"].sharding.spec[0] == "d"
+  batch = worker.global_batch(0)
+  grads = jax.eval_shape(gtx.sparse_grad(_index_loss), _params(), batch)
+  if isinstance(grads["emb"], gtx.SparseRows):  # reads recognised as rows
+    assert not _table_sized_collectives(got[3].as_text(), {V, V // 8})
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+  """The hybrid Mirrored run on 8 devices, saved with orbax at SAVE_AT
+  (inside an accumulation window) and continued to STEPS."""
+  m = gtx.Mirrored(shard_rows="emb")
+  tx = worker.make_tx(m.axis_name)
+  start = worker.fresh(m, tx)
+  params, state, losses, compiled, before = _compile_and_train(
+    worker.make_step(tx, m),
+    start["params"],
+    start["opt_state"],
+    m.shard_batch,
+    SAVE_AT,
+  )
+  saved = {"params": params, "opt_state": state}
+  ckpt = tmp_path_factory.mktemp("hybrid") / "ckpt"
+  checkpoint_worker.save_orbax(ckpt, saved)
+  host = jax.tree.map(np.asarray, saved)
+  params, state, more = worker.train(
+    params, state, SAVE_AT, STEPS, compiled, m.shard_batch
+  )
+  run = (params, state, losses + more, compiled, before)
+  return {"m": m, "run": run, "ckpt": ckpt, "saved": host}
+
+
+def test_hybrid_mirrored_equals_single_device(hybrid):
   # Dense params mirrored, the batch split over the 8 replicas, the table
   # and its state row-sharded over the same devices; the chain of the
   # single-device run with the cross-replica reduction in front.
-  m = gtx.Mirrored(shard_rows="emb")
-  tx = optax.chain(
-    gtx.all_reduce(m.axis_name), TXS["stale_accumulate_clip_catch_up"]()
-  )
-  run = _hybrid_train(m, tx)
-  _check_run(
-    run, _reference("stale_accumulate_clip_catch_up"), "replica", m.mesh
-  )
+  m, run = hybrid["m"], hybrid["run"]
+  _check_run(run, _reference(CHAIN), m.axis_name, m.mesh)
   params, state = run[:2]
   assert params["emb"].addressable_shards[0].data.shape == (V // 8, D)
-  assert params["w"].sharding.is_fully_replicated
   # Everything but the table's [V, ...] / [V] leaves stays mirrored.
   for leaf in jax.tree.leaves((params, state)):
     assert leaf.shape[:1] == (V,) or leaf.sharding.is_fully_replicated
+  # The checkpoint was taken inside an accumulation window, after a drop.
+  saved = hybrid["saved"]["opt_state"][1]
+  assert int(saved.inner_state.num_accumulated) == 1
+  assert int(saved.num_dropped) == 1
 
 
 def test_hybrid_mirrored_checks_outputs_and_placement():
   m = gtx.Mirrored(shard_rows=lambda path, x: path == "['emb']")
-  host = _params()
+  host = {"emb": np.ones((64, 2), np.float32), "w": np.ones(2, np.float32)}
   with pytest.raises(ValueError, match=r"`shard_rows` names \["):
     gtx.Mirrored(shard_rows=["emb", "nope"]).place(host)
   with pytest.raises(ValueError, match="Pad it to a multiple of 8 rows"):
@@ -301,32 +279,17 @@ def test_hybrid_mirrored_checks_outputs_and_placement():
     gtx.Mirrored(shard_rows=3)
   placed = m.place(host)
   assert placed["emb"].sharding.spec[0] == "replica"
+  assert placed["w"].sharding.is_fully_replicated
   # A per-replica value returned as replicated is an error (the plain
-  # shard_map step cannot tell), and per_replica_outputs stacks it.
+  # shard_map step cannot tell); per_replica_outputs stacks it.
+  y = np.arange(16, dtype=np.float32)
+  batch = m.shard_batch({"y": y})
   step = m.step(lambda p, s, b: (p, s, jnp.sum(b["y"])))
-  batch = m.shard_batch(_batch(0))
   with pytest.raises(ValueError, match="differs across replicas"):
     step(placed, (), batch)
   step = m.step(lambda p, s, b: (p, s, jnp.sum(b["y"])), per_replica_outputs=2)
   _, _, sums = step(placed, (), batch)
-  np.testing.assert_allclose(
-    sums, _batch(0)["y"].reshape(8, -1).sum(1), rtol=1e-6
-  )
-
-
-def test_unmodified_reads_on_an_auto_mesh():
-  layout = LAYOUTS["auto_same_axis"]()
-  want = _reference("lazy_adamw", _index_loss)
-  got = _train("lazy_adamw", layout, loss_fn=_index_loss)
-  np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
-  np.testing.assert_allclose(
-    np.asarray(got[0]["emb"]), np.asarray(want[0]["emb"]), rtol=2e-5, atol=1e-6
-  )
-  assert got[0]["emb"].sharding.spec[0] == "d"
-  assert got[1][0].mu["emb"].sharding.spec[0] == "d"
-  grads = jax.eval_shape(gtx.sparse_grad(_index_loss), _params(), _batch(0))
-  if isinstance(grads["emb"], gtx.SparseRows):  # reads recognised as rows
-    assert not _table_sized_collectives(got[3].as_text(), {V, V // 8})
+  np.testing.assert_allclose(sums, y.reshape(8, -1).sum(1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
@@ -345,7 +308,7 @@ def test_init_under_jit_keeps_row_shardings(kind):
   assert adam.mu["emb"].addressable_shards[0].data.shape == (V // 8, D)
   if kind == AxisType.Explicit:
     # On an Explicit mesh plain jit(tx.init) keeps them as well.
-    with layout.context():
+    with jax.set_mesh(layout.mesh):
       state = jax.jit(tx.init)(params)
     assert state[0].mu["emb"].sharding.spec == P("d", None)
     assert state[0].last_step["emb"].sharding.spec == P("d")
@@ -369,7 +332,7 @@ def test_write_rows_sets_and_adds_owner_rows():
   table = layout.put(host, "d", None)
   ids = layout.put(np.array([3, 3, 63, -1, 64, 9, 10, 11], np.int32), "d")
   rows = layout.put(np.arange(16, dtype=np.float32).reshape(8, 2), "d")
-  with layout.context():
+  with jax.set_mesh(layout.mesh):
     added = jax.jit(
       lambda t, i, r: _sharded.scatter_rows(
         t, i, r, add=True, sorted_unique=False
@@ -404,27 +367,10 @@ def _close(got, want, rtol=2e-5):
       np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
 
 
-def test_two_processes_and_eight_to_four_device_restore(tmp_path):
-  # 8 devices: the hybrid run up to SAVE_AT (mid accumulation window), saved.
-  m8 = gtx.Mirrored(shard_rows="emb")
-  tx8 = worker.make_tx(m8.axis_name)
-  start = worker.fresh(m8, tx8)
-  params, state, _ = worker.train(
-    start["params"],
-    start["opt_state"],
-    0,
-    worker.SAVE_AT,
-    worker.make_step(tx8, m8),
-    m8,
-  )
-  saved = {"params": params, "opt_state": state}
-  assert int(state[1].inner_state.num_accumulated) == 1
-  assert int(state[1].num_dropped) == 1
-  mu = state[1].inner_state.inner_state[1][0].mu["emb"]
-  assert mu.addressable_shards[0].data.shape == (worker.NUM_ROWS // 8, 4)
-  checkpoint_worker.save_orbax(tmp_path / "ckpt", saved)
-  saved = jax.tree.map(np.asarray, saved)
-
+def test_two_processes_and_eight_to_four_device_restore(hybrid, tmp_path):
+  # 2 processes x 2 devices: a hybrid run from scratch, and the 8-device
+  # run's checkpoint (mid accumulation window) restored row-sharded onto
+  # the 4 devices and continued.
   env = dict(
     os.environ,
     XLA_FLAGS="--xla_force_host_platform_device_count=2",
@@ -436,7 +382,7 @@ def test_two_processes_and_eight_to_four_device_restore(tmp_path):
   try:
     for i in range(2):
       cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
-      cmd += ["--process-id", str(i), "--ckpt", str(tmp_path / "ckpt")]
+      cmd += ["--process-id", str(i), "--ckpt", str(hybrid["ckpt"])]
       cmd += ["--out", str(tmp_path)]
       # Logs go to files: a full pipe could stall one process in a
       # collective the other waits on.
@@ -445,12 +391,7 @@ def test_two_processes_and_eight_to_four_device_restore(tmp_path):
         procs.append(
           subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         )
-    # The single-device reference, while they run.
-    tx1 = worker.make_tx()
-    host = jax.tree.map(jnp.asarray, worker.init_params())
-    p1, s1, want_losses = worker.train(
-      host, tx1.init(host), 0, worker.STEPS, worker.make_step(tx1, None)
-    )
+    params, state, want_losses, _, _ = _reference(CHAIN)  # while they run
     for p in procs:
       p.wait(timeout=180)
   finally:
@@ -461,20 +402,18 @@ def test_two_processes_and_eight_to_four_device_restore(tmp_path):
   for p, log in zip(procs, logs, strict=True):
     assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
 
-  want = {"params": p1, "opt_state": (optax.EmptyState(), s1)}
-  moved = np.abs(np.asarray(p1["emb"]) - worker.init_params()["emb"]).max()
-  assert moved > 0.05
+  want = {"params": params, "opt_state": (optax.EmptyState(), state)}
+  count = len(jax.tree.leaves(want))
   for i in range(2):
     with np.load(tmp_path / f"process_{i}.npz") as f:
       got = dict(f)
     assert int(got["num_replicas"]) == 4 and int(got["local_devices"]) == 2
-    # The 8-device rows were restored onto 4 devices, 16 rows each.
-    assert tuple(got["emb_shard"]) == tuple(got["mu_shard"]) == (16, 4)
+    # The 8-device rows were restored onto 4 devices: V / 4 rows each.
+    assert tuple(got["emb_shard"]) == tuple(got["mu_shard"]) == (V // 4, D)
     assert str(got["emb_spec"]).startswith("P('replica'")
-    leaves = lambda name, g=got: [  # noqa: E731
-      g[f"{name}_{j}"] for j in range(len(jax.tree.leaves(want)))
-    ]
-    for g, w in zip(leaves("restored"), jax.tree.leaves(saved), strict=True):
+    leaves = lambda name, g=got: [g[f"{name}_{j}"] for j in range(count)]  # noqa: E731
+    saved = jax.tree.leaves(hybrid["saved"])
+    for g, w in zip(leaves("restored"), saved, strict=True):
       np.testing.assert_array_equal(g, w)  # bit for bit
     # From scratch on 2 processes, and resumed from the 8-device
     # checkpoint: both equal the uninterrupted single-device run.
@@ -482,5 +421,5 @@ def test_two_processes_and_eight_to_four_device_restore(tmp_path):
     _close(leaves("resumed"), want)
     np.testing.assert_allclose(got["full_losses"], want_losses, rtol=1e-5)
     np.testing.assert_allclose(
-      got["resumed_losses"], want_losses[worker.SAVE_AT :], rtol=1e-5
+      got["resumed_losses"], want_losses[SAVE_AT:], rtol=1e-5
     )
