@@ -25,6 +25,7 @@ BENCHMARKS = [
   "staleness",
   "mirrored",
   "train_step",
+  "optimizers",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 

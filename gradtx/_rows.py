@@ -176,6 +176,21 @@ def update_rows(
   Returns:
     ``(updates, new_states)``; a SparseRows leaf's update is a SparseRows on
     the coalesced ids (padding rows zero), its new states written in place.
+
+  Examples:
+    A per-row counter of touches and an update of twice the gradient:
+
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> from gradtx._rows import update_rows
+    >>> def rule(g, p, hits):
+    ...   return 2 * g, hits + 1
+    >>> g = gtx.SparseRows(jnp.array([3, 0, 3, 9]), jnp.ones((4, 2)), 4)
+    >>> u, (hits,) = update_rows(
+    ...   rule, g, [jnp.zeros(4, jnp.int32)], what="demo", row_states=True)
+    >>> u.indices, u.values[:, 0], hits
+    (Array([0, 3, 4, 4], dtype=int32), Array([2., 4., 0., 0.], dtype=float32), \
+Array([1, 0, 0, 1], dtype=int32))
   """
   names = list(state_names or ["optimizer state"] * len(states))
   if isinstance(row_states, bool):

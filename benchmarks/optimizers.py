@@ -1,0 +1,293 @@
+"""The whole training step per sparse optimizer: gradtx vs optax vs torch.
+
+For each optimizer, the step users run (forward with the loss returned,
+backward, optimizer, apply), on the same model and the same fresh ids, timed
+round-robin in one process:
+
+* ``gtx``: ``gtx.sparse_value_and_grad`` (a SparseRows gradient), the gradtx
+  optimizer, ``gtx.apply_updates``; jitted, params and state donated.
+* ``optax`` (dense equivalent): ``jax.value_and_grad`` (a dense ``[V, D]``
+  gradient) + ``optax.adagrad`` / ``optax.sgd`` + ``optax.apply_updates``;
+  jitted, donated. optax has no FTRL and no row-wise Adagrad.
+* ``torch``: ``nn.Embedding(sparse=True)`` with ``torch.optim.Adagrad``,
+  ``torch.optim.SGD`` (sparse gradients: no momentum in torch) or
+  ``torch.optim.SparseAdam``, ``torch.set_num_threads(2)``, ``loss.item()``
+  returned. Skipped cleanly without torch.
+
+The model is ``loss = sum(tanh(E[ids]) * ct)`` on a ``[V, D]`` table; ids are
+fresh every step (pre-generated, uniform or Zipf s = 1.05, as in
+``benchmarks.train_step``). Every optimizer group is timed against torch
+SparseAdam in the same rounds, the anchor of the issue's goal. FBGEMM is not
+installed here (see ANCHORS.md for its figures on this machine).
+
+  python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
+      [--rounds 15] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradtx as gtx
+from benchmarks._common import (
+  hlo_table_copies,
+  load_note,
+  time_interleaved,
+  write_results,
+)
+from benchmarks.train_step import make_ids
+
+LR = 1e-2
+MOMENTUM = 0.9
+
+
+def _loss(rows: jax.Array, ct: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.tanh(rows) * ct)
+
+
+# optimizer -> (gtx factory, dense optax factory or None, torch name or None)
+OPTIMIZERS: dict[str, tuple[Callable, Callable | None, str | None]] = {
+  "adagrad": (lambda: gtx.adagrad(LR), lambda: optax.adagrad(LR), "Adagrad"),
+  "rowwise_adagrad": (lambda: gtx.rowwise_adagrad(LR), None, None),
+  "lazy_sgd": (lambda: gtx.lazy_sgd(LR), lambda: optax.sgd(LR), "SGD"),
+  "lazy_sgd momentum": (
+    lambda: gtx.lazy_sgd(LR, MOMENTUM),
+    lambda: optax.sgd(LR, MOMENTUM),
+    None,
+  ),
+  "ftrl": (lambda: gtx.ftrl(LR, l1_regularization_strength=1e-4), None, None),
+  "lazy_adam": (lambda: gtx.lazy_adam(LR), None, "SparseAdam"),
+}
+
+
+def _state_bytes_per_row(state: Any, rows: int) -> float:
+  leaves = [x for x in jax.tree.leaves(state) if jnp.ndim(x) >= 1]
+  return sum(x.size * x.dtype.itemsize for x in leaves) / rows
+
+
+def _jax_variant(make_tx, table, ids, ct, dense: bool):
+  tx = make_tx()
+
+  def step(params, state, ids_, ct_):
+    if dense:
+      loss, g = jax.value_and_grad(lambda p: _loss(p["emb"][ids_], ct_))(params)
+    else:
+      loss, g = gtx.sparse_value_and_grad(
+        lambda p: _loss(gtx.lookup(p["emb"], ids_), ct_)
+      )(params)
+    u, state = tx.update(g, state, params)
+    apply = optax.apply_updates if dense else gtx.apply_updates
+    return apply(params, u), state, loss
+
+  params = {"emb": jnp.array(table)}
+  box = [params, tx.init(params)]
+  per_row = _state_bytes_per_row(box[1], table.shape[0])
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
+
+  def run(i):
+    box[0], box[1], loss = jstep(box[0], box[1], ids[i % len(ids)], ct)
+    jax.block_until_ready((box[0], loss))
+
+  return run, box, per_row, copies
+
+
+def _torch_variant(name, table_np, ids_np, ct_np):
+  import torch
+
+  torch.set_num_threads(2)
+  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
+  with torch.no_grad():
+    emb.weight.copy_(torch.from_numpy(table_np))
+  opt = {
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=LR),
+    "SGD": lambda p: torch.optim.SGD(p, lr=LR),
+    "SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=LR),
+  }[name](emb.parameters())
+  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
+  ct = torch.from_numpy(ct_np)
+
+  def run(i):
+    opt.zero_grad(set_to_none=True)
+    loss = (torch.tanh(emb(ids[i % len(ids)])) * ct).sum()
+    loss.backward()
+    opt.step()
+    loss.item()
+
+  # state after one step (torch allocates it lazily)
+  run(0)
+  per_row = (
+    sum(
+      t.numel() * t.element_size()
+      for s in opt.state.values()
+      for t in s.values()
+      if torch.is_tensor(t) and t.dim() >= 1
+    )
+    / table_np.shape[0]
+  )
+  return run, (emb, opt), per_row
+
+
+def _torch_available() -> bool:
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def run_group(
+  opt_name: str,
+  rows: int,
+  dim: int,
+  n: int,
+  dist: str,
+  rounds: int,
+  with_torch: bool,
+  with_dense: bool,
+) -> list[list[Any]]:
+  """One optimizer: gtx, its dense optax twin, its torch twin and torch
+  SparseAdam, round-robin on the same fresh ids."""
+  make_gtx, make_optax, torch_name = OPTIMIZERS[opt_name]
+  ids_np = make_ids(rows, n, rounds + 3, dist)
+  rng = np.random.default_rng(1)
+  table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
+  ct_np = rng.standard_normal((n, dim)).astype(np.float32)
+  ids = [jnp.asarray(i) for i in ids_np]
+  ct = jnp.asarray(ct_np)
+  fns, keep, per_row, copies = {}, [], {}, {}
+  run, box, per_row["gtx"], copies["gtx"] = _jax_variant(
+    make_gtx, table, ids, ct, dense=False
+  )
+  fns["gtx"] = run
+  keep.append(box)
+  if with_dense and make_optax is not None:
+    run, box, per_row["optax (dense)"], copies["optax (dense)"] = _jax_variant(
+      make_optax, table, ids, ct, dense=True
+    )
+    fns["optax (dense)"] = run
+    keep.append(box)
+  if with_torch:
+    for name in dict.fromkeys([torch_name, "SparseAdam"]):
+      if name is None:
+        continue
+      label = f"torch {name}"
+      run, objs, per_row[label] = _torch_variant(name, table, ids_np, ct_np)
+      fns[label] = run
+      keep.append(objs)
+  runners = {k: _Counter(f) for k, f in fns.items()}
+  times = time_interleaved(runners, warmup=2, rounds=rounds)
+  del keep, runners, fns
+  gc.collect()
+  ms = {k: t * 1e3 for k, t in times.items()}
+  out = []
+  anchor = ms.get("torch SparseAdam")
+  twin = ms.get(f"torch {torch_name}") if torch_name else None
+  for k, v in ms.items():
+    out.append(
+      [
+        dist,
+        opt_name,
+        k,
+        v,
+        anchor / v if anchor else "-",
+        (twin / v if twin and k == "gtx" else "-"),
+        round(per_row[k], 1),
+        copies.get(k, "-"),
+      ]
+    )
+  return out
+
+
+class _Counter:
+  def __init__(self, fn):
+    self.fn, self.i = fn, 1  # step 0 may have run (torch state init)
+
+  def __call__(self):
+    self.fn(self.i)
+    self.i += 1
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--rows", type=int, default=1_000_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
+  parser.add_argument("--no-dense", action="store_true")
+  parser.add_argument("--smoke", "--quick", action="store_true")
+  args = parser.parse_args(argv)
+  if args.smoke:
+    args.rows, args.ids, args.rounds = 20_000, 256, 3
+  with_torch = _torch_available()
+  load_before = load_note()
+  rows = []
+  for dist in args.dists:
+    for name in args.only or OPTIMIZERS:
+      rows += run_group(
+        name,
+        args.rows,
+        args.dim,
+        args.ids,
+        dist,
+        args.rounds,
+        with_torch,
+        not args.no_dense,
+      )
+      for r in rows[-4:]:
+        print(r, flush=True)
+  headline = []
+  for r in rows:
+    if r[1] == "rowwise_adagrad" and r[2] == "gtx" and r[4] != "-":
+      headline.append(
+        {
+          "metric": f"rowwise_adagrad step vs torch SparseAdam ({r[0]})",
+          "value": round(r[4], 2),
+          "target": ">= 3.5x",
+        }
+      )
+  notes = (
+    f"{args.rows:,} x {args.dim} float32 table, {args.ids:,} fresh ids a "
+    "step, loss sum(tanh(E[ids]) * ct); median of "
+    f"{args.rounds} round-robin steps per optimizer group (each group timed "
+    "with torch SparseAdam in the same rounds). 'x vs SparseAdam' and 'x vs "
+    "torch twin' are how many times faster than that torch step. State "
+    "bytes/row: the optimizer's per-row state (torch's after one step). "
+    "'copies': table-sized copies in the compiled JAX step (0 = in place). "
+    f"torch {'present' if with_torch else 'not installed: skipped'}; "
+    "FBGEMM not installed (ANCHORS.md: EXACT_ROWWISE_ADAGRAD 13.9-15.0 ms, "
+    "EXACT_ADAGRAD 7.3-7.9 ms, EXACT_SGD 3.7 ms on this machine). Load "
+    f"average (1/5/15 min) before: {load_before}, after: {load_note()}: "
+    "the machine is shared with other engineers' jobs."
+  )
+  write_results(
+    "optimizers" + ("_smoke" if args.smoke else ""),
+    "Sparse optimizers, whole training step: gradtx vs optax (dense) vs torch",
+    [
+      "ids",
+      "optimizer",
+      "system",
+      "ms/step",
+      "x vs SparseAdam",
+      "x vs torch twin",
+      "state bytes/row",
+      "copies",
+    ],
+    rows,
+    notes=notes,
+    extra={"headline": headline, "smoke": args.smoke},
+  )
+
+
+if __name__ == "__main__":
+  main()
