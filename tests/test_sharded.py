@@ -162,7 +162,7 @@ def _table_sized_collectives(hlo, rows):
   return bad
 
 
-def _check_run(run, reference, axis, mesh):
+def _check_run(run, reference, axis, mesh, hlo=True):
   """``run`` equals the single-device ``reference``, kept the table and its
   state split over ``axis``, moved no table-sized data and needed less
   temporary memory than a table shard."""
@@ -186,6 +186,8 @@ def _check_run(run, reference, axis, mesh):
   assert len(table_like) >= 3  # the table and (at least) m and v
   for shape, spec in table_like:
     assert spec[0] == axis, (shape, spec)
+  if not hlo:
+    return
   # No collective moves a table-sized (or shard-sized) block.
   hlo = compiled.as_text()
   assert not _table_sized_collectives(hlo, {V, V // 8, V // 4})
@@ -196,34 +198,27 @@ def _check_run(run, reference, axis, mesh):
 
 
 @pytest.mark.parametrize(
-  "chain, layout_name",
+  "chain, layout_name, loss",
   [
-    (CHAIN, "explicit_same_axis"),
-    (CHAIN, "auto_other_axis"),
-    ("lazy_adamw", "explicit_other_axis"),
+    # Every row-touching transformation, through gradtx's owner-local reads
+    # and writes (the Auto-mesh run of this chain is the hybrid Mirrored's).
+    (CHAIN, "explicit_same_axis", worker.loss_fn),
+    # Ids split along another mesh axis than the table's rows; AdamW reads
+    # the param rows for the decay.
+    ("lazy_adamw", "explicit_other_axis", worker.loss_fn),
+    # Unmodified ``table[ids]`` reads, left to XLA's partitioner.
+    ("lazy_adamw", "auto_other_axis", _index_loss),
   ],
+  ids=["chain-explicit", "adamw-explicit-other-axis", "adamw-auto-index"],
 )
-def test_row_sharded_step_equals_single_device(chain, layout_name):
-  layout, run = _layout_run(chain, layout_name)
-  _check_run(run, _reference(chain), "d", layout.mesh)
-
-
-def test_unmodified_reads_on_an_auto_mesh():
-  layout, got = _layout_run("lazy_adamw", "auto_same_axis", _index_loss)
-  want = _reference("lazy_adamw", _index_loss)
-  np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
-  for g, w in zip(
-    jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2]), strict=True
-  ):
-    np.testing.assert_allclose(
-      np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6
-    )
-  assert got[0]["emb"].sharding.spec[0] == "d"
-  assert got[1][0].mu["emb"].sharding.spec[0] == "d"
+def test_row_sharded_step_equals_single_device(chain, layout_name, loss):
+  layout, run = _layout_run(chain, layout_name, loss)
   batch = worker.global_batch(0)
-  grads = jax.eval_shape(gtx.sparse_grad(_index_loss), _params(), batch)
-  if isinstance(grads["emb"], gtx.SparseRows):  # reads recognised as rows
-    assert not _table_sized_collectives(got[3].as_text(), {V, V // 8})
+  grads = jax.eval_shape(gtx.sparse_grad(loss), _params(), batch)
+  # Without sparse gradients (reads not recognised as rows) the dense
+  # gradient is table-sized: check the values and shardings only.
+  hlo = isinstance(grads["emb"], gtx.SparseRows)
+  _check_run(run, _reference(chain, loss), "d", layout.mesh, hlo=hlo)
 
 
 @pytest.fixture(scope="module")
