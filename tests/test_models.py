@@ -35,6 +35,15 @@ def batch(seed=0, vocab=V):
   )
 
 
+def init_params(init, *args):
+  """Random params of the shapes ``init`` makes, without compiling it."""
+  shapes = jax.eval_shape(init, jax.random.key(0), *args)
+  rng = np.random.RandomState(0)
+  return jax.tree.map(
+    lambda s: jnp.asarray(rng.normal(0, 0.5, s.shape), s.dtype), shapes
+  )
+
+
 def cross_entropy(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
@@ -159,7 +168,7 @@ class LinenRNN(nn.Module):
 def test_flax_linen_embed_in_scan_and_remat():
   model = LinenRNN()
   ids, tags, labels = batch(0)
-  params = jax.jit(model.init)(jax.random.key(0), ids, tags)
+  params = init_params(model.init, ids, tags)
 
   def loss(params, ids, tags, labels):
     return cross_entropy(model.apply(params, ids, tags), labels)
@@ -301,7 +310,7 @@ def test_haiku_embed_lstm_dynamic_unroll():
   f = hk.without_apply_rng(hk.transform(haiku_forward))
   ids, _, labels = batch(3)
   ids, labels = ids.T, labels.T
-  params = jax.jit(f.init)(jax.random.key(0), ids, labels)
+  params = init_params(f.init, ids, labels)
   # optax.apply_updates (what TrainState calls) in place of gtx's.
   new = check_model(
     f.apply,
@@ -324,16 +333,18 @@ WIDTH, LAYERS = 32, 2
 
 
 class Block(nn.Module):
+  """Pre-norm causal self-attention (one head) and an MLP."""
+
   @nn.compact
   def __call__(self, x, _):
-    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-    h = nn.LayerNorm(name="ln1")(x)
-    x = x + nn.MultiHeadDotProductAttention(2, deterministic=True, name="attn")(
-      h, mask=mask
-    )
-    h = nn.LayerNorm(name="ln2")(x)
-    x = x + nn.Dense(WIDTH, name="down")(nn.gelu(nn.Dense(4 * WIDTH)(h)))
-    return x, None
+    h = nn.LayerNorm(name="ln")(x)
+    qkv = nn.Dense(3 * WIDTH, use_bias=False, name="qkv")(h)
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    scores = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(WIDTH)
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))[None]
+    att = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+    x = x + nn.Dense(WIDTH, name="out")(jnp.einsum("bts,bsd->btd", att, v))
+    return x + nn.Dense(WIDTH, name="down")(nn.gelu(nn.Dense(64)(x))), None
 
 
 class DecoderLM(nn.Module):
@@ -357,7 +368,7 @@ class DecoderLM(nn.Module):
 def test_decoder_lm_untied_embedding_scanned_remat_blocks():
   model = DecoderLM()
   ids = batch(4)[0]
-  params = jax.jit(model.init)(jax.random.key(0), ids)
+  params = init_params(model.init, ids)
 
   def loss(params, ids):
     logits = model.apply(params, ids)
@@ -372,7 +383,7 @@ def test_flax_embed_bf16_compute_dtype():
   # nn.Embed(dtype=bf16) casts the whole float32 table, then reads rows.
   model = nn.Embed(V, D, dtype=jnp.bfloat16)
   ids = batch(5)[0]
-  params = jax.jit(model.init)(jax.random.key(0), ids)
+  params = init_params(model.init, ids)
 
   def loss(params, ids):
     return jnp.sum(jnp.tanh(model.apply(params, ids)).astype(jnp.float32))
