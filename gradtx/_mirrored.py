@@ -423,6 +423,20 @@ class Mirrored:
     Raises:
       ValueError: a name in ``shard_rows`` matches no leaf, or a chosen
         table is a scalar or its rows do not divide by ``num_replicas``.
+
+    Examples:
+      >>> import numpy as np, optax
+      >>> import gradtx as gtx
+      >>> m = gtx.Mirrored(shard_rows="emb")
+      >>> params = m.place({"emb": np.zeros((64, 4)), "w": np.ones(4)})
+      >>> params["emb"].sharding.spec, params["w"].sharding.is_fully_replicated
+      (P('replica',), True)
+      >>> params["emb"].addressable_shards[0].data.shape == (
+      ...   64 // m.num_replicas, 4)
+      True
+      >>> state = m.init_state(gtx.lazy_adam(1e-3), params)
+      >>> state[0].mu["emb"].sharding.spec
+      P('replica', None)
     """
     if self._shard_rows is None:
       return self.replicate(params)
