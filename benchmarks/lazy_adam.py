@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 
 import jax
 import jax.numpy as jnp
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.quick:
     args.rows, args.ids = [20_000, 200_000], 1024
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
   mem_bytes = (
     args.mem_gib * 2**30 if args.mem_gib is not None else _default_mem_bytes()
   )

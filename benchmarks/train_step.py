@@ -333,6 +333,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(results[-1], flush=True)
   load_after = load_note()
+  caution = ""
+  if max(os.getloadavg()) > (os.cpu_count() or 1):
+    caution = (
+      " OVERSUBSCRIBED: the load average exceeded the core count during "
+      "the run, so every figure is inflated (compare with a quiet run) and "
+      "torch's worker threads suffer more from it than XLA's: the torch / "
+      "gtx ratio here overstates the quiet-machine ratio."
+    )
   headline = []
   for r in results:
     if isinstance(r[9], float):
@@ -369,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
       "read + write counted). Table copies = `copy` instructions producing a"
       " table-shaped value in the compiled step. Load average (1/5/15 min) "
       f"before: {load_before}; after: {load_after} (the machine is shared: "
-      "compare ratios within a row)."
+      f"compare ratios within a row).{caution}"
     ),
     extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
   )
