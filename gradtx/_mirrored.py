@@ -594,45 +594,8 @@ class Mirrored:
       raise TypeError(f"Mirrored.step `fn` must be callable; got {fn!r}.")
     donate = _int_tuple(donate_argnums, "donate_argnums")
     per_replica = _int_tuple(per_replica_outputs, "per_replica_outputs")
-    axis = self._axis_name
     name = getattr(fn, "__name__", repr(fn))
-
-    def body(*local_args):
-      rep, per = _split_outputs(fn(*local_args), per_replica, name)
-      per = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), p) for p in per]
-      return rep, per
-
-    def run(*args):
-      if len(args) < 3:
-        raise TypeError(
-          f"Mirrored.step({name}): the step takes (params, opt_state, batch, "
-          f"*args); got {len(args)} positional argument(s). Pass `()` for an "
-          "absent opt_state."
-        )
-      self._check_global_batch(args[2])
-      # check_vma=False gives pmap's semantics: the gradient of a replicated
-      # input is the replica's own, not already summed across replicas.
-      mapped = jax.shard_map(
-        body,
-        mesh=self._mesh,
-        in_specs=(P(), P(), P(axis)) + (P(),) * (len(args) - 3),
-        out_specs=(P(), P(axis)),
-        check_vma=False,
-      )
-      rep, per = mapped(*args)
-      return _join_outputs(rep, per, per_replica)
-
-    run.__name__ = f"mirrored_{name}"
-    if self._shard_rows is not None:
-      run = self._hybrid(fn, per_replica, name)
-    return jax.jit(run, donate_argnums=donate)
-
-  def _hybrid(
-    self, fn: Callable[..., Any], per_replica: tuple[int, ...], name: str
-  ) -> Callable[..., Any]:
-    """The step of a Mirrored with row-sharded tables: ``fn`` vmapped over
-    the replica axis at the global view (see the class docstring)."""
-    axis, replicas = self._axis_name, self.num_replicas
+    mapped = self._shard_mapped if self._shard_rows is None else self._vmapped
 
     def body(*local_args):
       return _split_outputs(fn(*local_args), per_replica, name)
@@ -645,32 +608,62 @@ class Mirrored:
           "absent opt_state."
         )
       self._check_global_batch(args[2])
-      batch = jax.tree.map(
-        lambda x: x.reshape((replicas, -1) + x.shape[1:]), args[2]
-      )
-      mapped = jax.vmap(
-        body,
-        in_axes=(None, None, 0) + (None,) * (len(args) - 3),
-        out_axes=(None, 0),
-        axis_name=axis,
-        spmd_axis_name=axis,
-      )
-      try:
-        rep, per = mapped(args[0], args[1], batch, *args[3:])
-      except ValueError as e:
-        if "out_axes is" not in str(e):
-          raise
-        raise ValueError(
-          f"Mirrored.step({name}): an output returned as replicated differs "
-          "across replicas. Reduce per-replica values inside the step "
-          "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
-          "first in the optax chain), or list the output's position in "
-          f"`per_replica_outputs`. ({e})"
-        ) from e
+      rep, per = mapped(body, name, args)
       return _join_outputs(rep, per, per_replica)
 
     run.__name__ = f"mirrored_{name}"
-    return run
+    return jax.jit(run, donate_argnums=donate)
+
+  def _shard_mapped(
+    self, body: Callable[..., Any], name: str, args: tuple[Any, ...]
+  ) -> tuple[Any, list[Any]]:
+    """``body`` per replica under ``shard_map``: (replicated, per-replica)."""
+    del name
+    axis = self._axis_name
+
+    def stacked(*local_args):
+      rep, per = body(*local_args)
+      per = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), p) for p in per]
+      return rep, per
+
+    # check_vma=False gives pmap's semantics: the gradient of a replicated
+    # input is the replica's own, not already summed across replicas.
+    return jax.shard_map(
+      stacked,
+      mesh=self._mesh,
+      in_specs=(P(), P(), P(axis)) + (P(),) * (len(args) - 3),
+      out_specs=(P(), P(axis)),
+      check_vma=False,
+    )(*args)
+
+  def _vmapped(
+    self, body: Callable[..., Any], name: str, args: tuple[Any, ...]
+  ) -> tuple[Any, list[Any]]:
+    """``body`` per replica under ``vmap`` over the replica axis, at the
+    global view (with row-sharded tables, see the class docstring)."""
+    axis, replicas = self._axis_name, self.num_replicas
+    batch = jax.tree.map(
+      lambda x: x.reshape((replicas, -1) + x.shape[1:]), args[2]
+    )
+    mapped = jax.vmap(
+      body,
+      in_axes=(None, None, 0) + (None,) * (len(args) - 3),
+      out_axes=(None, 0),
+      axis_name=axis,
+      spmd_axis_name=axis,
+    )
+    try:
+      return mapped(args[0], args[1], batch, *args[3:])
+    except ValueError as e:
+      if "out_axes is" not in str(e):
+        raise
+      raise ValueError(
+        f"Mirrored.step({name}): an output returned as replicated differs "
+        "across replicas. Reduce per-replica values inside the step "
+        "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
+        "first in the optax chain), or list the output's position in "
+        f"`per_replica_outputs`. ({e})"
+      ) from e
 
   def _check_global_batch(self, batch: Any) -> None:
     n = self.num_replicas
