@@ -19,8 +19,14 @@ local read + reduce-scatter gradtx uses, and routing ids to their owners
 with two all-to-alls (TorchRec's way; static shapes force each owner's
 bucket to the worst case, ``n`` ids per source device).
 
+``--mirrored`` measures the same three figures for the per-replica step of
+``gtx.Mirrored`` (``all_reduce`` then ``lazy_adam``): every param
+replicated, against the hybrid ``Mirrored(shard_rows="emb")`` (table and
+its state row-sharded, dense params mirrored), and writes
+``results/sharded_mirrored.{md,json}``.
+
   python -m benchmarks.sharded [--rows 1000000 8000000] [--dim 32]
-      [--ids 8192] [--quick]
+      [--ids 8192] [--quick] [--mirrored]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import re  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -200,6 +207,115 @@ def run_step(mesh, rows, dim, n, spec, rounds):
   return sec
 
 
+def mirrored_step(rows, dim, n, hybrid):
+  """The Mirrored step (plain or hybrid), its abstract inputs, compiled."""
+  m = gtx.Mirrored(shard_rows="emb" if hybrid else None)
+  tx = optax.chain(gtx.all_reduce(m.axis_name), TX)
+
+  def fn(params, state, batch):
+    loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state, m.all_reduce(loss, "mean")
+
+  def at(x):  # table-shaped leaves row-sharded when hybrid
+    spec = (m.axis_name,) if hybrid and x.shape[:1] == (rows,) else ()
+    return _abstract(m.mesh, x.shape, x.dtype, *spec)
+
+  params = jax.tree.map(
+    at,
+    {
+      "emb": jax.ShapeDtypeStruct((rows, dim), jnp.float32),
+      "w": jax.ShapeDtypeStruct((dim,), jnp.float32),
+    },
+  )
+  state = jax.tree.map(at, jax.eval_shape(tx.init, params))
+  batch = {
+    "ids": _abstract(m.mesh, (n // SEQ, SEQ), jnp.int32, m.axis_name),
+    "labels": _abstract(m.mesh, (n // SEQ,), jnp.float32, m.axis_name),
+  }
+  step = m.step(fn, donate_argnums=(0, 1))
+  return m, tx, step, step.lower(params, state, batch).compile()
+
+
+def run_mirrored(m, tx, step, rows, dim, n, rounds):
+  rng = np.random.RandomState(0)
+  params = m.place(
+    {
+      "emb": rng.normal(0, 0.01, size=(rows, dim)).astype(np.float32),
+      "w": rng.normal(size=(dim,)).astype(np.float32),
+    }
+  )
+  box = {"p": params, "s": m.init_state(tx, params), "i": 0}
+  batches = [
+    m.shard_batch(
+      {
+        "ids": rng.randint(0, rows, size=(n // SEQ, SEQ)).astype(np.int32),
+        "labels": rng.choice([-1.0, 1.0], size=n // SEQ).astype(np.float32),
+      }
+    )
+    for _ in range(4)
+  ]
+
+  def one():
+    box["p"], box["s"], loss = step(box["p"], box["s"], batches[box["i"] % 4])
+    box["i"] += 1
+    loss.block_until_ready()
+
+  return time_interleaved({"step": one}, rounds=rounds)["step"]
+
+
+def main_mirrored(args):
+  """Plain (replicated) vs hybrid (row-sharded table) Mirrored steps."""
+  out = []
+  for rows in args.rows:
+    for name, hybrid in (("Mirrored", False), ("Mirrored(shard_rows)", True)):
+      m, tx, step, compiled = mirrored_step(rows, args.dim, args.ids, hybrid)
+      mem = memory(compiled)
+      copies = 1 if hybrid else DEVICES
+      state_gib = 3 * rows * args.dim * 4 * copies / 2**30
+      sec = None
+      if state_gib <= args.max_state_gib:
+        sec = run_mirrored(m, tx, step, rows, args.dim, args.ids, args.rounds)
+      out.append(
+        [
+          name,
+          rows,
+          args.ids,
+          collective_bytes(compiled.as_text()),
+          round((mem["argument"] + mem["temp"]) / 2**20, 1),
+          round(mem["temp"] / 2**20, 2),
+          "not run (memory)" if sec is None else round(sec * 1e3, 2),
+        ]
+      )
+  notes = (
+    f"gtx.Mirrored over {DEVICES} fake CPU devices; table [rows, "
+    f"{args.dim}] float32, all_reduce + lazy_adam, {args.ids} ids per step "
+    "split over the replicas, params and state donated. Mirrored "
+    "replicates the table and its m, v on every device; "
+    "Mirrored(shard_rows) splits them by rows (the dense params stay "
+    "mirrored). Collective bytes: result bytes of every collective in the "
+    "compiled step, per device. Memory: arguments + temporaries per device "
+    "from memory_analysis. Step time only where table + m + v on all "
+    f"devices fit {args.max_state_gib} GiB; the machine was shared, so "
+    "compare the step times of one run only."
+  )
+  write_results(
+    "sharded_mirrored",
+    "Mirrored: replicated vs row-sharded tables (8 devices)",
+    [
+      "step",
+      "rows",
+      "ids/step",
+      "collective bytes/step",
+      "memory MiB/device",
+      "temp MiB/device",
+      "step ms",
+    ],
+    out,
+    notes=notes,
+  )
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument(
@@ -210,9 +326,13 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--max-state-gib", type=float, default=6.0)
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--mirrored", action="store_true")
   args = parser.parse_args(argv)
   if args.quick:
     args.rows, args.ids, args.rounds = [65_536, 262_144], 1024, 3
+  if args.mirrored:
+    main_mirrored(args)
+    return
   mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
   rows_out, headline = [], []
   for rows in args.rows:
