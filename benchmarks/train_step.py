@@ -256,6 +256,45 @@ def _row(rows, dim, n, dist, linear, res):
   ]
 
 
+def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
+  """Per-thunk time of the compiled gtx step (XLA:CPU runs one thunk per
+  fusion, sort, scatter...): ``[(ms per step, calls per step, name)]``,
+  from a ``jax.profiler`` trace of ``steps`` steps on fresh ids."""
+  import collections
+  import gzip
+  import json
+  import tempfile
+  from pathlib import Path
+
+  ids = [jnp.asarray(i) for i in make_ids(rows, n, steps + 2, "uniform")]
+  rng = np.random.default_rng(SEED + 1)
+  table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
+  ct = jnp.asarray(rng.standard_normal((n, dim)).astype(np.float32))
+  run, _, _, box = _gtx(table, ids, ids, ct, linear, False)
+  run(0)
+  run(1)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for i in range(2, steps + 2):
+        run(i)
+    path = next(Path(d).rglob("*.trace.json.gz"))
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  total = collections.defaultdict(list)
+  for e in events:
+    name = e.get("name", "")
+    # Python frames and runtime wrappers are not thunks of the step.
+    if name.startswith("$") or "::" in name or "Pjit" in name:
+      continue
+    if e.get("ph") == "X" and "dur" in e:
+      total[name].append(e["dur"])
+  del box
+  return sorted(
+    ((sum(v) / steps / 1e3, len(v) / steps, k) for k, v in total.items()),
+    reverse=True,
+  )
+
+
 HEADERS = [
   "table",
   "ids",
@@ -296,6 +335,12 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="print the per-thunk time of the gtx step (first --rows, uniform "
+    "ids, each --losses) instead of the comparison",
+  )
+  parser.add_argument(
     "--smoke", "--quick", action="store_true", help="tiny shapes, no files"
   )
   args = parser.parse_args(argv)
@@ -310,6 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     mem_bytes = 0.5 * limit if limit else 10 * 2**30
   else:
     mem_bytes = mem * 2**30
+  if args.profile:
+    for loss in args.losses:
+      print(f"\n{args.rows[0]:,} x {args.dim}, {args.ids} ids, {loss} loss")
+      for ms, calls, name in profile(
+        args.rows[0], args.dim, args.ids, loss == "linear"
+      )[:30]:
+        print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
+    return
   with_torch = not args.no_torch and _torch_available()
   load_before = load_note()
   bandwidth = warm_copy_bandwidth()
