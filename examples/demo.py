@@ -4,8 +4,11 @@ The corpus is the Python standard library on this machine, tokenized with
 the ``tokenize`` module; the model is skip-gram with negative sampling
 (word2vec). Every step uses gradtx end to end:
 
-* ``gtx.lookup`` + ``gtx.sparse_value_and_grad``: both embedding tables get
-  ``SparseRows`` gradients, never a dense ``[vocab, dim]`` buffer;
+* ``gtx.sparse_value_and_grad``: the model reads its two embedding tables
+  as plain ``table[ids]`` (no change for gradtx), and both get
+  ``SparseRows`` gradients, never a dense ``[vocab, dim]`` buffer
+  (``require_sparse`` makes that a guarantee, ``gtx.sparsity_report``
+  prints it);
 * ``gtx.Mirrored``: the step runs on every (fake CPU) device with
   replicated params, ``gtx.all_reduce`` all-gathers the sparse gradients;
 * ``gtx.accumulate``: the optimizer is applied once every ``--accumulate``
@@ -165,14 +168,20 @@ def main(argv: list[str] | None = None) -> None:
   opt_state = tx.init(params)
 
   def loss_fn(p, batch):
-    center = gtx.lookup(p["center"], batch["center"])  # [b, d]
-    others = gtx.lookup(p["context"], batch["others"])  # [b, 1 + neg, d]
+    center = p["center"][batch["center"]]  # [b, d]
+    others = p["context"][batch["others"]]  # [b, 1 + neg, d]
     logits = jnp.einsum("bd,bkd->bk", center, others)
     sign = jnp.concatenate([jnp.ones((1,)), -jnp.ones((neg,))])[None, :]
     return -jnp.mean(jnp.sum(jax.nn.log_sigmoid(sign * logits), axis=-1))
 
+  # Raise, rather than fall back to a dense gradient, if a table is not
+  # read as whole rows only.
+  grad_fn = gtx.sparse_value_and_grad(
+    loss_fn, require_sparse=("['center']", "['context']")
+  )
+
   def train_step(p, s, batch):
-    loss, grads = gtx.sparse_value_and_grad(loss_fn)(p, batch)
+    loss, grads = grad_fn(p, batch)
     updates, s = tx.update(grads, s, p)
     return gtx.apply_updates(p, updates), s, mirrored.all_reduce(loss, "mean")
 
@@ -196,6 +205,12 @@ def main(argv: list[str] | None = None) -> None:
       "others": np.concatenate([ctx[:, None], negs], axis=1).astype(np.int32),
     }
 
+  print("\ngradients (gtx.sparsity_report):")
+  ids = {
+    "center": np.zeros(args.batch, np.int32),
+    "others": np.zeros((args.batch, 1 + neg), np.int32),
+  }
+  print(gtx.sparsity_report(loss_fn)(params, ids))  # traces, runs nothing
   losses = []
   bar = tqdm(range(args.steps), desc="skip-gram", unit="step")
   start = time.perf_counter()

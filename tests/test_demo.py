@@ -1,5 +1,7 @@
 """`make demo` runs end to end (tiny sizes; the real run is ~2 minutes)."""
 
+import re
+
 from examples import demo
 
 
@@ -10,5 +12,8 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
   ])  # fmt: skip
   out = capsys.readouterr().out
   assert "| optimizer updates | 3 |" in out
+  # table[ids] in the model: both tables sparse, 8 ids per center word
+  assert re.search(r"\['center'\] +float32\[\d+, 8\] +sparse +64\n", out)
+  assert re.search(r"\['context'\] +float32\[\d+, 8\] +sparse +384\n", out)
   assert "nearest neighbours" in out
   assert (tmp_path / "loss.png").stat().st_size > 0
