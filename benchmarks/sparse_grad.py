@@ -1,114 +1,279 @@
-"""Sparse versus dense gradient of an embedding model.
+"""Sparse versus dense gradient of unmodified embedding models.
 
-An embedding-bag model (lookup, mean-pool, dense layer, logistic loss) with a
-``[rows, dim]`` table and ``ids`` looked-up ids per step:
-``gtx.sparse_value_and_grad`` against ``jax.value_and_grad``, both jitted,
-timed round-robin in one process, plus the compiled memory of each.
+Part 1, step time: an embedding-bag model (read, mean-pool, dense layer,
+logistic loss) on a ``[rows, dim]`` table with ``ids`` fresh ids per step,
+its table read three ways -- ``gtx.lookup``, plain ``table[ids]`` and a Flax
+``nn.Embed`` layer -- each differentiated by ``gtx.sparse_value_and_grad``,
+against ``jax.value_and_grad`` (dense) of ``table[ids]`` and of ``nn.Embed``.
+All jitted, timed round-robin in one process; the compiled memory of each.
+
+Part 2, trace + compile time of ``gtx.sparse_value_and_grad`` against
+``jax.value_and_grad`` on a Flax model of 24 unrolled residual MLP blocks
+over an ``nn.Embed`` table (the jaxpr analysis is a trace-time cost).
 
   python -m benchmarks.sparse_grad [--rows 1000000] [--dim 64] [--ids 8192]
+      [--blocks 24] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import memory, time_interleaved, write_results
+from benchmarks._common import (
+  markdown_table,
+  memory,
+  time_interleaved,
+  write_results,
+)
+
+SEQ = 16  # ids per example
+POOL = 16  # distinct id batches, cycled: fresh ids every step
 
 
-def loss(params, ids, labels):
-  pooled = jnp.mean(gtx.lookup(params["emb"], ids), axis=1)
-  logits = pooled @ params["w"] + params["b"]
-  return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+def bag_loss(read):
+  """The embedding-bag loss with the table read by ``read(table, ids)``."""
+
+  def loss(params, ids, labels):
+    pooled = jnp.mean(read(params["emb"], ids), axis=1)
+    logits = pooled @ params["w"] + params["b"]
+    return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+
+  return loss
 
 
-def run(rows: int, dim: int, ids: int, seq: int = 16) -> list:
+def _embed(table, ids):
+  layer = nn.Embed(table.shape[0], table.shape[1])
+  return layer.apply({"params": {"embedding": table}}, ids)
+
+
+READS = {
+  "gtx.lookup": gtx.lookup,
+  "table[ids]": lambda t, i: t[i],
+  "nn.Embed": _embed,
+}
+
+
+def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
   rng = np.random.RandomState(0)
   params = {
     "emb": jnp.asarray(rng.normal(size=(rows, dim)) * 0.01, jnp.float32),
     "w": jnp.asarray(rng.normal(size=(dim,)), jnp.float32),
     "b": jnp.zeros([], jnp.float32),
   }
-  batch = ids // seq
-  id_arr = jnp.asarray(rng.randint(0, rows, size=(batch, seq)), jnp.int32)
-  labels = jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32)
+  batch = ids // SEQ
+  pool = [
+    (
+      jnp.asarray(rng.randint(0, rows, size=(batch, SEQ)), jnp.int32),
+      jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32),
+    )
+    for _ in range(POOL)
+  ]
 
-  sparse = jax.jit(gtx.sparse_value_and_grad(loss))
-  dense = jax.jit(jax.value_and_grad(loss))
-  sparse_mem = memory(sparse.lower(params, id_arr, labels).compile())
-  dense_mem = memory(dense.lower(params, id_arr, labels).compile())
+  fns = {}
+  for name, read in READS.items():
+    fns[f"sparse {name}"] = jax.jit(gtx.sparse_value_and_grad(bag_loss(read)))
+    if name != "gtx.lookup":
+      fns[f"dense {name}"] = jax.jit(jax.value_and_grad(bag_loss(read)))
+  mem = {k: memory(f.lower(params, *pool[0]).compile()) for k, f in fns.items()}
 
   # Same value, same gradient (checked once, outside the timing).
-  vs, gs = sparse(params, id_arr, labels)
-  vd, gd = dense(params, id_arr, labels)
-  np.testing.assert_allclose(vs, vd, rtol=1e-5)
-  np.testing.assert_allclose(
-    gs["emb"].to_dense(), gd["emb"], rtol=1e-4, atol=1e-7
-  )
-  del gs, gd
+  ref_v, ref_g = fns["dense table[ids]"](params, *pool[0])
+  for k, f in fns.items():
+    v, g = f(params, *pool[0])
+    emb = g["emb"].to_dense() if k.startswith("sparse") else g["emb"]
+    np.testing.assert_allclose(v, ref_v, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(emb, ref_g["emb"], rtol=1e-4, atol=1e-7)
+    assert isinstance(g["emb"], gtx.SparseRows) == k.startswith("sparse"), k
+  del ref_g, g, emb
+
+  def caller(f):
+    box = [0]
+
+    def call():
+      box[0] = (box[0] + 1) % POOL
+      jax.block_until_ready(f(params, *pool[box[0]]))
+
+    return call
 
   times = time_interleaved(
-    {
-      "sparse": lambda: jax.block_until_ready(sparse(params, id_arr, labels)),
-      "dense": lambda: jax.block_until_ready(dense(params, id_arr, labels)),
-    }
+    {k: caller(f) for k, f in fns.items()}, rounds=rounds
   )
-  table_mb = rows * dim * 4 / 2**20
+  lookup_ms = times["sparse gtx.lookup"] * 1e3
+  out = []
+  for name in READS:
+    sparse_ms = times[f"sparse {name}"] * 1e3
+    dense_key = f"dense {name}" if name != "gtx.lookup" else "dense table[ids]"
+    dense_ms = times[dense_key] * 1e3
+    s_mem, d_mem = mem[f"sparse {name}"], mem[dense_key]
+    out.append(
+      [
+        f"{rows:,} x {dim}",
+        name,
+        ids,
+        dense_ms,
+        sparse_ms,
+        dense_ms / sparse_ms,
+        sparse_ms / lookup_ms,
+        (d_mem["temp"] + d_mem["output"]) / 2**20,
+        (s_mem["temp"] + s_mem["output"]) / 2**20,
+        rows * dim * 4 / 2**20,
+      ]
+    )
+  return out
+
+
+class Deep(nn.Module):
+  """``nn.Embed`` then ``blocks`` unrolled pre-norm residual MLP blocks."""
+
+  rows: int
+  dim: int
+  blocks: int
+
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(self.rows, self.dim)(ids).mean(axis=1)
+    for _ in range(self.blocks):
+      h = nn.LayerNorm()(x)
+      x = x + nn.Dense(self.dim)(nn.gelu(nn.Dense(2 * self.dim)(h)))
+    return nn.Dense(1)(x)[:, 0]
+
+
+def compile_times(blocks: int, repeats: int) -> list:
+  rows, dim, batch = 10_000, 64, 32
+  model = Deep(rows, dim, blocks)
+  rng = np.random.RandomState(1)
+  ids = jnp.asarray(rng.randint(0, rows, size=(batch, SEQ)), jnp.int32)
+  labels = jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32)
+  params = jax.jit(model.init)(jax.random.key(0), ids)
+
+  def loss(params, ids, labels):
+    logits = model.apply(params, ids)
+    return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+
+  grads = {
+    "jax.value_and_grad": jax.value_and_grad,
+    "gtx.sparse_value_and_grad": gtx.sparse_value_and_grad,
+  }
+  samples = {k: ([], []) for k in grads}
+  for _ in range(repeats):
+    for k, grad in grads.items():
+      f = jax.jit(grad(loss))  # a new function: nothing cached
+      t0 = time.perf_counter()
+      lowered = f.lower(params, ids, labels)
+      t1 = time.perf_counter()
+      lowered.compile()
+      t2 = time.perf_counter()
+      samples[k][0].append(t1 - t0)
+      samples[k][1].append(t2 - t1)
+  med = {
+    k: (statistics.median(a), statistics.median(b))
+    for k, (a, b) in samples.items()
+  }
+  base = sum(med["jax.value_and_grad"])
   return [
-    f"{rows:,} x {dim}",
-    ids,
-    times["dense"] * 1e3,
-    times["sparse"] * 1e3,
-    times["dense"] / times["sparse"],
-    (dense_mem["temp"] + dense_mem["output"]) / 2**20,
-    (sparse_mem["temp"] + sparse_mem["output"]) / 2**20,
-    table_mb,
+    [k, blocks, trace, comp, trace + comp, (trace + comp) / base]
+    for k, (trace, comp) in med.items()
   ]
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000])
+  parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--blocks", type=int, default=24)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument(
+    "--smoke", "--quick", action="store_true", help="tiny shapes"
+  )
+  parser.add_argument(
+    "--note", default="", help="a sentence on the machine's state"
+  )
   args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.ids = [50_000], 1024
-  rows = [run(r, args.dim, args.ids) for r in args.rows]
+  if args.smoke:
+    args.rows, args.ids, args.rounds = 20_000, 512, 3
+    args.blocks, args.repeats = 4, 1
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
+
+  rows = step_times(args.rows, args.dim, args.ids, args.rounds)
+  comp = compile_times(args.blocks, args.repeats)
+  comp_headers = [
+    "gradient",
+    "blocks",
+    "trace+lower s",
+    "compile s",
+    "total s",
+    "vs jax",
+  ]
+  notes = (
+    "Each row: the same embedding-bag loss with its table read as named, "
+    "fresh ids every step (a pool of "
+    f"{POOL} batches, cycled). dense ms: `jax.value_and_grad` of that loss "
+    "(`table[ids]` for the gtx.lookup row); sparse ms: "
+    "`gtx.sparse_value_and_grad` of it, unmodified. vs lookup: sparse ms "
+    "over the `gtx.lookup` row's (1.0 = the same cost). Both jitted; "
+    "median of interleaved rounds. temp+out is the compiled temporary plus "
+    "output memory (`memory_analysis()`).\n\n"
+    f"Trace + compile time, {args.blocks} unrolled residual MLP blocks over "
+    f"an `nn.Embed` table (median of {args.repeats}; a new jitted function "
+    "each time):\n\n" + markdown_table(comp_headers, comp)
+  )
+  if args.note:
+    notes += f"\n\n{args.note}"
   write_results(
     "sparse_grad",
-    "Sparse vs dense gradient of an embedding model",
+    "Sparse vs dense gradient of unmodified embedding models",
     [
       "table",
+      "read",
       "ids/step",
       "dense ms",
       "sparse ms",
       "speed-up",
+      "vs lookup",
       "dense temp+out MiB",
       "sparse temp+out MiB",
       "one table MiB",
     ],
     rows,
-    notes=(
-      "Both jitted; median of interleaved rounds. temp+out is the compiled "
-      "temporary plus output memory (`memory_analysis()`): the dense "
-      "gradient needs a whole `[rows, dim]` buffer, the sparse one only "
-      "`ids x dim` rows."
-    ),
+    notes=notes,
     extra={
+      "compile": {"headers": comp_headers, "rows": comp},
       "headline": [
         {
-          "metric": f"sparse grad speed-up vs dense ({r[0]})",
-          "value": round(r[4], 1),
-          "target": ">= 10x",
+          "metric": f"sparse grad speed-up vs dense, {r[1]} ({r[0]})",
+          "value": round(r[5], 1),
+          "target": ">= 40x",
         }
         for r in rows
       ]
+      + [
+        {
+          "metric": f"{r[1]} step time vs the gtx.lookup path",
+          "value": round(r[6], 2),
+          "target": "1.0 within noise",
+        }
+        for r in rows
+        if r[1] != "gtx.lookup"
+      ]
+      + [
+        {
+          "metric": f"trace+compile vs jax.value_and_grad ({args.blocks} "
+          "blocks)",
+          "value": round(comp[-1][5], 2),
+          "target": "<= 1.5x",
+        }
+      ],
     },
   )
 
