@@ -272,12 +272,21 @@ def test_hybrid_mirrored_checks_outputs_and_placement():
     gtx.Mirrored(shard_rows="emb").place({"emb": np.zeros((12, 2))})
   with pytest.raises(TypeError, match="`shard_rows` must be"):
     gtx.Mirrored(shard_rows=3)
+  y = np.arange(16, dtype=np.float32)
   placed = m.place(host)
   assert placed["emb"].sharding.spec[0] == "replica"
   assert placed["w"].sharding.is_fully_replicated
+  nested = gtx.Mirrored(shard_rows="['t']['emb']").place({"t": host})
+  assert nested["t"]["emb"].sharding.spec[0] == "replica"
+  assert nested["t"]["w"].sharding.is_fully_replicated
+  # place copies: a step that donates its result leaves the input intact.
+  table = jnp.arange(128.0).reshape(64, 2)
+  bump = m.step(lambda p, s, b: (p + 1.0, s), donate_argnums=(0,))
+  out, _ = bump(m.place({"emb": table})["emb"], (), m.shard_batch({"y": y}))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(table) + 1.0)
+  np.testing.assert_array_equal(np.asarray(table)[-1], [126.0, 127.0])
   # A per-replica value returned as replicated is an error (the plain
   # shard_map step cannot tell); per_replica_outputs stacks it.
-  y = np.arange(16, dtype=np.float32)
   batch = m.shard_batch({"y": y})
   step = m.step(lambda p, s, b: (p, s, jnp.sum(b["y"])))
   with pytest.raises(ValueError, match="differs across replicas"):
