@@ -568,16 +568,21 @@ class Mirrored:
     ``MirroredStrategy``, a gradient taken inside ``fn`` is the replica's
     own, computed from its shard: reduce it across replicas (put
     ``gtx.all_reduce(mirrored.axis_name)`` first in the optax chain).
+    With ``shard_rows``, ``fn`` runs under ``jax.vmap`` over the replica
+    axis instead of ``shard_map`` (see the class docstring): it still sees
+    every param whole, the row-sharded tables included, and its replica's
+    part of the batch.
 
     Every output is replicated: it must be the same on every replica,
     which holds for params and optimizer state updated from reduced
     gradients and for values reduced with :meth:`all_reduce` (the loss,
-    metrics). This is the caller's promise and is not checked: a
-    per-replica value returned as replicated comes back as some replica's
-    value. To get per-replica values out instead, name their positions in
-    ``fn``'s output tuple in ``per_replica_outputs``; they come back with
-    a new leading axis of size ``num_replicas`` (split across the
-    devices), and :meth:`reduce` combines them.
+    metrics). This is the caller's promise, not checked by the plain
+    step: a per-replica value returned as replicated comes back as some
+    replica's value (with ``shard_rows`` it raises). To get per-replica
+    values out instead, name their positions in ``fn``'s output tuple in
+    ``per_replica_outputs``; they come back with a new leading axis of
+    size ``num_replicas`` (split across the devices), and :meth:`reduce`
+    combines them.
 
     Args:
       fn: the per-replica step, taking at least three positional arguments.
