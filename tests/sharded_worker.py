@@ -7,14 +7,15 @@ row-sharded over the replicas, the dense params mirrored) on 8 devices up to
 optimizer state with orbax, and starts this script once per process::
 
   python tests/sharded_worker.py --port P --num-processes 2 \\
-      --process-id I --ckpt DIR --out DIR
+      --process-id I --ready FILE --out DIR
 
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and
 ``JAX_PLATFORMS=cpu``. Each process joins the JAX distributed runtime on
 127.0.0.1 (gloo CPU collectives) and, on the 4 devices of the two
-processes, (1) trains from scratch for :data:`STEPS` steps, and (2)
-restores the 8-device checkpoint row-sharded onto the 4 devices and trains
-from :data:`SAVE_AT` to :data:`STEPS`. It writes what it restored, where
+processes, (1) trains from scratch for :data:`STEPS` steps, while the test
+trains on 8 devices, and (2) once ``FILE`` names the 8-device checkpoint,
+restores it row-sharded onto the 4 devices and trains from :data:`SAVE_AT`
+to :data:`STEPS`. It writes what it restored, where
 each run ended (whole arrays, gathered across processes) and the shapes of
 its own shards to ``DIR/process_I.npz``. Not a test module: pytest collects
 ``test_*.py``.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,12 +185,22 @@ def gathered(tree: Any) -> list[np.ndarray]:
   ]
 
 
+def _wait_for(ready: str, timeout: float = 300.0) -> Path:
+  """The checkpoint path written to ``ready``, once it is there."""
+  deadline = time.monotonic() + timeout
+  while not Path(ready).exists():
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"no checkpoint named in {ready} after {timeout} s")
+    time.sleep(0.2)
+  return Path(Path(ready).read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--process-id", type=int, required=True)
-  parser.add_argument("--ckpt", required=True)
+  parser.add_argument("--ready", required=True)
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -208,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
       start["params"], start["opt_state"], 0, STEPS, step, m.shard_batch
     )
     full = {"params": params, "opt_state": state}
-    restored = checkpoint_worker.restore_orbax(Path(args.ckpt), target)
+    restored = checkpoint_worker.restore_orbax(_wait_for(args.ready), target)
     mu = restored["opt_state"][1].inner_state.inner_state[1][0].mu["emb"]
     shards = {
       "emb_shard": restored["params"]["emb"].addressable_shards[0].data.shape,

@@ -197,30 +197,6 @@ def _check_run(run, reference, axis, mesh, hlo=True):
   assert temp < shard_bytes, (temp, shard_bytes)
 
 
-@pytest.mark.parametrize(
-  "chain, layout_name, loss",
-  [
-    # Every row-touching transformation, through gradtx's owner-local reads
-    # and writes (the Auto-mesh run of this chain is the hybrid Mirrored's).
-    (CHAIN, "explicit_same_axis", worker.loss_fn),
-    # Ids split along another mesh axis than the table's rows; AdamW reads
-    # the param rows for the decay.
-    ("lazy_adamw", "explicit_other_axis", worker.loss_fn),
-    # Unmodified ``table[ids]`` reads, left to XLA's partitioner.
-    ("lazy_adamw", "auto_other_axis", _index_loss),
-  ],
-  ids=["chain-explicit", "adamw-explicit-other-axis", "adamw-auto-index"],
-)
-def test_row_sharded_step_equals_single_device(chain, layout_name, loss):
-  layout, run = _layout_run(chain, layout_name, loss)
-  batch = worker.global_batch(0)
-  grads = jax.eval_shape(gtx.sparse_grad(loss), _params(), batch)
-  # Without sparse gradients (reads not recognised as rows) the dense
-  # gradient is table-sized: check the values and shardings only.
-  hlo = isinstance(grads["emb"], gtx.SparseRows)
-  _check_run(run, _reference(chain, loss), "d", layout.mesh, hlo=hlo)
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
   """The hybrid Mirrored run on 8 devices, saved with orbax at SAVE_AT
@@ -244,6 +220,113 @@ def hybrid(tmp_path_factory):
   )
   run = (params, state, losses + more, compiled, before)
   return {"m": m, "run": run, "ckpt": ckpt, "saved": host}
+
+
+# ----------------------------------------------------------------------------
+# Two processes x 2 devices, and an 8-device checkpoint restored onto them
+
+
+def _free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _close(got, want, rtol=2e-5):
+  for g, w in zip(got, jax.tree.leaves(want), strict=True):
+    w = np.asarray(w)
+    if np.issubdtype(w.dtype, np.integer):
+      np.testing.assert_array_equal(g, w)
+    else:
+      np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
+
+
+def test_two_processes_and_eight_to_four_device_restore(request, tmp_path):
+  # 2 processes x 2 devices: a hybrid run from scratch, and the 8-device
+  # run's checkpoint (mid accumulation window) restored row-sharded onto
+  # the 4 devices and continued. The workers start first and train from
+  # scratch while this process runs on 8 devices (the ``hybrid`` fixture,
+  # requested after they start, unless an earlier test built it).
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+  )
+  script = str(Path(__file__).with_name("sharded_worker.py"))
+  port = str(_free_port())
+  procs, logs = [], []
+  try:
+    for i in range(2):
+      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
+      cmd += ["--process-id", str(i), "--ready", str(tmp_path / "ready")]
+      cmd += ["--out", str(tmp_path)]
+      # Logs go to files: a full pipe could stall one process in a
+      # collective the other waits on.
+      logs.append(tmp_path / f"log_{i}.txt")
+      with open(logs[-1], "wb") as log:
+        procs.append(
+          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
+    hybrid = request.getfixturevalue("hybrid")
+    # Written whole, then renamed: a worker never reads half a path.
+    (tmp_path / "ready.tmp").write_text(str(hybrid["ckpt"]))
+    (tmp_path / "ready.tmp").rename(tmp_path / "ready")
+    params, state, want_losses, _, _ = _reference(CHAIN)  # while they run
+    for p in procs:
+      p.wait(timeout=180)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs, strict=True):
+    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
+
+  want = {"params": params, "opt_state": (optax.EmptyState(), state)}
+  count = len(jax.tree.leaves(want))
+  for i in range(2):
+    with np.load(tmp_path / f"process_{i}.npz") as f:
+      got = dict(f)
+    assert int(got["num_replicas"]) == 4 and int(got["local_devices"]) == 2
+    # The 8-device rows were restored onto 4 devices: V / 4 rows each.
+    assert tuple(got["emb_shard"]) == tuple(got["mu_shard"]) == (V // 4, D)
+    assert str(got["emb_spec"]).startswith("P('replica'")
+    leaves = lambda name, g=got: [g[f"{name}_{j}"] for j in range(count)]  # noqa: E731
+    saved = jax.tree.leaves(hybrid["saved"])
+    for g, w in zip(leaves("restored"), saved, strict=True):
+      np.testing.assert_array_equal(g, w)  # bit for bit
+    # From scratch on 2 processes, and resumed from the 8-device
+    # checkpoint: both equal the uninterrupted single-device run.
+    _close(leaves("full"), want)
+    _close(leaves("resumed"), want)
+    np.testing.assert_allclose(got["full_losses"], want_losses, rtol=1e-5)
+    np.testing.assert_allclose(
+      got["resumed_losses"], want_losses[SAVE_AT:], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+  "chain, layout_name, loss",
+  [
+    # Every row-touching transformation, through gradtx's owner-local reads
+    # and writes (the Auto-mesh run of this chain is the hybrid Mirrored's).
+    (CHAIN, "explicit_same_axis", worker.loss_fn),
+    # Ids split along another mesh axis than the table's rows; AdamW reads
+    # the param rows for the decay.
+    ("lazy_adamw", "explicit_other_axis", worker.loss_fn),
+    # Unmodified ``table[ids]`` reads, left to XLA's partitioner.
+    ("lazy_adamw", "auto_other_axis", _index_loss),
+  ],
+  ids=["chain-explicit", "adamw-explicit-other-axis", "adamw-auto-index"],
+)
+def test_row_sharded_step_equals_single_device(chain, layout_name, loss):
+  layout, run = _layout_run(chain, layout_name, loss)
+  batch = worker.global_batch(0)
+  grads = jax.eval_shape(gtx.sparse_grad(loss), _params(), batch)
+  # Without sparse gradients (reads not recognised as rows) the dense
+  # gradient is table-sized: check the values and shardings only.
+  hlo = isinstance(grads["emb"], gtx.SparseRows)
+  _check_run(run, _reference(chain, loss), "d", layout.mesh, hlo=hlo)
 
 
 def test_hybrid_mirrored_equals_single_device(hybrid):
@@ -350,80 +433,3 @@ def test_write_rows_sets_and_adds_owner_rows():
   )
   np.testing.assert_array_equal(np.asarray(added), want)
   assert added.sharding.spec == P("d", None)
-
-
-# ----------------------------------------------------------------------------
-# Two processes x 2 devices, and an 8-device checkpoint restored onto them
-
-
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
-def _close(got, want, rtol=2e-5):
-  for g, w in zip(got, jax.tree.leaves(want), strict=True):
-    w = np.asarray(w)
-    if np.issubdtype(w.dtype, np.integer):
-      np.testing.assert_array_equal(g, w)
-    else:
-      np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
-
-
-def test_two_processes_and_eight_to_four_device_restore(hybrid, tmp_path):
-  # 2 processes x 2 devices: a hybrid run from scratch, and the 8-device
-  # run's checkpoint (mid accumulation window) restored row-sharded onto
-  # the 4 devices and continued.
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    JAX_PLATFORMS="cpu",
-  )
-  script = str(Path(__file__).with_name("sharded_worker.py"))
-  port = str(_free_port())
-  procs, logs = [], []
-  try:
-    for i in range(2):
-      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
-      cmd += ["--process-id", str(i), "--ckpt", str(hybrid["ckpt"])]
-      cmd += ["--out", str(tmp_path)]
-      # Logs go to files: a full pipe could stall one process in a
-      # collective the other waits on.
-      logs.append(tmp_path / f"log_{i}.txt")
-      with open(logs[-1], "wb") as log:
-        procs.append(
-          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
-    params, state, want_losses, _, _ = _reference(CHAIN)  # while they run
-    for p in procs:
-      p.wait(timeout=180)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs, strict=True):
-    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
-
-  want = {"params": params, "opt_state": (optax.EmptyState(), state)}
-  count = len(jax.tree.leaves(want))
-  for i in range(2):
-    with np.load(tmp_path / f"process_{i}.npz") as f:
-      got = dict(f)
-    assert int(got["num_replicas"]) == 4 and int(got["local_devices"]) == 2
-    # The 8-device rows were restored onto 4 devices: V / 4 rows each.
-    assert tuple(got["emb_shard"]) == tuple(got["mu_shard"]) == (V // 4, D)
-    assert str(got["emb_spec"]).startswith("P('replica'")
-    leaves = lambda name, g=got: [g[f"{name}_{j}"] for j in range(count)]  # noqa: E731
-    saved = jax.tree.leaves(hybrid["saved"])
-    for g, w in zip(leaves("restored"), saved, strict=True):
-      np.testing.assert_array_equal(g, w)  # bit for bit
-    # From scratch on 2 processes, and resumed from the 8-device
-    # checkpoint: both equal the uninterrupted single-device run.
-    _close(leaves("full"), want)
-    _close(leaves("resumed"), want)
-    np.testing.assert_allclose(got["full_losses"], want_losses, rtol=1e-5)
-    np.testing.assert_allclose(
-      got["resumed_losses"], want_losses[SAVE_AT:], rtol=1e-5
-    )
