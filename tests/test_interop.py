@@ -2,8 +2,6 @@
 ``optax.apply_updates``, Flax ``TrainState.apply_gradients`` and
 ``nnx.Optimizer.update``."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 import references as ref
 from flax import nnx
 from flax.training import train_state
+from hlo import whole_table_ops
 from references_lazy_adam import LazyAdam
 
 import gradtx as gtx
@@ -132,15 +131,6 @@ def test_optax_apply_updates_mixed_tree_under_jit():
     np.testing.assert_array_equal(got[k], want_gtx[k])
 
 
-def _whole_table_ops(compiled, rows):
-  entry = compiled.as_text().split("ENTRY", 1)[1]
-  return [
-    line.strip()
-    for line in entry.splitlines()
-    if re.search(rf"= [a-z0-9]+\[{rows},", line) and "parameter(" not in line
-  ]
-
-
 @pytest.mark.parametrize("apply", [optax.apply_updates, gtx.apply_updates])
 def test_both_apply_functions_update_in_place_under_donation(apply):
   rows = 5003
@@ -160,7 +150,7 @@ def test_both_apply_functions_update_in_place_under_donation(apply):
     .lower(params, tx.init(params), grads)
     .compile()
   )
-  whole = _whole_table_ops(compiled, rows)
+  whole = whole_table_ops(compiled, rows)
   assert whole, "the check can fail: the table updates must show up"
   for line in whole:
     assert "scatter" in line, line
