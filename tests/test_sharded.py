@@ -162,7 +162,7 @@ def _table_sized_collectives(hlo, rows):
   return bad
 
 
-def _check_run(run, reference, axis, mesh, hlo=True):
+def _check_run(run, reference, axis, mesh):
   """``run`` equals the single-device ``reference``, kept the table and its
   state split over ``axis``, moved no table-sized data and needed less
   temporary memory than a table shard."""
@@ -186,8 +186,6 @@ def _check_run(run, reference, axis, mesh, hlo=True):
   assert len(table_like) >= 3  # the table and (at least) m and v
   for shape, spec in table_like:
     assert spec[0] == axis, (shape, spec)
-  if not hlo:
-    return
   # No collective moves a table-sized (or shard-sized) block.
   hlo = compiled.as_text()
   assert not _table_sized_collectives(hlo, {V, V // 8, V // 4})
@@ -323,10 +321,9 @@ def test_row_sharded_step_equals_single_device(chain, layout_name, loss):
   layout, run = _layout_run(chain, layout_name, loss)
   batch = worker.global_batch(0)
   grads = jax.eval_shape(gtx.sparse_grad(loss), _params(), batch)
-  # Without sparse gradients (reads not recognised as rows) the dense
-  # gradient is table-sized: check the values and shardings only.
-  hlo = isinstance(grads["emb"], gtx.SparseRows)
-  _check_run(run, _reference(chain, loss), "d", layout.mesh, hlo=hlo)
+  # Every layout, the unmodified read included, must give a row gradient.
+  assert isinstance(grads["emb"], gtx.SparseRows), grads["emb"]
+  _check_run(run, _reference(chain, loss), "d", layout.mesh)
 
 
 def test_hybrid_mirrored_equals_single_device(hybrid):
