@@ -27,6 +27,15 @@ ERROR_LINE = re.compile(
 )
 
 
+def _cache_env(tmp: Path) -> dict[str, str]:
+  # The jobs of one session compile the same programs: share a persistent
+  # compilation cache (in the session's temp folder) to skip recompiling.
+  return {
+    "JAX_COMPILATION_CACHE_DIR": str(tmp.parent / "jax_cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+
+
 def _free_port():
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
@@ -52,7 +61,7 @@ class Job:
           subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=dict(os.environ, **(env or {})),
+            env=dict(os.environ, **_cache_env(tmp), **(env or {})),
             stdout=log,
             stderr=subprocess.STDOUT,
           )
