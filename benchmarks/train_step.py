@@ -49,6 +49,10 @@ from benchmarks._common import (
 )
 
 LR = 1e-3
+# Back every system's tables and optimizer state by transparent huge pages
+# (gtx.use_huge_pages; the same madvise for torch's tensors); --small-pages
+# turns it off for all of them.
+HUGE_PAGES = [True]
 ZIPF_S = 1.05
 SEED = 0
 
@@ -102,6 +106,8 @@ def _gtx(table, ids, grads, ct, linear, catch_up):
 
   params = {"emb": jnp.array(table)}
   box = [params, tx.init(params)]
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
   jstep = jax.jit(step, donate_argnums=(0, 1))
   jopt = jax.jit(opt_step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
@@ -131,6 +137,8 @@ def _optax(table, ids, ct, linear):
 
   params = jnp.array(table)
   box = [params, tx.init(params)]
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
@@ -160,8 +168,22 @@ def _torch(table_np, ids_np, ct_np, linear):
     loss.backward()
     opt.step()
     loss.item()
+    if i == 0 and HUGE_PAGES[0]:  # SparseAdam makes its state on step 1
+      state = opt.state[emb.weight].values()
+      _torch_huge_pages([emb.weight, *filter(torch.is_tensor, state)])
 
   return run, (emb, opt)
+
+
+def _torch_huge_pages(tensors) -> None:
+  """torch's tables and state on huge pages too, as gtx.use_huge_pages."""
+  from gradtx._memory import _advise, _madvise
+
+  madvise = _madvise()
+  for t in tensors:
+    nbytes = t.numel() * t.element_size()
+    if madvise is not None and t.device.type == "cpu" and nbytes >= 4 << 20:
+      _advise(t.data_ptr(), nbytes, madvise, collapse=True)
 
 
 def _torch_available() -> bool:
@@ -335,6 +357,12 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument(
+    "--small-pages",
+    action="store_true",
+    help="leave every table on the OS's default (4 KiB) pages instead of "
+    "huge pages (gtx.use_huge_pages, the same madvise for torch)",
+  )
+  parser.add_argument(
     "--profile",
     action="store_true",
     help="print the per-thunk time of the gtx step (first --rows, uniform "
@@ -344,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     "--smoke", "--quick", action="store_true", help="tiny shapes, no files"
   )
   args = parser.parse_args(argv)
+  HUGE_PAGES[0] = not args.small_pages
   if args.smoke:
     args.rows, args.ids, args.rounds = [5_000], 256, 3
     os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
@@ -386,6 +415,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(results[-1], flush=True)
   load_after = load_note()
+  pages = (
+    "Every system's tables and optimizer state (gtx, torch, optax) on "
+    "transparent huge pages (`gtx.use_huge_pages`; the same madvise for "
+    "torch's tensors)."
+    if HUGE_PAGES[0]
+    else "Tables on the OS's default 4 KiB pages (`--small-pages`)."
+  )
   caution = ""
   if max(os.getloadavg()) > (os.cpu_count() or 1):
     caution = (
@@ -430,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
       "read + write counted). Table copies = `copy` instructions producing a"
       " table-shaped value in the compiled step. Load average (1/5/15 min) "
       f"before: {load_before}; after: {load_after} (the machine is shared: "
-      f"compare ratios within a row).{caution}"
+      f"compare ratios within a row). {pages}{caution}"
     ),
     extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
   )

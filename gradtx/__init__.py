@@ -12,6 +12,7 @@ from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
 from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
+from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import Mirrored as Mirrored
 from gradtx._mirrored import all_reduce as all_reduce
 from gradtx._optimizers import FtrlState as FtrlState
@@ -85,4 +86,5 @@ __all__ = [
   "sparse_value_and_grad",
   "sparsity_report",
   "staleness_stats",
+  "use_huge_pages",
 ]

@@ -314,15 +314,24 @@ def _is_dense_operand(x: Any) -> bool:
 def _segment_sum_scatter(
   values: jax.Array, idx: jax.Array, sidx: jax.Array, seg: jax.Array
 ) -> jax.Array:
-  """Sums rows into their segments with one scatter-add of the unsorted rows.
+  """Sums rows into their segments, in input order, without a zero pass.
 
   ``seg`` is the segment of each position of the sorted ids ``sidx``; a
   binary search finds each input row's segment, so the rows are never
-  gathered into sorted order. A scatter on CPU/TPU is sequential: the sum
-  runs in input order, always.
+  sorted. Each segment starts as a copy of its first input row (one gather)
+  and a scatter-add adds the segment's other rows, skipping the first ones
+  (most ids are unique, so it writes little). A scatter on CPU/TPU is
+  sequential: each sum runs in input order, the same additions as summing
+  into zeros (except that a lone ``-0.0`` stays ``-0.0``; ``0 + x`` made it
+  ``0.0``, which no optimizer can tell apart).
   """
+  n = values.shape[0]
   seg_of_input = seg[jnp.searchsorted(sidx, idx, method="scan")]
-  return jax.ops.segment_sum(values, seg_of_input, num_segments=len(values))
+  pos = lax.iota(jnp.int32, n)
+  first = jnp.full([n], n, jnp.int32).at[seg_of_input].min(pos)
+  sums = values.at[first].get(mode="fill", fill_value=0)
+  rest = jnp.where(first[seg_of_input] == pos, n, seg_of_input)
+  return sums.at[rest].add(values, mode="drop")
 
 
 def _segment_sum_scan(

@@ -1,0 +1,126 @@
+"""Huge pages for embedding tables and optimizer state on CPU.
+
+A lazy step touches a few thousand random rows of each table (params and
+every state leaf). With 4 KiB pages each touched row is on its own page, so
+every row read or written is a TLB miss, and in a virtual machine (nested
+paging) a TLB miss costs a two-dimensional page walk. Backing the tables by
+2 MiB transparent huge pages makes those walks rare: measured here (2-core
+KVM guest, 1M x 64 table, 8,192 fresh ids) the whole lazy Adam step ran
+about 1.3-2x faster. Linux backs a buffer by huge pages only when asked
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most
+distributions) and XLA never asks, so :func:`use_huge_pages` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import jax
+
+__all__ = ["use_huge_pages"]
+
+_HUGE = 2 << 20  # 2 MiB, the x86-64 / arm64 transparent huge page
+_MADV_HUGEPAGE = 14
+_MADV_COLLAPSE = 25  # Linux >= 6.1: back the range by huge pages now
+
+
+def _madvise() -> Any:
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+  fn.restype = ctypes.c_int
+  return fn
+
+
+def _advise(ptr: int, nbytes: int, madvise: Any, collapse: bool) -> int:
+  """Advises the whole 2 MiB pages inside ``[ptr, ptr + nbytes)``."""
+  start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
+  end = (ptr + nbytes) & ~(_HUGE - 1)
+  if end <= start:
+    return 0
+  if madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+    return 0
+  if collapse:
+    # Best effort: an old kernel (EINVAL) or no free huge page (EAGAIN,
+    # ENOMEM) leaves the pages as they are; new faults still get huge pages.
+    madvise(start, end - start, _MADV_COLLAPSE)
+  return end - start
+
+
+def use_huge_pages(
+  tree: Any, *, min_bytes: int = 4 << 20, collapse: bool = True
+) -> Any:
+  r"""Backs the large CPU arrays of ``tree`` by transparent huge pages.
+
+  For each array of at least ``min_bytes`` on a CPU device (each addressable
+  shard), asks Linux to back the whole 2 MiB pages of its buffer by huge
+  pages (``madvise(MADV_HUGEPAGE)``) and, with ``collapse``, to do it now
+  (``MADV_COLLAPSE``, Linux 6.1 or later; about 0.5 s per GiB). Values are
+  not changed and nothing is copied. Call it once on the params and the
+  optimizer state after ``tx.init``; a jitted step that donates them updates
+  the same buffers in place, so they stay on huge pages. (Without donation
+  every step returns new buffers, which are back on small pages.)
+
+  Why: a sparse step reads and writes rows scattered over the tables; with
+  4 KiB pages almost every row costs a TLB miss (see the module notes).
+  The number of TLB misses per step drops from about
+  :math:`n \times (\text{tables touched})` to about the number of distinct
+  2 MiB pages touched.
+
+  A no-op off Linux, for arrays on other devices, for arrays smaller than
+  ``min_bytes`` and where the kernel refuses (transparent huge pages set to
+  ``never``).
+
+  Args:
+    tree: a pytree of arrays (params, optimizer state, or both). Other
+      leaves (None, Python scalars, numpy arrays) are left alone.
+    min_bytes: smallest array advised.
+    collapse: back the existing pages by huge pages at once (otherwise only
+      pages first touched later are huge).
+
+  Returns:
+    ``tree`` itself, so it can wrap an expression.
+
+  Raises:
+    ValueError: when called on traced values (inside ``jit``); call it on
+      the concrete arrays, outside the step.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.zeros((65536, 64)), "w": jnp.ones(3)}
+    >>> tx = gtx.lazy_adam(1e-3)
+    >>> state = gtx.use_huge_pages(tx.init(params))
+    >>> params = gtx.use_huge_pages(params)
+    >>> float(params["emb"].sum()), params["w"].tolist()
+    (0.0, [1.0, 1.0, 1.0])
+  """
+  leaves = jax.tree.leaves(tree)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    raise ValueError(
+      "gradtx.use_huge_pages needs concrete arrays, not traced values: call "
+      "it outside jit, on the params and optimizer state the step is given."
+    )
+  madvise = _madvise()
+  if madvise is None:
+    return tree
+  for x in leaves:
+    if not isinstance(x, jax.Array) or x.nbytes < min_bytes:
+      continue
+    for shard in x.addressable_shards:
+      if shard.device.platform != "cpu":
+        continue
+      data = shard.data
+      if data.nbytes < min_bytes or data.is_deleted():
+        continue
+      # A buffer still being written refuses the collapse (EINVAL).
+      data.block_until_ready()
+      _advise(data.unsafe_buffer_pointer(), data.nbytes, madvise, collapse)
+  return tree

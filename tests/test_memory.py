@@ -1,0 +1,120 @@
+"""gtx.use_huge_pages: tables advised for huge pages, values untouched."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradtx as gtx
+
+ROWS, DIM = 16_384, 128  # 8 MiB of float32: at least three whole 2 MiB pages
+
+
+def _thp_mode() -> str | None:
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      text = f.read()
+  except OSError:
+    return None
+  return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _vma_flags(addr: int) -> dict[str, str]:
+  """The /proc/self/smaps fields of the mapping holding ``addr``."""
+  fields, inside = {}, False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      head = line.split()[0]
+      if "-" in head and ":" not in head:
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        if inside:
+          break
+        inside = lo <= addr < hi
+      elif inside:
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+  return fields
+
+
+def _first_whole_page(x: jax.Array) -> int:
+  huge = 2 << 20
+  return (x.unsafe_buffer_pointer() + huge - 1) & ~(huge - 1)
+
+
+def test_values_and_tree_unchanged():
+  rng = np.random.default_rng(0)
+  table = jnp.asarray(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+  tree = {"emb": table, "w": jnp.ones(3), "none": None, "n": np.zeros(2)}
+  before = np.asarray(table).copy()
+  out = gtx.use_huge_pages(tree)
+  assert out is tree
+  assert out["emb"] is table
+  np.testing.assert_array_equal(np.asarray(out["emb"]), before)
+
+
+@pytest.mark.skipif(
+  not sys.platform.startswith("linux") or _thp_mode() in (None, "never"),
+  reason="needs Linux transparent huge pages (not 'never')",
+)
+def test_buffer_is_advised_for_huge_pages():
+  table = jnp.zeros((ROWS, DIM)) + 1.0
+  small = jnp.zeros((8, DIM)) + 1.0  # under min_bytes: left alone
+  gtx.use_huge_pages({"emb": table, "small": small}, collapse=False)
+  fields = _vma_flags(_first_whole_page(table))
+  # MADV_HUGEPAGE marks the mapping eligible ("hg" in VmFlags).
+  assert "hg" in fields["VmFlags"].split(), fields["VmFlags"]
+  assert fields.get("THPeligible") == "1"
+
+
+def test_donated_step_keeps_results_and_buffer():
+  rng = np.random.default_rng(1)
+  table = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+  ids = jnp.asarray(rng.integers(0, ROWS, (2, 64)).astype(np.int32))
+  tx = gtx.lazy_adam(1e-2)
+
+  def step(params, state, ids):
+    loss, g = gtx.sparse_value_and_grad(
+      lambda p: jnp.sum(jnp.tanh(p["emb"][ids]))
+    )(params)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, loss
+
+  results = []
+  for advise in (False, True):
+    params = {"emb": jnp.asarray(table)}
+    state = tx.init(params)
+    if advise:
+      gtx.use_huge_pages((params, state))
+    ptr = params["emb"].unsafe_buffer_pointer()
+    jstep = jax.jit(step, donate_argnums=(0, 1))
+    for k in range(2):
+      params, state, _ = jstep(params, state, ids[k])
+    if advise:  # updated in place: still the advised buffer
+      assert params["emb"].unsafe_buffer_pointer() == ptr
+    results.append(np.asarray(params["emb"]))
+  np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_sharded_table_each_shard():
+  mesh = jax.make_mesh(
+    (jax.device_count(),), ("d",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  rows = 8 * ROWS
+  table = jax.device_put(
+    jnp.arange(rows * 4, dtype=jnp.float32).reshape(rows, 4) * 0 + 2.0,
+    NamedSharding(mesh, P("d", None)),
+  )
+  # Each shard is ROWS x 4 floats (256 KiB): advise shards of any size.
+  assert gtx.use_huge_pages(table, min_bytes=0) is table
+  np.testing.assert_array_equal(np.asarray(table), 2.0)
+
+
+def test_traced_values_refused():
+  with pytest.raises(ValueError, match="outside jit"):
+    jax.jit(gtx.use_huge_pages)(jnp.zeros((4, 2)))
