@@ -6,7 +6,7 @@ every row read or written is a TLB miss, and in a virtual machine (nested
 paging) a TLB miss costs a two-dimensional page walk. Backing the tables by
 2 MiB transparent huge pages makes those walks rare: measured here (2-core
 KVM guest, 1M x 64 table, 8,192 fresh ids) the whole lazy Adam step ran
-about 1.3-2x faster. Linux backs a buffer by huge pages only when asked
+about 1.2x faster. Linux backs a buffer by huge pages only when asked
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most
 distributions) and XLA never asks, so :func:`use_huge_pages` does.
 """
