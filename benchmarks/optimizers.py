@@ -43,7 +43,7 @@ from benchmarks._common import (
   time_interleaved,
   write_results,
 )
-from benchmarks.train_step import make_ids
+from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 LR = 1e-2
 MOMENTUM = 0.9
@@ -89,6 +89,8 @@ def _jax_variant(make_tx, table, ids, ct, dense: bool):
 
   params = {"emb": jnp.array(table)}
   box = [params, tx.init(params)]
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
   per_row = _state_bytes_per_row(box[1], table.shape[0])
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
@@ -124,6 +126,9 @@ def _torch_variant(name, table_np, ids_np, ct_np):
 
   # state after one step (torch allocates it lazily)
   run(0)
+  if HUGE_PAGES[0]:
+    states = [t for st in opt.state.values() for t in st.values()]
+    _torch_huge_pages([emb.weight, *filter(torch.is_tensor, states)])
   per_row = (
     sum(
       t.numel() * t.element_size()
@@ -225,8 +230,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
   parser.add_argument("--no-dense", action="store_true")
+  parser.add_argument(
+    "--small-pages",
+    action="store_true",
+    help="leave every table on 4 KiB pages (default: huge pages for all "
+    "systems, as in benchmarks.train_step)",
+  )
   parser.add_argument("--smoke", "--quick", action="store_true")
   args = parser.parse_args(argv)
+  HUGE_PAGES[0] = not args.small_pages
   if args.smoke:
     args.rows, args.ids, args.rounds = 20_000, 256, 3
   with_torch = _torch_available()
@@ -267,8 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     f"torch {'present' if with_torch else 'not installed: skipped'}; "
     "FBGEMM not installed (ANCHORS.md: EXACT_ROWWISE_ADAGRAD 13.9-15.0 ms, "
     "EXACT_ADAGRAD 7.3-7.9 ms, EXACT_SGD 3.7 ms on this machine). Load "
-    f"average (1/5/15 min) before: {load_before}, after: {load_note()}: "
-    "the machine is shared with other engineers' jobs."
+    f"average (1/5/15 min) before: {load_before}, after: {load_note()}. "
+    + (
+      "Every system's table and optimizer state on transparent huge pages "
+      "(`gtx.use_huge_pages`; the same madvise for torch's tensors)."
+      if HUGE_PAGES[0]
+      else "Tables on the OS's default 4 KiB pages (`--small-pages`)."
+    )
   )
   write_results(
     "optimizers" + ("_smoke" if args.smoke else ""),
