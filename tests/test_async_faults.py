@@ -59,12 +59,15 @@ def test_a_failing_worker_stops_the_run_and_is_reraised(task, at_gradient):
 
 
 def test_a_thread_that_does_not_stop_is_an_error(task):
-  release = threading.Event()
+  release, stuck = threading.Event(), threading.Event()
 
   def fault(worker, i):
     if worker == 0 and i == 2:
+      # Fail only once worker 1 is stuck, whatever the thread timing.
+      assert stuck.wait(10.0), "worker 1 never got stuck"
       raise Boom("first failure")
     if worker == 1 and i == 1:
+      stuck.set()
       release.wait(10.0)  # stuck past join_timeout
 
   try:
