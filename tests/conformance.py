@@ -302,3 +302,23 @@ CHECKS = [
   check_bf16,
   check_donation,
 ]
+
+
+def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
+  """Random ids with a forced duplicate and two padding ids."""
+  ids = rng.randint(0, num_rows, size=n)
+  ids[1] = ids[0]
+  ids[2] = -1
+  ids[3] = num_rows + 2
+  vals = rng.normal(size=(n, *row_shape)) * scale
+  return gtx.SparseRows(
+    jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), num_rows
+  )
+
+
+def step_fn(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state
+
+  return step

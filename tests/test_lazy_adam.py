@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import CHECKS, Case
+from conformance import CHECKS, Case, sparse_rows, step_fn
 from hlo import assert_tables_updated_in_place
 
 import gradtx as gtx
@@ -18,18 +18,6 @@ SPARSE = ("emb", "tab")
 def make_params(seed=0, dtype=jnp.float32):
   rng = np.random.RandomState(seed)
   return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
-
-
-def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
-  """Random ids with a forced duplicate and two padding ids."""
-  ids = rng.randint(0, num_rows, size=n)
-  ids[1] = ids[0]
-  ids[2] = -1
-  ids[3] = num_rows + 2
-  vals = rng.normal(size=(n, *row_shape)) * scale
-  return gtx.SparseRows(
-    jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), num_rows
-  )
 
 
 def make_grads(step, n=9, dtype=jnp.float32):
@@ -50,14 +38,6 @@ def to_ref(grads):
     else np.asarray(g)
     for k, g in grads.items()
   }
-
-
-def step_fn(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state
-
-  return step
 
 
 def lazy_state(state):

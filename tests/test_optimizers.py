@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 import references_optimizers as ref
-from conformance import CHECKS, Case
+from conformance import CHECKS, Case, sparse_rows, step_fn
 from hlo import assert_tables_updated_in_place
 from jax.sharding import PartitionSpec as P
 
@@ -32,14 +32,7 @@ def make_grads(step, n=9, dtype=jnp.float32, sparse=SPARSE):
   out = {}
   for k, s in SHAPES.items():
     if k in sparse:
-      ids = rng.randint(0, s[0], size=n)
-      ids[1] = ids[0]
-      ids[2] = -1
-      ids[3] = s[0] + 2
-      vals = rng.normal(size=(n, *s[1:]))
-      out[k] = gtx.SparseRows(
-        jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), s[0]
-      )
+      out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
     else:
       out[k] = jnp.asarray(rng.normal(size=s), dtype)
   return out
@@ -52,14 +45,6 @@ def to_ref(grads):
     else np.asarray(g, np.float64)
     for k, g in grads.items()
   }
-
-
-def step_fn(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state
-
-  return step
 
 
 def _lr(lr):
