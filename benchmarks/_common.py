@@ -62,19 +62,31 @@ def time_fn(
 
 
 def time_interleaved(
-  fns: dict[str, Callable[[], Any]], *, warmup: int = 2, rounds: int = 15
+  fns: dict[str, Callable[[], Any]],
+  *,
+  warmup: int = 2,
+  rounds: int = 15,
+  burst: int = 1,
 ) -> dict[str, float]:
   """Median seconds per call of each function, measured round-robin so that
-  machine noise hits every variant alike."""
+  machine noise hits every variant alike.
+
+  Each round runs every function ``burst`` times in a row, each call timed;
+  the median is over all ``rounds * burst`` calls. ``burst > 1`` measures a
+  training loop's steady state: a system's first step after another
+  system's turn pays for that system's leftovers (torch's OpenMP workers
+  spin on the cores for a while after each step), the rest do not.
+  """
   for fn in fns.values():
     for _ in range(warmup):
       fn()
   times: dict[str, list[float]] = {k: [] for k in fns}
   for _ in range(rounds):
     for k, fn in fns.items():
-      t0 = time.perf_counter()
-      fn()
-      times[k].append(time.perf_counter() - t0)
+      for _ in range(burst):
+        t0 = time.perf_counter()
+        fn()
+        times[k].append(time.perf_counter() - t0)
   return {k: statistics.median(v) for k, v in times.items()}
 
 

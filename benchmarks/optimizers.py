@@ -21,7 +21,7 @@ SparseAdam in the same rounds, the anchor of the issue's goal. FBGEMM is not
 installed here (see ANCHORS.md for its figures on this machine).
 
   python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
-      [--rounds 15] [--smoke]
+      [--rounds 15] [--burst 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from benchmarks._common import (
   time_interleaved,
   write_results,
 )
-from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
+from benchmarks.train_step import BURST, HUGE_PAGES, _torch_huge_pages, make_ids
 
 LR = 1e-2
 MOMENTUM = 0.9
@@ -158,11 +158,12 @@ def run_group(
   rounds: int,
   with_torch: bool,
   with_dense: bool,
+  burst: int = BURST,
 ) -> list[list[Any]]:
   """One optimizer: gtx, its dense optax twin, its torch twin and torch
   SparseAdam, round-robin on the same fresh ids."""
   make_gtx, make_optax, torch_name = OPTIMIZERS[opt_name]
-  ids_np = make_ids(rows, n, rounds + 3, dist)
+  ids_np = make_ids(rows, n, rounds * burst + 3, dist)
   rng = np.random.default_rng(1)
   table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
   ct_np = rng.standard_normal((n, dim)).astype(np.float32)
@@ -189,7 +190,7 @@ def run_group(
       fns[label] = run
       keep.append(objs)
   runners = {k: _Counter(f) for k, f in fns.items()}
-  times = time_interleaved(runners, warmup=2, rounds=rounds)
+  times = time_interleaved(runners, warmup=2, rounds=rounds, burst=burst)
   del keep, runners, fns
   gc.collect()
   ms = {k: t * 1e3 for k, t in times.items()}
@@ -227,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
   parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument(
+    "--burst",
+    type=int,
+    default=BURST,
+    help="consecutive steps per system per round (1: strict round-robin)",
+  )
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
   parser.add_argument("--no-dense", action="store_true")
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds,
         with_torch,
         not args.no_dense,
+        args.burst,
       )
       for r in rows[-4:]:
         print(r, flush=True)
@@ -271,8 +279,10 @@ def main(argv: list[str] | None = None) -> None:
   notes = (
     f"{args.rows:,} x {args.dim} float32 table, {args.ids:,} fresh ids a "
     "step, loss sum(tanh(E[ids]) * ct); median of "
-    f"{args.rounds} round-robin steps per optimizer group (each group timed "
-    "with torch SparseAdam in the same rounds). 'x vs SparseAdam' and 'x vs "
+    f"{args.rounds} round-robin rounds x {args.burst} consecutive steps of "
+    "each system per optimizer group (each group timed with torch SparseAdam"
+    " in the same rounds; consecutive steps as in benchmarks.train_step). "
+    "'x vs SparseAdam' and 'x vs "
     "torch twin' are how many times faster than that torch step. State "
     "bytes/row: the optimizer's per-row state (torch's after one step). "
     "'copies': table-sized copies in the compiled JAX step (0 = in place). "

@@ -359,6 +359,80 @@ def _segment_sum_scan(
   )
 
 
+def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
+  """``x`` deduplicated for the row engine: ``(indices, values)``, each id
+  once with its duplicates summed, static length ``n``.
+
+  On CPU (and TPU) the ids stay in input order: an id's first position holds
+  its sum and every later duplicate (and every padding id) becomes the
+  padding index ``num_rows``, its value left as it was (consumers skip
+  padding rows). No sort: :func:`_first_positions` finds each id's first
+  position by hashing into a ``4n`` scratch, and a scatter-add sums the
+  later duplicates into it in input order, the same additions as
+  :meth:`SparseRows.coalesce` (sequential scatter). On GPUs, whose
+  scatter-add is atomic, it is ``coalesce()`` (sorted, fixed order).
+  """
+  n = x.nnz
+  idx = x.valid_indices()
+  if n == 0:
+    return idx, x.values
+  idx, values = _sharded.unsplit(idx), _sharded.unsplit(x.values)
+  num_rows = x.num_rows
+
+  def by_hash(idx, values):
+    first = _first_positions(idx, num_rows)
+    is_first = first == lax.iota(jnp.int32, n)
+    rest = jnp.where(is_first, n, first)
+    sums = values.at[rest].add(values, mode="drop")
+    return jnp.where(is_first, idx, num_rows), sums
+
+  def by_sort(idx, values):
+    c = SparseRows(idx, values, num_rows).coalesce()
+    return c.indices, c.values
+
+  return lax.platform_dependent(
+    idx, values, cuda=by_sort, rocm=by_sort, default=by_hash
+  )
+
+
+def _first_positions(idx: jax.Array, num_rows: int) -> jax.Array:
+  """For each position, the first position holding the same id (padding:
+  itself), in ``O(n)`` expected time and ``O(n)`` memory, deterministic.
+
+  Rounds of multiplicative hashing into ``4n`` slots: each unresolved
+  position scatters its position into its slot with ``min``; a position
+  whose slot's winner holds the same id takes the winner (all positions of
+  one id share a slot, so the winner is the id's first position). Positions
+  whose slot was won by another id retry with a new multiplier. Each round
+  resolves at least the winner of every slot, so the loop ends; at 8,192
+  ids it takes 2 to 3 rounds. Integer ``min`` gives the same result in any
+  order, on every backend.
+  """
+  n = idx.shape[0]
+  bits = min(max(int(np.ceil(np.log2(4 * n))), 1), 31)
+  size = 1 << bits
+  pos = lax.iota(jnp.int32, n)
+  key = idx.astype(jnp.uint32)
+
+  def unresolved(carry):
+    return jnp.any(carry[1] < 0)
+
+  def round_(carry):
+    r, first = carry
+    todo = first < 0
+    mult = (jnp.uint32(0x9E3779B1) + r * jnp.uint32(0x6C8E9CF6)) | 1
+    slot = ((key * mult) >> (32 - bits)).astype(jnp.int32)
+    slot = jnp.where(todo, slot, size)  # resolved positions sit out
+    winner = jnp.full([size], n, jnp.int32).at[slot].min(pos, mode="drop")
+    cand = winner.at[slot].get(mode="fill", fill_value=n)
+    same = idx.at[cand].get(mode="fill", fill_value=-1) == idx
+    return r + 1, jnp.where(todo & same, cand, first)
+
+  first = jnp.where(idx < num_rows, -1, pos)
+  _, first = lax.while_loop(unresolved, round_, (jnp.uint32(0), first))
+  return first
+
+
 def is_sparse(x: Any) -> bool:
   """Whether ``x`` is a :class:`SparseRows` (a leaf for gradtx tree maps)."""
   return isinstance(x, SparseRows)

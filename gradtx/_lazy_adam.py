@@ -4,7 +4,7 @@ Adam's per-row rule on the row engine (:mod:`gradtx._rows`). Dense leaves
 follow ``optax.scale_by_adam`` operation for operation (the moment updates
 and bias corrections are the same ``optax.tree`` calls, in the same order),
 so they give optax's bits. A :class:`~gradtx.SparseRows` leaf updates only
-the rows in its gradient: the engine coalesces once, gathers those rows of
+the rows in its gradient: the engine deduplicates once, gathers those rows of
 the moments, calls the rule, scatters them back in place. With
 ``catch_up=True`` a row that skipped steps first receives, in closed form,
 what dense Adam would have done to it on the steps it had no gradient.
@@ -137,7 +137,7 @@ def scale_by_lazy_adam(
   r"""Rescales updates by Adam, touching only the rows a sparse gradient has.
 
   Dense leaves are exactly ``optax.scale_by_adam`` (same operations, same
-  order, same bits). A :class:`~gradtx.SparseRows` leaf is coalesced
+  order, same bits). A :class:`~gradtx.SparseRows` leaf is deduplicated
   (duplicates summed) and only its rows are updated, as in TensorFlow's
   ``LazyAdam`` and PyTorch's ``SparseAdam``; every other row keeps its
   moments bit for bit. The step count :math:`t` is global (one per call,
@@ -150,8 +150,9 @@ def scale_by_lazy_adam(
       {\sqrt{v_i / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
     \quad \text{for the touched rows } i.
 
-  The update of a SparseRows leaf is a SparseRows with the coalesced
-  (sorted, unique) indices; apply it with :func:`gradtx.apply_updates`.
+  The update of a SparseRows leaf is a SparseRows with deduplicated
+  (unique, not sorted on CPU) indices; apply it with
+  :func:`gradtx.apply_updates`.
   When every row is touched every step this is dense Adam exactly.
 
   **Catch-up** (``catch_up=True``). Each row also stores the step
@@ -234,7 +235,7 @@ def scale_by_lazy_adam(
     ...      "w": jnp.ones(3)}
     >>> u, state = tx.update(g, state, params)
     >>> u["emb"].indices, u["emb"].values.round(4)
-    (Array([1, 3, 5], dtype=int32), Array([[1., 1.],
+    (Array([3, 1, 5], dtype=int32), Array([[1., 1.],
            [1., 1.],
            [0., 0.]], dtype=float32))
 

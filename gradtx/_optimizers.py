@@ -1,7 +1,7 @@
 """Sparse optimizers on the row engine: adagrad, rowwise_adagrad, ftrl,
 lazy_sgd, and their building blocks.
 
-Each is a per-row rule plus a state layout; :mod:`gradtx._rows` coalesces,
+Each is a per-row rule plus a state layout; :mod:`gradtx._rows` deduplicates,
 gathers, scatters and handles padding. Dense leaves run the same rule on the
 whole array, so they are the dense optimizer (``optax.adagrad``,
 ``optax.sgd``) operation for operation.
@@ -65,7 +65,7 @@ def scale_by_rss(
   r"""Rescales updates by the root of the summed squared gradients (Adagrad).
 
   ``optax.scale_by_rss``'s rule: dense leaves are exactly optax's (same
-  operations, same order). A :class:`~gradtx.SparseRows` leaf is coalesced
+  operations, same order). A :class:`~gradtx.SparseRows` leaf is deduplicated
   (duplicates summed) and only its rows are updated; the others have a zero
   gradient, which changes neither their accumulator nor their parameter, so
   the result is optax's on the dense gradient.
@@ -91,7 +91,7 @@ def scale_by_rss(
     >>> g = gtx.SparseRows(jnp.array([2, 0, 2]), jnp.ones((3, 1)), 4)
     >>> u, state = tx.update(g, tx.init(jnp.zeros((4, 1))))
     >>> u.indices, u.values[:, 0]
-    (Array([0, 2, 4], dtype=int32), Array([1., 1., 0.], dtype=float32))
+    (Array([2, 0, 4], dtype=int32), Array([1., 1., 0.], dtype=float32))
     >>> state.sum_of_squares[:, 0]
     Array([1., 0., 4., 0.], dtype=float32)
 
@@ -211,7 +211,7 @@ def scale_by_rowwise_rss(
     G_r &\leftarrow G_r + \operatorname{mean}(g_r^2), \qquad
     u_r = \frac{g_r}{\sqrt{G_r} + \epsilon}.
 
-  A :class:`~gradtx.SparseRows` leaf is coalesced and only its rows are
+  A :class:`~gradtx.SparseRows` leaf is deduplicated and only its rows are
   updated; weight decay applies to the touched rows only.
 
   Args:
@@ -523,7 +523,7 @@ def ftrl(
   ``params``); the learning rate is inside the formula, so it takes a
   float or a schedule here, not a chained scale.
 
-  A :class:`~gradtx.SparseRows` leaf is coalesced and only its coordinates
+  A :class:`~gradtx.SparseRows` leaf is deduplicated and only its coordinates
   move: a coordinate without gradient keeps :math:`n`, :math:`z` and its
   weight (TensorFlow's sparse FTRL). A dense leaf recomputes every
   coordinate's weight from :math:`z` (TensorFlow's dense FTRL): the two

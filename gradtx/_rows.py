@@ -2,12 +2,13 @@
 
 An optimizer is a pure per-row rule plus its state layout (FBGEMM's design:
 one kernel template, short per-row update rules). This module does the rest
-once: per leaf it coalesces a :class:`~gradtx.SparseRows` gradient (sorted
-unique ids, duplicates summed, deterministically), gathers the touched rows of
-the parameter and of every state leaf, calls the rule on those rows, scatters
-the new state rows back in place (``unique_indices`` / ``indices_are_sorted``
-hints, ``mode="drop"`` for padding) and returns the update as a SparseRows on
-the coalesced ids. A dense leaf calls the same rule on the whole array, so it
+once: per leaf it deduplicates a :class:`~gradtx.SparseRows` gradient
+(:func:`~gradtx._base.unique_rows`: duplicates summed, deterministically;
+on CPU without a sort), gathers the touched rows of the parameter and of
+every state leaf, calls the rule on those rows, scatters the new state rows
+back in place (``unique_indices`` hint, ``mode="drop"`` for padding) and
+returns the update as a SparseRows on the deduplicated ids. A dense leaf
+calls the same rule on the whole array, so it
 gets exactly the dense optimizer.
 
 A state leaf is either shaped like its parameter (``[V, *row]``, one value per
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gradtx._base import SparseRows, check_tree_match
+from gradtx._base import SparseRows, check_tree_match, unique_rows
 from gradtx._sharded import gather_rows, per_row_full, scatter_rows
 from gradtx._sparse import _check_rows_match
 
@@ -84,10 +85,10 @@ def _check_state_leaf(
 class _Leaf(NamedTuple):
   """One leaf's inputs to the rule and how to write its outputs back."""
 
-  g: jax.Array  # [n, *row] coalesced rows, or the whole dense gradient
+  g: jax.Array  # [n, *row] deduplicated rows, or the whole dense gradient
   p: Any  # matching rows of the parameter, or None
   states: list[jax.Array]  # matching rows of each state leaf
-  idx: Any  # int32 [n] sorted unique ids (padding = num_rows); None if dense
+  idx: Any  # int32 [n] unique ids (padding = num_rows); None if dense
   num_rows: int
 
 
@@ -96,11 +97,10 @@ def _read_sparse(g, p, states, what, names, needs_params, row_states):
     _check_rows_match(g, p, what, "parameter")
   for s, name, rows in zip(states, names, row_states, strict=True):
     _check_state_leaf(g, s, what, name, rows)
-  g = g.coalesce()  # once per leaf: sorted, unique, padding = num_rows
-  idx = g.indices
+  idx, values = unique_rows(g)  # once per leaf; padding = num_rows
   p_rows = gather_rows(jnp.asarray(p), idx) if needs_params else None
   rows = [gather_rows(s, idx) for s in states]
-  return _Leaf(g.values, p_rows, rows, idx, g.num_rows)
+  return _Leaf(values, p_rows, rows, idx, g.num_rows)
 
 
 def _read_dense(g, p, states, what, needs_params, row_states):
@@ -147,18 +147,19 @@ def update_rows(
 ) -> tuple[Any, list[Any]]:
   """Applies a per-row ``rule`` to every leaf; SparseRows only on its rows.
 
-  Per leaf: a SparseRows gradient is coalesced once and the rows it touches
+  Per leaf: a SparseRows gradient is deduplicated once and the rows it touches
   are read from the parameter (if needed) and every state leaf; the rule
   computes on those rows; the new state rows are written back in place and
-  the update is a SparseRows on the coalesced ids, zero on padding rows. A
+  the update is a SparseRows on the deduplicated ids, zero on padding rows. A
   dense leaf gives the rule whole arrays.
 
   Args:
     rule: ``rule(g, p, *state) -> (update, *new_state)``, pure and
       elementwise along the leading (row) axis. ``g`` is ``[n, *row]`` rows of
-      a coalesced SparseRows (padding rows are zero) or a whole dense
-      gradient; ``p`` the matching rows of the parameter (None unless
-      ``needs_params``); each state is ``[n, *row]`` or ``[n]`` rows.
+      a deduplicated SparseRows or a whole dense gradient (a padding row
+      holds any value; what the rule makes of it is discarded); ``p`` the
+      matching rows of the parameter (None unless ``needs_params``); each
+      state is ``[n, *row]`` or ``[n]`` rows.
     updates: the gradient tree (arrays, SparseRows, None).
     states: state trees shaped like params; a leaf is like its parameter or
       per row (``[V]``).
@@ -175,7 +176,7 @@ def update_rows(
 
   Returns:
     ``(updates, new_states)``; a SparseRows leaf's update is a SparseRows on
-    the coalesced ids (padding rows zero), its new states written in place.
+    the deduplicated ids (padding rows zero), its new states written in place.
 
   Examples:
     A per-row counter of touches and an update of twice the gradient:
@@ -189,7 +190,7 @@ def update_rows(
     >>> u, (hits,) = update_rows(
     ...   rule, g, [jnp.zeros(4, jnp.int32)], what="demo", row_states=True)
     >>> u.indices, u.values[:, 0], hits
-    (Array([0, 3, 4, 4], dtype=int32), Array([2., 4., 0., 0.], dtype=float32), \
+    (Array([3, 0, 4, 4], dtype=int32), Array([4., 2., 0., 0.], dtype=float32), \
 Array([1, 0, 0, 1], dtype=int32))
   """
   names = list(state_names or ["optimizer state"] * len(states))

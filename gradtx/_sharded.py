@@ -184,7 +184,7 @@ def is_split(x: Any) -> bool:
   return any(a in explicit for e in spec for a in _names(e))
 
 
-def _read_whole(table: jax.Array, ids: jax.Array, sorted_unique: bool):
+def _read_whole(table: jax.Array, ids: jax.Array, unique: bool):
   """Rows of a table whose rows are not split; the output is split as the
   ids are (JAX asks for the output sharding of such a gather)."""
   num_rows = table.shape[0]
@@ -197,8 +197,7 @@ def _read_whole(table: jax.Array, ids: jax.Array, sorted_unique: bool):
   return table.at[ids].get(
     mode="fill",
     fill_value=0,
-    indices_are_sorted=sorted_unique,
-    unique_indices=sorted_unique,
+    unique_indices=unique,
     out_sharding=out,
   )
 
@@ -207,7 +206,7 @@ def read_rows(
   table: jax.Array,
   ids: jax.Array,
   *,
-  sorted_unique: bool = False,
+  unique: bool = False,
   what: str = "gradtx",
 ) -> jax.Array:
   """``table[ids]`` for a row-sharded ``table``; ids off the table read 0.
@@ -222,7 +221,7 @@ def read_rows(
     table: ``[V, *row]``, rows split over Explicit mesh axes.
     ids: integer ids of any shape and sharding on the same mesh; negative
       ids and ids ``>= V`` are padding and read zeros.
-    sorted_unique: the ids are sorted and unique (an XLA hint).
+    unique: no id appears twice, padding aside (an XLA hint).
     what: the caller's name, for errors.
 
   Returns:
@@ -230,7 +229,7 @@ def read_rows(
   """
   axes = row_axes(table)
   if not axes:
-    return _read_whole(table, ids, sorted_unique)
+    return _read_whole(table, ids, unique)
   mesh = _mesh_of(table)
   local_rows = _check_divisible(table, axes, what)
   num_rows = table.shape[0]
@@ -251,8 +250,7 @@ def read_rows(
     rows = t.at[local].get(
       mode="fill",
       fill_value=0,
-      indices_are_sorted=sorted_unique,
-      unique_indices=sorted_unique,
+      unique_indices=unique,
     )
     return _sum_back(rows, i_spec, axes)
 
@@ -267,7 +265,7 @@ def write_rows(
   rows: jax.Array,
   *,
   add: bool,
-  sorted_unique: bool = False,
+  unique: bool = False,
   what: str = "gradtx",
 ) -> jax.Array:
   """``table.at[ids].set(rows)`` (or ``.add``) for a row-sharded table.
@@ -282,7 +280,7 @@ def write_rows(
     ids: ``[n]`` integer ids.
     rows: ``[n, *row]`` values (cast to the table's dtype).
     add: add the rows (duplicates summed) instead of setting them.
-    sorted_unique: the ids are sorted and unique (an XLA hint).
+    unique: no id appears twice, padding aside (an XLA hint).
     what: the caller's name, for errors.
 
   Returns:
@@ -305,8 +303,7 @@ def write_rows(
     ref = t.at[local]
     kwargs = dict(
       mode="drop",
-      indices_are_sorted=sorted_unique,
-      unique_indices=sorted_unique,
+      unique_indices=unique,
     )
     return ref.add(r, **kwargs) if add else ref.set(r, **kwargs)
 
@@ -344,7 +341,7 @@ def per_row_full(p: Any, fill_value: Any, dtype: Any) -> jax.Array:
 
 
 def gather_rows(
-  x: jax.Array, idx: jax.Array, *, sorted_unique: bool = True
+  x: jax.Array, idx: jax.Array, *, unique: bool = True
 ) -> jax.Array:
   """Rows ``x[idx]``, padding ids read zeros; owner-local if row-sharded.
 
@@ -352,12 +349,11 @@ def gather_rows(
   :func:`read_rows` when ``x``'s rows are split over Explicit mesh axes.
   """
   if is_row_sharded(x):
-    return read_rows(x, idx, sorted_unique=sorted_unique)
+    return read_rows(x, idx, unique=unique)
   return x.at[idx].get(
     mode="fill",
     fill_value=0,
-    indices_are_sorted=sorted_unique,
-    unique_indices=sorted_unique,
+    unique_indices=unique,
   )
 
 
@@ -367,7 +363,7 @@ def scatter_rows(
   rows: jax.Array,
   *,
   add: bool = False,
-  sorted_unique: bool = True,
+  unique: bool = True,
 ) -> jax.Array:
   """``x[idx] = rows`` (or ``+=``) in place; padding ids write nothing.
 
@@ -376,11 +372,9 @@ def scatter_rows(
   split over Explicit mesh axes.
   """
   if is_row_sharded(x):
-    return write_rows(x, idx, rows, add=add, sorted_unique=sorted_unique)
+    return write_rows(x, idx, rows, add=add, unique=unique)
   ref = x.at[idx]
-  kwargs = dict(
-    mode="drop", indices_are_sorted=sorted_unique, unique_indices=sorted_unique
-  )
+  kwargs = dict(mode="drop", unique_indices=unique)
   rows = rows.astype(x.dtype)
   return ref.add(rows, **kwargs) if add else ref.set(rows, **kwargs)
 

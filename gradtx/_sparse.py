@@ -26,6 +26,7 @@ from gradtx._base import (
   stateless,
   tree_leaves,
   tree_map,
+  unique_rows,
   varying_axes,
   with_extra_args,
   zero_counter,
@@ -575,10 +576,10 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
 def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   # Each row is written once: add in the wider dtype, round once (as
   # optax.apply_updates does for dense leaves), deterministic everywhere.
-  u = u.coalesce()
-  rows = _gather(p, u.indices)
-  new = (rows + u.values).astype(p.dtype)
-  return _sharded.scatter_rows(p, u.indices, new)
+  idx, values = unique_rows(u)
+  rows = _gather(p, idx)
+  new = (rows + values).astype(p.dtype)
+  return _sharded.scatter_rows(p, idx, new)
 
 
 def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
@@ -591,13 +592,13 @@ def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   A plain scatter-add where it is exact and deterministic (CPU/TPU scatters
   are sequential); on GPUs, whose scatter-add is atomic, and for updates
   that promote the param (float32 rows into a bf16 table, which a
-  cast-then-add would round twice) the rows are coalesced and written once.
+  cast-then-add would round twice) the rows are deduplicated and written once.
   """
   if jnp.result_type(p.dtype, u.dtype) != p.dtype:
     return _add_unique_rows(p, u)
 
   def direct(p, idx, vals):
-    return _sharded.scatter_rows(p, idx, vals, add=True, sorted_unique=False)
+    return _sharded.scatter_rows(p, idx, vals, add=True, unique=False)
 
   def unique(p, idx, vals):
     return _add_unique_rows(p, SparseRows(idx, vals, u.num_rows))

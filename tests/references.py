@@ -24,6 +24,23 @@ def to_dense(indices, values, num_rows: int) -> np.ndarray:
   return out
 
 
+def unique_rows(indices, values, num_rows: int):
+  """Each valid id once, at its first position, with its rows summed (in
+  input order); every later duplicate and every padding id becomes
+  ``num_rows`` (its value is not checked)."""
+  indices = np.asarray(indices)
+  values = np.asarray(values, np.float64)
+  out_idx = np.full(len(indices), num_rows, np.int64)
+  out_val = np.zeros_like(values)
+  seen = set()
+  for k, i in enumerate(indices):
+    if 0 <= i < num_rows and int(i) not in seen:
+      seen.add(int(i))
+      out_idx[k] = i
+      out_val[k] = values[indices == i].sum(axis=0)
+  return out_idx, out_val
+
+
 def coalesce(indices, values, num_rows: int):
   """Sorted unique valid ids with summed rows, padded to the input length
   with id ``num_rows`` and zero rows."""

@@ -418,9 +418,7 @@ def test_write_rows_sets_and_adds_owner_rows():
   rows = layout.put(np.arange(16, dtype=np.float32).reshape(8, 2), "d")
   with jax.set_mesh(layout.mesh):
     added = jax.jit(
-      lambda t, i, r: _sharded.scatter_rows(
-        t, i, r, add=True, sorted_unique=False
-      )
+      lambda t, i, r: _sharded.scatter_rows(t, i, r, add=True, unique=False)
     )(table, ids, rows)
   want = host.copy()
   np.add.at(

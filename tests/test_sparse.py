@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
+from gradtx._base import unique_rows
 
 # ----------------------------------------------------------------------------
 # SparseRows
@@ -42,27 +43,82 @@ def test_sparse_rows_to_dense_drops_padding():
   )
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-  st.integers(1, 12).flatmap(
-    lambda num_rows: st.tuples(
-      st.just(num_rows),
-      hnp.arrays(
-        np.int32, st.integers(0, 20), elements=st.integers(-2, num_rows + 1)
-      ),
-    )
-  ),
-  st.integers(0, 2**16),
+# (num_rows, ids): ids in [-2, num_rows + 1], so duplicates and padding of
+# both kinds are common.
+ROWS_AND_IDS = st.integers(1, 12).flatmap(
+  lambda num_rows: st.tuples(
+    st.just(num_rows),
+    hnp.arrays(
+      np.int32, st.integers(0, 20), elements=st.integers(-2, num_rows + 1)
+    ),
+  )
 )
-def test_coalesce_matches_reference(rows_and_ids, seed):
+
+
+def _coalesce(g):
+  c = g.coalesce()
+  return c.indices, c.values
+
+
+@pytest.mark.parametrize(
+  "dedup, reference",
+  [(_coalesce, ref.coalesce), (unique_rows, ref.unique_rows)],
+  ids=["coalesce", "unique_rows"],
+)
+@settings(max_examples=40, deadline=None)
+@given(ROWS_AND_IDS, st.integers(0, 2**16))
+def test_dedup_matches_reference(dedup, reference, rows_and_ids, seed):
+  # coalesce: sorted unique ids, padding (zero rows) at the tail. unique_rows
+  # (the row engine's): each id at its first position holding the sum, later
+  # duplicates and padding as num_rows (their values unchecked).
   num_rows, ids = rows_and_ids
   vals = np.random.RandomState(seed).randint(-8, 8, size=(len(ids), 3))
   vals = vals.astype(np.float32)
-  c = jax.jit(lambda i, v: gtx.SparseRows(i, v, num_rows).coalesce())(ids, vals)
-  want_idx, want_val = ref.coalesce(ids, vals, num_rows)
-  np.testing.assert_array_equal(np.asarray(c.indices), want_idx)
-  np.testing.assert_array_equal(np.asarray(c.values), want_val)
-  assert c.values.shape == vals.shape
+  got_idx, got_val = jax.jit(
+    lambda i, v: dedup(gtx.SparseRows(i, v, num_rows))
+  )(ids, vals)
+  want_idx, want_val = reference(ids, vals, num_rows)
+  np.testing.assert_array_equal(np.asarray(got_idx), want_idx)
+  check = want_idx < num_rows if dedup is unique_rows else slice(None)
+  np.testing.assert_array_equal(np.asarray(got_val)[check], want_val[check])
+  assert got_val.shape == vals.shape
+
+
+@pytest.mark.parametrize(
+  "case", ["all_same", "all_distinct", "all_padding", "hash_heavy", "one"]
+)
+def test_unique_rows_sums_bit_for_bit_like_coalesce(case):
+  # Adversarial id sets for the hashing rounds (one id n times, n distinct
+  # ids, only padding, ids spaced 2**20 apart near the int32 limit, n = 1):
+  # the sums have the same bits as coalesce's (same additions in the same
+  # order), every id appears once, and two compilations agree.
+  n, num_rows = 512, 2**31 - 1
+  rng = np.random.RandomState(0)
+  ids = {
+    "all_same": np.full(n, 7),
+    "all_distinct": rng.permutation(10 * n)[:n],
+    "all_padding": np.full(n, -1),
+    "hash_heavy": (num_rows - 1) - (rng.randint(0, 64, n) << 20),
+    "one": np.array([3]),
+  }[case].astype(np.int32)
+  vals = rng.normal(size=(len(ids), 4)).astype(np.float32)
+  g = gtx.SparseRows(ids, vals, num_rows)
+  idx, val = jax.jit(unique_rows)(g)
+  idx2, val2 = jax.jit(lambda g: unique_rows(g))(g)
+  np.testing.assert_array_equal(idx, idx2)
+  np.testing.assert_array_equal(val, val2)
+  c = g.coalesce()
+  idx, val = np.asarray(idx), np.asarray(val)
+  valid = idx < num_rows
+  assert len(set(idx[valid])) == valid.sum()
+  got = dict(zip(idx[valid].tolist(), val[valid], strict=True))
+  c_idx, c_val = np.asarray(c.indices), np.asarray(c.values)
+  want = {
+    i: v for i, v in zip(c_idx.tolist(), c_val, strict=True) if i < num_rows
+  }
+  assert got.keys() == want.keys()
+  for i in want:
+    np.testing.assert_array_equal(got[i], want[i])
 
 
 def test_coalesce_scan_path_matches_scatter_path():
