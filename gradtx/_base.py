@@ -367,8 +367,8 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   its sum and every later duplicate (and every padding id) becomes the
   padding index ``num_rows``, its value left as it was (consumers skip
   padding rows). No sort: :func:`_first_positions` finds each id's first
-  position by hashing into a ``4n`` scratch, and a scatter-add sums the
-  later duplicates into it in input order, the same additions as
+  position by hashing into a ``4n`` scratch, and :func:`_add_duplicates`
+  adds the later duplicates into it in input order, the same additions as
   :meth:`SparseRows.coalesce` (sequential scatter). On GPUs, whose
   scatter-add is atomic, it is ``coalesce()`` (sorted, fixed order).
   """
@@ -381,10 +381,10 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
 
   def by_hash(idx, values):
     first = _first_positions(idx, num_rows)
-    is_first = first == lax.iota(jnp.int32, n)
-    rest = jnp.where(is_first, n, first)
-    sums = values.at[rest].add(values, mode="drop")
-    return jnp.where(is_first, idx, num_rows), sums
+    pos = lax.iota(jnp.int32, n)
+    is_first = first == pos
+    uniq = jnp.where(is_first, idx, num_rows)
+    return uniq, _add_duplicates(values, first, (~is_first) & (idx < num_rows))
 
   def by_sort(idx, values):
     c = SparseRows(idx, values, num_rows).coalesce()
@@ -393,6 +393,36 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   return lax.platform_dependent(
     idx, values, cuda=by_sort, rocm=by_sort, default=by_hash
   )
+
+
+def _add_duplicates(
+  values: jax.Array, first: jax.Array, dup: jax.Array, chunk: int = 1024
+) -> jax.Array:
+  """``values`` with each duplicate row (``dup``) added into the row at its
+  id's ``first`` position, in input order, at a cost proportional to the
+  duplicates: ``chunk`` of them per loop trip, gathered and scatter-added
+  in place (one scatter-add of all ``n`` rows onto a copy of ``values``
+  would read and write every row, most ids being unique)."""
+  n = values.shape[0]
+  chunk = min(chunk, n)
+  pos = lax.iota(jnp.int32, n)
+  count = jnp.sum(dup, dtype=jnp.int32)
+  # The duplicates' positions, in input order, then n (gathers zeros).
+  slot = jnp.where(dup, jnp.cumsum(dup, dtype=jnp.int32) - 1, n)
+  dups = (
+    jnp.full([n + chunk], n, jnp.int32)
+    .at[slot]
+    .set(pos, mode="drop", unique_indices=True)
+  )
+
+  def add_chunk(k, vals):
+    src = lax.dynamic_slice(dups, (k * chunk,), (chunk,))
+    dst = first.at[src].get(mode="fill", fill_value=n)
+    rows = vals.at[src].get(mode="fill", fill_value=0)
+    return vals.at[dst].add(rows, mode="drop")
+
+  trips = (count + chunk - 1) // chunk
+  return lax.fori_loop(0, trips, add_chunk, values)
 
 
 def _first_positions(idx: jax.Array, num_rows: int) -> jax.Array:

@@ -285,12 +285,20 @@ def scale_by_lazy_adam(
     if catch_up:
       r_prev, r_now = _future_sum(jnp.stack([count_inc - 1, count_inc]), b1, b2)
 
+    def update_of(g, p, mu, nu):  # the updates from the new moments
+      del g, p
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+      return [
+        m / (jnp.sqrt(v + eps_root) + eps)
+        for m, v in zip(mu_hat, nu_hat, strict=True)
+      ]
+
     def rule(g, p, m, v, *rows):
       # Lists over leaves: the moments and bias corrections are the
       # optax.tree calls of optax.scale_by_adam, over the same leaves in the
       # same order, so dense leaves get its bits (XLA rewrites divisions by
       # a shared scalar depending on the graph around them).
-      del p
       if catch_up:
         caught = [
           _catch_up(*x, count_inc, r_prev, b1, b2, eps, eps_root)
@@ -299,12 +307,7 @@ def scale_by_lazy_adam(
         m, v, drift, skipped = (list(x) for x in zip(*caught, strict=True))
       mu = optax.tree.update_moment(g, m, b1, 1)
       nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
-      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-      nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
-      u = [
-        m / (jnp.sqrt(v + eps_root) + eps)
-        for m, v in zip(mu_hat, nu_hat, strict=True)
-      ]
+      u = update_of(g, p, mu, nu)
       if not catch_up:
         return u, mu, nu
       u = [
@@ -335,6 +338,8 @@ def scale_by_lazy_adam(
       + ["catch-up state"] * (2 * catch_up),
       row_states=[False, False] + [True] * (2 * catch_up),
       across_leaves=True,
+      # catch_up's update also needs the rows as they were before the step
+      update_of=None if catch_up else update_of,
     )
     if not catch_up:
       return u, ScaleByLazyAdamState(count=count_inc, mu=new[0], nu=new[1])

@@ -104,11 +104,13 @@ def scale_by_rss(
   _check_nonnegative(what, initial_accumulator_value=initial_accumulator_value)
   acc_dtype = _dtype(accumulator_dtype)
 
-  def rule(g, p, t):
+  def update_of(g, p, t):  # the update from the new accumulator
     del p
+    return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0) * g
+
+  def rule(g, p, t):
     t = (g.conj() * g).real + t
-    inv = jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0)
-    return inv * g, t
+    return update_of(g, p, t), t
 
   def init_fn(params):
     return ScaleByRssState(
@@ -118,7 +120,12 @@ def scale_by_rss(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     u, (s,) = update_rows(
-      rule, updates, [state.sum_of_squares], params, what=what
+      rule,
+      updates,
+      [state.sum_of_squares],
+      params,
+      what=what,
+      update_of=update_of,
     )
     return u, ScaleByRssState(s)
 
@@ -259,16 +266,22 @@ def scale_by_rowwise_rss(
   acc_dtype = _dtype(accumulator_dtype)
   decays = concrete_float(weight_decay) != 0.0
 
-  def rule(g, p, acc):
+  def decayed(g, p, acc):
     if decays:
       g = g + weight_decay * p
-    ctype = jnp.promote_types(g.dtype, acc.dtype)
-    g = g.astype(ctype)
+    return g.astype(jnp.promote_types(g.dtype, acc.dtype))
+
+  def update_of(g, p, acc):  # the update from the new accumulator
+    g = decayed(g, p, acc)
+    return g / (per_row(jnp.sqrt(acc), g.ndim) + eps)
+
+  def rule(g, p, acc):
+    dg = decayed(g, p, acc)
     if acc.ndim < g.ndim:  # a table: one accumulator per row
-      acc = acc + jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
-      return g / (per_row(jnp.sqrt(acc), g.ndim) + eps), acc
-    acc = acc + g * g
-    return g / (jnp.sqrt(acc) + eps), acc
+      acc = acc + jnp.mean(dg * dg, axis=tuple(range(1, g.ndim)))
+    else:
+      acc = acc + dg * dg
+    return update_of(g, p, acc), acc
 
   def init_fn(params):
     def init(p):
@@ -292,6 +305,7 @@ def scale_by_rowwise_rss(
       state_names=["row-wise accumulator"],
       needs_params=decays,
       row_states=True,
+      update_of=update_of,
     )
     return u, ScaleByRowwiseRssState(s)
 
@@ -410,10 +424,13 @@ def lazy_trace(
   """
   acc_dtype = _dtype(accumulator_dtype)
 
-  def rule(g, p, t):
+  def update_of(g, p, t):  # the update from the new trace
     del p
+    return g + decay * t if nesterov else t
+
+  def rule(g, p, t):
     t = g + decay * t
-    return (g + decay * t if nesterov else t), t
+    return update_of(g, p, t), t
 
   def init_fn(params):
     return LazyTraceState(_full_like(params, 0, acc_dtype))
@@ -421,7 +438,12 @@ def lazy_trace(
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     u, (t,) = update_rows(
-      rule, updates, [state.trace], params, what="gradtx.lazy_trace"
+      rule,
+      updates,
+      [state.trace],
+      params,
+      what="gradtx.lazy_trace",
+      update_of=update_of,
     )
     return u, LazyTraceState(t)
 
@@ -599,15 +621,18 @@ def ftrl(
       learning_rate(state.count) if callable(learning_rate) else (learning_rate)
     )
 
+    def update_of(g, w, n, z):  # the update from the new accumulators
+      ctype = jnp.result_type(g, w, n, z, jnp.float32)
+      w, n, z = (x.astype(ctype) for x in (w, n, z))
+      quadratic = (root(n) + beta) / lr + 2 * l2
+      return (jnp.clip(z, -l1, l1) - z) / quadratic - w
+
     def rule(g, w, n, z):
       ctype = jnp.result_type(g, w, n, z, jnp.float32)
       g, w, n, z = (x.astype(ctype) for x in (g, w, n, z))
       n_new = n + g * g
-      root_new = root(n_new)
-      z = z + g - (root_new - root(n)) / lr * w
-      quadratic = (root_new + beta) / lr + 2 * l2
-      w_new = (jnp.clip(z, -l1, l1) - z) / quadratic
-      return w_new - w, n_new, z
+      z = z + g - (root(n_new) - root(n)) / lr * w
+      return update_of(g, w, n_new, z), n_new, z
 
     u, (n, z) = update_rows(
       rule,
@@ -617,6 +642,7 @@ def ftrl(
       what=what,
       state_names=["accumulator n", "accumulator z"],
       needs_params=True,
+      update_of=update_of,
     )
     return u, FtrlState(count=safe_increment(state.count), n=n, z=z)
 

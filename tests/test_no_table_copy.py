@@ -133,13 +133,20 @@ def test_two_tables_in_place():
   _assert_in_place(step, params, tx.init(params), *_data(), rows=(V, V2))
 
 
-@pytest.mark.parametrize("wrap", ["accumulate", "drop_stale"])
+@pytest.mark.parametrize(
+  "wrap", ["accumulate", "drop_stale", "apply_if_finite"]
+)
 def test_wrapped_lazy_adam_in_place(wrap):
+  # Each wrapper runs the inner update inside a lax.cond, where XLA copies
+  # a table that is read after its in-place write.
   inner = gtx.lazy_adam(1e-3)
+  extra = {}
   if wrap == "accumulate":
-    tx, extra = gtx.accumulate(inner, 2, rows_per_step=N), {}
-  else:
+    tx = gtx.accumulate(inner, 2, rows_per_step=N)
+  elif wrap == "drop_stale":
     tx, extra = gtx.drop_stale(inner, 1), {"grad_step": jnp.int32(0)}
+  else:
+    tx = optax.apply_if_finite(inner, 3)
   params = _params()
   step = _make_step(_linear, tx, **extra)
   _assert_in_place(step, params, tx.init(params), *_data())

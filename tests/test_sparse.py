@@ -121,6 +121,22 @@ def test_unique_rows_sums_bit_for_bit_like_coalesce(case):
     np.testing.assert_array_equal(got[i], want[i])
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_add_duplicates_in_chunks_is_one_sequential_scatter(chunk):
+  # Chunks of duplicates (several loop trips, a last partial one) add in
+  # the order of one scatter-add over all positions: the same bits.
+  from gradtx._base import _add_duplicates, _first_positions
+
+  rng = np.random.RandomState(1)
+  ids = jnp.asarray(rng.randint(0, 9, size=40), jnp.int32)
+  vals = jnp.asarray(rng.normal(size=(40, 3)).astype(np.float32))
+  first = _first_positions(ids, 9)
+  dup = first != jnp.arange(40)
+  got = jax.jit(_add_duplicates, static_argnums=3)(vals, first, dup, chunk)
+  want = vals.at[jnp.where(dup, first, 40)].add(vals, mode="drop")
+  np.testing.assert_array_equal(got[~dup], want[~dup])
+
+
 def test_coalesce_scan_path_matches_scatter_path():
   # The GPU path (segmented scan) must give the CPU path's result.
   from gradtx._base import _segment_sum_scan, _segment_sum_scatter
