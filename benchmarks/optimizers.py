@@ -4,8 +4,9 @@ For each optimizer, the step users run (forward with the loss returned,
 backward, optimizer, apply), on the same model and the same fresh ids, timed
 round-robin in one process:
 
-* ``gtx``: ``gtx.sparse_value_and_grad`` (a SparseRows gradient), the gradtx
-  optimizer, ``gtx.apply_updates``; jitted, params and state donated.
+* ``gtx``: ``gtx.sparse_value_and_grad`` of the unmodified loss (a plain
+  ``E[ids]`` read; a SparseRows gradient), the gradtx optimizer,
+  ``gtx.apply_updates``; jitted, params and state donated.
 * ``optax`` (dense equivalent): ``jax.value_and_grad`` (a dense ``[V, D]``
   gradient) + ``optax.adagrad`` / ``optax.sgd`` + ``optax.apply_updates``;
   jitted, donated. optax has no FTRL and no row-wise Adagrad.
@@ -21,7 +22,7 @@ SparseAdam in the same rounds, the anchor of the issue's goal. FBGEMM is not
 installed here (see ANCHORS.md for its figures on this machine).
 
   python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
-      [--rounds 15] [--burst 5] [--smoke]
+      [--rounds 10] [--burst 10] [--smoke]
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def _jax_variant(make_tx, table, ids, ct, dense: bool):
     if dense:
       loss, g = jax.value_and_grad(lambda p: _loss(p["emb"][ids_], ct_))(params)
     else:
-      loss, g = gtx.sparse_value_and_grad(
-        lambda p: _loss(gtx.lookup(p["emb"], ids_), ct_)
-      )(params)
+      loss, g = gtx.sparse_value_and_grad(lambda p: _loss(p["emb"][ids_], ct_))(
+        params
+      )
     u, state = tx.update(g, state, params)
     apply = optax.apply_updates if dense else gtx.apply_updates
     return apply(params, u), state, loss
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument(
     "--burst",
     type=int,
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
       )
   notes = (
     f"{args.rows:,} x {args.dim} float32 table, {args.ids:,} fresh ids a "
-    "step, loss sum(tanh(E[ids]) * ct); median of "
+    "step, loss sum(tanh(E[ids]) * ct) with a plain E[ids] read; median of "
     f"{args.rounds} round-robin rounds x {args.burst} consecutive steps of "
     "each system per optimizer group (each group timed with torch SparseAdam"
     " in the same rounds; consecutive steps as in benchmarks.train_step). "

@@ -23,7 +23,7 @@ step must move (read + write the touched rows of params, m and v; read the
 gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
 
   python -m benchmarks.train_step [--rows 100000 1000000 4000000] [--dim 64]
-      [--ids 8192] [--rounds 15] [--burst 5] [--mem-gib 10] [--smoke]
+      [--ids 8192] [--rounds 10] [--burst 10] [--mem-gib 10] [--smoke]
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ HUGE_PAGES = [True]
 ZIPF_S = 1.05
 SEED = 0
 # Consecutive steps each system runs per round (time_interleaved): a
-# training loop's steady state. With 1, every step follows another system's
-# step, and torch's OpenMP workers, which keep spinning on the cores for a
-# while after torch's step, slow the next system's step.
-BURST = 5
+# training loop's steady state. torch's OpenMP workers keep spinning on the
+# cores for tens of ms after torch's step and slow the next system's first
+# 2-3 steps (gtx lazy_adam at 1M x 64, medians by position in a burst of 5
+# after torch: 14.9, 11.4, 14.1, 8.9, 9.2 ms); with 10 a burst's median is
+# the steady state. --burst 1 gives strict round-robin.
+BURST = 10
 
 
 def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = SEED):
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument(
     "--burst",
     type=int,

@@ -73,8 +73,12 @@ def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   ids = ids.astype(jnp.int32)
   if _sharded.is_row_sharded(table) or _sharded.is_split(ids):
     return _sharded.read_rows(table, ids, what="gradtx.lookup")
-  ids = jnp.where(ids < 0, num_rows, ids)
-  return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+  # A gather of clamped ids and a per-row select: XLA:CPU compiles the fill
+  # mode's per-element bounds check into a slower loop.
+  valid = (ids >= 0) & (ids < num_rows)
+  rows = table.at[jnp.clip(ids, 0, num_rows - 1)].get(mode="promise_in_bounds")
+  keep = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
+  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
 
 
 def gtx_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
