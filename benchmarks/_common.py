@@ -61,6 +61,27 @@ def time_fn(
   return statistics.median(times)
 
 
+# Consecutive steps each system runs per round (time_interleaved) in the
+# whole-step benchmarks: a training loop's steady state. torch's OpenMP
+# workers keep spinning on the cores for tens of ms after torch's step and
+# slow the next system's first 2-3 steps (gtx lazy_adam at 1M x 64, medians
+# by position in a burst of 5 after torch: 14.9, 11.4, 14.1, 8.9, 9.2 ms);
+# with 10 a burst's median is the steady state. --burst 1 gives strict
+# round-robin.
+BURST = 10
+
+
+def add_schedule_args(parser: Any) -> None:
+  """``--rounds`` and ``--burst`` of :func:`time_interleaved`."""
+  parser.add_argument("--rounds", type=int, default=10)
+  parser.add_argument(
+    "--burst",
+    type=int,
+    default=BURST,
+    help="consecutive steps per system per round (1: strict round-robin)",
+  )
+
+
 def time_interleaved(
   fns: dict[str, Callable[[], Any]],
   *,

@@ -39,12 +39,14 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
+  BURST,
+  add_schedule_args,
   hlo_table_copies,
   load_note,
   time_interleaved,
   write_results,
 )
-from benchmarks.train_step import BURST, HUGE_PAGES, _torch_huge_pages, make_ids
+from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 LR = 1e-2
 MOMENTUM = 0.9
@@ -228,13 +230,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument(
-    "--burst",
-    type=int,
-    default=BURST,
-    help="consecutive steps per system per round (1: strict round-robin)",
-  )
+  add_schedule_args(parser)
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
   parser.add_argument("--no-dense", action="store_true")

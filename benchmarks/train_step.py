@@ -41,6 +41,8 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
+  BURST,
+  add_schedule_args,
   hlo_table_copies,
   load_note,
   time_interleaved,
@@ -55,13 +57,6 @@ LR = 1e-3
 HUGE_PAGES = [True]
 ZIPF_S = 1.05
 SEED = 0
-# Consecutive steps each system runs per round (time_interleaved): a
-# training loop's steady state. torch's OpenMP workers keep spinning on the
-# cores for tens of ms after torch's step and slow the next system's first
-# 2-3 steps (gtx lazy_adam at 1M x 64, medians by position in a burst of 5
-# after torch: 14.9, 11.4, 14.1, 8.9, 9.2 ms); with 10 a burst's median is
-# the steady state. --burst 1 gives strict round-robin.
-BURST = 10
 
 
 def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = SEED):
@@ -356,13 +351,7 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument(
-    "--burst",
-    type=int,
-    default=BURST,
-    help="consecutive steps per system per round (1: strict round-robin)",
-  )
+  add_schedule_args(parser)
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   parser.add_argument("--losses", nargs="+", default=["linear", "tanh"])
   parser.add_argument(
