@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,24 +62,64 @@ def time_fn(
 
 
 # Consecutive steps each system runs per round (time_interleaved) in the
-# whole-step benchmarks: a training loop's steady state. torch's OpenMP
-# workers keep spinning on the cores for tens of ms after torch's step and
-# slow the next system's first 2-3 steps (gtx lazy_adam at 1M x 64, medians
-# by position in a burst of 5 after torch: 14.9, 11.4, 14.1, 8.9, 9.2 ms);
-# with 10 a burst's median is the steady state. --burst 1 gives strict
-# round-robin.
+# whole-step benchmarks: a training loop's steady state, which is what a
+# user's loop (one system alone) runs in. torch's OpenMP workers keep
+# spinning on the cores for tens of ms after torch's step and slow the next
+# system's first 2-3 steps (gtx rowwise_adagrad at 1M x 64, medians by
+# position after 30 torch steps: 8.5, 6.2, 5.8, then 4.1-5.3 ms; lazy_adam
+# after 5: 14.9, 11.4, 14.1, 8.9, 9.2 ms). SETTLE steps run untimed before
+# each system's BURST timed ones, for every system alike. --burst 1
+# --settle 0 gives strict round-robin.
 BURST = 10
+SETTLE = 3
 
 
 def add_schedule_args(parser: Any) -> None:
-  """``--rounds`` and ``--burst`` of :func:`time_interleaved`."""
+  """``--rounds``, ``--burst`` and ``--settle`` of :func:`time_interleaved`."""
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument(
     "--burst",
     type=int,
     default=BURST,
-    help="consecutive steps per system per round (1: strict round-robin)",
+    help="timed consecutive steps per system per round (1: strict round-robin)",
   )
+  parser.add_argument(
+    "--settle",
+    type=int,
+    default=SETTLE,
+    help="untimed steps of a system before its timed ones, each round (0: "
+    "time the steps right after another system's turn too)",
+  )
+
+
+class Schedule(NamedTuple):
+  """How :func:`time_interleaved` alternates systems (see there)."""
+
+  rounds: int = 10
+  burst: int = BURST
+  settle: int = SETTLE
+
+  @classmethod
+  def from_args(cls, args: Any) -> Schedule:
+    return cls(args.rounds, args.burst, args.settle)
+
+  @property
+  def steps(self) -> int:
+    """Steps each system runs (warmup 2, one HLO check, the rounds), so
+    that every step can get fresh ids."""
+    return self.rounds * (self.burst + self.settle) + 3
+
+  def describe(self) -> str:
+    settle = (
+      f" after {self.settle} untimed ones (the steps that pay for the "
+      "previous system's leftovers)"
+      if self.settle
+      else ""
+    )
+    return (
+      f"median of {self.rounds} round-robin rounds x {self.burst} timed "
+      f"consecutive steps of each system{settle}"
+    )
 
 
 def time_interleaved(
@@ -88,15 +128,19 @@ def time_interleaved(
   warmup: int = 2,
   rounds: int = 15,
   burst: int = 1,
+  settle: int = 0,
 ) -> dict[str, float]:
   """Median seconds per call of each function, measured round-robin so that
   machine noise hits every variant alike.
 
-  Each round runs every function ``burst`` times in a row, each call timed;
-  the median is over all ``rounds * burst`` calls. ``burst > 1`` measures a
-  training loop's steady state: a system's first step after another
-  system's turn pays for that system's leftovers (torch's OpenMP workers
-  spin on the cores for a while after each step), the rest do not.
+  Each round runs every function ``settle`` times untimed, then ``burst``
+  times timed; the median is over all ``rounds * burst`` timed calls.
+  ``burst > 1`` with ``settle > 0`` measures a training loop's steady
+  state, the state a user's loop (one system alone) is in: a system's
+  first steps after another system's turn pay for that system's leftovers
+  (torch's OpenMP workers spin on the cores for tens of milliseconds after
+  each step), and ``settle`` keeps those out of the sample, for every
+  system alike.
   """
   for fn in fns.values():
     for _ in range(warmup):
@@ -104,6 +148,8 @@ def time_interleaved(
   times: dict[str, list[float]] = {k: [] for k in fns}
   for _ in range(rounds):
     for k, fn in fns.items():
+      for _ in range(settle):
+        fn()
       for _ in range(burst):
         t0 = time.perf_counter()
         fn()

@@ -51,6 +51,29 @@ def _tbe(rows, dim, optim, pooling, lr):
   )
 
 
+def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
+  """FBGEMM's fused training step on ``[rows, dim]``: ``run(i)`` reads
+  ``ids[i % len(ids)]`` (int64 tensors) as bags of one id, returns the loss
+  ``sum(tanh(E[ids]) * ct)`` as a float after the backward, which runs the
+  optimizer fused. Also the optimizer state's bytes per row and the
+  module."""
+  import torch
+
+  tbe = _tbe(rows, dim, optim, pooling, lr)
+  n = ct.shape[0]
+  offsets = torch.arange(n + 1, dtype=torch.int64)
+
+  def run(i):
+    out = tbe(ids[i % len(ids)], offsets)
+    loss = (torch.tanh(out.view(n, dim)) * ct).sum()
+    loss.backward()  # the optimizer runs fused in the backward
+    return loss.item()
+
+  states = [t for table in tbe.split_optimizer_states() for t in table]
+  per_row = sum(t.numel() * t.element_size() for t in states) / rows
+  return run, per_row, tbe
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--rows", type=int, default=1_000_000)
@@ -79,23 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(steps)
   ]
   ct = torch.from_numpy(rng.standard_normal((n, dim)).astype(np.float32))
-  offsets = torch.arange(n + 1, dtype=torch.int64)  # bags of one id
   variants = {}
 
   def add_tbe(name, optim, pooling):
     try:
-      tbe = _tbe(rows, dim, optim, pooling, 1e-3)
+      variants[name], *_ = tbe_step(rows, dim, optim, pooling, 1e-3, ids, ct)
     except Exception as e:  # an optimizer this build refuses on CPU
       print(f"{name}: not available ({type(e).__name__}: {e})")
-      return
-
-    def run(i):
-      out = tbe(ids[i % steps], offsets)
-      loss = (torch.tanh(out.view(n, dim)) * ct).sum()
-      loss.backward()  # the optimizer runs fused in the backward
-      loss.item()
-
-    variants[name] = run
 
   add_tbe("FBGEMM EXACT_ADAGRAD (SUM bags of 1)", "EXACT_ADAGRAD", "SUM")
   add_tbe("FBGEMM EXACT_SGD (SUM bags of 1)", "EXACT_SGD", "SUM")

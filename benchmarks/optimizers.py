@@ -14,15 +14,20 @@ round-robin in one process:
   ``torch.optim.SGD`` (sparse gradients: no momentum in torch) or
   ``torch.optim.SparseAdam``, ``torch.set_num_threads(2)``, ``loss.item()``
   returned. Skipped cleanly without torch.
+* ``FBGEMM``: TorchRec's fused CPU kernels (``benchmarks.fbgemm_anchor``):
+  EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD, EXACT_SGD, the optimizer fused in
+  the backward. Only where ``fbgemm_gpu`` imports: its wheel needs its own
+  torch, so run this module in that environment with gradtx importable
+  (``PYTHONPATH=. /tmp/fbvenv/bin/python -m benchmarks.optimizers`` after
+  ``pip install jax optax`` there); skipped cleanly otherwise.
 
 The model is ``loss = sum(tanh(E[ids]) * ct)`` on a ``[V, D]`` table; ids are
 fresh every step (pre-generated, uniform or Zipf s = 1.05, as in
 ``benchmarks.train_step``). Every optimizer group is timed against torch
-SparseAdam in the same rounds, the anchor of the issue's goal. FBGEMM is not
-installed here (see ANCHORS.md for its figures on this machine).
+SparseAdam in the same rounds, the anchor of the issue's goal.
 
   python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
-      [--rounds 10] [--burst 10] [--smoke]
+      [--rounds 10] [--burst 10] [--settle 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
-  BURST,
+  Schedule,
   add_schedule_args,
   hlo_table_copies,
   load_note,
   time_interleaved,
   write_results,
 )
+from benchmarks.fbgemm_anchor import tbe_step
 from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 LR = 1e-2
@@ -68,6 +74,13 @@ OPTIMIZERS: dict[str, tuple[Callable, Callable | None, str | None]] = {
   ),
   "ftrl": (lambda: gtx.ftrl(LR, l1_regularization_strength=1e-4), None, None),
   "lazy_adam": (lambda: gtx.lazy_adam(LR), None, "SparseAdam"),
+}
+# optimizer -> FBGEMM's matching fused optimizer and pooling mode (bags of
+# one id: SUM where NONE is refused on CPU)
+FBGEMM = {
+  "adagrad": ("EXACT_ADAGRAD", "SUM"),
+  "rowwise_adagrad": ("EXACT_ROWWISE_ADAGRAD", "NONE"),
+  "lazy_sgd": ("EXACT_SGD", "SUM"),
 }
 
 
@@ -144,9 +157,27 @@ def _torch_variant(name, table_np, ids_np, ct_np):
   return run, (emb, opt), per_row
 
 
-def _torch_available() -> bool:
+def _fbgemm_variant(name, table_np, ids_np, ct_np):
+  import torch
+
+  torch.set_num_threads(2)
+  optim, pooling = FBGEMM[name]
+  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
+  run, per_row, tbe = tbe_step(
+    *table_np.shape, optim, pooling, LR, ids, torch.from_numpy(ct_np)
+  )
+  if HUGE_PAGES[0]:
+    _torch_huge_pages([p for _, p in tbe.named_parameters()])
+  return run, tbe, per_row
+
+
+def _version(module: str) -> str:
+  return __import__(module).__version__
+
+
+def _available(module: str) -> bool:
   try:
-    import torch  # noqa: F401
+    __import__(module)
   except ImportError:
     return False
   return True
@@ -158,15 +189,15 @@ def run_group(
   dim: int,
   n: int,
   dist: str,
-  rounds: int,
+  sched: Schedule,
   with_torch: bool,
   with_dense: bool,
-  burst: int = BURST,
+  with_fbgemm: bool = False,
 ) -> list[list[Any]]:
-  """One optimizer: gtx, its dense optax twin, its torch twin and torch
-  SparseAdam, round-robin on the same fresh ids."""
+  """One optimizer: gtx, its dense optax twin, its torch twin, FBGEMM's
+  fused twin and torch SparseAdam, round-robin on the same fresh ids."""
   make_gtx, make_optax, torch_name = OPTIMIZERS[opt_name]
-  ids_np = make_ids(rows, n, rounds * burst + 3, dist)
+  ids_np = make_ids(rows, n, sched.steps, dist)
   rng = np.random.default_rng(1)
   table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
   ct_np = rng.standard_normal((n, dim)).astype(np.float32)
@@ -184,6 +215,13 @@ def run_group(
     )
     fns["optax (dense)"] = run
     keep.append(box)
+  twins = []
+  if with_fbgemm and opt_name in FBGEMM:
+    label = f"FBGEMM {FBGEMM[opt_name][0]}"
+    run, objs, per_row[label] = _fbgemm_variant(opt_name, table, ids_np, ct_np)
+    fns[label] = run
+    keep.append(objs)
+    twins.append(label)
   if with_torch:
     for name in dict.fromkeys([torch_name, "SparseAdam"]):
       if name is None:
@@ -192,15 +230,17 @@ def run_group(
       run, objs, per_row[label] = _torch_variant(name, table, ids_np, ct_np)
       fns[label] = run
       keep.append(objs)
+      if name == torch_name:
+        twins.insert(0, label)
   runners = {k: _Counter(f) for k, f in fns.items()}
-  times = time_interleaved(runners, warmup=2, rounds=rounds, burst=burst)
+  times = time_interleaved(runners, warmup=2, **sched._asdict())
   del keep, runners, fns
   gc.collect()
   ms = {k: t * 1e3 for k, t in times.items()}
   out = []
   anchor = ms.get("torch SparseAdam")
-  twin = ms.get(f"torch {torch_name}") if torch_name else None
   for k, v in ms.items():
+    vs_twins = [f"{ms[t] / v:.2f}x {t}" for t in twins if k == "gtx"]
     out.append(
       [
         dist,
@@ -208,7 +248,7 @@ def run_group(
         k,
         v,
         anchor / v if anchor else "-",
-        (twin / v if twin and k == "gtx" else "-"),
+        "; ".join(vs_twins) or "-",
         round(per_row[k], 1),
         copies.get(k, "-"),
       ]
@@ -245,7 +285,9 @@ def main(argv: list[str] | None = None) -> None:
   HUGE_PAGES[0] = not args.small_pages
   if args.smoke:
     args.rows, args.ids, args.rounds = 20_000, 256, 3
-  with_torch = _torch_available()
+  with_torch = _available("torch")
+  with_fbgemm = with_torch and _available("fbgemm_gpu")
+  sched = Schedule.from_args(args)
   load_before = load_note()
   rows = []
   for dist in args.dists:
@@ -256,14 +298,15 @@ def main(argv: list[str] | None = None) -> None:
         args.dim,
         args.ids,
         dist,
-        args.rounds,
+        sched,
         with_torch,
         not args.no_dense,
-        args.burst,
+        with_fbgemm,
       )
-      for r in rows[-4:]:
+      for r in rows[-5:]:
         print(r, flush=True)
   headline = []
+  ms = {(r[0], r[1], r[2]): r[3] for r in rows}
   for r in rows:
     if r[1] == "rowwise_adagrad" and r[2] == "gtx" and r[4] != "-":
       headline.append(
@@ -273,19 +316,35 @@ def main(argv: list[str] | None = None) -> None:
           "target": ">= 3.5x",
         }
       )
+    fb = ms.get((r[0], r[1], "FBGEMM EXACT_ROWWISE_ADAGRAD"))
+    if r[1] == "rowwise_adagrad" and r[2] == "gtx" and fb:
+      headline.append(
+        {
+          "metric": "rowwise_adagrad step vs FBGEMM EXACT_ROWWISE_ADAGRAD "
+          f"({r[0]})",
+          "value": round(fb / r[3], 2),
+          "target": "> 1x",
+        }
+      )
   notes = (
     f"{args.rows:,} x {args.dim} float32 table, {args.ids:,} fresh ids a "
-    "step, loss sum(tanh(E[ids]) * ct) with a plain E[ids] read; median of "
-    f"{args.rounds} round-robin rounds x {args.burst} consecutive steps of "
-    "each system per optimizer group (each group timed with torch SparseAdam"
-    " in the same rounds; consecutive steps as in benchmarks.train_step). "
-    "'x vs SparseAdam' and 'x vs "
-    "torch twin' are how many times faster than that torch step. State "
-    "bytes/row: the optimizer's per-row state (torch's after one step). "
-    "'copies': table-sized copies in the compiled JAX step (0 = in place). "
-    f"torch {'present' if with_torch else 'not installed: skipped'}; "
-    "FBGEMM not installed (ANCHORS.md: EXACT_ROWWISE_ADAGRAD 13.9-15.0 ms, "
-    "EXACT_ADAGRAD 7.3-7.9 ms, EXACT_SGD 3.7 ms on this machine). Load "
+    "step, loss sum(tanh(E[ids]) * ct) with a plain E[ids] read; "
+    f"{sched.describe()}, per optimizer group (each group timed with torch "
+    "SparseAdam in the same rounds; the schedule of benchmarks.train_step). "
+    "'x vs SparseAdam' and 'x vs twin' are how many times faster than that "
+    "step (twins: torch's and FBGEMM's version of the same optimizer). "
+    "State bytes/row: the optimizer's per-row state (torch's after one "
+    "step). 'copies': table-sized copies in the compiled JAX step (0 = in "
+    "place). torch "
+    + (_version("torch") if with_torch else "not installed: skipped")
+    + "; FBGEMM "
+    + (
+      f"{_version('fbgemm_gpu')} (fused CPU kernels, the optimizer in the "
+      "backward; bags of one id)"
+      if with_fbgemm
+      else "not installed (see benchmarks/fbgemm_anchor.py for its own run)"
+    )
+    + ". Load "
     f"average (1/5/15 min) before: {load_before}, after: {load_note()}. "
     + (
       "Every system's table and optimizer state on transparent huge pages "
@@ -303,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
       "system",
       "ms/step",
       "x vs SparseAdam",
-      "x vs torch twin",
+      "x vs twin",
       "state bytes/row",
       "copies",
     ],

@@ -23,7 +23,8 @@ step must move (read + write the touched rows of params, m and v; read the
 gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
 
   python -m benchmarks.train_step [--rows 100000 1000000 4000000] [--dim 64]
-      [--ids 8192] [--rounds 10] [--burst 10] [--mem-gib 10] [--smoke]
+      [--ids 8192] [--rounds 10] [--burst 10] [--settle 3] [--mem-gib 10]
+      [--smoke]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
-  BURST,
+  Schedule,
   add_schedule_args,
   hlo_table_copies,
   load_note,
@@ -202,14 +203,12 @@ def run_config(
   n: int,
   dist: str,
   linear: bool,
-  rounds: int,
+  sched: Schedule,
   mem_bytes: float,
   bandwidth: float,
   with_torch: bool,
-  burst: int = BURST,
 ) -> dict[str, Any]:
-  steps = rounds * burst + 3  # warmup 2 + one for the HLO check
-  ids_np = make_ids(rows, n, steps, dist)
+  ids_np = make_ids(rows, n, sched.steps, dist)
   rng = np.random.default_rng(SEED + 1)
   table_np = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
   ct_np = rng.standard_normal((n, dim)).astype(np.float32)
@@ -238,10 +237,7 @@ def run_config(
   del table_np
   gc.collect()
   times = time_interleaved(
-    {k: _Runner(f) for k, f in fns.items()},
-    warmup=2,
-    rounds=rounds,
-    burst=burst,
+    {k: _Runner(f) for k, f in fns.items()}, warmup=2, **sched._asdict()
   )
   unique = float(np.mean([len(np.unique(i)) for i in ids_np]))
   floor_bytes = unique * dim * 4 * 6 + n * (dim + 1) * 4
@@ -411,11 +407,10 @@ def main(argv: list[str] | None = None) -> None:
           args.ids,
           dist,
           loss == "linear",
-          args.rounds,
+          Schedule.from_args(args),
           mem_bytes,
           bandwidth,
           with_torch,
-          args.burst,
         )
         results.append(
           _row(rows, args.dim, args.ids, dist, loss == "linear", res)
@@ -462,12 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     results,
     notes=(
       f"Forward (loss returned) + backward + optimizer + apply, {args.ids:,}"
-      " fresh ids every step (pre-generated), median of "
-      f"{args.rounds} interleaved rounds x {args.burst} consecutive steps of "
-      "each variant (machine noise hits all alike; consecutive steps are a "
-      "training loop's steady state: with one step per round, torch's "
+      f" fresh ids every step (pre-generated), "
+      f"{Schedule.from_args(args).describe()} (machine noise hits all "
+      "alike; consecutive steps are a training loop's steady state: torch's "
       "OpenMP workers, spinning after torch's step, slow the next system's "
-      "step). gtx and optax jitted with params "
+      "first steps). gtx and optax jitted with params "
       "and state donated; torch `nn.Embedding(sparse=True)` + `SparseAdam`, "
       "2 threads. `gtx opt only` = `lazy_adam.update` + `apply_updates` on a"
       " SparseRows of the same fresh ids. floor = (read + write the touched "

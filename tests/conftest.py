@@ -1,15 +1,27 @@
-"""Test settings: 8 fake CPU devices and strict JAX behaviour.
+"""Test settings: 8 fake CPU devices, strict JAX behaviour, one compilation
+cache.
 
 XLA_FLAGS must be set before jax is first imported, which is why this runs
-at conftest import time.
+at conftest import time. Many tests compile the same programs (an optimizer
+step on the same shapes, built by different closures), in both pytest-xdist
+workers and in the subprocesses of the multi-process tests; JAX's persistent
+compilation cache, shared by all of them through the environment, compiles
+each once per run (and keeps them for the next run on the same machine).
 """
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(tempfile.gettempdir(), "gradtx-tests-jax-cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
