@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
   rows = []
   for dist in args.dists:
     for name in args.only or OPTIMIZERS:
-      rows += run_group(
+      group = run_group(
         name,
         args.rows,
         args.dim,
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         not args.no_dense,
         with_fbgemm,
       )
-      for r in rows[-5:]:
+      rows += group
+      for r in group:
         print(r, flush=True)
   headline = []
   ms = {(r[0], r[1], r[2]): r[3] for r in rows}

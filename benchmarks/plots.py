@@ -143,12 +143,10 @@ def plot_train_step(data: dict) -> str:
 # Text the page shows under a section's table.
 NOTES = {
   "train_step": (
-    "FBGEMM (TorchRec's fused CPU kernels) has no Adam on CPU; where "
-    "`benchmarks/fbgemm_anchor.py` ran, its table follows. Earlier "
-    "measurements on this kind of machine (2-core AMD EPYC VM, 1M x 64, "
-    "8,192 ids, recorded in the project's anchor notes, not this run): "
-    "EXACT_ROWWISE_ADAGRAD 13.9-15.0 ms, EXACT_ADAGRAD (SUM bags of 1) "
-    "7.3-7.9 ms, torch SparseAdam 10.8-12.5 ms.\n\n"
+    "FBGEMM (TorchRec's fused CPU kernels) has no Adam on CPU. Its fused "
+    "Adagrad, row-wise Adagrad and SGD run beside gtx's twins in the "
+    "sparse optimizers table below (where `fbgemm_gpu` imports), and in a "
+    "process of their own without JAX in the FBGEMM anchor table.\n\n"
     "GPUs: jaxlib 0.10.2 (this project's pin) to 0.11.0 compile f32 "
     "scatter-add to a compare-and-swap loop (jax#38806, xla#46225; "
     "reported fixed in 0.11.1): under index contention (many duplicates "
@@ -163,6 +161,7 @@ NOTES = {
 
 SECTIONS = [
   ("train_step", "Whole training step vs torch and optax", plot_train_step),
+  ("optimizers", "Sparse optimizers vs torch and FBGEMM", None),
   ("fbgemm_anchor", "FBGEMM anchor (optional)", None),
   ("sparse_grad", "Sparse vs dense gradient", plot_sparse_grad),
   ("lazy_adam", "Lazy Adam vs dense Adam", plot_lazy_adam),
