@@ -17,7 +17,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 demo: $(STAMP)
 	$(PY) -m examples.demo $(ARGS)
