@@ -74,24 +74,6 @@ BURST = 10
 SETTLE = 3
 
 
-def add_schedule_args(parser: Any) -> None:
-  """``--rounds``, ``--burst`` and ``--settle`` of :func:`time_interleaved`."""
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument(
-    "--burst",
-    type=int,
-    default=BURST,
-    help="timed consecutive steps per system per round (1: strict round-robin)",
-  )
-  parser.add_argument(
-    "--settle",
-    type=int,
-    default=SETTLE,
-    help="untimed steps of a system before its timed ones, each round (0: "
-    "time the steps right after another system's turn too)",
-  )
-
-
 class Schedule(NamedTuple):
   """How :func:`time_interleaved` alternates systems (see there)."""
 
@@ -120,6 +102,24 @@ class Schedule(NamedTuple):
       f"median of {self.rounds} round-robin rounds x {self.burst} timed "
       f"consecutive steps of each system{settle}"
     )
+
+
+def add_schedule_args(parser: Any) -> None:
+  """``--rounds``, ``--burst`` and ``--settle`` of :func:`time_interleaved`."""
+  parser.add_argument("--rounds", type=int, default=Schedule().rounds)
+  parser.add_argument(
+    "--burst",
+    type=int,
+    default=Schedule().burst,
+    help="timed consecutive steps per system per round (1: strict round-robin)",
+  )
+  parser.add_argument(
+    "--settle",
+    type=int,
+    default=Schedule().settle,
+    help="untimed steps of a system before its timed ones, each round (0: "
+    "time the steps right after another system's turn too)",
+  )
 
 
 def time_interleaved(

@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
     return
   with_torch = not args.no_torch and _torch_available()
+  sched = Schedule.from_args(args)
   load_before = load_note()
   bandwidth = warm_copy_bandwidth()
   results = []
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
           args.ids,
           dist,
           loss == "linear",
-          Schedule.from_args(args),
+          sched,
           mem_bytes,
           bandwidth,
           with_torch,
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     notes=(
       f"Forward (loss returned) + backward + optimizer + apply, {args.ids:,}"
       f" fresh ids every step (pre-generated), "
-      f"{Schedule.from_args(args).describe()} (machine noise hits all "
+      f"{sched.describe()} (machine noise hits all "
       "alike; consecutive steps are a training loop's steady state: torch's "
       "OpenMP workers, spinning after torch's step, slow the next system's "
       "first steps). gtx and optax jitted with params "

@@ -328,9 +328,8 @@ def test_lazy_adam_count_saturates():
 def test_lazy_adam_catch_up_saturates():
   tx = gtx.scale_by_lazy_adam(catch_up=True)
   params = _params()
-  _, state = jax.jit(tx.update)(
-    _grad(), tx.init(params), params
-  )  # row 1 at step 1
+  # Row 1 touched at step 1.
+  _, state = jax.jit(tx.update)(_grad(), tx.init(params), params)
   state = state._replace(count=_near_max(state.count))
   # Row 1 catches up ~2**31 skipped steps, then the count saturates; the
   # updates stay finite (checked in _steps).
