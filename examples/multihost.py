@@ -191,6 +191,12 @@ _STATUS_END = (
   " The tasks have crashed",
   " [type.googleapis",
 )
+# The C++ runtime's report of an exception no native code caught; gloo's
+# transport thread ends the process this way when the messages of a
+# collective cross (a peer lost in the middle of a collective).
+_TERMINATE = re.compile(
+  r"terminate called after throwing an instance of '(.+)'"
+)
 
 
 def _fatal_reason(report: str) -> str:
@@ -208,6 +214,55 @@ def _fatal_reason(report: str) -> str:
   return f"{who}: the JAX distributed service reported {status.strip()}"
 
 
+def _abort_reason(report: str) -> str:
+  """What ended the process, from an uncaught native exception's report."""
+  kind = _TERMINATE.search(report)
+  what = report.split("what():", 1)[1] if "what():" in report else ""
+  what = " ".join(what.split())
+  if kind and kind[1].startswith("gloo::"):
+    return (
+      "a cross-process operation failed (gloo aborted the training "
+      f"process; a peer lost in the middle of a collective): {what}"
+    )
+  name = kind[1] if kind else "an exception"
+  return f"the training process aborted on an uncaught {name}: {what}"
+
+
+class ChildStderr:
+  """Sorts the training process's stderr: what passes through, and the
+  native reports that are held back and turned into the one-line error.
+
+  :meth:`feed` takes one line and returns it when it passes through (else
+  ``None``); :meth:`verdict` gives the one-line reason once the process
+  ended with status ``rc`` (``None``: no error of its own to report).
+  """
+
+  def __init__(self) -> None:
+    self.fatal: list[str] = []  # the coordination client's fatal report
+    self.aborted: list[str] = []  # an uncaught native exception's report
+    self.held: list[str] = []  # coordination errors logged before either
+
+  def feed(self, line: str) -> str | None:
+    if self.fatal or _FATAL in line:
+      self.fatal.append(line)
+    elif self.aborted or _TERMINATE.search(line):
+      self.aborted.append(line)
+    elif self.held or any(c in line for c in _COORDINATION):
+      self.held.append(line)
+    else:
+      return line
+    return None
+
+  def verdict(self, rc: int) -> str | None:
+    if self.fatal:
+      return _fatal_reason("".join(self.fatal))
+    if self.aborted:
+      return _abort_reason("".join(self.aborted))
+    if rc < 0:
+      return f"the training process died of {signal.Signals(-rc).name}"
+    return None
+
+
 def _die_with_parent(parent: int) -> None:
   """In the child, before exec: SIGKILL it when the supervisor dies."""
   libc = ctypes.CDLL(None, use_errno=True)
@@ -221,9 +276,9 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
   """Runs the training in a child process and returns the exit status.
 
   The child's stdout is this process's; its stderr goes through here so a
-  native fatal report becomes one line. The child dies with this process
-  (``PR_SET_PDEATHSIG``): killing the process the user started kills the
-  training.
+  native fatal report or abort becomes one line. The child dies with this
+  process (``PR_SET_PDEATHSIG``): killing the process the user started
+  kills the training.
   """
   module = __spec__.name if __spec__ else "examples.multihost"
   child = subprocess.Popen(
@@ -240,31 +295,21 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
 
   signal.signal(signal.SIGTERM, forward_kill)
   signal.signal(signal.SIGINT, forward_kill)
-  fatal: list[str] = []  # the fatal report and its stack dump
-  held: list[str] = []  # coordination errors logged before it
+  stderr = ChildStderr()
   assert child.stderr is not None
   for raw in child.stderr:
-    line = raw.decode(errors="replace")
-    if fatal or _FATAL in line:
-      fatal.append(line)
-    elif held or any(c in line for c in _COORDINATION):
-      held.append(line)
-    else:
+    line = stderr.feed(raw.decode(errors="replace"))
+    if line is not None:
       sys.stderr.write(line)
       sys.stderr.flush()
   rc = child.wait()
-  if held and not fatal:
-    sys.stderr.writelines(held)
-  if fatal:
-    print(one_line(args, _fatal_reason("".join(fatal))), file=sys.stderr)
-    return EXIT_PEER_LOST
-  if rc < 0:
-    sig = signal.Signals(-rc).name
-    print(
-      one_line(args, f"the training process died of {sig}"), file=sys.stderr
-    )
-    return EXIT_PEER_LOST
-  return rc
+  if not (stderr.fatal or stderr.aborted):  # no report that explains them
+    sys.stderr.writelines(stderr.held)
+  reason = stderr.verdict(rc)
+  if reason is None:
+    return rc
+  print(one_line(args, reason), file=sys.stderr)
+  return EXIT_PEER_LOST
 
 
 # ----------------------------------------------------------------------------

@@ -136,6 +136,42 @@ def _assert_failed_fast(job, survivor, killed_at):
   return elapsed, last
 
 
+# The training process's stderr when gloo's transport thread aborted it (a
+# peer SIGKILLed in the middle of a step; seen in CI), as the supervisor
+# reads it.
+GLOO_ABORT = """\
+[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected \
+peer ranks is : 3
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] \
+op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match \
+expected size. Is there a distributed collective mismatch in your code?
+"""
+
+
+def test_a_native_abort_of_gloo_is_one_line_naming_the_collective():
+  stderr = multihost.ChildStderr()
+  passed = [stderr.feed(line) for line in GLOO_ABORT.splitlines(True)]
+  assert passed[0].startswith("[Gloo] Rank 0 is connected")
+  assert passed[1:] == [None, None]  # the abort report is held back
+  args = multihost.parse_args(
+    ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"]
+    + ["--steps", "1", "--checkpoint-dir", "c", "--out", "o"]
+  )
+  line = multihost.one_line(args, stderr.verdict(-signal.SIGABRT))
+  assert ERROR_LINE.match(line) and "\n" not in line, line
+  assert "gloo" in line and "8 vs 4" in line, line
+
+
+def test_a_signal_without_a_report_is_named():
+  stderr = multihost.ChildStderr()
+  assert stderr.feed("step 1\n") == "step 1\n"
+  assert stderr.verdict(0) is None
+  assert stderr.verdict(-signal.SIGKILL) == (
+    "the training process died of SIGKILL"
+  )
+
+
 def test_output_keys_are_param_paths(uninterrupted):
   want = multihost.flat_params(multihost.init_params())
   assert sorted(uninterrupted) == sorted(want)
