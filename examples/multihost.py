@@ -148,16 +148,19 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------
 # Failing fast
 #
-# Two things end a process whose peer is gone. (1) A collective or a barrier
-# fails: gloo sees the peer's sockets close, orbax's barrier is cancelled.
-# That is a Python exception, turned into the one-line error by `fail`.
-# (2) The JAX coordination client learns of the loss (the coordinator's
-# socket closed, or the service's heartbeat check declared a process dead)
-# and terminates the process from a native thread with a fatal log and a
-# stack dump; jaxlib offers no Python hook for it. So the training runs in
-# a child process, and this process -- the one the user started -- watches
-# it: it forwards the child's output, swallows the native fatal report and
-# turns it into the one-line error.
+# Three things end a process whose peer is gone. (1) A collective or a
+# barrier fails: gloo sees the peer's sockets close, orbax's barrier is
+# cancelled. That is a Python exception, turned into the one-line error by
+# `fail`. (2) The JAX coordination client learns of the loss (the
+# coordinator's socket closed, or the service's heartbeat check declared a
+# process dead) and terminates the process from a native thread with a
+# fatal log and a stack dump; jaxlib offers no Python hook for it. (3)
+# gloo's transport thread meets a message of another collective (the
+# survivor's ranks left a collective at different points) and aborts the
+# process with an exception nothing catches. So the training runs in a
+# child process, and this process -- the one the user started -- watches
+# it: it forwards the child's output, swallows the native reports of (2)
+# and (3) and turns them into the one-line error.
 
 
 def one_line(args: argparse.Namespace, reason: str) -> str:

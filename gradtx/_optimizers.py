@@ -466,7 +466,7 @@ def lazy_sgd(
   and accumulates only on the steps the row is touched, as in TensorFlow's
   sparse momentum and in lazy Adam. ``optax.sgd`` with momentum on the dense
   gradient also decays untouched rows' traces and keeps moving those rows
-  (by :math:`-\eta \mu^k t` after :math:`k` steps without a gradient); the
+  (by :math:`-\eta \mu^k t` on the :math:`k`-th step without a gradient); the
   two agree on rows touched every step.
 
   .. math::
@@ -545,12 +545,14 @@ def ftrl(
   ``params``); the learning rate is inside the formula, so it takes a
   float or a schedule here, not a chained scale.
 
-  A :class:`~gradtx.SparseRows` leaf is deduplicated and only its coordinates
-  move: a coordinate without gradient keeps :math:`n`, :math:`z` and its
-  weight (TensorFlow's sparse FTRL). A dense leaf recomputes every
-  coordinate's weight from :math:`z` (TensorFlow's dense FTRL): the two
-  agree on coordinates whose weight FTRL itself produced (any touched
-  coordinate, or weights initialised at zero).
+  A :class:`~gradtx.SparseRows` leaf is deduplicated and only its rows
+  move: a row without gradient keeps :math:`n`, :math:`z` and its weights
+  (TensorFlow's sparse FTRL); in a touched row every weight is recomputed
+  from its :math:`n` and :math:`z`. A dense leaf recomputes every
+  coordinate's weight (TensorFlow's dense FTRL). With a constant learning
+  rate the two agree on weights FTRL itself produced (any row ever touched,
+  or weights initialised at zero); with a schedule, a dense leaf also moves
+  untouched rows as :math:`\eta_t` changes.
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule.
