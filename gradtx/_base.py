@@ -28,9 +28,29 @@ def _check_num_rows(num_rows: Any) -> int:
       f"static under jit); got {num_rows!r} of type "
       f"{type(num_rows).__name__}. Pass `table.shape[0]`."
     )
-  if num_rows < 0:
-    raise ValueError(f"SparseRows `num_rows` must be >= 0; got {num_rows}.")
+  if not 0 <= num_rows < 2**31:
+    raise ValueError(
+      f"SparseRows `num_rows` must be in [0, 2**31) (ids are int32); got "
+      f"{num_rows}. Split a bigger table into several tables."
+    )
   return int(num_rows)
+
+
+def narrow_ids(ids: Any, num_rows: int) -> Any:
+  """Row ids of a 64-bit integer dtype as int32, those outside
+  ``[0, num_rows)`` replaced by ``num_rows`` (padding); other ids as given.
+
+  Without x64, ``jnp.asarray`` would wrap a numpy int64 id such as
+  ``2**32 + 1`` onto row 1; row ids are int32 everywhere in gradtx.
+  """
+  dtype = getattr(ids, "dtype", None)
+  if dtype is None or np.dtype(dtype).kind not in "iu":
+    return ids
+  if np.dtype(dtype).itemsize <= 4:
+    return ids
+  xp = jnp if isinstance(ids, jax.Array) else np
+  in_range = (ids >= 0) & (ids < num_rows)
+  return xp.where(in_range, ids, num_rows).astype(np.int32)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -68,7 +88,7 @@ class SparseRows:
 
   def __init__(self, indices: ArrayLike, values: ArrayLike, num_rows: int):
     num_rows = _check_num_rows(num_rows)
-    indices = jnp.asarray(indices)
+    indices = jnp.asarray(narrow_ids(indices, num_rows))
     values = jnp.asarray(values)
     if not jnp.issubdtype(indices.dtype, jnp.integer):
       raise TypeError(

@@ -17,8 +17,11 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from gradtx._base import (
+  SparseRows,
   safe_increment,
+  stateless,
   tree_map,
+  unique_rows,
   with_extra_args,
   zero_counter,
 )
@@ -267,9 +270,12 @@ def scale_by_rowwise_rss(
   decays = concrete_float(weight_decay) != 0.0
 
   def decayed(g, p, acc):
+    # at the accumulator's precision: in a bf16 table's dtype a small decay
+    # would round away against g (FBGEMM adds it in float32)
+    g = g.astype(jnp.promote_types(g.dtype, acc.dtype))
     if decays:
-      g = g + weight_decay * p
-    return g.astype(jnp.promote_types(g.dtype, acc.dtype))
+      g = g + weight_decay * p.astype(g.dtype)
+    return g
 
   def update_of(g, p, acc):  # the update from the new accumulator
     g = decayed(g, p, acc)
@@ -450,6 +456,23 @@ def lazy_trace(
   return with_extra_args(init_fn, update_fn)
 
 
+def _sum_duplicates() -> optax.GradientTransformationExtraArgs:
+  """SparseRows leaves with each id once and its duplicates summed (the row
+  engine's deduplication); dense leaves pass through. Stateless, like the
+  ``optax.identity`` it stands in for in ``optax.sgd``'s chain."""
+
+  def dedup(g):
+    return SparseRows(*unique_rows(g), g.num_rows) if g.nnz else g
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return tree_map(
+      lambda g: dedup(g) if isinstance(g, SparseRows) else g, updates
+    ), state
+
+  return stateless(update_fn)
+
+
 def lazy_sgd(
   learning_rate: float | optax.Schedule,
   momentum: ArrayLike | None = None,
@@ -459,8 +482,10 @@ def lazy_sgd(
 ) -> optax.GradientTransformationExtraArgs:
   r"""SGD with lazy (touched-rows-only) momentum.
 
-  Without momentum this is ``optax.sgd`` (SparseRows updates are scaled and
-  scatter-added; nothing to coalesce). With momentum it is
+  Without momentum this is ``optax.sgd``; the duplicates of a SparseRows
+  gradient are summed first (as in every gtx optimizer), so each touched
+  row is written once and rounded once: a scatter-add of every duplicate
+  into a bf16 table would round after each. With momentum it is
   ``optax.chain(gtx.lazy_trace(momentum, nesterov),
   gtx.scale_by_learning_rate(learning_rate))``: the trace of a row decays
   and accumulates only on the steps the row is touched, as in TensorFlow's
@@ -497,7 +522,7 @@ def lazy_sgd(
     Array([ 0.  , -0.29,  0.  ,  0.  ], dtype=float32)
   """
   if momentum is None:
-    return optax.chain(optax.identity(), scale_by_learning_rate(learning_rate))
+    return optax.chain(_sum_duplicates(), scale_by_learning_rate(learning_rate))
   return optax.chain(
     lazy_trace(momentum, nesterov, accumulator_dtype),
     scale_by_learning_rate(learning_rate),

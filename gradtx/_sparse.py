@@ -22,6 +22,7 @@ from gradtx import _jaxpr, _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  narrow_ids,
   safe_increment,
   stateless,
   tree_leaves,
@@ -36,8 +37,8 @@ from gradtx._base import (
 # lookup
 
 
-def _check_ids(ids: jax.Array, name: str = "ids") -> jax.Array:
-  ids = jnp.asarray(ids)
+def _check_ids(ids: jax.Array, num_rows: int, name: str = "ids") -> jax.Array:
+  ids = jnp.asarray(narrow_ids(ids, num_rows))
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(
       f"gradtx.lookup `{name}` must be integer row ids; got dtype "
@@ -130,11 +131,11 @@ def lookup(
            [[0., 0.],
             [2., 3.]]], dtype=float32)
   """
-  ids = _check_ids(ids)
   if jnp.ndim(table) < 1:
     raise ValueError(
       "gradtx.lookup `table` must have at least one axis (rows); got a scalar."
     )
+  ids = _check_ids(ids, table.shape[0])
   if bounds_check:
     _bounds_check(ids, table.shape[0])
   return _lookup_rows(table, ids)
@@ -589,14 +590,16 @@ def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
 def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
 
-  The result keeps ``p``'s dtype and equals ``(p + u.to_dense()).astype(
-  p.dtype)``, the rule of ``optax.apply_updates``. Shared by
-  :func:`apply_updates` and ``array + SparseRows``.
+  The result keeps ``p``'s dtype. With each id once (the update of every
+  gradtx optimizer) it equals ``(p + u.to_dense()).astype(p.dtype)``, the
+  rule of ``optax.apply_updates``. Shared by :func:`apply_updates` and
+  ``array + SparseRows``.
 
-  A plain scatter-add where it is exact and deterministic (CPU/TPU scatters
-  are sequential); on GPUs, whose scatter-add is atomic, and for updates
-  that promote the param (float32 rows into a bf16 table, which a
-  cast-then-add would round twice) the rows are deduplicated and written once.
+  A plain scatter-add where it is deterministic (CPU/TPU scatters are
+  sequential: duplicates are added in turn, each add rounded to ``p``'s
+  dtype); on GPUs, whose scatter-add is atomic, and for updates that
+  promote the param (float32 rows into a bf16 table, which a cast-then-add
+  would round twice) the rows are deduplicated and written once.
   """
   if jnp.result_type(p.dtype, u.dtype) != p.dtype:
     return _add_unique_rows(p, u)
@@ -701,13 +704,26 @@ def densify() -> optax.GradientTransformationExtraArgs:
   return stateless(update_fn)
 
 
-def _scale_tree(updates: Any, factor: Any) -> Any:
+def _scale_tree(updates: Any, factor: Any, cast_first: bool = False) -> Any:
+  """Each leaf times ``factor``, returned in the leaf's dtype.
+
+  ``cast_first``: ``factor`` is rounded to the leaf's dtype before the
+  product (optax's ``scale_by_schedule``). Otherwise the product follows
+  JAX's promotion (``optax.scale``): a Python float is weakly typed, so the
+  same; a float32 array (under ``inject_hyperparams``) multiplies in
+  float32 and the product is rounded once.
+  """
+
+  def mul(x):
+    f = jnp.asarray(factor, x.dtype) if cast_first else factor
+    return (f * x).astype(x.dtype)
+
   def f(u):
     if u is None:
       return None
     if isinstance(u, SparseRows):
-      return u.with_values((factor * u.values).astype(u.dtype))
-    return (factor * u).astype(jnp.asarray(u).dtype)
+      return u.with_values(mul(u.values))
+    return mul(jnp.asarray(u))
 
   return tree_map(f, updates)
 
@@ -777,9 +793,9 @@ def scale_by_learning_rate(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     lr = learning_rate(state.count)
-    return _scale_tree(updates, sign * lr), ScaleByScheduleState(
-      count=safe_increment(state.count)
-    )
+    return _scale_tree(
+      updates, sign * lr, cast_first=True
+    ), ScaleByScheduleState(count=safe_increment(state.count))
 
   return with_extra_args(init_fn, update_fn)
 

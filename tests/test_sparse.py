@@ -174,6 +174,7 @@ def test_coalesce_scan_path_matches_scatter_path():
     ((jnp.array([0, 1]), jnp.ones((3, 2)), 3), ValueError, "values"),
     ((jnp.array([0]), jnp.ones((1, 2)), 3.0), TypeError, "num_rows"),
     ((jnp.array([0]), jnp.ones((1, 2)), -1), ValueError, "num_rows"),
+    ((jnp.array([0]), jnp.ones((1, 2)), 2**31), ValueError, "int32"),
   ],
 )
 def test_sparse_rows_bad_input(args, err, match):
@@ -313,6 +314,23 @@ def test_out_of_range_and_negative_ids_are_padding():
   sparse = gtx.sparse_grad(f)(table, ids)
   np.testing.assert_array_equal(sparse.to_dense(), jax.grad(f)(table, ids))
   assert float(jnp.abs(sparse.to_dense()[1:3]).sum()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_wide_ids_out_of_range_are_padding_not_wrapped(dtype):
+  # 2**32 + 1 would wrap onto row 1 when cast to int32.
+  ids = np.array([2**32 + 1, 1, 2**33 + 3, 3], dtype)
+  table = jnp.arange(12.0).reshape(4, 3)
+  out = gtx.lookup(table, ids)
+  want = np.zeros((4, 3), np.float32)
+  want[[1, 3]] = table[np.array([1, 3])]
+  np.testing.assert_array_equal(out, want)
+  rows = gtx.SparseRows(ids, jnp.ones((4, 3)), 4)
+  assert rows.indices.dtype == jnp.int32
+  np.testing.assert_array_equal(rows.valid_indices(), [4, 1, 4, 3])
+  np.testing.assert_array_equal(rows.to_dense().sum(axis=1), [0, 3, 0, 3])
+  with pytest.raises(ValueError, match="outside"):
+    gtx.lookup(table, ids, bounds_check=True)
 
 
 def test_bounds_check():
