@@ -220,7 +220,12 @@ def _fatal_reason(report: str) -> str:
 def _abort_reason(report: str) -> str:
   """What ended the process, from an uncaught native exception's report."""
   kind = _TERMINATE.search(report)
-  what = report.split("what():", 1)[1] if "what():" in report else ""
+  # the exception's message: the what() line (a stack dump may follow)
+  what = (
+    report.split("what():", 1)[1].split("\n", 1)[0]
+    if "what():" in report
+    else ""
+  )
   what = " ".join(what.split())
   if kind and kind[1].startswith("gloo::"):
     return (
@@ -236,8 +241,10 @@ class ChildStderr:
   native reports that are held back and turned into the one-line error.
 
   :meth:`feed` takes one line and returns it when it passes through (else
-  ``None``); :meth:`verdict` gives the one-line reason once the process
-  ended with status ``rc`` (``None``: no error of its own to report).
+  ``None``); once the process has ended with status ``rc``,
+  :meth:`unexplained` gives the held lines to print after all and
+  :meth:`verdict` the one-line reason (``None``: no error of its own to
+  report).
   """
 
   def __init__(self) -> None:
@@ -255,6 +262,12 @@ class ChildStderr:
     else:
       return line
     return None
+
+  def unexplained(self) -> list[str]:
+    """Held lines to print after all: everything but the coordination
+    service's fatal report explains them away (they may be the user's own
+    traceback)."""
+    return [] if self.fatal else self.held
 
   def verdict(self, rc: int) -> str | None:
     if self.fatal:
@@ -306,8 +319,7 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
       sys.stderr.write(line)
       sys.stderr.flush()
   rc = child.wait()
-  if not (stderr.fatal or stderr.aborted):  # no report that explains them
-    sys.stderr.writelines(stderr.held)
+  sys.stderr.writelines(stderr.unexplained())
   reason = stderr.verdict(rc)
   if reason is None:
     return rc

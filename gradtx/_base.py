@@ -41,12 +41,16 @@ def narrow_ids(ids: Any, num_rows: int) -> Any:
   ``[0, num_rows)`` replaced by ``num_rows`` (padding); other ids as given.
 
   Without x64, ``jnp.asarray`` would wrap a numpy int64 id such as
-  ``2**32 + 1`` onto row 1; row ids are int32 everywhere in gradtx.
+  ``2**32 + 1`` onto row 1; row ids are int32 everywhere in gradtx. (An
+  int64 argument of a jitted function is narrowed by JAX at the jit
+  boundary, before gradtx sees it: pass int32 ids to jitted steps.)
   """
-  dtype = getattr(ids, "dtype", None)
-  if dtype is None or np.dtype(dtype).kind not in "iu":
-    return ids
-  if np.dtype(dtype).itemsize <= 4:
+  if not isinstance(ids, jax.Array):
+    try:  # lists, Python ints, torch tensors: their ids may be 64-bit too
+      ids = np.asarray(ids)
+    except Exception:  # jnp.asarray reports it
+      return ids
+  if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.dtype.itemsize <= 4:
     return ids
   xp = jnp if isinstance(ids, jax.Array) else np
   in_range = (ids >= 0) & (ids < num_rows)

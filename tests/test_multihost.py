@@ -163,6 +163,21 @@ def test_a_native_abort_of_gloo_is_one_line_naming_the_collective():
   assert "gloo" in line and "8 vs 4" in line, line
 
 
+def test_an_abort_report_keeps_the_users_own_stderr():
+  # Lines held after a coordination log line are the user's too (here a
+  # traceback): only a fatal report of the coordination service explains
+  # them away; after gloo's abort they are printed before the one line.
+  stderr = multihost.ChildStderr()
+  lines = ["E1130 Polled an error from coordination service\n"]
+  lines += ["Traceback (most recent call last):\n", "ValueError: bad\n"]
+  lines += GLOO_ABORT.splitlines(True)[1:]
+  lines += ["Fatal Python error: Aborted\n"]  # faulthandler's dump
+  assert [stderr.feed(line) for line in lines] == [None] * len(lines)
+  assert stderr.unexplained() == lines[:3]
+  reason = stderr.verdict(-signal.SIGABRT)
+  assert reason.endswith("collective mismatch in your code?"), reason
+
+
 def test_a_signal_without_a_report_is_named():
   stderr = multihost.ChildStderr()
   assert stderr.feed("step 1\n") == "step 1\n"

@@ -331,6 +331,13 @@ def test_wide_ids_out_of_range_are_padding_not_wrapped(dtype):
   np.testing.assert_array_equal(rows.to_dense().sum(axis=1), [0, 3, 0, 3])
   with pytest.raises(ValueError, match="outside"):
     gtx.lookup(table, ids, bounds_check=True)
+  # Python ints and lists are 64-bit too; key arrays are not ids
+  np.testing.assert_array_equal(gtx.lookup(table, 2**32 + 1), 0.0)
+  np.testing.assert_array_equal(
+    gtx.SparseRows([2**32 + 1, 1], jnp.ones((2, 3)), 4).valid_indices(), [4, 1]
+  )
+  with pytest.raises(TypeError, match="must be integer row ids"):
+    gtx.lookup(table, jax.random.key(0))
 
 
 def test_bounds_check():
