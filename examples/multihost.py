@@ -221,12 +221,7 @@ def _abort_reason(report: str) -> str:
   """What ended the process, from an uncaught native exception's report."""
   kind = _TERMINATE.search(report)
   # the exception's message: the what() line (a stack dump may follow)
-  what = (
-    report.split("what():", 1)[1].split("\n", 1)[0]
-    if "what():" in report
-    else ""
-  )
-  what = " ".join(what.split())
+  what = report.partition("what():")[2].split("\n", 1)[0].strip()
   if kind and kind[1].startswith("gloo::"):
     return (
       "a cross-process operation failed (gloo aborted the training "

@@ -462,13 +462,13 @@ def _sum_duplicates() -> optax.GradientTransformationExtraArgs:
   ``optax.identity`` it stands in for in ``optax.sgd``'s chain."""
 
   def dedup(g):
-    return SparseRows(*unique_rows(g), g.num_rows) if g.nnz else g
+    if isinstance(g, SparseRows):
+      return SparseRows(*unique_rows(g), g.num_rows)
+    return g
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    return tree_map(
-      lambda g: dedup(g) if isinstance(g, SparseRows) else g, updates
-    ), state
+    return tree_map(dedup, updates), state
 
   return stateless(update_fn)
 
