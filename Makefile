@@ -1,32 +1,52 @@
-# Every target sets itself up on a fresh machine that has only python3 + pip.
-PYTHON ?= python3
+# Every target sets itself up on a fresh machine that has only Python + pip.
+# Two environments, both ends of the supported JAX range, each pinned by a
+# constraints file: .venv (Python 3.11, jax 0.10.2) and .venv-newest
+# (Python 3.13, the newest jax). `make test` lints once and runs the whole
+# suite on both; test-oldest / test-newest run one.
+PYTHON_OLDEST ?= python3.11
+PYTHON_NEWEST ?= env PYENV_VERSION=3.13.0 python3.13
 VENV := .venv
+VENV_NEWEST := .venv-newest
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+PY_NEWEST := $(VENV_NEWEST)/bin/python
+PYTEST := -m pytest -q -n 2 --dist worksteal
 
-.PHONY: test lint demo bench docs clean
+.PHONY: test test-oldest test-newest lint demo bench docs clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+# $(1): venv folder, $(2): the Python that creates it, $(3): constraints file
+define venv_rule
+$(1)/.installed: pyproject.toml $(3)
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[dev]'
+	touch $$@
+endef
+$(eval $(call venv_rule,$(VENV),$(PYTHON_OLDEST),constraints/oldest.txt))
+$(eval $(call venv_rule,$(VENV_NEWEST),$(PYTHON_NEWEST),constraints/newest.txt))
 
-lint: $(STAMP)
+lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(MAKE) --no-print-directory test-oldest test-newest
 
-demo: $(STAMP)
+test-oldest: $(VENV)/.installed
+	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY) $(PYTEST)
+
+test-newest: $(VENV_NEWEST)/.installed
+	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY_NEWEST) $(PYTEST)
+
+demo: $(VENV)/.installed
 	$(PY) -m examples.demo $(ARGS)
 
-bench: $(STAMP)
+bench: $(VENV)/.installed
 	$(PY) -m benchmarks $(ARGS)
 
-docs: $(STAMP)
+docs: $(VENV)/.installed
 	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(VENV_NEWEST) site

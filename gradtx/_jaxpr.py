@@ -81,6 +81,66 @@ class SparsityWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------
+# compatibility: the JAX internals that differ between the supported releases
+#
+# jax 0.10.2 - 0.12. Everything gradtx reads of a primitive's parameters is
+# named in FOLLOWED_PARAMS (tests/test_jaxpr.py checks each name on the
+# running JAX), and every layout difference is resolved here:
+#
+# * jax 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (jax-ml/jax#39009): a
+#   ``Jaxpr`` carries its consts, ``jaxpr.jaxpr`` is a legacy alias of
+#   itself. :func:`open_jaxpr` gives (jaxpr, consts) from either layout.
+# * jax 0.11 replaced ``scan``'s ``num_consts`` / ``num_carry`` with the
+#   flat trees ``ft_in`` / ``ft_out`` (jax-ml/jax#39005): :func:`scan_counts`
+#   reads either.
+
+_CLOSED_IS_JAXPR = jcore.ClosedJaxpr is jcore.Jaxpr
+_SCAN_COUNTS_OLD = ("num_consts", "num_carry")
+_SCAN_COUNTS_NEW = ("ft_in", "ft_out")
+
+# Primitive -> the parameters the rewriter reads (alternatives in a tuple:
+# one of them must be there).
+FOLLOWED_PARAMS: dict[str, tuple[Any, ...]] = {
+  "gather": ("dimension_numbers", "slice_sizes", "mode"),
+  "dynamic_slice": ("slice_sizes",),
+  "convert_element_type": ("new_dtype",),
+  "jit": ("jaxpr", "name"),
+  "remat2": ("jaxpr", "prevent_cse", "policy"),
+  "scan": (
+    "jaxpr",
+    "length",
+    "reverse",
+    "unroll",
+    (_SCAN_COUNTS_OLD, _SCAN_COUNTS_NEW),
+  ),
+  "pvary": (),
+}
+
+
+def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
+  """``(jaxpr, consts)`` of a body parameter or a traced function: its
+  constvars bind ``consts``, its invars the operands."""
+  if _CLOSED_IS_JAXPR:
+    return j, j.consts
+  if isinstance(j, jcore.ClosedJaxpr):
+    return j.jaxpr, j.consts
+  return j, ()
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation."""
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def input_avals(closed: Any) -> list[Any]:
+  """The abstract values of a traced function's inputs."""
+  return [v.aval for v in open_jaxpr(closed)[0].invars]
+
+
+# ----------------------------------------------------------------------------
 # analysis
 
 
@@ -236,24 +296,23 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
         tuple(ids_aval.shape) + row_shape
       ):
         return _RowRead("lookup", tuple(ids_aval.shape), _vma(out))
-    _check_aligned(closed.jaxpr, eqn)
-    return _Sub("jit", closed.jaxpr, closed.consts, ())
+    jaxpr, consts = open_jaxpr(closed)
+    _check_aligned(jaxpr, eqn)
+    return _Sub("jit", jaxpr, consts, ())
   if name in _REMAT:
-    jaxpr = params["jaxpr"]
+    jaxpr, consts = open_jaxpr(params["jaxpr"])
     _check_aligned(jaxpr, eqn, params, ("prevent_cse", "policy"))
-    return _Sub("remat", jaxpr, (), ())
+    return _Sub("remat", jaxpr, consts, ())
   if name == "scan":
-    closed = params["jaxpr"]
-    n = params["num_consts"]
+    jaxpr, consts = open_jaxpr(params["jaxpr"])
+    n, _ = scan_counts(params)
     if any(p >= n for p in pos):
       return _dense(
         eqn,
         "passed to `scan` as carry or xs (only loop constants are followed)",
       )
-    _check_aligned(
-      closed.jaxpr, eqn, params, ("num_carry", "length", "reverse", "unroll")
-    )
-    return _Sub("scan", closed.jaxpr, closed.consts, (int(params["length"]),))
+    _check_aligned(jaxpr, eqn, params, ("length", "reverse", "unroll"))
+    return _Sub("scan", jaxpr, consts, (int(params["length"]),))
   if name in _NOT_FOLLOWED:
     return _dense(eqn, f"passed to `{name}` ({_NOT_FOLLOWED[name]})")
   bodies = list(jcore.jaxprs_in_params(params))
@@ -268,7 +327,7 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
 
 
 def _reads_rows(jaxpr: Any) -> bool:
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  jaxpr, _ = open_jaxpr(jaxpr)
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in ("gather", "dynamic_slice") or eqn.params.get("name") == (
@@ -359,9 +418,10 @@ def analyze(
   """One :class:`Group` per invar of ``closed`` (None where not a
   candidate)."""
   an = Analysis()
+  jaxpr, _ = open_jaxpr(closed)
   out = []
-  for i, (v, c) in enumerate(zip(closed.jaxpr.invars, candidates, strict=True)):
-    out.append(an.group(closed.jaxpr, {i: v.aval.dtype}) if c else None)
+  for i, (v, c) in enumerate(zip(jaxpr.invars, candidates, strict=True)):
+    out.append(an.group(jaxpr, {i: v.aval.dtype}) if c else None)
   return an, out
 
 
@@ -406,7 +466,7 @@ def evaluate(
   for i, s in sinks.items():
     queues[i] = _Queue(s)
     args[i] = _Table(args[i], args[i].dtype, queues[i])
-  outs = _eval(an, closed.jaxpr, closed.consts, args)
+  outs = _eval(an, *open_jaxpr(closed), args)
   for q in queues.values():
     if q.sinks:
       raise RuntimeError("gradtx internal error: unused sinks")
@@ -560,7 +620,7 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
     )(plain, raws, sinks)
   else:
     params = eqn.params
-    nc, nk = params["num_consts"], params["num_carry"]
+    nc, nk = scan_counts(params)
     consts = plain[:nc]
 
     def body(carry, x):

@@ -269,7 +269,7 @@ def _plan(
     return out if has_aux else (out, None)
 
   closed, out_tree = _jaxpr.trace(call, leaves)
-  avals = [v.aval for v in closed.jaxpr.invars]
+  avals = _jaxpr.input_avals(closed)
   candidates = [
     jnp.issubdtype(a.dtype, jnp.floating) and len(a.shape) >= 1 for a in avals
   ]

@@ -3,7 +3,6 @@ that raises stops everything within a bounded time and its error is
 re-raised with no thread left running; a straggler's gradients are dropped
 by drop_stale and counted per worker."""
 
-import sys
 import threading
 import time
 
@@ -54,8 +53,7 @@ def test_a_failing_worker_stops_the_run_and_is_reraised(task, at_gradient):
   # The other workers stopped: none started a gradient after the applier
   # returned.
   assert all(t <= returned for _, t in calls)
-  if sys.version_info >= (3, 11):
-    assert "async worker 1" in " ".join(info.value.__notes__)
+  assert "async worker 1" in " ".join(info.value.__notes__)
 
 
 def test_a_thread_that_does_not_stop_is_an_error(task):
