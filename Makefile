@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PYTEST := -m pytest -q -n 2 --dist worksteal
 
-.PHONY: test test-oldest test-newest lint demo bench docs clean
+.PHONY: test test-oldest test-newest lint fuzz demo bench docs clean
 
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints file
 define venv_rule
@@ -38,6 +38,14 @@ test-oldest: $(VENV)/.installed
 test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
 	$(PY_NEWEST) $(PYTEST)
+
+# The differential fuzzer of the rewrite, long: N random losses (default
+# 2000) against jax.value_and_grad on each environment.
+fuzz: $(VENV)/.installed $(VENV_NEWEST)/.installed
+	GRADTX_FUZZ_EXAMPLES=$(or $(N),2000) $(PY_NEWEST) -m pytest -q -x \
+	  --hypothesis-show-statistics tests/test_fuzz.py
+	GRADTX_FUZZ_EXAMPLES=$(or $(N),2000) $(PY) -m pytest -q -x \
+	  --hypothesis-show-statistics tests/test_fuzz.py
 
 demo: $(VENV)/.installed
 	$(PY) -m examples.demo $(ARGS)

@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike
 
-from gradtx import _sharded
+from gradtx import _jaxpr, _sharded
 
 INT32_MAX = 2**31 - 1
 
@@ -55,6 +55,21 @@ def narrow_ids(ids: Any, num_rows: int) -> Any:
   xp = jnp if isinstance(ids, jax.Array) else np
   in_range = (ids >= 0) & (ids < num_rows)
   return xp.where(in_range, ids, num_rows).astype(np.int32)
+
+
+def _reduction_error(name: str, where: str) -> TypeError:
+  at = f" at {where}" if where else ""
+  return TypeError(
+    f"`jax.lax.{name}` was applied to a tree holding a gradtx.SparseRows"
+    f"{at}. It would combine the replicas' row ids elementwise and corrupt "
+    "the gradient. For a cross-replica mean use "
+    "`gtx.all_reduce(axis_name)(grads)` in place of "
+    "`lax.pmean(grads, axis_name)`, for a sum "
+    "`gtx.all_reduce(axis_name, 'sum')(grads)` in place of `lax.psum` (or "
+    "put `gtx.all_reduce(axis_name)` first in the optax chain): it "
+    "all-gathers the rows. A max, min or reduce-scatter has no row-sparse "
+    "form: `gtx.densify()` the gradient first."
+  )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -116,6 +131,9 @@ class SparseRows:
 
   # -- pytree ---------------------------------------------------------------
   def tree_flatten(self):
+    hit = _jaxpr.reducing_collective()
+    if hit is not None:
+      raise _reduction_error(*hit)
     return (self._indices, self._values), self._num_rows
 
   @classmethod

@@ -25,6 +25,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,6 +141,36 @@ def scan_counts(params: dict) -> tuple[int, int]:
 def input_avals(closed: Any) -> list[Any]:
   """The abstract values of a traced function's inputs."""
   return [v.aval for v in open_jaxpr(closed)[0].invars]
+
+
+# JAX's collectives live in one module; those that combine the replicas'
+# values elementwise (lax.psum, pmean, pmax, pmin, psum_scatter and their
+# helpers) would combine SparseRows' row ids too.
+_COLLECTIVES_MODULE = "jax._src.lax.parallel"
+_REDUCING = re.compile(r"_?p(sum|mean|max|min)")
+_JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(jax.__file__)))
+
+
+def reducing_collective() -> tuple[str, str] | None:
+  """``(name, "file:line")`` when the pytree flatten that called the caller
+  of this function runs inside one of JAX's reducing collectives (the name
+  of the outermost one, the user's line that called it), else None."""
+  f = sys._getframe(2)
+  while f is not None and f.f_globals.get("__name__") == "jax._src.tree_util":
+    f = f.f_back
+  name = None
+  while f is not None and f.f_globals.get("__name__") == _COLLECTIVES_MODULE:
+    if _REDUCING.match(f.f_code.co_name):
+      name = f.f_code.co_name
+    f = f.f_back
+  if name is None:
+    return None
+  while f is not None and os.path.abspath(f.f_code.co_filename).startswith(
+    (os.path.join(_JAX_DIR, "jax") + os.sep, _GRADTX_DIR + os.sep)
+  ):
+    f = f.f_back
+  where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else ""
+  return name.lstrip("_"), where
 
 
 # ----------------------------------------------------------------------------
@@ -359,7 +392,8 @@ class Analysis:
 
   def group(self, jaxpr: Any, members: dict[int, Any]) -> Group:
     """What ``jaxpr`` does with the table at invars ``members`` (index ->
-    dtype the table has there): its reads in program order, or the first
+    casts applied to the table before it gets there, in order): its reads
+    in program order, or the first
     use that keeps it dense."""
     key = (id(jaxpr), tuple(sorted((i, str(d)) for i, d in members.items())))
     hit = self._memo.get(key)
@@ -382,7 +416,7 @@ class Analysis:
       if isinstance(m, _RowRead):
         reads.append(Read(m.ids_shape, m.vma))
       elif isinstance(m, _Cast):
-        alias[eqn.outvars[0]] = m.dtype
+        alias[eqn.outvars[0]] = alias[eqn.invars[pos[0]]] + (m.dtype,)
       elif isinstance(m, _Pvary):
         for p in pos:
           alias[eqn.outvars[p]] = alias[eqn.invars[p]]
@@ -419,9 +453,11 @@ def analyze(
   candidate)."""
   an = Analysis()
   jaxpr, _ = open_jaxpr(closed)
-  out = []
-  for i, (v, c) in enumerate(zip(jaxpr.invars, candidates, strict=True)):
-    out.append(an.group(jaxpr, {i: v.aval.dtype}) if c else None)
+  if len(candidates) != len(jaxpr.invars):
+    raise ValueError(f"{len(candidates)} flags for {len(jaxpr.invars)} inputs")
+  out = [
+    an.group(jaxpr, {i: ()}) if c else None for i, c in enumerate(candidates)
+  ]
   return an, out
 
 
@@ -447,7 +483,7 @@ class _Queue:
 @dataclasses.dataclass
 class _Table:
   value: Any  # the table itself, in its own dtype: a constant for autodiff
-  dtype: Any  # the dtype it has at this point of the jaxpr (after casts)
+  casts: tuple  # the dtypes it was cast to before this point, in order
   queue: _Queue
 
 
@@ -465,7 +501,7 @@ def evaluate(
   queues = {}
   for i, s in sinks.items():
     queues[i] = _Queue(s)
-    args[i] = _Table(args[i], args[i].dtype, queues[i])
+    args[i] = _Table(args[i], (), queues[i])
   outs = _eval(an, *open_jaxpr(closed), args)
   for q in queues.values():
     if q.sinks:
@@ -513,17 +549,15 @@ def _rewrite(an: Analysis, eqn: Any, pos: list[int], invals: list[Any]):
     return [_read_rows(eqn, m, invals)]
   if isinstance(m, _Cast):
     t = invals[0]
-    return [_Table(t.value, m.dtype, t.queue)]
+    return [_Table(t.value, (*t.casts, m.dtype), t.queue)]
   if isinstance(m, _Pvary):
     raw = [x.value if isinstance(x, _Table) else x for x in invals]
     outs = eqn.primitive.bind(*raw, **eqn.primitive.get_bind_params(eqn.params))
     outs = outs if eqn.primitive.multiple_results else [outs]
     return [
-      _Table(o, x.dtype, x.queue) if isinstance(x, _Table) else o
+      _Table(o, x.casts, x.queue) if isinstance(x, _Table) else o
       for o, x in zip(outs, invals, strict=True)
     ]
-  if isinstance(m, _Sub) and m.kind == "jit":
-    return _eval(an, m.jaxpr, m.consts, invals)
   if isinstance(m, _Sub):
     return _rewrite_body(an, eqn, m, invals)
   raise RuntimeError(  # the analysis saw the same eqn and said "sparse"
@@ -541,10 +575,10 @@ def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
     ids = _gather_row_ids(idx, params, num_rows)
   elif m.kind == "dynamic_slice":
     rows = eqn.primitive.bind(t.value, *invals[1:], **params)
-    ids = jnp.clip(invals[1], 0, num_rows - 1).astype(jnp.int32)[None]
+    ids = _clamp_ids(jnp.asarray(invals[1]), num_rows)[None]
   else:  # the gtx_lookup jit: re-bound as is (it may dispatch on the table)
     idx = invals[1]
-    if t.dtype == t.value.dtype:
+    if not t.casts:
       rows = eqn.primitive.bind(t.value, idx, **params)[0]
     else:
       rows = _lookup_reader[0](t.value, idx)
@@ -553,9 +587,14 @@ def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
   t.queue.ids.append(ids)
   if m.kind == "gather":
     sink = _to_gather_layout(sink, eqn, len(m.ids_shape))
+  # The sink is -0.0 (x + -0.0 is x for every x, -0.0 included), added in
+  # the table's dtype; then every cast the loss applied to the table, in
+  # order, on the rows read: each rounding and overflow of the forward pass
+  # is kept (casts are elementwise, so they commute with the read), and each
+  # read's gradient row goes back through them.
   out = rows + sink
-  if t.dtype != out.dtype:
-    out = lax.convert_element_type(out, t.dtype)
+  for dtype in t.casts:
+    out = lax.convert_element_type(out, dtype)
   return out
 
 
@@ -566,14 +605,36 @@ def _gather_row_ids(idx: Any, params: dict, num_rows: int) -> Any:
   row = idx[..., dn.start_index_map.index(0)]
   if params["mode"].name == "CLIP":
     # Full-width dimensions clamp their start to 0 whatever it is.
-    return jnp.clip(row, 0, num_rows - 1).astype(jnp.int32)
+    return _clamp_ids(row, num_rows)
   # FILL_OR_DROP reads (and PROMISE_IN_BOUNDS scatters back) only in-bounds
   # windows: the row in [0, num_rows), every full-width start exactly 0.
-  ok = (row >= 0) & (row < num_rows)
+  ok = _in_range(row, num_rows)
   for j, d in enumerate(dn.start_index_map):
     if d != 0:
       ok = ok & (idx[..., j] == 0)
-  return jnp.where(ok, row, num_rows).astype(jnp.int32)
+  return jnp.where(ok, row.astype(jnp.int32), num_rows)
+
+
+# Ids come in every integer dtype (uint8 bytes, int16, uint32, int64 under
+# x64): compare them in their own dtype, with bounds that dtype can hold
+# (``num_rows`` itself may not fit: 256 wraps to 0 in uint8), and narrow to
+# int32 only once they are known to lie in [0, num_rows).
+
+
+def _clamp_ids(row: Any, num_rows: int) -> Any:
+  """The row a clamped read of ``row`` reads, as int32."""
+  hi = min(num_rows - 1, int(jnp.iinfo(row.dtype).max))
+  lo = 0 if jnp.issubdtype(row.dtype, jnp.signedinteger) else None
+  return jnp.clip(row, lo, np.asarray(hi, row.dtype)).astype(jnp.int32)
+
+
+def _in_range(row: Any, num_rows: int) -> Any:
+  """Whether ``row`` lies in [0, num_rows)."""
+  hi = min(num_rows - 1, int(jnp.iinfo(row.dtype).max))
+  ok = row <= np.asarray(hi, row.dtype)
+  if jnp.issubdtype(row.dtype, jnp.signedinteger):
+    ok = ok & (row >= 0)
+  return ok
 
 
 def _to_gather_layout(sink: Any, eqn: Any, nb: int) -> Any:
@@ -589,9 +650,39 @@ def _to_gather_layout(sink: Any, eqn: Any, nb: int) -> Any:
   return x.transpose(perm) if perm != sorted(perm) else x
 
 
+# A jit whose body reads tables, re-jitted with sinks in and ids out, per
+# (body, tables' positions and casts): JAX keeps one body per jitted function
+# and shapes, so an eager loss compiles its jitted blocks once, as JAX does.
+_JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _body_fn(jaxpr: Any, consts: Sequence[Any], spec: tuple) -> Callable:
+  def run(args, raws, sinks):
+    qs = [_Queue(s) for s in sinks]
+    args = list(args)
+    for p, g, casts in spec:
+      args[p] = _Table(raws[g], casts, qs[g])
+    outs = _eval(Analysis(), jaxpr, consts, args)
+    return outs, [q.ids for q in qs]
+
+  return run
+
+
+def _jitted_body(eqn: Any, m: _Sub, spec: tuple) -> Callable:
+  per_body = _JITTED.setdefault(m.jaxpr, {})
+  key = (spec, bool(eqn.params.get("inline", False)))
+  fn = per_body.get(key)
+  if fn is None:
+    fn = jax.jit(_body_fn(m.jaxpr, m.consts, spec), inline=key[1])
+    per_body[key] = fn
+  return fn
+
+
 def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
-  """Re-binds a checkpoint or scan whose body reads tables: the sinks go in
-  as extra inputs (scan: xs), the ids come out as extra outputs (scan: ys)."""
+  """Re-binds a jit, checkpoint or scan whose body reads tables: the sinks
+  go in as extra inputs (scan: xs), the ids come out as extra outputs
+  (scan: ys). A jit stays a jit, so an eager call runs its block compiled,
+  as JAX does (same values, same speed)."""
   groups: dict[int, list[int]] = {}
   for p in sorted(i for i, x in enumerate(invals) if isinstance(x, _Table)):
     groups.setdefault(id(invals[p].queue), []).append(p)
@@ -599,21 +690,18 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
   raws, sinks = [], []
   for ps in members:
     q = invals[ps[0]].queue
-    sub = an.group(m.jaxpr, {p: invals[p].dtype for p in ps})
+    sub = an.group(m.jaxpr, {p: invals[p].casts for p in ps})
     raws.append(invals[ps[0]].value)
     sinks.append([q.sinks.popleft() for _ in sub.reads])
-  spec = [(p, g, invals[p].dtype) for g, ps in enumerate(members) for p in ps]
+  spec = tuple(
+    (p, g, invals[p].casts) for g, ps in enumerate(members) for p in ps
+  )
   plain = [None if isinstance(x, _Table) else x for x in invals]
+  run = _body_fn(m.jaxpr, m.consts, spec)
 
-  def run(args, raws, sinks):
-    qs = [_Queue(s) for s in sinks]
-    args = list(args)
-    for p, g, dtype in spec:
-      args[p] = _Table(raws[g], dtype, qs[g])
-    outs = _eval(an, m.jaxpr, m.consts, args)
-    return outs, [q.ids for q in qs]
-
-  if m.kind == "remat":
+  if m.kind == "jit":
+    outs, ids = _jitted_body(eqn, m, spec)(plain, raws, sinks)
+  elif m.kind == "remat":
     params = eqn.params
     outs, ids = jax.checkpoint(
       run, prevent_cse=params["prevent_cse"], policy=params["policy"]

@@ -143,6 +143,15 @@ def all_reduce(
   replicas, so a further reduction would count it again, and
   :func:`~gradtx.sparse_value_and_grad` expects per-replica gradients.
 
+  The transformation is also a function of a gradient tree:
+  ``gtx.all_reduce(axis_name)(grads)`` is the drop-in for
+  ``lax.pmean(grads, axis_name)`` (and ``gtx.all_reduce(axis_name,
+  "sum")(grads)`` for ``lax.psum``) in a training step that reduces its
+  gradients by hand. ``lax.psum`` / ``pmean`` / ``pmax`` / ``pmin`` /
+  ``psum_scatter`` themselves refuse a tree holding :class:`SparseRows`
+  with a ``TypeError`` that names this function: they would combine the
+  replicas' row ids elementwise.
+
   Args:
     axis_name: the name of the replica axis (``mirrored.axis_name``, or
       the ``axis_name`` of ``shard_map``'s mesh / ``pmap``); a tuple of
@@ -180,7 +189,17 @@ def all_reduce(
       check_tree_match(updates, params, name="updates", reference_name="params")
     return _reduce_tree(updates, axis_name, op, "gradtx.all_reduce"), state
 
-  return stateless(update_fn)
+  return AllReduce(*stateless(update_fn))
+
+
+class AllReduce(optax.GradientTransformationExtraArgs):
+  """The transformation :func:`all_reduce` returns; calling it on a tree
+  reduces the tree (the drop-in for ``lax.pmean(grads, axis_name)``)."""
+
+  __slots__ = ()
+
+  def __call__(self, tree: Any) -> Any:
+    return self.update(tree, optax.EmptyState())[0]
 
 
 # ----------------------------------------------------------------------------

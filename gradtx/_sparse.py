@@ -44,7 +44,9 @@ def _check_ids(ids: jax.Array, num_rows: int, name: str = "ids") -> jax.Array:
       f"gradtx.lookup `{name}` must be integer row ids; got dtype "
       f"{ids.dtype}. Cast with `.astype(jnp.int32)`."
     )
-  return ids
+  # uint8 ids cannot hold a row count of 256 for the bounds compared with;
+  # uint32 ids past 2**31 are outside every table and wrap to padding.
+  return ids.astype(jnp.int32)
 
 
 def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
@@ -205,6 +207,17 @@ class _Plan(NamedTuple):
   report: SparsityReport
 
 
+# Errors of Python that needs concrete values inside the loss: jax runs it
+# eagerly, gradtx must trace it.
+_NEEDS_CONCRETE = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerArrayConversionError,
+  jax.errors.TracerBoolConversionError,
+  jax.errors.TracerIntegerConversionError,
+  jax.errors.NonConcreteBooleanIndexError,
+)
+
+
 def _normalize_argnums(
   argnums: int | Sequence[int],
 ) -> tuple[tuple[int, ...], bool]:
@@ -251,6 +264,11 @@ def _plan(
         f"`argnums` {argnums[0] if single else argnums} out of range for "
         f"{len(args)} positional arguments."
       )
+  if len({a % len(args) for a in argnums}) != len(argnums):
+    raise TypeError(  # jax.value_and_grad fails on it too (a TypeError)
+      f"`argnums` {argnums} names the same argument twice; differentiate "
+      "each argument once."
+    )
   diff = tuple(args[a] for a in argnums)
   leaves, treedef = jax.tree.flatten(diff)
   paths = [
@@ -403,7 +421,24 @@ def sparse_value_and_grad(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def value_and_grad_fn(*args, **kwargs):
-    plan = _plan(fun, args, kwargs, argnum_tuple, single, has_aux)
+    try:
+      plan = _plan(fun, args, kwargs, argnum_tuple, single, has_aux)
+    except _NEEDS_CONCRETE as e:
+      # Eager-only Python (a concrete jnp.unique, numpy indexing) cannot be
+      # traced; jax.value_and_grad runs it eagerly, and raises as it would.
+      out = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+        *args, **kwargs
+      )
+      warnings.warn(
+        "gradtx.sparse_value_and_grad: the loss needs concrete values of "
+        "arrays it computes (eager-only Python: "
+        f"{type(e).__name__}), so gradtx cannot trace it; every gradient "
+        "is jax.value_and_grad's dense one. Make the loss traceable "
+        "(jit-compatible) to get SparseRows.",
+        _jaxpr.SparsityWarning,
+        stacklevel=2,
+      )
+      return out
     _check_required(require_sparse, plan.report)
     _warn_unknown(plan.report, plan.groups)
     leaves = plan.leaves
@@ -420,7 +455,8 @@ def sparse_value_and_grad(
       t = leaves[s]
       sinks[s] = []
       for r in plan.groups[s].reads:
-        sink = jnp.zeros(r.ids_shape + tuple(t.shape[1:]), t.dtype)
+        # -0.0: adding it leaves every row as it is, -0.0 rows included
+        sink = jnp.full(r.ids_shape + tuple(t.shape[1:]), -0.0, t.dtype)
         # Under shard_map's type checks the sink must vary over the same
         # mesh axes as the rows it is added to.
         vma = tuple(sorted(r.vma))

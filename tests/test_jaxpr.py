@@ -594,3 +594,186 @@ def test_followed_primitives_have_the_parameters_the_rewriter_reads():
     lambda t, i: _followed_constructs(t, i, in_shard_map=False)
   )(TABLE, IDS)
   assert record.sparse, record.reason
+
+
+# ----------------------------------------------------------------------------
+# exact where a differential fuzzer found gtx and JAX apart
+
+
+def _embed_256(p, i):
+  return jnp.sum(jnp.tanh(nn.Embed(256, D).apply(p, i)) ** 2)
+
+
+_T300 = jnp.asarray(RNG.normal(size=(300, D)), jnp.float32)
+_NARROW = {
+  # name: (loss, table, ids), each id in the dtype a real script passes
+  "embed_uint8_256": (
+    _embed_256,
+    nn.Embed(256, D).init(jax.random.key(0), jnp.zeros(1, jnp.uint8)),
+    jnp.array([72, 105, 33, 0, 200, 255], jnp.uint8),
+  ),
+  "take_uint8_300": (
+    lambda t, i: _mlp(jnp.take(t, i, axis=0), W),
+    _T300,
+    jnp.array([72, 105, 33, 0, 200, 255, 255], jnp.uint8),
+  ),
+  "take_int16_32768": (
+    lambda t, i: _mlp(jnp.take(t, i, axis=0), W),
+    jnp.asarray(RNG.normal(size=(32768, D)), jnp.float32),
+    jnp.array([-1, 5, 32767, -32768, 0], jnp.int16),
+  ),
+  "index_uint16": (
+    lambda t, i: _mlp(t[i], W),
+    _T300,
+    jnp.array([5, 65535, 299, 0], jnp.uint16),
+  ),
+  "take_clip_uint32": (
+    lambda t, i: _mlp(jnp.take(t, i, axis=0, mode="clip"), W),
+    _T300,
+    jnp.array([5, 4_000_000_000, 299, 2**31], jnp.uint32),
+  ),
+  "get_fill_uint32": (
+    lambda t, i: _mlp(t.at[i].get(mode="fill", fill_value=0.5), W),
+    _T300,
+    jnp.array([5, 4_000_000_000, 299, 300, 2**31], jnp.uint32),
+  ),
+  "dynamic_slice_uint8": (
+    lambda t, i: _mlp(lax.dynamic_slice(t, (i, jnp.uint8(0)), (1, D)), W),
+    _T300,
+    jnp.uint8(200),
+  ),
+  "vector_take_int8_257": (
+    lambda t, i: jnp.sum(jnp.sin(jnp.take(t, i))),
+    jnp.asarray(RNG.normal(size=(257,)), jnp.float32),
+    jnp.array([127, -3, 0], jnp.int8),
+  ),
+  "scalar_int8_257": (
+    lambda t, i: jnp.sum(jnp.sin(t[i])),
+    jnp.asarray(RNG.normal(size=(257,)), jnp.float32),
+    jnp.int8(127),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NARROW))
+def test_ids_of_every_integer_dtype_read_the_row_jax_reads(name):
+  loss, table, ids = _NARROW[name]
+  _check(loss, table, ids, rtol=1e-6)
+
+
+def test_int64_ids_under_x64_read_the_row_jax_reads():
+  with jax.enable_x64(True):
+    table = jnp.asarray(RNG.normal(size=(50, D)), jnp.float32)
+    ids = jnp.array([3, 2**40 + 1, -1, 49, 2**33], jnp.int64)
+    for mode in ("clip", "fill"):
+      _check(
+        lambda t, i, m=mode: _mlp(jnp.take(t, i, 0, mode=m), W), table, ids
+      )
+
+
+_CASTS = {
+  # a bf16 round trip: its rounding changes the value
+  "bf16_round_trip": lambda t, i: _mlp(
+    t.astype(jnp.bfloat16).astype(jnp.float32)[i], W
+  ),
+  # float16 overflows to inf in the forward pass
+  "float16_overflow": lambda t, i: jnp.sum(
+    jnp.tanh(t.astype(jnp.float16).astype(jnp.float32)[i] * 1e-5)
+  ),
+  # a bf16 compute policy on params, then nn.Embed(dtype=float32)
+  "bf16_policy_then_embed_f32": lambda t, i: _mlp(
+    nn.Embed(V, D, dtype=jnp.float32).apply(
+      {"params": {"embedding": t.astype(jnp.bfloat16)}}, i
+    ),
+    W,
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CASTS))
+def test_cast_chains_keep_every_rounding_and_overflow(name):
+  loss = _CASTS[name]
+  table = TABLE.at[3].set(1e5) if "overflow" in name else TABLE * 3
+  ids = jnp.array([3, 1, 11, 0, 5])  # unique: each row's gradient exact
+  (got_v, got), (want_v, want) = _vg(loss, table, ids)
+  assert _is_sparse(got)
+  np.testing.assert_array_equal(got_v, want_v)
+  np.testing.assert_array_equal(got.to_dense(), want)
+  # eagerly too (every op rounds on its own)
+  got_v, got = gtx.sparse_value_and_grad(loss)(table, ids)
+  want_v, want = jax.value_and_grad(loss)(table, ids)
+  np.testing.assert_array_equal(got_v, want_v)
+  np.testing.assert_array_equal(got.to_dense(), want)
+
+
+def test_zero_sink_keeps_negative_zero_rows():
+  table = TABLE.at[1].set(-0.0)
+
+  def loss(t, i):  # 1 / -0.0 is -inf: the sign of a zero row shows
+    return jnp.sum(jnp.where(1.0 / t[i] > 0, t[i], 2 * t[i]))
+
+  (got_v, got), (want_v, want) = _vg(loss, table, jnp.array([1, 2]))
+  np.testing.assert_array_equal(got_v, want_v)
+  np.testing.assert_array_equal(got.to_dense(), want)
+
+
+def _block_loss():
+  ws = [
+    jnp.asarray(RNG.normal(size=(D, D)) / 2, jnp.bfloat16) for _ in range(6)
+  ]
+
+  @jax.jit
+  def block(t, ids):
+    h = t[ids]
+    for w in ws:
+      h = jnp.tanh(h @ w)
+    return h
+
+  return lambda t, i: jnp.sum(block(t, i).astype(jnp.float32))
+
+
+def test_eager_call_runs_a_jitted_block_compiled_as_jax_does():
+  loss = _block_loss()
+  table = TABLE.astype(jnp.bfloat16)
+  (eqn,) = [
+    e for e in jax.make_jaxpr(loss)(table, IDS).eqns if "jaxpr" in e.params
+  ]
+  body, _ = _jaxpr.open_jaxpr(eqn.params["jaxpr"])
+  fns = []
+  for _ in range(2):
+    got_v, got = gtx.sparse_value_and_grad(loss)(table, IDS)
+    # the block is re-jitted once: the same jitted function every call, so
+    # JAX compiles it once
+    fns.append(list(_jaxpr._JITTED[body].values()))
+  assert len(fns[0]) == 1 and fns[0] == fns[1]
+  want_v, want = jax.value_and_grad(loss)(table, IDS)
+  np.testing.assert_array_equal(got_v, want_v)
+  np.testing.assert_allclose(
+    got.to_dense().astype(jnp.float32), want.astype(jnp.float32), atol=1e-2
+  )
+
+
+def test_eager_only_python_gets_jax_dense_gradient_with_a_warning():
+  def loss(t, ids):
+    u = jnp.unique(ids)  # concrete size: eager only
+    return _mlp(t[u], W) + jnp.sum(t[np.asarray(u)][:, 0])
+
+  with pytest.warns(gtx.SparsityWarning, match="eager-only Python"):
+    got_v, got = gtx.sparse_value_and_grad(loss)(TABLE, IDS)
+  want_v, want = jax.value_and_grad(loss)(TABLE, IDS)
+  np.testing.assert_array_equal(got_v, want_v)
+  np.testing.assert_array_equal(got, want)
+  # under jit, the error jax itself raises
+  with pytest.raises(jax.errors.ConcretizationTypeError):
+    jax.jit(gtx.sparse_value_and_grad(loss))(TABLE, IDS)
+
+
+def test_repeated_argnums_are_rejected_as_jax_rejects_them():
+  def loss(a, b):
+    return jnp.sum(a[IDS] * b[IDS])
+
+  with pytest.raises(TypeError):
+    jax.value_and_grad(loss, argnums=(0, 0))(TABLE, TABLE)
+  for argnums in ((0, 0), (1, -1)):
+    with pytest.raises(TypeError, match="same argument twice"):
+      gtx.sparse_value_and_grad(loss, argnums=argnums)(TABLE, TABLE)

@@ -123,6 +123,78 @@ def test_all_reduce_sparse_under_shard_map_type_checks():
   np.testing.assert_array_equal(got_val, vals.reshape(-1, DIM))
 
 
+_REDUCTIONS = {
+  "psum": lambda g: jax.lax.psum(g, "d"),
+  "pmean": lambda g: jax.lax.pmean(g, "d"),
+  "pmax": lambda g: jax.lax.pmax(g, "d"),
+  "pmin": lambda g: jax.lax.pmin(g, "d"),
+  "psum_scatter": lambda g: jax.lax.psum_scatter(g, "d", tiled=True),
+}
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+@pytest.mark.parametrize("name", sorted(_REDUCTIONS))
+def test_lax_reductions_refuse_sparse_rows_and_name_all_reduce(name, check_vma):
+  # lax.psum would add the replicas' row ids together ([1, 2] + [7, 8] ->
+  # [8, 10]); every elementwise reduction refuses, naming the fix and line.
+  ids, vals, dense = _replica_grads()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  line = _REDUCTIONS[name].__code__.co_firstlineno
+
+  def f(i, v, d):
+    return _REDUCTIONS[name](_tree(i[0], v[0], d[0]))["w"]
+
+  mapped = jax.shard_map(
+    f, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=check_vma
+  )
+  with pytest.raises(TypeError) as info:
+    jax.jit(mapped)(ids, vals, dense)
+  msg = str(info.value)
+  assert f"`jax.lax.{name}`" in msg and "gtx.all_reduce(axis_name)" in msg
+  assert f"{__file__}:{line}" in msg, msg
+
+
+def test_all_reduce_called_on_a_tree_is_the_pmean_drop_in():
+  # The hand-written step of Flax's WMT train.py: grads = lax.pmean(grads,
+  # "batch"); with SparseRows, gtx.all_reduce("batch")(grads).
+  ids, vals, dense = _replica_grads()
+
+  def f(i, v, d):
+    g = gtx.all_reduce("d")(_tree(i[0], v[0], d[0]))
+    s = gtx.all_reduce("d", "sum")(_tree(i[0], v[0], d[0]))
+    return jax.tree.map(
+      lambda x: x[None], (g["emb"].to_dense(), g["w"], s["w"])
+    )
+
+  got_t, got_w, got_s = _shard_map(f, ids, vals, dense)
+  want_t = sum(_np_dense(i, v) for i, v in zip(ids, vals, strict=True)) / R
+  for r in range(R):
+    np.testing.assert_allclose(got_t[r], want_t, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_w[r], dense.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_s[r], dense.sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_row_preserving_collectives_keep_sparse_rows_whole():
+  # all_gather(tiled) concatenates every replica's rows (the same sum), and
+  # ppermute moves a SparseRows whole: both stay right, so both are allowed.
+  ids, vals, _ = _replica_grads()
+
+  def f(i, v):
+    g = gtx.SparseRows(i[0], v[0], NUM_ROWS)
+    gathered = jax.lax.all_gather(g, "d", tiled=True)
+    moved = jax.lax.ppermute(g, "d", [(r, (r + 1) % R) for r in range(R)])
+    return jax.tree.map(
+      lambda x: x[None], (gathered.to_dense(), moved.indices, moved.values)
+    )
+
+  got_t, got_i, got_v = _shard_map(f, ids, vals)
+  want_t = sum(_np_dense(i, v) for i, v in zip(ids, vals, strict=True))
+  for r in range(R):
+    np.testing.assert_allclose(got_t[r], want_t, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got_i[r], ids[(r - 1) % R])
+    np.testing.assert_array_equal(got_v[r], vals[(r - 1) % R])
+
+
 def test_all_reduce_keeps_dtype_and_none():
   ids, vals, dense = _replica_grads()
   tx = gtx.all_reduce("d")
