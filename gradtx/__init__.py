@@ -3,6 +3,12 @@ transformations for JAX, composable with optax."""
 
 from gradtx._accumulate import AccumulateState as AccumulateState
 from gradtx._accumulate import accumulate as accumulate
+from gradtx._autodiff import LeafSparsity as LeafSparsity
+from gradtx._autodiff import SparsityReport as SparsityReport
+from gradtx._autodiff import lookup as lookup
+from gradtx._autodiff import sparse_grad as sparse_grad
+from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
+from gradtx._autodiff import sparsity_report as sparsity_report
 from gradtx._base import SparseRows as SparseRows
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
@@ -27,22 +33,16 @@ from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
 from gradtx._sharded import sharded_init as sharded_init
-from gradtx._sparse import LeafSparsity as LeafSparsity
-from gradtx._sparse import SparsityReport as SparsityReport
-from gradtx._sparse import add_decayed_weights as add_decayed_weights
-from gradtx._sparse import apply_updates as apply_updates
-from gradtx._sparse import clip_by_global_norm as clip_by_global_norm
-from gradtx._sparse import densify as densify
-from gradtx._sparse import global_norm as global_norm
-from gradtx._sparse import lookup as lookup
-from gradtx._sparse import scale as scale
-from gradtx._sparse import scale_by_learning_rate as scale_by_learning_rate
-from gradtx._sparse import sparse_grad as sparse_grad
-from gradtx._sparse import sparse_value_and_grad as sparse_value_and_grad
-from gradtx._sparse import sparsity_report as sparsity_report
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
+from gradtx._transforms import add_decayed_weights as add_decayed_weights
+from gradtx._transforms import apply_updates as apply_updates
+from gradtx._transforms import clip_by_global_norm as clip_by_global_norm
+from gradtx._transforms import densify as densify
+from gradtx._transforms import global_norm as global_norm
+from gradtx._transforms import scale as scale
+from gradtx._transforms import scale_by_learning_rate as scale_by_learning_rate
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ from gradtx._base import (
   varying_axes,
   with_extra_args,
   zero_counter,
+  zeros_like_update,
 )
 
 
@@ -114,23 +115,6 @@ def _new_buffer(p: Any, rows: int, dtype: Any) -> SparseRows:
     jnp.zeros((rows, *shape[1:]), dtype),
     shape[0],
   )
-
-
-def _zeros_of(shapes: Any) -> Any:
-  """Zero updates of the given abstract (eval_shape) structure."""
-
-  def zero(x: Any) -> Any:
-    if x is None:
-      return None
-    if isinstance(x, SparseRows):
-      return SparseRows(
-        jnp.full(x.indices.shape, x.num_rows, jnp.int32),
-        jnp.zeros(x.values.shape, x.values.dtype),
-        x.num_rows,
-      )
-    return jnp.zeros(x.shape, x.dtype)
-
-  return tree_map(zero, shapes)
 
 
 def _cast_like(new: Any, old: Any) -> Any:
@@ -473,7 +457,11 @@ def accumulate(
     emit_types = jax.eval_shape(emit_raw)
 
     def silent_raw():
-      return _zeros_of(emit_types[0]), state.inner_state, jnp.zeros([], bool)
+      return (
+        zeros_like_update(emit_types[0]),
+        state.inner_state,
+        jnp.zeros([], bool),
+      )
 
     # Inside shard_map both branches must agree on which mesh axes each
     # output varies over (jax-ml/jax#23693): cast both to the union.
@@ -496,7 +484,7 @@ def accumulate(
     acc = jax.tree.map(
       lambda new, zero: jnp.where(emitted, zero, new),
       accumulated(),
-      _zeros_of(state.accumulator),
+      zeros_like_update(state.accumulator),
     )
     return new_updates, AccumulateState(
       num_micro_steps=counters["num_micro_steps"],

@@ -15,6 +15,8 @@ from jax.typing import ArrayLike
 from gradtx import _jaxpr, _sharded
 
 INT32_MAX = 2**31 - 1
+# The name scope of a deduplication's hash loop (CPU) in compiled HLO.
+DEDUP_SCOPE = "gtx_dedup"
 
 
 def _has_dtype(x: Any) -> bool:
@@ -85,10 +87,25 @@ class SparseRows:
   It is a pytree whose children are ``indices`` and ``values``; ``num_rows``
   is static, so it passes through ``jit``, ``shard_map`` and ``pmap``.
 
+  Two static facts about the indices let consumers skip work: ``unique``
+  (no valid id appears twice: nothing to deduplicate) and ``normalized``
+  (every padding id is ``num_rows``: nothing to remap). The gradtx
+  optimizers, :meth:`coalesce` and :meth:`deduplicated` set both on what
+  they return, and :meth:`with_values` keeps them, so they hold along an
+  optax chain and into ``apply_updates`` within one traced step. They are
+  not part of the pytree structure (an optimizer's update keeps the
+  gradient's structure, as optax expects): whatever rebuilds a SparseRows
+  from its leaves -- a ``jit`` boundary, ``lax.cond``, ``lax.scan``, a
+  collective, ``jax.tree.map`` into the children -- gets one without them,
+  which only costs a deduplication, never a wrong result.
+
   Args:
     indices: integer ``[n]`` row ids; stored as int32.
     values: ``[n, *row_shape]`` rows.
     num_rows: the number of rows of the dense array (a Python int).
+    unique: a promise that no id in ``[0, num_rows)`` appears twice.
+    normalized: a promise that every id outside ``[0, num_rows)`` is
+      exactly ``num_rows``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -103,9 +120,17 @@ class SparseRows:
            [0., 0.]], dtype=float32)
   """
 
-  __slots__ = ("_indices", "_values", "_num_rows")
+  __slots__ = ("_indices", "_values", "_num_rows", "_unique", "_normalized")
 
-  def __init__(self, indices: ArrayLike, values: ArrayLike, num_rows: int):
+  def __init__(
+    self,
+    indices: ArrayLike,
+    values: ArrayLike,
+    num_rows: int,
+    *,
+    unique: bool = False,
+    normalized: bool = False,
+  ):
     num_rows = _check_num_rows(num_rows)
     indices = jnp.asarray(narrow_ids(indices, num_rows))
     values = jnp.asarray(values)
@@ -128,6 +153,8 @@ class SparseRows:
     self._indices = indices.astype(jnp.int32)
     self._values = values
     self._num_rows = num_rows
+    self._unique = bool(unique)
+    self._normalized = bool(normalized)
 
   # -- pytree ---------------------------------------------------------------
   def tree_flatten(self):
@@ -157,6 +184,8 @@ class SparseRows:
     obj._indices = indices
     obj._values = values
     obj._num_rows = num_rows
+    obj._unique = False  # rebuilt from leaves: nothing is known
+    obj._normalized = False
     return obj
 
   # -- properties -----------------------------------------------------------
@@ -174,6 +203,16 @@ class SparseRows:
   def num_rows(self) -> int:
     """Rows of the dense array this stands for (static)."""
     return self._num_rows
+
+  @property
+  def unique(self) -> bool:
+    """Static: no id in ``[0, num_rows)`` appears twice."""
+    return self._unique
+
+  @property
+  def normalized(self) -> bool:
+    """Static: every padding id is exactly ``num_rows``."""
+    return self._normalized
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -278,11 +317,9 @@ class SparseRows:
         )
       return NotImplemented
     # One row-scatter code path for this and gradtx.apply_updates.
-    from gradtx._sparse import _check_rows_match, _scatter_add_rows
-
     other = jnp.asarray(other)
-    _check_rows_match(self, other, what, name="array operand")
-    return _scatter_add_rows(other, self)
+    check_rows_match(self, other, what, name="array operand")
+    return scatter_add_rows(other, self)
 
   # -- operations -----------------------------------------------------------
   def valid_indices(self) -> jax.Array:
@@ -292,12 +329,29 @@ class SparseRows:
     it; negative ids never wrap around to the end of the table.
     """
     idx = self._indices
+    if self._normalized:
+      return idx
     ok = (idx >= 0) & (idx < self._num_rows)
     return jnp.where(ok, idx, self._num_rows).astype(jnp.int32)
 
   def with_values(self, values: jax.Array) -> SparseRows:
-    """The same indices with new ``[n, *row_shape]`` values."""
-    return SparseRows(self._indices, values, self._num_rows)
+    """The same indices (and facts) with new ``[n, *row_shape]`` values."""
+    return SparseRows(
+      self._indices,
+      values,
+      self._num_rows,
+      unique=self._unique,
+      normalized=self._normalized,
+    )
+
+  def deduplicated(self) -> SparseRows:
+    """Each id once, duplicates summed (itself when :attr:`unique`): the
+    form the row engine needs, in input order on CPU (see
+    :func:`unique_rows`), sorted on GPUs."""
+    if self._unique and self._normalized:
+      return self
+    idx, values = unique_rows(self)
+    return SparseRows(idx, values, self._num_rows, unique=True, normalized=True)
 
   def to_dense(self) -> jax.Array:
     """The dense ``(num_rows, *row_shape)`` array (duplicates summed)."""
@@ -315,7 +369,9 @@ class SparseRows:
     n = self.nnz
     idx = self.valid_indices()
     if n == 0:
-      return SparseRows(idx, self._values, self._num_rows)
+      return SparseRows(
+        idx, self._values, self._num_rows, unique=True, normalized=True
+      )
     # Ids split over Explicit mesh axes are sorted whole on every device.
     idx, values = _sharded.unsplit(idx), _sharded.unsplit(self._values)
     # A lone int32 sort is several times faster on CPU than an argsort.
@@ -337,15 +393,20 @@ class SparseRows:
     )
     keep = (uniq < self._num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
     summed = jnp.where(keep, summed, jnp.zeros_like(summed))
-    return SparseRows(uniq, summed, self._num_rows)
+    return SparseRows(
+      uniq, summed, self._num_rows, unique=True, normalized=True
+    )
 
   @classmethod
   def padding_like(cls, x: SparseRows) -> SparseRows:
-    """An all-padding SparseRows of ``x``'s static shapes (stands for 0)."""
+    """An all-padding SparseRows of ``x``'s static shapes (stands for 0;
+    ``x`` may be abstract, as from ``jax.eval_shape``)."""
     return cls(
       jnp.full(x.indices.shape, x.num_rows, jnp.int32),
-      jnp.zeros_like(x.values),
+      jnp.zeros(x.values.shape, x.values.dtype),
       x.num_rows,
+      unique=True,
+      normalized=True,
     )
 
 
@@ -416,7 +477,7 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   """
   n = x.nnz
   idx = x.valid_indices()
-  if n == 0:
+  if n == 0 or x.unique:
     return idx, x.values
   idx, values = _sharded.unsplit(idx), _sharded.unsplit(x.values)
   num_rows = x.num_rows
@@ -501,7 +562,8 @@ def _first_positions(idx: jax.Array, num_rows: int) -> jax.Array:
     return r + 1, jnp.where(todo & same, cand, first)
 
   first = jnp.where(idx < num_rows, -1, pos)
-  _, first = lax.while_loop(unresolved, round_, (jnp.uint32(0), first))
+  with jax.named_scope(DEDUP_SCOPE):  # tests count the dedups of a step
+    _, first = lax.while_loop(unresolved, round_, (jnp.uint32(0), first))
   return first
 
 
@@ -552,7 +614,8 @@ def zeros_like_update(x: Any) -> Any:
 
   Dense arrays give zeros; a SparseRows gives an all-padding SparseRows of
   the same static length (every index is the padding row, values zero), so
-  the two branches of a ``lax.cond`` have identical types.
+  the two branches of a ``lax.cond`` have identical types. ``x`` may be
+  abstract (``jax.eval_shape``'s result).
   """
 
   def zero(leaf: Any) -> Any:
@@ -560,7 +623,7 @@ def zeros_like_update(x: Any) -> Any:
       return None
     if isinstance(leaf, SparseRows):
       return SparseRows.padding_like(leaf)
-    return jnp.zeros_like(leaf)
+    return jnp.zeros(jnp.shape(leaf), leaf.dtype)
 
   return tree_map(zero, x)
 
@@ -602,3 +665,116 @@ def stateless(
     return optax.EmptyState()
 
   return with_extra_args(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------
+# row I/O: the one reader, the one writer and the one scatter-add of gradtx
+# (lookup, the row engine, apply_updates, weight decay); owner-local for a
+# table whose rows are split over Explicit mesh axes (_sharded).
+
+
+def gather_rows(
+  table: jax.Array,
+  ids: jax.Array,
+  *,
+  unique: bool = False,
+  what: str = "gradtx",
+) -> jax.Array:
+  """Rows ``table[ids]``; ids outside ``[0, num_rows)`` (negative ones
+  included: no wrap-around) read zero rows.
+
+  Owner-local when ``table``'s rows (or the ids) are split over Explicit
+  mesh axes. Elsewhere a gather of clamped ids and a per-row select: XLA:CPU
+  compiles a fill-mode gather's per-element bounds check into a slower loop.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from gradtx._base import gather_rows
+    >>> gather_rows(jnp.arange(6.0).reshape(3, 2), jnp.array([2, -1, 3]))
+    Array([[4., 5.],
+           [0., 0.],
+           [0., 0.]], dtype=float32)
+  """
+  ids = jnp.asarray(ids).astype(jnp.int32)
+  if _sharded.is_row_sharded(table) or _sharded.is_split(ids):
+    return _sharded.read_rows(table, ids, unique=unique, what=what)
+  num_rows = table.shape[0]
+  valid = (ids >= 0) & (ids < num_rows)
+  rows = table.at[jnp.clip(ids, 0, num_rows - 1)].get(mode="promise_in_bounds")
+  keep = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
+  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
+
+
+def scatter_rows(
+  x: jax.Array,
+  idx: jax.Array,
+  rows: jax.Array,
+  *,
+  add: bool = False,
+  unique: bool = True,
+) -> jax.Array:
+  """``x[idx] = rows`` (or ``+=``) in place; ids outside ``[0, num_rows)``
+  write nothing (pass :meth:`SparseRows.valid_indices`: negative ids would
+  wrap).
+
+  A plain scatter, or an owner-local write (each device writes the rows it
+  owns) when ``x``'s rows are split over Explicit mesh axes.
+  """
+  if _sharded.is_row_sharded(x):
+    return _sharded.write_rows(x, idx, rows, add=add, unique=unique)
+  ref = x.at[idx]
+  kwargs = dict(mode="drop", unique_indices=unique)
+  rows = rows.astype(x.dtype)
+  return ref.add(rows, **kwargs) if add else ref.set(rows, **kwargs)
+
+
+def add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
+  # Each row is written once: add in the wider dtype, round once (as
+  # optax.apply_updates does for dense leaves), deterministic everywhere.
+  idx, values = unique_rows(u)
+  rows = gather_rows(p, idx)
+  new = (rows + values).astype(p.dtype)
+  return scatter_rows(p, idx, new)
+
+
+def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
+  """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
+
+  The result keeps ``p``'s dtype. With each id once (the update of every
+  gradtx optimizer) it equals ``(p + u.to_dense()).astype(p.dtype)``, the
+  rule of ``optax.apply_updates``. Shared by :func:`apply_updates` and
+  ``array + SparseRows``.
+
+  A plain scatter-add where it is deterministic (CPU/TPU scatters are
+  sequential: duplicates are added in turn, each add rounded to ``p``'s
+  dtype); on GPUs, whose scatter-add is atomic, and for updates that
+  promote the param (float32 rows into a bf16 table, which a cast-then-add
+  would round twice) the rows are deduplicated and written once.
+  """
+  if jnp.result_type(p.dtype, u.dtype) != p.dtype:
+    return add_unique_rows(p, u)
+  if u.unique:  # each id once (any gradtx optimizer's update): deterministic
+    return scatter_rows(p, u.valid_indices(), u.values, add=True, unique=True)
+
+  def direct(p, idx, vals):
+    return scatter_rows(p, idx, vals, add=True, unique=False)
+
+  def unique(p, idx, vals):
+    return add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
+
+  return lax.platform_dependent(
+    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
+  )
+
+
+def check_rows_match(
+  u: SparseRows, p: Any, what: str, name: str = "parameter"
+) -> None:
+  shape = tuple(jnp.shape(p))
+  if not shape or u.shape != shape:
+    raise ValueError(
+      f"{what}: a SparseRows of dense shape {u.shape} (num_rows="
+      f"{u.num_rows}, row shape {u.shape[1:]}) does not match its {name} "
+      f"of shape {shape}. Build it with num_rows=table.shape[0] and values "
+      "of shape [n, *table.shape[1:]]."
+    )

@@ -27,7 +27,7 @@ from gradtx._base import (
   zero_counter,
 )
 from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
-from gradtx._sparse import add_decayed_weights, scale_by_learning_rate
+from gradtx._transforms import add_decayed_weights, scale_by_learning_rate
 
 # Exact terms of the per-step sum R (see _future_sum); the rest of the
 # geometric series is summed in closed form.

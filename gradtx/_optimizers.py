@@ -21,12 +21,11 @@ from gradtx._base import (
   safe_increment,
   stateless,
   tree_map,
-  unique_rows,
   with_extra_args,
   zero_counter,
 )
 from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
-from gradtx._sparse import scale_by_learning_rate
+from gradtx._transforms import scale_by_learning_rate
 
 
 def _dtype(dtype: DTypeLike | None) -> Any:
@@ -463,7 +462,7 @@ def _sum_duplicates() -> optax.GradientTransformationExtraArgs:
 
   def dedup(g):
     if isinstance(g, SparseRows):
-      return SparseRows(*unique_rows(g), g.num_rows)
+      return g.deduplicated()
     return g
 
   def update_fn(updates, state, params=None, **extra_args):

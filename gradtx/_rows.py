@@ -13,10 +13,10 @@ gets exactly the dense optimizer.
 
 A state leaf is either shaped like its parameter (``[V, *row]``, one value per
 element) or per row (``[V]``, e.g. row-wise Adagrad's accumulator); the
-engine reads both with the same two helpers, ``gather_rows`` and
-``scatter_rows`` (defined in :mod:`gradtx._sharded`, owner-local for
-row-sharded tables), the only places that read or write rows of a table;
-``per_row_full`` allocates ``[V]`` state split like the table's rows.
+engine reads both with the bottom layer's row I/O, ``gather_rows`` and
+``scatter_rows`` (:mod:`gradtx._base`, owner-local for row-sharded tables),
+the only places that read or write rows of a table; ``per_row_full``
+allocates ``[V]`` state split like the table's rows.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gradtx._base import SparseRows, check_tree_match, unique_rows
-from gradtx._sharded import (
+from gradtx._base import (
+  SparseRows,
+  check_rows_match,
+  check_tree_match,
   gather_rows,
-  is_split,
-  per_row_full,
   scatter_rows,
+  unique_rows,
 )
-from gradtx._sparse import _check_rows_match
+from gradtx._sharded import is_split, per_row_full
 
 __all__ = [
   "concrete_float",
@@ -78,7 +79,7 @@ def _check_state_leaf(
       "there). Call `tx.init(params)` with the table itself at that position."
     )
   if jnp.ndim(s) == len(g.shape) or not row_states:
-    _check_rows_match(g, s, what, "optimizer state")
+    check_rows_match(g, s, what, "optimizer state")
   elif jnp.shape(s) != g.shape[:1]:
     raise ValueError(
       f"{what}: the {name} at this position has shape {jnp.shape(s)}, not "
@@ -100,12 +101,14 @@ class _Leaf(NamedTuple):
 
 def _read_sparse(g, p, states, what, names, needs_params, row_states):
   if p is not None:
-    _check_rows_match(g, p, what, "parameter")
+    check_rows_match(g, p, what, "parameter")
   for s, name, rows in zip(states, names, row_states, strict=True):
     _check_state_leaf(g, s, what, name, rows)
   idx, values = unique_rows(g)  # once per leaf; padding = num_rows
-  p_rows = gather_rows(jnp.asarray(p), idx) if needs_params else None
-  rows = [gather_rows(s, idx) for s in states]
+  p_rows = (
+    gather_rows(jnp.asarray(p), idx, unique=True) if needs_params else None
+  )
+  rows = [gather_rows(s, idx, unique=True) for s in states]
   return _Leaf(values, p_rows, rows, idx, g.num_rows)
 
 
@@ -164,7 +167,8 @@ def _finish(leaf: _Leaf, u: Any, tables: list[Any]):
     return u, tables
   valid = per_row(leaf.idx < leaf.num_rows, u.ndim)
   u = jnp.where(valid, u, jnp.zeros_like(u))
-  return SparseRows(leaf.idx, u, leaf.num_rows), tables
+  update = SparseRows(leaf.idx, u, leaf.num_rows, unique=True, normalized=True)
+  return update, tables
 
 
 def update_rows(

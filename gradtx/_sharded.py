@@ -340,53 +340,20 @@ def per_row_full(p: Any, fill_value: Any, dtype: Any) -> jax.Array:
   return jnp.full(shape, fill_value, dtype, device=sharding)
 
 
-def gather_rows(
-  x: jax.Array, idx: jax.Array, *, unique: bool = True
-) -> jax.Array:
-  """Rows ``x[idx]``, padding ids read zeros; owner-local if row-sharded.
-
-  The one row read of the optimizers: a plain gather, or
-  :func:`read_rows` when ``x``'s rows are split over Explicit mesh axes.
-  """
-  if is_row_sharded(x):
-    return read_rows(x, idx, unique=unique)
-  return x.at[idx].get(
-    mode="fill",
-    fill_value=0,
-    unique_indices=unique,
-  )
-
-
-def scatter_rows(
-  x: jax.Array,
-  idx: jax.Array,
-  rows: jax.Array,
-  *,
-  add: bool = False,
-  unique: bool = True,
-) -> jax.Array:
-  """``x[idx] = rows`` (or ``+=``) in place; padding ids write nothing.
-
-  The one row write of the optimizers: a plain scatter, or
-  :func:`write_rows` (each owner writes its rows) when ``x``'s rows are
-  split over Explicit mesh axes.
-  """
-  if is_row_sharded(x):
-    return write_rows(x, idx, rows, add=add, unique=unique)
-  ref = x.at[idx]
-  kwargs = dict(mode="drop", unique_indices=unique)
-  rows = rows.astype(x.dtype)
-  return ref.add(rows, **kwargs) if add else ref.set(rows, **kwargs)
-
-
 def unsplit(x: jax.Array) -> jax.Array:
-  """``x`` replicated if its type splits it over Explicit mesh axes.
+  """``x`` replicated over the mesh: resharded if its type splits it over
+  Explicit mesh axes, constrained to replicated under a mesh with Auto axes
+  (``jax.set_mesh``), where XLA's partitioner would otherwise be free to
+  keep it split and then all-reduce a whole table shard to write it.
 
-  For the ``n`` ids and rows of a sparse gradient, which a global sort
-  (coalescing) needs whole on every device; a no-op elsewhere.
+  For the ``n`` ids and rows of a sparse gradient, which deduplication
+  needs whole on every device; a no-op without a mesh.
   """
   spec = _spec(x, jnp.ndim(x)) if hasattr(x, "shape") else None
   if spec is None or all(e is None for e in spec):
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.auto_axes and hasattr(x, "shape"):
+      return jax.lax.with_sharding_constraint(x, P())
     return x
   mesh = _mesh_of(x)
   explicit = _explicit_axes(mesh)

@@ -36,3 +36,14 @@ def assert_tables_updated_in_place(
   table_bytes = rows * dim * 4
   assert mem.temp_size_in_bytes < table_bytes / 20
   assert mem.alias_size_in_bytes >= tables * table_bytes
+
+
+def dedups(compiled: Any) -> tuple[int, int]:
+  """``(hash loops, sorts)`` in a compiled CPU program: how many times it
+  deduplicates row ids (``unique_rows`` hashes on CPU; ``coalesce`` sorts)."""
+  from gradtx._base import DEDUP_SCOPE
+
+  lines = compiled.as_text().splitlines()
+  loops = [x for x in lines if " while(" in x and f'{DEDUP_SCOPE}/while"' in x]
+  sorts = [x for x in lines if re.search(r"\ssort\(", x)]
+  return len(loops), len(sorts)

@@ -166,3 +166,46 @@ def test_mirrored_step_in_place():
   state = m.replicate(tx.init(params))
   batch = m.shard_batch(_data())
   _assert_in_place(m.step(step, donate_argnums=(0, 1)), params, state, batch)
+
+
+# ----------------------------------------------------------------------------
+# one deduplication per step: SparseRows says when its ids are unique
+
+_OPTIMIZERS = {
+  "lazy_adam": lambda: gtx.lazy_adam(1e-2),
+  "lazy_adamw": lambda: gtx.lazy_adamw(1e-2, weight_decay=1e-2),
+  "adagrad": lambda: gtx.adagrad(0.1),
+  "rowwise_adagrad": lambda: gtx.rowwise_adagrad(0.1),
+  "ftrl": lambda: gtx.ftrl(0.1),
+  "lazy_sgd_momentum": lambda: gtx.lazy_sgd(0.1, momentum=0.9),
+  "chain_clip_decay": lambda: optax.chain(
+    gtx.clip_by_global_norm(1.0),
+    gtx.lazy_adam(1e-2),
+    gtx.add_decayed_weights(1e-3),
+    gtx.scale(0.5),
+  ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_a_step_deduplicates_its_ids_once(name, dtype):
+  from hlo import dedups
+
+  tx = _OPTIMIZERS[name]()
+  p = {
+    "emb": jnp.zeros((53, D), dtype),
+    "w": jnp.ones(D, dtype),
+  }
+  ids = jnp.array([1, 3, 3, 7, 52, 1])
+
+  def loss(p, ids):
+    return jnp.sum((p["emb"][ids] @ p["w"]).astype(jnp.float32))
+
+  def step(p, s, ids):
+    _, g = gtx.sparse_value_and_grad(loss)(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  compiled = jax.jit(step).lower(p, tx.init(p), ids).compile()
+  assert dedups(compiled) == (1, 0)

@@ -1,8 +1,9 @@
-"""Row-sparse gradients: lookup, sparse_value_and_grad, apply_updates.
+"""Row-sparse gradients of unmodified losses: ``sparse_value_and_grad``,
+``sparse_grad``, ``sparsity_report``, and ``lookup``, the explicit read.
 
-Also the sparse-aware versions of the optax transforms people chain around
-an optimizer (scale, learning rate, global-norm clipping, weight decay) and
-``densify``, the escape hatch to any dense optax transform.
+The jaxpr reading lives in :mod:`gradtx._jaxpr`; this module plans the
+gradient (which leaves come out sparse), checks what the user required,
+and differentiates the rewritten loss.
 """
 
 from __future__ import annotations
@@ -14,23 +15,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.typing import ArrayLike
 
-from gradtx import _jaxpr, _sharded
+from gradtx import _jaxpr
 from gradtx._base import (
   SparseRows,
-  check_tree_match,
+  gather_rows,
   narrow_ids,
-  safe_increment,
-  stateless,
-  tree_leaves,
   tree_map,
-  unique_rows,
   varying_axes,
-  with_extra_args,
-  zero_counter,
 )
 
 # ----------------------------------------------------------------------------
@@ -68,29 +62,13 @@ def _bounds_check(ids: jax.Array, num_rows: int) -> None:
     _raise_bad_ids(concrete, num_rows)
 
 
-def _gather(table: jax.Array, ids: jax.Array) -> jax.Array:
-  # Ids outside [0, num_rows) read zero rows; negative ids do not wrap. The
-  # gradient of this gather gives them nothing, and SparseRows treats them as
-  # padding, so the forward pass and both gradients agree.
-  num_rows = table.shape[0]
-  ids = ids.astype(jnp.int32)
-  if _sharded.is_row_sharded(table) or _sharded.is_split(ids):
-    return _sharded.read_rows(table, ids, what="gradtx.lookup")
-  # A gather of clamped ids and a per-row select: XLA:CPU compiles the fill
-  # mode's per-element bounds check into a slower loop.
-  valid = (ids >= 0) & (ids < num_rows)
-  rows = table.at[jnp.clip(ids, 0, num_rows - 1)].get(mode="promise_in_bounds")
-  keep = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
-  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
-
-
 def gtx_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   """The row read of :func:`lookup`, a ``jit`` that the jaxpr shows by name.
 
   :func:`sparse_value_and_grad` recognises it by this name and re-binds it
-  with a sink added, so it never depends on how ``_gather`` reads rows.
+  with a sink added, so it never depends on how the rows are read.
   """
-  return _gather(table, ids)
+  return gather_rows(table, ids, what="gradtx.lookup")
 
 
 _lookup_rows = jax.jit(gtx_lookup)
@@ -575,10 +553,6 @@ def sparsity_report(
   return report_fn
 
 
-# ----------------------------------------------------------------------------
-# apply_updates
-
-
 def _order_after(tree: Any, value: jax.Array) -> Any:
   """``tree`` unchanged, with a data dependency on ``value`` XLA keeps.
 
@@ -612,356 +586,3 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
     return x - flag.astype(x.dtype) * jnp.zeros([], x.dtype)
 
   return tree_map(tie, tree)
-
-
-def _add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  # Each row is written once: add in the wider dtype, round once (as
-  # optax.apply_updates does for dense leaves), deterministic everywhere.
-  idx, values = unique_rows(u)
-  rows = _gather(p, idx)
-  new = (rows + values).astype(p.dtype)
-  return _sharded.scatter_rows(p, idx, new)
-
-
-def _scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
-
-  The result keeps ``p``'s dtype. With each id once (the update of every
-  gradtx optimizer) it equals ``(p + u.to_dense()).astype(p.dtype)``, the
-  rule of ``optax.apply_updates``. Shared by :func:`apply_updates` and
-  ``array + SparseRows``.
-
-  A plain scatter-add where it is deterministic (CPU/TPU scatters are
-  sequential: duplicates are added in turn, each add rounded to ``p``'s
-  dtype); on GPUs, whose scatter-add is atomic, and for updates that
-  promote the param (float32 rows into a bf16 table, which a cast-then-add
-  would round twice) the rows are deduplicated and written once.
-  """
-  if jnp.result_type(p.dtype, u.dtype) != p.dtype:
-    return _add_unique_rows(p, u)
-
-  def direct(p, idx, vals):
-    return _sharded.scatter_rows(p, idx, vals, add=True, unique=False)
-
-  def unique(p, idx, vals):
-    return _add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
-
-  return lax.platform_dependent(
-    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
-  )
-
-
-def _check_rows_match(
-  u: SparseRows, p: Any, what: str, name: str = "parameter"
-) -> None:
-  shape = tuple(jnp.shape(p))
-  if not shape or u.shape != shape:
-    raise ValueError(
-      f"{what}: a SparseRows of dense shape {u.shape} (num_rows="
-      f"{u.num_rows}, row shape {u.shape[1:]}) does not match its {name} "
-      f"of shape {shape}. Build it with num_rows=table.shape[0] and values "
-      "of shape [n, *table.shape[1:]]."
-    )
-
-
-def apply_updates(params: Any, updates: Any) -> Any:
-  """Adds ``updates`` to ``params``; SparseRows are scatter-added in place.
-
-  Like ``optax.apply_updates``: each result keeps its parameter's dtype and
-  a None update leaves the parameter unchanged. A :class:`SparseRows`
-  update is added row by row (duplicates add up, padding ids write nothing)
-  with one XLA scatter, which updates the table in place when the caller
-  donates ``params`` to its jitted step.
-
-  Args:
-    params: a tree of arrays.
-    updates: a tree of the same structure; arrays, None or SparseRows.
-
-  Returns:
-    The updated params.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import gradtx as gtx
-    >>> u = gtx.SparseRows(jnp.array([1]), jnp.full((1, 2), 0.5), 3)
-    >>> gtx.apply_updates({"emb": jnp.zeros((3, 2))}, {"emb": u})["emb"]
-    Array([[0. , 0. ],
-           [0.5, 0.5],
-           [0. , 0. ]], dtype=float32)
-  """
-  check_tree_match(updates, params, name="updates", reference_name="params")
-
-  def apply(u, p):
-    if u is None:
-      return p
-    if isinstance(u, SparseRows):
-      _check_rows_match(u, p, "gradtx.apply_updates")
-      return _scatter_add_rows(jnp.asarray(p), u)
-    if jnp.shape(u) != jnp.shape(p):
-      raise ValueError(
-        f"gradtx.apply_updates: an update of shape {jnp.shape(u)} for a "
-        f"parameter of shape {jnp.shape(p)}. Updates must have their "
-        "parameter's shape (no broadcasting)."
-      )
-    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-
-  return tree_map(apply, updates, params)
-
-
-# ----------------------------------------------------------------------------
-# sparse-aware transformations
-
-
-def densify() -> optax.GradientTransformationExtraArgs:
-  """Turns every SparseRows in the updates into a dense array.
-
-  The escape hatch to any dense optax transform: ``optax.chain(
-  gtx.densify(), optax.adam(1e-3))``. It builds a ``[num_rows, ...]`` array
-  per table, so put it as late in the chain as you can.
-
-  Returns:
-    A stateless transformation.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradtx as gtx
-    >>> g = gtx.SparseRows(jnp.array([0, 0]), jnp.ones((2, 1)), 2)
-    >>> gtx.densify().update(g, optax.EmptyState())[0]
-    Array([[2.],
-           [0.]], dtype=float32)
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    return tree_map(
-      lambda u: u.to_dense() if isinstance(u, SparseRows) else u, updates
-    ), state
-
-  return stateless(update_fn)
-
-
-def _scale_tree(updates: Any, factor: Any, cast_first: bool = False) -> Any:
-  """Each leaf times ``factor``, returned in the leaf's dtype.
-
-  ``cast_first``: ``factor`` is rounded to the leaf's dtype before the
-  product (optax's ``scale_by_schedule``). Otherwise the product follows
-  JAX's promotion (``optax.scale``): a Python float is weakly typed, so the
-  same; a float32 array (under ``inject_hyperparams``) multiplies in
-  float32 and the product is rounded once.
-  """
-
-  def mul(x):
-    f = jnp.asarray(factor, x.dtype) if cast_first else factor
-    return (f * x).astype(x.dtype)
-
-  def f(u):
-    if u is None:
-      return None
-    if isinstance(u, SparseRows):
-      return u.with_values(mul(u.values))
-    return mul(jnp.asarray(u))
-
-  return tree_map(f, updates)
-
-
-def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
-  """Multiplies updates by ``step_size``; SparseRows scale their values.
-
-  Dense leaves behave exactly as ``optax.scale``.
-
-  Args:
-    step_size: a scalar.
-
-  Returns:
-    A stateless transformation.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradtx as gtx
-    >>> g = gtx.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 4)
-    >>> gtx.scale(-0.1).update(g, optax.EmptyState())[0].values
-    Array([[-0.1, -0.1]], dtype=float32)
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    return _scale_tree(updates, step_size), state
-
-  return stateless(update_fn)
-
-
-class ScaleByScheduleState(NamedTuple):
-  """State of :func:`scale_by_learning_rate` with a schedule."""
-
-  count: jax.Array  # int32 [], steps taken (saturating)
-
-
-def scale_by_learning_rate(
-  learning_rate: float | optax.Schedule, *, flip_sign: bool = True
-) -> optax.GradientTransformationExtraArgs:
-  """Scales updates by ``-learning_rate`` (a float or an optax schedule).
-
-  Dense leaves behave exactly as ``optax.scale_by_learning_rate``;
-  SparseRows scale their values.
-
-  Args:
-    learning_rate: a float, or a schedule ``count -> learning rate``.
-    flip_sign: multiply by ``-learning_rate`` (descent) when True.
-
-  Returns:
-    A transformation; with a schedule its state counts the steps.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import gradtx as gtx
-    >>> tx = gtx.scale_by_learning_rate(0.5)
-    >>> tx.update(jnp.ones(2), tx.init(jnp.ones(2)))[0]
-    Array([-0.5, -0.5], dtype=float32)
-  """
-  sign = -1 if flip_sign else 1
-  if not callable(learning_rate):
-    return scale(sign * learning_rate)
-
-  def init_fn(params):
-    del params
-    return ScaleByScheduleState(count=zero_counter())
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    lr = learning_rate(state.count)
-    return _scale_tree(
-      updates, sign * lr, cast_first=True
-    ), ScaleByScheduleState(count=safe_increment(state.count))
-
-  return with_extra_args(init_fn, update_fn)
-
-
-def global_norm(updates: Any) -> jax.Array:
-  """The global L2 norm of a tree of arrays and SparseRows.
-
-  A SparseRows counts as the dense array it stands for: duplicates are
-  summed first, padding rows count zero.
-  """
-  total = jnp.zeros([], jnp.float32)
-  for u in tree_leaves(updates):
-    if isinstance(u, SparseRows):
-      u = u.coalesce().values
-    total = total + jnp.sum(jnp.square(jnp.asarray(u, jnp.float32)))
-  return jnp.sqrt(total)
-
-
-def clip_by_global_norm(
-  max_norm: float,
-) -> optax.GradientTransformationExtraArgs:
-  """Clips updates to a maximum global L2 norm (``optax.clip_by_global_norm``).
-
-  The norm covers every dense leaf and every SparseRows as the dense array
-  it stands for (duplicates summed, so a row counts once). SparseRows come
-  out coalesced (sorted unique indices), which the next sparse step would do
-  anyway.
-
-  .. math::
-    u \\leftarrow u \\cdot \\min(1, \\text{max\\_norm} / \\lVert u \\rVert_2)
-
-  Args:
-    max_norm: the largest allowed global norm.
-
-  Returns:
-    A stateless transformation.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradtx as gtx
-    >>> g = gtx.SparseRows(jnp.array([0, 0]), jnp.full((2, 1), 3.0), 5)
-    >>> gtx.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0].values
-    Array([[1.],
-           [0.]], dtype=float32)
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del params, extra_args
-    updates = tree_map(
-      lambda u: u.coalesce() if isinstance(u, SparseRows) else u, updates
-    )
-    norm = global_norm(updates)
-    trigger = norm < max_norm
-
-    def clip(x):
-      return lax.select(trigger, x, (x / norm.astype(x.dtype)) * max_norm)
-
-    def clip_leaf(u):
-      if u is None:
-        return None
-      if isinstance(u, SparseRows):
-        return u.with_values(clip(u.values))
-      return clip(u)
-
-    return tree_map(clip_leaf, updates), state
-
-  return stateless(update_fn)
-
-
-def _resolve_mask(mask: Any, params: Any) -> Any:
-  if mask is None:
-    return tree_map(lambda _: True, params)
-  return mask(params) if callable(mask) else mask
-
-
-def add_decayed_weights(
-  weight_decay: float = 0.0, mask: Any = None
-) -> optax.GradientTransformationExtraArgs:
-  """Adds ``weight_decay * params`` to the updates (decoupled weight decay).
-
-  Dense leaves behave exactly as ``optax.add_decayed_weights``. For a
-  SparseRows update only the touched rows decay: the update is coalesced
-  and ``weight_decay * params[row]`` is added once per touched row. Rows
-  not in the gradient are left alone, as users of sparse tables expect.
-
-  Args:
-    weight_decay: the decay rate.
-    mask: a tree of bools like params (or a callable ``params -> tree``);
-      leaves where it is False pass through unchanged.
-
-  Returns:
-    A stateless transformation that needs ``params``.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import gradtx as gtx
-    >>> p = jnp.ones((3, 1))
-    >>> g = gtx.SparseRows(jnp.array([2]), jnp.zeros((1, 1)), 3)
-    >>> tx = gtx.add_decayed_weights(0.1)
-    >>> tx.update(g, optax.EmptyState(), p)[0].to_dense()
-    Array([[0. ],
-           [0. ],
-           [0.1]], dtype=float32)
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    if params is None:
-      raise ValueError(
-        "gradtx.add_decayed_weights needs `params`: call "
-        "`tx.update(updates, state, params)`."
-      )
-    check_tree_match(updates, params, name="updates", reference_name="params")
-    m = _resolve_mask(mask, params)
-
-    def decay(u, p, keep):
-      if u is None or not keep:
-        return u
-      if isinstance(u, SparseRows):
-        _check_rows_match(u, p, "gradtx.add_decayed_weights")
-        u = u.coalesce()
-        rows = _gather(jnp.asarray(p), u.indices)
-        return u.with_values((u.values + weight_decay * rows).astype(u.dtype))
-      return (u + weight_decay * p).astype(jnp.asarray(u).dtype)
-
-    return tree_map(decay, updates, params, m), state
-
-  return stateless(update_fn)
-
-
-def row_gather(table: jax.Array, indices: jax.Array) -> jax.Array:
-  """Rows of ``table`` at ``indices``; padding indices read zeros."""
-  return _gather(table, indices)

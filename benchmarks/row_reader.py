@@ -1,0 +1,109 @@
+"""A/B of gradtx's one row reader on the whole training step.
+
+``gather_rows`` (``gradtx._base``) is the one reader of lookup, the row
+engine and weight decay. Before it, the row engine read state rows with a
+fill-mode gather and lookup with a gather of clamped ids plus a per-row
+select. This times the whole lazy_adam / rowwise_adagrad step (forward with
+the loss returned, sparse backward, optimizer, apply; jitted and donated;
+fresh uniform ids every step) with the engine's reads done each way, side by
+side in one process, and reports the ratio.
+
+  python -m benchmarks.row_reader [--rows 1000000] [--dim 64] [--ids 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import (
+  Schedule,
+  add_schedule_args,
+  time_interleaved,
+  write_results,
+)
+from gradtx import _base, _rows
+
+STEPS = 8  # distinct id batches cycled through
+
+
+def _fill_reader(table: Any, ids: Any, *, unique: bool = False, what=""):
+  """The engine's reader before: a fill-mode gather."""
+  del what
+  return table.at[ids].get(mode="fill", fill_value=0, unique_indices=unique)
+
+
+def _step(tx: Any, reader: Any) -> Any:
+  def loss(p, ids):
+    return jnp.sum(jnp.tanh(p["emb"][ids]) * 0.01)
+
+  def step(p, s, ids):
+    _rows.gather_rows = reader  # read at trace time
+    try:
+      value, g = gtx.sparse_value_and_grad(loss)(p, ids)
+      u, s = tx.update(g, s, p)
+      return gtx.apply_updates(p, u), s, value
+    finally:
+      _rows.gather_rows = _base.gather_rows
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--rows", type=int, default=1_000_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192)
+  add_schedule_args(parser)
+  args = parser.parse_args(argv)
+  sched = Schedule.from_args(args)
+  rng = np.random.RandomState(0)
+  batches = [
+    jnp.asarray(rng.randint(0, args.rows, args.ids), jnp.int32)
+    for _ in range(STEPS)
+  ]
+  rows = []
+  for name, make in (
+    ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
+    ("rowwise_adagrad", lambda: gtx.rowwise_adagrad(1e-2)),
+  ):
+    fns = {}
+    for variant, reader in (
+      ("fill gather", _fill_reader),
+      ("clamp + select (one reader)", _base.gather_rows),
+    ):
+      tx = make()
+      table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
+      box = {"p": {"emb": table}, "k": 0}
+      box["s"] = tx.init(box["p"])
+      step = _step(tx, reader)
+
+      def run(box=box, step=step):
+        box["k"] = (box["k"] + 1) % STEPS
+        box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
+        v.block_until_ready()
+
+      fns[variant] = run
+    times = time_interleaved(
+      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
+    )
+    base = times["fill gather"]
+    for variant, t in times.items():
+      rows.append([name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"])
+  write_results(
+    "row_reader",
+    f"One row reader, whole step: {args.rows:,} x {args.dim} table, "
+    f"{args.ids:,} fresh uniform ids per step",
+    ["optimizer", "engine reads", "step ms", "vs fill"],
+    rows,
+    notes=sched.describe() + "; both variants in one process.",
+  )
+
+
+if __name__ == "__main__":
+  main()
