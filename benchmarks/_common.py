@@ -293,3 +293,50 @@ def load_note() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
   except OSError:
     return "unknown"
+
+
+# ----------------------------------------------------------------------------
+# the whole step of one table, for side-by-side A/B runs
+
+
+def table_step(gtx: Any, tx: Any) -> Callable[..., Any]:
+  """The whole step users run on one ``[V, D]`` table: forward with the loss
+  returned, sparse backward, ``tx``, apply; jitted, params and state
+  donated. ``gtx`` is the gradtx module to run (A/B of two versions)."""
+  import jax
+  import jax.numpy as jnp
+
+  def loss(p, ids):
+    return jnp.sum(jnp.tanh(p["emb"][ids]) * 0.01)
+
+  def step(p, s, ids):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def table_runner(
+  step: Callable[..., Any], tx: Any, table: Any, batches: Sequence[Any]
+) -> Callable[[], None]:
+  """A call of ``step`` on its own donated table and state, the next batch
+  of fresh ids each time, waiting for the loss."""
+  box = {"p": {"emb": table}, "k": 0}
+  box["s"] = tx.init(box["p"])
+
+  def run() -> None:
+    box["k"] = (box["k"] + 1) % len(batches)
+    box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
+    v.block_until_ready()
+
+  return run
+
+
+def uniform_batches(rng: Any, rows: int, ids: int, count: int = 8) -> list:
+  """``count`` batches of ``ids`` uniform int32 ids in ``[0, rows)``."""
+  import jax.numpy as jnp
+
+  return [
+    jnp.asarray(rng.randint(0, rows, ids), jnp.int32) for _ in range(count)
+  ]

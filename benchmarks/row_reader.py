@@ -24,12 +24,12 @@ import gradtx as gtx
 from benchmarks._common import (
   Schedule,
   add_schedule_args,
+  table_runner,
   time_interleaved,
+  uniform_batches,
   write_results,
 )
 from gradtx import _base, _rows
-
-STEPS = 8  # distinct id batches cycled through
 
 
 def _fill_reader(table: Any, ids: Any, *, unique: bool = False, what=""):
@@ -63,10 +63,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
-  batches = [
-    jnp.asarray(rng.randint(0, args.rows, args.ids), jnp.int32)
-    for _ in range(STEPS)
-  ]
+  batches = uniform_batches(rng, args.rows, args.ids)
   rows = []
   for name, make in (
     ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
@@ -79,16 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
       tx = make()
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
-      box = {"p": {"emb": table}, "k": 0}
-      box["s"] = tx.init(box["p"])
-      step = _step(tx, reader)
-
-      def run(box=box, step=step):
-        box["k"] = (box["k"] + 1) % STEPS
-        box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
-        v.block_until_ready()
-
-      fns[variant] = run
+      fns[variant] = table_runner(_step(tx, reader), tx, table, batches)
     times = time_interleaved(
       fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
     )

@@ -308,16 +308,24 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
   signal.signal(signal.SIGINT, forward_kill)
   stderr = ChildStderr()
   assert child.stderr is not None
+  # The child's own one-line error is held and printed last: the runtime's
+  # threads may still log a line or two while the child exits.
+  held = []
   for raw in child.stderr:
     line = stderr.feed(raw.decode(errors="replace"))
-    if line is not None:
+    if line is not None and line.startswith("multihost: process "):
+      held.append(line)
+    elif line is not None:
       sys.stderr.write(line)
       sys.stderr.flush()
   rc = child.wait()
   sys.stderr.writelines(stderr.unexplained())
   reason = stderr.verdict(rc)
   if reason is None:
+    sys.stderr.writelines(held)
+    sys.stderr.flush()
     return rc
+  sys.stderr.writelines(held)
   print(one_line(args, reason), file=sys.stderr)
   return EXIT_PEER_LOST
 

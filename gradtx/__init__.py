@@ -7,9 +7,12 @@ from gradtx._autodiff import LeafSparsity as LeafSparsity
 from gradtx._autodiff import SparsityReport as SparsityReport
 from gradtx._autodiff import lookup as lookup
 from gradtx._autodiff import sparse_grad as sparse_grad
+from gradtx._autodiff import sparse_labels as sparse_labels
 from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
 from gradtx._autodiff import sparsity_report as sparsity_report
 from gradtx._base import SparseRows as SparseRows
+from gradtx._custom import RowTransformationState as RowTransformationState
+from gradtx._custom import row_transformation as row_transformation
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
@@ -32,6 +35,7 @@ from gradtx._optimizers import lazy_trace as lazy_trace
 from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
+from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
@@ -53,6 +57,7 @@ __all__ = [
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",
+  "RowTransformationState",
   "ScaleByLazyAdamCatchUpState",
   "ScaleByLazyAdamState",
   "ScaleByRowwiseRssState",
@@ -75,6 +80,7 @@ __all__ = [
   "lazy_sgd",
   "lazy_trace",
   "lookup",
+  "row_transformation",
   "rowwise_adagrad",
   "scale",
   "scale_by_lazy_adam",
@@ -83,8 +89,10 @@ __all__ = [
   "scale_by_rss",
   "sharded_init",
   "sparse_grad",
+  "sparse_labels",
   "sparse_value_and_grad",
   "sparsity_report",
   "staleness_stats",
+  "stochastic_round",
   "use_huge_pages",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,6 +17,8 @@ from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  is_update_leaf,
+  map_updates,
   safe_increment,
   tree_map,
   varying_axes,
@@ -64,6 +67,7 @@ def _check_every_k(every_k: Any, name: str = "every_k") -> int | None:
 
 
 def _check_rows(n: Any, path: str) -> int | None:
+  """One leaf's ``rows_per_step``: an int >= 1 (sparse) or None (dense)."""
   if n is None:
     return None
   if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -103,6 +107,7 @@ def _resolve_rows_per_step(rows_per_step: Any, params: Any) -> Any:
 
 
 def _new_buffer(p: Any, rows: int, dtype: Any) -> SparseRows:
+  """An all-padding sparse buffer of ``rows`` rows for table ``p``."""
   shape = tuple(p.shape)
   if len(shape) < 1:
     raise ValueError(
@@ -126,6 +131,421 @@ def _cast_like(new: Any, old: Any) -> Any:
     return n
 
   return jax.tree.map(cast, new, old)
+
+
+class _Plan(NamedTuple):
+  """The checked arguments of :func:`accumulate`, read by init and update."""
+
+  inner: optax.GradientTransformationExtraArgs
+  static_k: int | None  # None with an every_k schedule
+  schedule: Callable[[jax.Array], Any] | None
+  max_every_k: int | None  # bounds a schedule; sizes the sparse buffers
+  mean: bool
+  accumulator_dtype: Any  # a jnp.dtype, or None for each param's dtype
+  rows_per_step: Any
+
+  @property
+  def passthrough(self) -> bool:
+    """``every_k=1``: the inner transformation itself, no accumulator."""
+    return self.static_k == 1
+
+  @property
+  def window(self) -> int | None:
+    """The most gradients a window holds: sparse buffers have this many
+    slots of ``rows_per_step`` rows."""
+    return self.static_k or self.max_every_k
+
+
+def _make_plan(
+  inner: optax.GradientTransformation,
+  every_k: Any,
+  mean: bool,
+  accumulator_dtype: Any,
+  rows_per_step: Any,
+  max_every_k: Any,
+) -> _Plan:
+  """Checks the arguments of :func:`accumulate` when it is called, before
+  any trace, so a bad one fails at construction."""
+  static_k = _check_every_k(every_k)
+  schedule = None if static_k is not None else every_k
+  if max_every_k is not None:
+    if schedule is None:
+      raise ValueError(
+        "gradtx.accumulate `max_every_k` only bounds an `every_k` schedule; "
+        f"every_k is the int {static_k}. Drop max_every_k."
+      )
+    max_every_k = _check_every_k(max_every_k, "max_every_k")
+  if accumulator_dtype is not None:
+    accumulator_dtype = jnp.dtype(accumulator_dtype)
+    if not jnp.issubdtype(accumulator_dtype, jnp.inexact):
+      raise ValueError(
+        "gradtx.accumulate `accumulator_dtype` must be a floating dtype "
+        f"(for example jnp.float32); got {accumulator_dtype}."
+      )
+  return _Plan(
+    inner=optax.with_extra_args_support(inner),
+    static_k=static_k,
+    schedule=schedule,
+    max_every_k=max_every_k,
+    mean=mean,
+    accumulator_dtype=accumulator_dtype,
+    rows_per_step=rows_per_step,
+  )
+
+
+# ----------------------------------------------------------------------------
+# init
+
+
+def _buffer_k(plan: _Plan, rows: int) -> int:
+  """The slots of a sparse buffer; a schedule needs a static bound."""
+  if plan.window is None:
+    raise ValueError(
+      "gradtx.accumulate: with an `every_k` schedule, sparse leaves need "
+      "a static buffer size. Pass `max_every_k=` (the largest k the "
+      "schedule returns); the buffer then holds max_every_k * "
+      f"rows_per_step rows (here rows_per_step={rows})."
+    )
+  return plan.window
+
+
+def _new_accumulator(plan: _Plan, p: Any, rows: int | None) -> Any:
+  """An empty accumulator leaf for param ``p``: a running sum like ``p``
+  (dense), a buffer of ``k * rows`` rows (sparse), or None (no param, or
+  ``every_k=1``)."""
+  if p is None or plan.passthrough:
+    return None
+  dtype = plan.accumulator_dtype or p.dtype
+  if rows is None:
+    return jnp.zeros_like(p, dtype=dtype)  # keeps p's sharding
+  return _new_buffer(p, _buffer_k(plan, rows) * rows, dtype)
+
+
+def _init(plan: _Plan, params: Any) -> AccumulateState:
+  """``init``: empty counters, accumulators and the inner state."""
+  rows = _resolve_rows_per_step(plan.rows_per_step, params)
+  paths_rows, _ = jax.tree_util.tree_flatten_with_path(
+    rows, is_leaf=lambda x: x is None
+  )
+  for path, n in paths_rows:
+    _check_rows(n, jax.tree_util.keystr(path))
+  accumulator = jax.tree.map(
+    functools.partial(_new_accumulator, plan),
+    params,
+    rows,
+    is_leaf=lambda x: x is None,
+  )
+  return AccumulateState(
+    num_micro_steps=zero_counter(),
+    num_updates=zero_counter(),
+    num_accumulated=zero_counter(),
+    accumulator=accumulator,
+    inner_state=plan.inner.init(params),
+  )
+
+
+# ----------------------------------------------------------------------------
+# update: checks and the window's k
+
+
+def _check_state(state: Any, updates: Any) -> None:
+  """At trace time: the state is ours and ``updates`` is shaped like it."""
+  if not isinstance(state, AccumulateState):
+    raise TypeError(
+      "gradtx.accumulate `state` must be the AccumulateState its init "
+      f"returned; got {type(state).__name__}."
+    )
+  check_tree_match(
+    updates,
+    state.accumulator,
+    name="updates",
+    reference_name="params (given to accumulate's init)",
+  )
+
+
+def _current_k(plan: _Plan, num_updates: jax.Array) -> jax.Array:
+  """This window's k: the int, or the schedule at the updates emitted so
+  far (checked at trace time for its type, at run time for its range)."""
+  if plan.schedule is None:
+    return jnp.asarray(plan.static_k, jnp.int32)
+  k = jnp.asarray(plan.schedule(num_updates))
+  if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
+    raise TypeError(
+      "gradtx.accumulate `every_k` schedule must return an integer scalar;"
+      f" it returned {k.dtype}{list(k.shape)}. Return an int (for a float "
+      "schedule, round it: `.astype(jnp.int32)`)."
+    )
+  k = k.astype(jnp.int32)
+  bad = k < 1
+  if plan.max_every_k is not None:
+    bad = bad | (k > plan.max_every_k)
+  lax.cond(
+    bad,
+    lambda: jax.debug.callback(_raise_bad_k, k, plan.max_every_k or -1),
+    lambda: None,
+  )
+  return k
+
+
+# ----------------------------------------------------------------------------
+# update: a gradient leaf against its accumulator leaf (trace time)
+
+
+def _prepare_sparse(path: str, g: Any, a: SparseRows, n: int) -> SparseRows:
+  """A SparseRows gradient checked against its buffer (``n`` rows a slot)
+  and padded up to ``n`` rows, so every call fills exactly one slot."""
+  if not isinstance(g, SparseRows):
+    raise ValueError(
+      f"gradtx.accumulate: the gradient at {path} is a dense "
+      f"{jnp.shape(g)} array, but `rows_per_step` declares {n} rows for"
+      " it (a SparseRows leaf). Set its rows_per_step to None, or pass "
+      "a SparseRows gradient."
+    )
+  if g.shape != a.shape:
+    raise ValueError(
+      f"gradtx.accumulate: the SparseRows gradient at {path} stands for "
+      f"shape {g.shape} but its parameter has shape {a.shape}. Build "
+      "it with num_rows=table.shape[0] and rows of the table's shape."
+    )
+  if g.nnz > n:
+    raise ValueError(
+      f"gradtx.accumulate: the SparseRows gradient at {path} carries "
+      f"{g.nnz} rows but `rows_per_step` declares {n} for it. Pass "
+      f"rows_per_step >= {g.nnz} for {path}."
+    )
+  # Rows split over Explicit mesh axes join the replicated buffer whole.
+  idx = _sharded.unsplit(g.valid_indices())
+  vals = _sharded.unsplit(g.values)
+  if g.nnz < n:
+    idx = jnp.concatenate([idx, jnp.full([n - g.nnz], a.num_rows, jnp.int32)])
+    vals = jnp.concatenate(
+      [vals, jnp.zeros((n - g.nnz, *vals.shape[1:]), vals.dtype)]
+    )
+  return SparseRows(idx, vals, a.num_rows)
+
+
+def _check_dense(path: str, g: Any, a: jax.Array) -> Any:
+  """A dense gradient must match its running sum; gradtx never densifies a
+  SparseRows silently."""
+  if isinstance(g, SparseRows):
+    raise ValueError(
+      f"gradtx.accumulate: the gradient at {path} is a SparseRows, but "
+      "`rows_per_step` declares no row count for it, so its accumulator "
+      f"is dense. Pass rows_per_step with an int for {path} (the rows one "
+      f"gradient carries, here {g.nnz}); gradtx never densifies silently."
+    )
+  if g is None:
+    raise ValueError(
+      f"gradtx.accumulate: the gradient at {path} is None but its "
+      "parameter has an accumulator. Pass a zero gradient instead."
+    )
+  if tuple(jnp.shape(g)) != tuple(a.shape):
+    raise ValueError(
+      f"gradtx.accumulate: the gradient at {path} has shape "
+      f"{jnp.shape(g)} but its parameter (given to init) has shape "
+      f"{a.shape}."
+    )
+  return g
+
+
+def _prepare(updates: Any, accumulator: Any, window: int | None) -> Any:
+  """The gradients checked and shaped to add into the accumulator: a tree
+  like it (paths in the errors; None where it has no leaf)."""
+  acc_paths, acc_def = jax.tree_util.tree_flatten_with_path(
+    accumulator, is_leaf=is_update_leaf
+  )
+  prepared = []
+  for (key, a), g in zip(
+    acc_paths, acc_def.flatten_up_to(updates), strict=True
+  ):
+    path = jax.tree_util.keystr(key) or "the root"
+    if a is None:
+      prepared.append(None)
+    elif isinstance(a, SparseRows):
+      prepared.append(_prepare_sparse(path, g, a, a.nnz // window))
+    else:
+      prepared.append(_check_dense(path, g, a))
+  return acc_def.unflatten(prepared)
+
+
+# ----------------------------------------------------------------------------
+# update: the window's arithmetic
+
+
+def _add_sparse(a: SparseRows, g: SparseRows, offset: jax.Array) -> SparseRows:
+  """Writes ``g``'s rows into slot ``offset`` of the buffer: rows
+  ``[offset * n, offset * n + n)``."""
+  # A scatter rather than dynamic_update_slice: it accepts an update whose
+  # sharding type differs from the buffer's (explicit meshes); in place
+  # when donated.
+  n = g.nnz
+  slots = offset * n + jnp.arange(n, dtype=jnp.int32)
+  kw = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
+  return SparseRows(
+    a.indices.at[slots].set(g.indices, **kw),
+    a.values.at[slots].set(g.values.astype(a.dtype), **kw),
+    a.num_rows,
+  )
+
+
+def _add_dense(a: jax.Array, g: Any) -> jax.Array:
+  """The running sum, in the accumulator dtype."""
+  return a + jnp.asarray(g).astype(a.dtype)
+
+
+def _accumulated(accumulator: Any, prepared: Any, offset: jax.Array) -> Any:
+  """The accumulator with this call's gradient added (a pure function of
+  its operands, so each caller can recompute it where it is read)."""
+  return map_updates(
+    _add_dense,
+    accumulator,
+    prepared,
+    sparse=functools.partial(_add_sparse, offset=offset),
+  )
+
+
+def _total_leaf(a: Any, g: Any, count: jax.Array, mean: bool) -> Any:
+  """The accumulated gradient as the inner transformation sees it: the
+  mean if asked, in the incoming gradient's dtype. A leaf without an
+  accumulator passes the gradient through."""
+  if a is None:
+    return g
+  values = a.values if isinstance(a, SparseRows) else a
+  if mean:
+    values = values / count.astype(values.dtype)
+  values = values.astype(g.dtype)
+  if isinstance(a, SparseRows):
+    return SparseRows(a.indices, values, a.num_rows)
+  return values
+
+
+# ----------------------------------------------------------------------------
+# update: the two branches of the cond, and the accumulator after it
+
+
+def _emit_branch(
+  plan: _Plan,
+  state: AccumulateState,
+  updates: Any,
+  prepared: Any,
+  count: jax.Array,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any, jax.Array]:
+  """The emitting branch: the inner update of the window's gradient."""
+  # Recomputed here, fused into the inner transformation's first read,
+  # rather than materialized once for both the cond and the select.
+  acc = _accumulated(state.accumulator, prepared, state.num_accumulated)
+  total = tree_map(
+    functools.partial(_total_leaf, count=count, mean=plan.mean), acc, updates
+  )
+  new_updates, inner_state = plan.inner.update(
+    total, state.inner_state, params, **extra_args
+  )
+  return (
+    new_updates,
+    _cast_like(inner_state, state.inner_state),
+    jnp.ones([], bool),
+  )
+
+
+def _silent_branch(
+  update_types: Any, inner_state: Any
+) -> tuple[Any, Any, jax.Array]:
+  """The silent branch: zero updates of the emitting branch's types (an
+  all-padding SparseRows where it emits one), the inner state untouched."""
+  return zeros_like_update(update_types), inner_state, jnp.zeros([], bool)
+
+
+def _emit_or_silent(
+  emit: jax.Array, emit_fn: Callable[[], Any], inner_state: Any
+) -> tuple[Any, Any, jax.Array]:
+  """``lax.cond`` over the two branches, so the inner transformation runs
+  only on the emitting call: (updates, inner state, emitted)."""
+  emit_types = jax.eval_shape(emit_fn)
+  silent_fn = functools.partial(_silent_branch, emit_types[0], inner_state)
+  # Inside shard_map both branches must agree on which mesh axes each
+  # output varies over (jax-ml/jax#23693): cast both to the union.
+  varying = jax.tree.map(
+    lambda a, b: varying_axes(a) | varying_axes(b),
+    emit_types,
+    jax.eval_shape(silent_fn),
+  )
+  return lax.cond(
+    emit,
+    lambda: _to_varying(emit_fn(), varying),
+    lambda: _to_varying(silent_fn(), varying),
+  )
+
+
+def _reset(accumulated: Any, emitted: jax.Array, accumulator: Any) -> Any:
+  """The new accumulator: emptied when the cond emitted, else added to."""
+  # Outside the cond: one fused elementwise pass, in place when the state
+  # is donated. (Returned from the cond, XLA copies it: its new value is
+  # not a pass-through of the cond's operand in either branch.) Selecting
+  # on the cond's own output orders this write after the emitting branch
+  # has read the old accumulator, so XLA needs no defensive copy of it
+  # either.
+  return jax.tree.map(
+    lambda new, zero: jnp.where(emitted, zero, new),
+    accumulated,
+    zeros_like_update(accumulator),
+  )
+
+
+# ----------------------------------------------------------------------------
+# update
+
+
+def _passthrough_update(
+  plan: _Plan,
+  updates: Any,
+  state: AccumulateState,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, AccumulateState]:
+  """``every_k=1``: the inner update itself; the wrapper only counts."""
+  new_updates, inner_state = plan.inner.update(
+    updates, state.inner_state, params, **extra_args
+  )
+  return new_updates, state._replace(
+    num_micro_steps=safe_increment(state.num_micro_steps),
+    num_updates=safe_increment(state.num_updates),
+    inner_state=inner_state,
+  )
+
+
+def _update(
+  plan: _Plan,
+  updates: Any,
+  state: AccumulateState,
+  params: Any = None,
+  **extra_args: Any,
+) -> tuple[Any, AccumulateState]:
+  """One call: add the gradient; on the window's last call, emit."""
+  _check_state(state, updates)
+  if plan.passthrough:
+    return _passthrough_update(plan, updates, state, params, extra_args)
+  k = _current_k(plan, state.num_updates)
+  count = state.num_accumulated + 1
+  emit = count >= k
+  prepared = _prepare(updates, state.accumulator, plan.window)
+  emit_fn = functools.partial(
+    _emit_branch, plan, state, updates, prepared, count, params, extra_args
+  )
+  new_updates, inner_state, emitted = _emit_or_silent(
+    emit, emit_fn, state.inner_state
+  )
+  acc = _accumulated(state.accumulator, prepared, state.num_accumulated)
+  return new_updates, AccumulateState(
+    num_micro_steps=safe_increment(state.num_micro_steps),
+    num_updates=jnp.where(
+      emit, safe_increment(state.num_updates), state.num_updates
+    ),
+    num_accumulated=jnp.where(emit, 0, count).astype(jnp.int32),
+    accumulator=_reset(acc, emitted, state.accumulator),
+    inner_state=inner_state,
+  )
 
 
 def accumulate(
@@ -223,281 +643,17 @@ def accumulate(
     Yuxin Wu and others, `Tensorpack <https://github.com/tensorpack/tensorpack>`_
     (``AccumGradOptimizer``), 2016.
   """
-  static_k = _check_every_k(every_k)
-  schedule = None if static_k is not None else every_k
-  if max_every_k is not None:
-    if schedule is None:
-      raise ValueError(
-        "gradtx.accumulate `max_every_k` only bounds an `every_k` schedule; "
-        f"every_k is the int {static_k}. Drop max_every_k."
-      )
-    max_every_k = _check_every_k(max_every_k, "max_every_k")
-  if accumulator_dtype is not None:
-    accumulator_dtype = jnp.dtype(accumulator_dtype)
-    if not jnp.issubdtype(accumulator_dtype, jnp.inexact):
-      raise ValueError(
-        "gradtx.accumulate `accumulator_dtype` must be a floating dtype "
-        f"(for example jnp.float32); got {accumulator_dtype}."
-      )
-  inner = optax.with_extra_args_support(inner)
-  passthrough = static_k == 1
-
-  def buffer_k(rows: Any) -> int:
-    if static_k is not None:
-      return static_k
-    if max_every_k is None:
-      raise ValueError(
-        "gradtx.accumulate: with an `every_k` schedule, sparse leaves need "
-        "a static buffer size. Pass `max_every_k=` (the largest k the "
-        "schedule returns); the buffer then holds max_every_k * "
-        f"rows_per_step rows (here rows_per_step={rows})."
-      )
-    return max_every_k
-
-  def init_fn(params):
-    rows = _resolve_rows_per_step(rows_per_step, params)
-    paths_rows, _ = jax.tree_util.tree_flatten_with_path(
-      rows, is_leaf=lambda x: x is None
-    )
-    for path, n in paths_rows:
-      _check_rows(n, jax.tree_util.keystr(path))
-
-    def new_acc(p, n):
-      if p is None:
-        return None
-      if passthrough:
-        return None
-      dtype = accumulator_dtype or p.dtype
-      if n is None:
-        return jnp.zeros_like(p, dtype=dtype)  # keeps p's sharding
-      return _new_buffer(p, buffer_k(n) * n, dtype)
-
-    accumulator = jax.tree.map(
-      new_acc, params, rows, is_leaf=lambda x: x is None
-    )
-    return AccumulateState(
-      num_micro_steps=zero_counter(),
-      num_updates=zero_counter(),
-      num_accumulated=zero_counter(),
-      accumulator=accumulator,
-      inner_state=inner.init(params),
-    )
-
-  def current_k(state: AccumulateState) -> jax.Array:
-    if schedule is None:
-      return jnp.asarray(static_k, jnp.int32)
-    k = jnp.asarray(schedule(state.num_updates))
-    if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
-      raise TypeError(
-        "gradtx.accumulate `every_k` schedule must return an integer scalar;"
-        f" it returned {k.dtype}{list(k.shape)}. Return an int (for a float "
-        "schedule, round it: `.astype(jnp.int32)`)."
-      )
-    k = k.astype(jnp.int32)
-    bad = k < 1
-    if max_every_k is not None:
-      bad = bad | (k > max_every_k)
-    lax.cond(
-      bad,
-      lambda: jax.debug.callback(_raise_bad_k, k, max_every_k or -1),
-      lambda: None,
-    )
-    return k
-
-  def prepare_leaf(path, g, a):
-    """Checks one gradient leaf against its accumulator leaf (trace time);
-    pads a SparseRows gradient up to the declared rows."""
-    if a is None:
-      return None
-    if isinstance(a, SparseRows):
-      total = a.nnz
-      n = total // (static_k or max_every_k)
-      if not isinstance(g, SparseRows):
-        raise ValueError(
-          f"gradtx.accumulate: the gradient at {path} is a dense "
-          f"{jnp.shape(g)} array, but `rows_per_step` declares {n} rows for"
-          " it (a SparseRows leaf). Set its rows_per_step to None, or pass "
-          "a SparseRows gradient."
-        )
-      if g.shape != a.shape:
-        raise ValueError(
-          f"gradtx.accumulate: the SparseRows gradient at {path} stands for "
-          f"shape {g.shape} but its parameter has shape {a.shape}. Build "
-          "it with num_rows=table.shape[0] and rows of the table's shape."
-        )
-      if g.nnz > n:
-        raise ValueError(
-          f"gradtx.accumulate: the SparseRows gradient at {path} carries "
-          f"{g.nnz} rows but `rows_per_step` declares {n} for it. Pass "
-          f"rows_per_step >= {g.nnz} for {path}."
-        )
-      # Rows split over Explicit mesh axes join the replicated buffer whole.
-      idx = _sharded.unsplit(g.valid_indices())
-      vals = _sharded.unsplit(g.values)
-      if g.nnz < n:
-        idx = jnp.concatenate(
-          [idx, jnp.full([n - g.nnz], a.num_rows, jnp.int32)]
-        )
-        vals = jnp.concatenate(
-          [vals, jnp.zeros((n - g.nnz, *vals.shape[1:]), vals.dtype)]
-        )
-      return SparseRows(idx, vals, a.num_rows)
-    if isinstance(g, SparseRows):
-      raise ValueError(
-        f"gradtx.accumulate: the gradient at {path} is a SparseRows, but "
-        "`rows_per_step` declares no row count for it, so its accumulator "
-        f"is dense. Pass rows_per_step with an int for {path} (the rows one "
-        f"gradient carries, here {g.nnz}); gradtx never densifies silently."
-      )
-    if g is None:
-      raise ValueError(
-        f"gradtx.accumulate: the gradient at {path} is None but its "
-        "parameter has an accumulator. Pass a zero gradient instead."
-      )
-    if tuple(jnp.shape(g)) != tuple(a.shape):
-      raise ValueError(
-        f"gradtx.accumulate: the gradient at {path} has shape "
-        f"{jnp.shape(g)} but its parameter (given to init) has shape "
-        f"{a.shape}."
-      )
-    return g
-
-  def add_leaf(a, g, offset):
-    """The accumulator leaf ``a`` with the prepared gradient ``g`` added."""
-    if a is None:
-      return None
-    if isinstance(a, SparseRows):
-      # Rows [offset * n, offset * n + n) of the buffer. A scatter rather
-      # than dynamic_update_slice: it accepts an update whose sharding type
-      # differs from the buffer's (explicit meshes); in place when donated.
-      n = g.nnz
-      slots = offset * n + jnp.arange(n, dtype=jnp.int32)
-      kw = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
-      return SparseRows(
-        a.indices.at[slots].set(g.indices, **kw),
-        a.values.at[slots].set(g.values.astype(a.dtype), **kw),
-        a.num_rows,
-      )
-    return a + jnp.asarray(g).astype(a.dtype)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, AccumulateState):
-      raise TypeError(
-        "gradtx.accumulate `state` must be the AccumulateState its init "
-        f"returned; got {type(state).__name__}."
-      )
-    check_tree_match(
-      updates,
-      state.accumulator,
-      name="updates",
-      reference_name="params (given to accumulate's init)",
-    )
-    counters = dict(
-      num_micro_steps=safe_increment(state.num_micro_steps),
-      num_updates=safe_increment(state.num_updates),
-    )
-    if passthrough:
-      new_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args
-      )
-      return new_updates, AccumulateState(
-        **counters,
-        num_accumulated=state.num_accumulated,
-        accumulator=state.accumulator,
-        inner_state=inner_state,
-      )
-
-    k = current_k(state)
-    count = state.num_accumulated + 1
-    emit = count >= k
-    acc_paths, acc_def = jax.tree_util.tree_flatten_with_path(
-      state.accumulator,
-      is_leaf=lambda x: x is None or isinstance(x, SparseRows),
-    )
-    prepared = [
-      prepare_leaf(jax.tree_util.keystr(path) or "the root", g, a)
-      for (path, a), g in zip(
-        acc_paths, acc_def.flatten_up_to(updates), strict=True
-      )
-    ]
-
-    def accumulated():
-      return acc_def.unflatten(
-        [
-          add_leaf(a, g, state.num_accumulated)
-          for (_, a), g in zip(acc_paths, prepared, strict=True)
-        ]
-      )
-
-    def total_leaf(a, g):
-      # The accumulated gradient, as the inner transformation sees it.
-      if a is None:
-        return g
-      values = a.values if isinstance(a, SparseRows) else a
-      if mean:
-        values = values / count.astype(values.dtype)
-      values = values.astype(g.dtype)
-      if isinstance(a, SparseRows):
-        return SparseRows(a.indices, values, a.num_rows)
-      return values
-
-    def emit_raw():
-      # Recomputed here, fused into the inner transformation's first read,
-      # rather than materialized once for both the cond and the select.
-      total = tree_map(total_leaf, accumulated(), updates)
-      new_updates, inner_state = inner.update(
-        total, state.inner_state, params, **extra_args
-      )
-      return (
-        new_updates,
-        _cast_like(inner_state, state.inner_state),
-        jnp.ones([], bool),
-      )
-
-    emit_types = jax.eval_shape(emit_raw)
-
-    def silent_raw():
-      return (
-        zeros_like_update(emit_types[0]),
-        state.inner_state,
-        jnp.zeros([], bool),
-      )
-
-    # Inside shard_map both branches must agree on which mesh axes each
-    # output varies over (jax-ml/jax#23693): cast both to the union.
-    varying = jax.tree.map(
-      lambda a, b: varying_axes(a) | varying_axes(b),
-      emit_types,
-      jax.eval_shape(silent_raw),
-    )
-    new_updates, inner_state, emitted = lax.cond(
-      emit,
-      lambda: _to_varying(emit_raw(), varying),
-      lambda: _to_varying(silent_raw(), varying),
-    )
-    # The accumulator is added to, or emptied, outside the cond: one fused
-    # elementwise pass, in place when the state is donated. (Returned from
-    # the cond, XLA copies it: its new value is not a pass-through of the
-    # cond's operand in either branch.) Selecting on the cond's own output
-    # orders this write after the emitting branch has read the old
-    # accumulator, so XLA needs no defensive copy of it either.
-    acc = jax.tree.map(
-      lambda new, zero: jnp.where(emitted, zero, new),
-      accumulated(),
-      zeros_like_update(state.accumulator),
-    )
-    return new_updates, AccumulateState(
-      num_micro_steps=counters["num_micro_steps"],
-      num_updates=jnp.where(emit, counters["num_updates"], state.num_updates),
-      num_accumulated=jnp.where(emit, 0, count).astype(jnp.int32),
-      accumulator=acc,
-      inner_state=inner_state,
-    )
-
-  return with_extra_args(init_fn, update_fn)
+  plan = _make_plan(
+    inner, every_k, mean, accumulator_dtype, rows_per_step, max_every_k
+  )
+  return with_extra_args(
+    functools.partial(_init, plan), functools.partial(_update, plan)
+  )
 
 
 def _to_varying(tree: Any, varying: Any) -> Any:
+  """Casts each leaf to vary over the mesh axes ``varying`` names."""
+
   def cast(x: Any, axes: frozenset[str]) -> Any:
     missing = tuple(sorted(axes - varying_axes(x)))
     if not missing:
@@ -510,6 +666,7 @@ def _to_varying(tree: Any, varying: Any) -> Any:
 
 
 def _raise_bad_k(k: Any, max_every_k: Any) -> None:
+  """Host callback: a schedule's k is only known at run time."""
   k, max_every_k = int(k), int(max_every_k)
   bound = f" and <= max_every_k={max_every_k}" if max_every_k > 0 else ""
   raise ValueError(

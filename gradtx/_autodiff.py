@@ -22,8 +22,8 @@ from gradtx import _jaxpr
 from gradtx._base import (
   SparseRows,
   gather_rows,
+  map_updates,
   narrow_ids,
-  tree_map,
   varying_axes,
 )
 
@@ -135,13 +135,29 @@ class LeafSparsity(NamedTuple):
   rows_per_step: int  # ids read per call: the SparseRows length (0: dense)
   reason: str  # why the gradient is dense ("" when sparse)
   where: str  # file:line of the use that kept it dense ("" if none)
+  reads: int = 0  # whole-row reads per call, also where it stays dense
+  frozen: bool = False  # read only through stop_gradient: no gradient
+
+  @property
+  def is_table(self) -> bool:
+    """Read as whole rows somewhere (or frozen): an embedding table."""
+    return self.reads > 0 or self.frozen
+
+
+def _mib(n: float) -> str:
+  if abs(n) < 2**20:
+    return f"{n / 2**10:,.1f} KiB"
+  return f"{n / 2**20:,.1f} MiB"
 
 
 class SparsityReport(tuple):
   """Per-leaf :class:`LeafSparsity` records, in tree-flattening order.
 
-  ``str(report)`` is a table: path, shape, gradient kind, rows per step and
-  why a leaf stays dense, with the source line of the use that decided it.
+  ``str(report)`` is a summary people can scan: the tables found (leaves
+  read as whole rows), which came out sparse with their rows per step and
+  the gradient bytes saved, which stayed dense and why (with the source
+  line), and a count of the other leaves. :meth:`details` is the full
+  per-leaf table.
   """
 
   @property
@@ -149,13 +165,59 @@ class SparsityReport(tuple):
     """Paths of the leaves that get a SparseRows gradient."""
     return tuple(r.path for r in self if r.sparse)
 
-  def __str__(self) -> str:
+  @property
+  def tables(self) -> tuple[LeafSparsity, ...]:
+    """The records of the leaves read as whole rows (or frozen)."""
+    return tuple(r for r in self if r.is_table)
+
+  def summary(self) -> str:
+    """The tables, their verdicts and the bytes saved, one line each."""
+    tables = self.tables
+    lines = []
+    sparse = [r for r in tables if r.sparse and not r.frozen]
+    saved = 0.0
+    for r in sparse:
+      item = np.dtype(r.dtype).itemsize
+      row = int(np.prod(r.shape[1:])) * item
+      dense_bytes = r.shape[0] * row
+      sparse_bytes = r.rows_per_step * (row + 4)
+      saved += dense_bytes - sparse_bytes
+    lines.append(
+      f"{len(tables)} table(s): {len(sparse)} sparse, "
+      f"{sum(not r.sparse for r in tables)} dense, "
+      f"{sum(r.frozen for r in tables)} frozen; gradient bytes saved per "
+      f"step: {_mib(saved)}"
+    )
+    names = [(r.path or "(array)", f"{r.dtype}{list(r.shape)}") for r in tables]
+    wide = [max((len(n[k]) for n in names), default=0) for k in (0, 1)]
+    for r, (path, shape) in zip(tables, names, strict=True):
+      if r.frozen:
+        verdict = "frozen (stop_gradient): no gradient, no update"
+      elif r.sparse:
+        verdict = f"sparse, {r.rows_per_step:,} rows per step"
+      else:
+        at = f" ({r.where})" if r.where else ""
+        verdict = f"dense: {r.reason}{at}"
+      lines.append(
+        f"  {path.ljust(wide[0])}  {shape.ljust(wide[1])}  {verdict}"
+      )
+    others = len(self) - len(tables)
+    if others:
+      lines.append(
+        f"{others} other leaf(s) (weights, biases: not read as rows) keep "
+        "their dense gradient; report.details() lists every leaf"
+      )
+    return "\n".join(lines)
+
+  def details(self) -> str:
+    """Every leaf: path, shape, gradient kind, rows per step and why a leaf
+    stays dense, with the source line of the use that decided it."""
     head = ("leaf", "shape", "gradient", "rows/step", "why dense")
     rows = [head] + [
       (
         r.path,
         f"{r.dtype}{list(r.shape)}",
-        "sparse" if r.sparse else "dense",
+        "frozen" if r.frozen else "sparse" if r.sparse else "dense",
         str(r.rows_per_step) if r.sparse else "",
         r.reason + (f" ({r.where})" if r.where else ""),
       )
@@ -170,6 +232,9 @@ class SparsityReport(tuple):
       ).rstrip()
       for row in rows
     )
+
+  def __str__(self) -> str:
+    return self.summary()
 
   def __repr__(self) -> str:
     return f"SparsityReport({list(self)!r})"
@@ -209,7 +274,20 @@ def _normalize_argnums(
   return argnums, False
 
 
-def _leaf_record(path: str, aval: Any, group: Any) -> LeafSparsity:
+# A table read at least this many times per row in one step keeps its dense
+# gradient. On the whole lazy_adam step dense is faster from about 0.35 reads
+# per row (benchmarks/dense_threshold.py: sparse takes 0.87x dense's time at
+# 0.25, 1.02x at 0.35, 1.2x at 1, 1.6x at 4, 2.3x at 64), but a dense
+# gradient also changes what a lazy optimizer does to the rows a step
+# leaves untouched (dense Adam moves them); at 4 reads
+# per row a step touches all but e**-4 (1.8%) of the rows for uniform ids,
+# so the switch keeps the optimizer's behaviour. `dense=` switches earlier.
+DENSE_READS_PER_ROW = 4.0
+
+
+def _leaf_record(
+  path: str, aval: Any, group: Any, force_dense: bool, force_sparse: bool
+) -> LeafSparsity:
   shape, dtype = tuple(aval.shape), str(aval.dtype)
   if group is None:
     why = (
@@ -218,14 +296,51 @@ def _leaf_record(path: str, aval: Any, group: Any) -> LeafSparsity:
       else "a scalar (no rows)"
     )
     return LeafSparsity(path, shape, dtype, False, 0, why, "")
+  reads = sum(int(np.prod(r.ids_shape)) for r in group.reads)
   if group.dense is not None:
     d = group.dense
-    return LeafSparsity(path, shape, dtype, False, 0, d.what, d.where)
+    return LeafSparsity(path, shape, dtype, False, 0, d.what, d.where, reads)
   if not group.reads:
+    if group.frozen:  # no gradient at all: an empty SparseRows, no update
+      return LeafSparsity(path, shape, dtype, True, 0, "", "", 0, True)
     why = "not used by the loss (zero gradient)"
     return LeafSparsity(path, shape, dtype, False, 0, why, "")
-  rows = sum(int(np.prod(r.ids_shape)) for r in group.reads)
-  return LeafSparsity(path, shape, dtype, True, rows, "", "")
+  if force_dense:
+    why = "asked for dense (`dense=`)"
+    return LeafSparsity(path, shape, dtype, False, 0, why, "", reads)
+  if not force_sparse and reads >= DENSE_READS_PER_ROW * shape[0]:
+    why = (
+      f"{shape[0]:,} rows, {reads:,} reads per step: dense is cheaper "
+      "(`require_sparse=` to keep it sparse)"
+    )
+    return LeafSparsity(path, shape, dtype, False, 0, why, "", reads)
+  return LeafSparsity(path, shape, dtype, True, reads, "", "", reads)
+
+
+def _strip_value(path: str) -> str:
+  # nnx variables flatten to a `.value` leaf: both spellings name it.
+  return path[: -len(".value")] if path.endswith(".value") else path
+
+
+def _selected(spec: Any, paths: Sequence[str], arg: str) -> set[str]:
+  """The paths a ``require_sparse`` / ``dense`` argument names: a path
+  (with or without nnx's ``.value``), a sequence of them, or a predicate."""
+  if spec is None:
+    return set()
+  if callable(spec):
+    return {p for p in paths if spec(p) or spec(_strip_value(p))}
+  names = [spec] if isinstance(spec, str) else list(spec)
+  by_name = {}
+  for p in paths:
+    by_name[p] = p
+    by_name.setdefault(_strip_value(p), p)
+  unknown = [n for n in names if n not in by_name]
+  if unknown:
+    raise ValueError(
+      f"`{arg}` names {unknown}, which are not differentiated leaves. The "
+      f"leaves are {list(paths)} (jax.tree_util.keystr paths)."
+    )
+  return {by_name[n] for n in names}
 
 
 def _plan(
@@ -235,6 +350,8 @@ def _plan(
   argnums: tuple[int, ...],
   single: bool,
   has_aux: bool,
+  dense: Any = None,
+  require: Any = None,
 ) -> _Plan:
   for a in argnums:
     if a >= len(args) or a < -len(args):
@@ -270,8 +387,17 @@ def _plan(
     jnp.issubdtype(a.dtype, jnp.floating) and len(a.shape) >= 1 for a in avals
   ]
   analysis, groups = _jaxpr.analyze(closed, candidates)
+  forced = _selected(dense, paths, "dense")
+  required = _selected(require, paths, "require_sparse")
+  both = sorted(forced & required)
+  if both:
+    raise ValueError(
+      f"{both} named both in `dense` and in `require_sparse`: name each leaf "
+      "in one of them."
+    )
   report = SparsityReport(
-    _leaf_record(p, a, g) for p, a, g in zip(paths, avals, groups, strict=True)
+    _leaf_record(p, a, g, p in forced, p in required)
+    for p, a, g in zip(paths, avals, groups, strict=True)
   )
   return _Plan(leaves, treedef, closed, out_tree, analysis, groups, report)
 
@@ -281,23 +407,9 @@ def _name(path: str) -> str:
 
 
 def _check_required(require: Any, report: SparsityReport) -> None:
-  if require is None:
-    return
-  if callable(require):
-    wanted = [r for r in report if require(r.path)]
-  else:
-    names = [require] if isinstance(require, str) else list(require)
-    by_path = {r.path: r for r in report}
-    unknown = [n for n in names if n not in by_path]
-    if unknown:
-      raise ValueError(
-        f"`require_sparse` names {unknown}, which are not differentiated "
-        f"leaves. The leaves are {list(by_path)} "
-        "(jax.tree_util.keystr paths)."
-      )
-    wanted = [by_path[n] for n in names]
-  for r in wanted:
-    if not r.sparse:
+  wanted = _selected(require, [r.path for r in report], "require_sparse")
+  for r in report:
+    if r.path in wanted and not r.sparse:
       at = f" at {r.where}" if r.where else ""
       raise ValueError(
         f"gradtx.sparse_value_and_grad: `require_sparse` asks for a sparse "
@@ -327,6 +439,7 @@ def sparse_value_and_grad(
   has_aux: bool = False,
   *,
   require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
+  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, with SparseRows gradients for tables.
 
@@ -362,6 +475,17 @@ def sparse_value_and_grad(
   inside the loss) or parameter layout also keeps it dense, with a
   :class:`SparsityWarning`. :func:`sparsity_report` shows what happened.
 
+  Dense where dense is cheaper: a table read at least 4 times per row in
+  one call (``DENSE_READS_PER_ROW``) -- BERT's 2-row segment table read at
+  every position -- keeps its dense gradient: dense is faster there (1.6x
+  on the whole lazy_adam step at 4 reads per row, 2.3x at 64) and the step
+  touches nearly every row,
+  so a lazy optimizer behaves as the dense one. The shapes are static, so
+  this is decided at trace time; ``require_sparse`` keeps it sparse,
+  ``dense`` makes other tables dense. A table read only through
+  ``lax.stop_gradient`` (a frozen table) gets an empty SparseRows: no
+  gradient, and no row for a lazy optimizer to touch.
+
   The SparseRows of a table holds the ids of its reads in program order
   (depth-first through nested jit/checkpoint/scan bodies), each read's ids
   flattened row-major; a read inside a scan contributes its ids of every
@@ -377,9 +501,13 @@ def sparse_value_and_grad(
     has_aux: as in ``jax.value_and_grad``.
     require_sparse: leaves that must come out sparse: a path
       (``jax.tree_util.keystr`` of the leaf, as :func:`sparsity_report`
-      prints it, e.g. ``"['emb']"``), a sequence of paths, or a predicate
-      on the path. A ValueError names each such leaf that stays dense, the
-      use that kept it dense and its source line.
+      prints it, e.g. ``"['emb']"``; an nnx ``.value`` suffix may be left
+      off), a sequence of paths, or a predicate on the path. A ValueError
+      names each such leaf that stays dense, the use that kept it dense and
+      its source line. A required leaf stays sparse even where dense would
+      be cheaper.
+    dense: leaves to keep dense although they are read only as whole rows
+      (same forms as ``require_sparse``).
 
   Returns:
     A function with ``fun``'s signature returning ``(value, grads)`` (or
@@ -400,7 +528,9 @@ def sparse_value_and_grad(
 
   def value_and_grad_fn(*args, **kwargs):
     try:
-      plan = _plan(fun, args, kwargs, argnum_tuple, single, has_aux)
+      plan = _plan(
+        fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
+      )
     except _NEEDS_CONCRETE as e:
       # Eager-only Python (a concrete jnp.unique, numpy indexing) cannot be
       # traced; jax.value_and_grad runs it eagerly, and raises as it would.
@@ -420,14 +550,17 @@ def sparse_value_and_grad(
     _check_required(require_sparse, plan.report)
     _warn_unknown(plan.report, plan.groups)
     leaves = plan.leaves
-    sparse = [i for i, r in enumerate(plan.report) if r.sparse]
-    if not sparse:  # nothing to do: exactly jax's gradients
+    frozen = [i for i, r in enumerate(plan.report) if r.frozen]
+    sparse = [i for i, r in enumerate(plan.report) if r.sparse and not r.frozen]
+    if not sparse and not frozen:  # nothing to do: exactly jax's gradients
       out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
         *args, **kwargs
       )
       # As below: no table copy when a dense gradient skips the reads.
       return out, _order_after(grads, out[0] if has_aux else out)
-    dense_slots = [i for i in range(len(leaves)) if i not in sparse]
+    dense_slots = [
+      i for i in range(len(leaves)) if i not in sparse and i not in frozen
+    ]
     sinks = {}
     for s in sparse:
       t = leaves[s]
@@ -469,6 +602,15 @@ def sparse_value_and_grad(
         idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
         vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
       out[s] = SparseRows(idx, vals, t.shape[0])
+    for f in frozen:  # no gradient: no row for an optimizer to touch
+      t = leaves[f]
+      out[f] = SparseRows(
+        jnp.zeros([0], jnp.int32),
+        jnp.zeros((0, *t.shape[1:]), t.dtype),
+        t.shape[0],
+        unique=True,
+        normalized=True,
+      )
     grads = jax.tree.unflatten(plan.treedef, out)
     grads = grads[0] if single else grads
     # Every forward read of a table before any in-place write of its update:
@@ -486,6 +628,7 @@ def sparse_grad(
   has_aux: bool = False,
   *,
   require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
+  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.grad``, with SparseRows gradients for tables.
 
@@ -501,7 +644,11 @@ def sparse_grad(
     Array([2., 2.], dtype=float32)
   """
   vg = sparse_value_and_grad(
-    fun, argnums=argnums, has_aux=has_aux, require_sparse=require_sparse
+    fun,
+    argnums=argnums,
+    has_aux=has_aux,
+    require_sparse=require_sparse,
+    dense=dense,
   )
 
   def grad_fn(*args, **kwargs):
@@ -515,6 +662,9 @@ def sparsity_report(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
+  *,
+  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
+  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
 ) -> Callable[..., SparsityReport]:
   """Which leaves :func:`sparse_value_and_grad` makes sparse, and why not.
 
@@ -548,9 +698,72 @@ def sparsity_report(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def report_fn(*args, **kwargs):
-    return _plan(fun, args, kwargs, argnum_tuple, single, has_aux).report
+    return _plan(
+      fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
+    ).report
 
   return report_fn
+
+
+def sparse_labels(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  *,
+  sparse_label: Any = "sparse",
+  dense_label: Any = "dense",
+  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
+  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
+) -> Callable[..., Any]:
+  """Labels for ``optax.multi_transform``: which leaves get a sparse
+  gradient, as :func:`sparse_value_and_grad` decides.
+
+  Embedding tables want another optimizer than the dense layers (row-wise
+  Adagrad on the tables, Adam on the MLP: the recommender standard), and
+  the rewrite already knows which leaves are tables. This traces ``fun``
+  (nothing runs on the device) and labels every leaf of the differentiated
+  argument(s) ``sparse_label`` (its gradient is a SparseRows, frozen tables
+  included) or ``dense_label``. ``optax.multi_transform`` then gives each
+  optimizer only the leaves it owns, so no Adam state is made for a table.
+
+  Args:
+    fun: the loss, as for :func:`sparse_value_and_grad`.
+    argnums: which positional argument(s) are differentiated.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    sparse_label: the label of the sparse leaves.
+    dense_label: the label of every other leaf.
+    require_sparse: as in :func:`sparse_value_and_grad`.
+    dense: as in :func:`sparse_value_and_grad`.
+
+  Returns:
+    A function with ``fun``'s signature returning the labels, a tree shaped
+    like the differentiated argument (a tuple of them for a tuple
+    ``argnums``).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.zeros((1000, 4)), "w": jnp.ones((4, 2))}
+    >>> def loss(p, ids):
+    ...   return jnp.sum(p["emb"][ids] @ p["w"])
+    >>> labels = gtx.sparse_labels(loss)(params, jnp.array([3, 7]))
+    >>> labels
+    {'emb': 'sparse', 'w': 'dense'}
+    >>> tx = optax.multi_transform(
+    ...     {"sparse": gtx.rowwise_adagrad(0.1), "dense": optax.adam(1e-3)},
+    ...     labels)
+  """
+  argnum_tuple, single = _normalize_argnums(argnums)
+
+  def labels_fn(*args, **kwargs):
+    plan = _plan(
+      fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
+    )
+    labels = [sparse_label if r.sparse else dense_label for r in plan.report]
+    tree = jax.tree.unflatten(plan.treedef, labels)
+    return tree[0] if single else tree
+
+  return labels_fn
 
 
 def _order_after(tree: Any, value: jax.Array) -> Any:
@@ -576,13 +789,8 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
   axes = varying_axes(flag)
 
   def tie(x):
-    if x is None:
-      return None
-    if isinstance(x, SparseRows):
-      return x.with_values(tie(x.values))
-    x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact) or axes - varying_axes(x):
       return x
     return x - flag.astype(x.dtype) * jnp.zeros([], x.dtype)
 
-  return tree_map(tie, tree)
+  return map_updates(tie, tree)

@@ -161,6 +161,9 @@ class SparseRows:
     hit = _jaxpr.reducing_collective()
     if hit is not None:
       raise _reduction_error(*hit)
+    trap = _jaxpr.flatten_trap()
+    if trap is not None:
+      raise TypeError(trap)
     return (self._indices, self._values), self._num_rows
 
   @classmethod
@@ -572,18 +575,58 @@ def is_sparse(x: Any) -> bool:
   return isinstance(x, SparseRows)
 
 
-def _is_leaf(x: Any) -> bool:
+def concrete(x: Any, cast: Callable[[Any], Any] = float) -> Any:
+  """``cast(x)`` for a concrete value, None for a traced one (under ``jit``
+  or ``optax.inject_hyperparams``)."""
+  try:
+    return cast(np.asarray(x))
+  except (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+  ):
+    return None
+
+
+def is_update_leaf(x: Any) -> bool:
+  """``is_leaf`` for update trees: None and SparseRows are leaves."""
   return x is None or isinstance(x, SparseRows)
 
 
 def tree_map(f: Callable[..., Any], tree: Any, *rest: Any) -> Any:
   """``jax.tree.map`` that stops at SparseRows and None."""
-  return jax.tree.map(f, tree, *rest, is_leaf=_is_leaf)
+  return jax.tree.map(f, tree, *rest, is_leaf=is_update_leaf)
+
+
+def map_updates(
+  dense: Callable[..., Any],
+  tree: Any,
+  *rest: Any,
+  sparse: Callable[..., Any] | None = None,
+) -> Any:
+  """The sparse twin of ``jax.tree.map`` for update trees (optax's
+  ``stateless_with_tree_map`` maps arrays only): None stays None; a
+  SparseRows gets ``sparse(u, *rest_leaves)`` when given, else its values
+  are mapped, ``u.with_values(dense(u.values, *rest_leaves))`` (facts kept);
+  every other leaf is ``dense(jnp.asarray(x), *rest_leaves)``."""
+
+  def f(u, *r):
+    if u is None:
+      return None
+    if isinstance(u, SparseRows):
+      if sparse is not None:
+        return sparse(u, *r)
+      return u.with_values(dense(u.values, *r))
+    return dense(jnp.asarray(u), *r)
+
+  return tree_map(f, tree, *rest)
 
 
 def tree_leaves(tree: Any) -> list[Any]:
   """Leaves of ``tree``, with SparseRows kept whole and None dropped."""
-  return [x for x in jax.tree.leaves(tree, is_leaf=_is_leaf) if x is not None]
+  return [
+    x for x in jax.tree.leaves(tree, is_leaf=is_update_leaf) if x is not None
+  ]
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -592,10 +635,7 @@ def varying_axes(x: Any) -> frozenset:
   ``x`` is a value or a ``jax.ShapeDtypeStruct`` (from ``jax.eval_shape``).
   """
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", None) or ())  # jax <= 0.9
+  return _jaxpr.vma_of(aval)
 
 
 def safe_increment(count: jax.Array) -> jax.Array:
@@ -636,10 +676,10 @@ def check_tree_match(
   SparseRows in ``tree`` count as leaves, so a SparseRows update at an array
   parameter's position matches.
   """
-  got = jax.tree.structure(tree, is_leaf=_is_leaf)
-  want = jax.tree.structure(reference, is_leaf=_is_leaf)
+  got = jax.tree.structure(tree, is_leaf=is_update_leaf)
+  want = jax.tree.structure(reference, is_leaf=is_update_leaf)
   try:
-    jax.tree.map(lambda *_: None, tree, reference, is_leaf=_is_leaf)
+    jax.tree.map(lambda *_: None, tree, reference, is_leaf=is_update_leaf)
   except (ValueError, TypeError) as e:
     raise ValueError(
       f"`{name}` does not have the tree structure of `{reference_name}`: "

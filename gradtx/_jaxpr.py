@@ -117,6 +117,7 @@ FOLLOWED_PARAMS: dict[str, tuple[Any, ...]] = {
     (_SCAN_COUNTS_OLD, _SCAN_COUNTS_NEW),
   ),
   "pvary": (),
+  "stop_gradient": (),
 }
 
 
@@ -149,6 +150,31 @@ def input_avals(closed: Any) -> list[Any]:
 _COLLECTIVES_MODULE = "jax._src.lax.parallel"
 _REDUCING = re.compile(r"_?p(sum|mean|max|min)")
 _JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(jax.__file__)))
+
+
+# Functions that map over an update tree first and so split a SparseRows
+# into its ids and rows: (module, function) -> what to call instead.
+_SPLITS_UPDATES = {
+  ("equinox._update", "apply_updates"): (
+    "`eqx.apply_updates` maps over the updates first and would split a "
+    "gradtx.SparseRows into its ids and rows. Apply sparse updates with "
+    "`gtx.apply_updates(model, updates)` (an Equinox module is a pytree; a "
+    "None update leaves its leaf alone, as in eqx), or with "
+    "`optax.apply_updates(params, updates)` on the array part "
+    "(`eqx.partition`)."
+  ),
+}
+
+
+def flatten_trap() -> str | None:
+  """What to do instead, when the pytree flatten that called the caller of
+  this function runs inside a function of ``_SPLITS_UPDATES``."""
+  f = sys._getframe(2)
+  while f is not None and f.f_globals.get("__name__") == "jax._src.tree_util":
+    f = f.f_back
+  if f is None:
+    return None
+  return _SPLITS_UPDATES.get((f.f_globals.get("__name__"), f.f_code.co_name))
 
 
 def reducing_collective() -> tuple[str, str] | None:
@@ -196,10 +222,12 @@ class DenseUse:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """What a jaxpr does with one table (and its casts): reads, or a dense use."""
+  """What a jaxpr does with one table (and its casts): reads, or a dense use;
+  ``frozen``: some use goes through ``stop_gradient`` (no gradient there)."""
 
   reads: tuple[Read, ...]
   dense: DenseUse | None
+  frozen: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +243,11 @@ class _Cast:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Frozen:
+  """``stop_gradient`` of the table: a constant for autodiff."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _Pvary:
   """A shard_map type cast (invariant -> varying) of whole tables."""
 
@@ -227,7 +260,9 @@ class _Sub:
   prefix: tuple[int, ...]  # (length,) for scan: reads are stacked
 
 
-def _vma(aval: Any) -> frozenset:
+def vma_of(aval: Any) -> frozenset:
+  """Mesh axes a value of abstract value ``aval`` varies along inside
+  ``shard_map`` (its type's ``manual_axis_type``; ``vma`` on older JAX)."""
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:
     return frozenset(mat.varying)
@@ -302,18 +337,20 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
       sorted(offsets)
     ):
       raise ValueError(f"gather output {out_shape} with offset_dims {offsets}")
-    return _RowRead("gather", ids_shape, _vma(eqn.outvars[0].aval))
+    return _RowRead("gather", ids_shape, vma_of(eqn.outvars[0].aval))
   if name == "dynamic_slice":
     if pos != [0] or len(eqn.invars) != 1 + len(shape):
       return _dense(eqn, "`dynamic_slice` with the table as a start index")
     if tuple(params["slice_sizes"]) != (1, *row_shape):
       return _dense(eqn, "`dynamic_slice` that does not read one whole row")
-    return _RowRead("dynamic_slice", (1,), _vma(eqn.outvars[0].aval))
+    return _RowRead("dynamic_slice", (1,), vma_of(eqn.outvars[0].aval))
   if name == "convert_element_type":
     new = params["new_dtype"]
     if params.get("sharding") is None and _is_float(new):
       return _Cast(np.dtype(new))
     return _dense(eqn, f"`convert_element_type` to {new}")
+  if name == "stop_gradient" and pos == [0]:
+    return _Frozen()
   if name in ("pvary", "pcast") and params.get("to", "varying") == "varying":
     # shard_map(check_vma=True) marks an invariant table varying before a
     # read with varying ids; no value changes.
@@ -328,7 +365,7 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
       if len(eqn.invars) == 2 and tuple(out.shape) == (
         tuple(ids_aval.shape) + row_shape
       ):
-        return _RowRead("lookup", tuple(ids_aval.shape), _vma(out))
+        return _RowRead("lookup", tuple(ids_aval.shape), vma_of(out))
     jaxpr, consts = open_jaxpr(closed)
     _check_aligned(jaxpr, eqn)
     return _Sub("jit", jaxpr, consts, ())
@@ -406,14 +443,17 @@ class Analysis:
   def _walk(self, jaxpr: Any, members: dict[int, Any]) -> Group:
     alias = {jaxpr.invars[i]: d for i, d in members.items()}
     reads: list[Read] = []
+    frozen = False
     for eqn in jaxpr.eqns:
       pos = [k for k, v in enumerate(eqn.invars) if _is_var(v) and v in alias]
       if not pos:
         continue
       m = _match(eqn, pos)
       if isinstance(m, DenseUse):
-        return Group(tuple(reads), m)
-      if isinstance(m, _RowRead):
+        return Group(tuple(reads), m, frozen)
+      if isinstance(m, _Frozen):
+        frozen = True  # its output is a constant: no use of the table
+      elif isinstance(m, _RowRead):
         reads.append(Read(m.ids_shape, m.vma))
       elif isinstance(m, _Cast):
         alias[eqn.outvars[0]] = alias[eqn.invars[pos[0]]] + (m.dtype,)
@@ -423,14 +463,16 @@ class Analysis:
       else:
         sub = self.group(m.jaxpr, {p: alias[eqn.invars[p]] for p in pos})
         reads.extend(Read(m.prefix + r.ids_shape, r.vma) for r in sub.reads)
+        frozen = frozen or sub.frozen
         if sub.dense is not None:
-          return Group(tuple(reads), sub.dense)
+          return Group(tuple(reads), sub.dense, frozen)
     if any(_is_var(v) and v in alias for v in jaxpr.outvars):
       return Group(
         tuple(reads),
         DenseUse("returned by the loss or a nested jit/checkpoint/scan"),
+        frozen,
       )
-    return Group(tuple(reads), None)
+    return Group(tuple(reads), None, frozen)
 
 
 def trace(fun: Callable[..., Any], leaves: Sequence[Any]) -> tuple[Any, Any]:
@@ -550,6 +592,12 @@ def _rewrite(an: Analysis, eqn: Any, pos: list[int], invals: list[Any]):
   if isinstance(m, _Cast):
     t = invals[0]
     return [_Table(t.value, (*t.casts, m.dtype), t.queue)]
+  if isinstance(m, _Frozen):
+    t = invals[0]
+    x = t.value
+    for dtype in t.casts:
+      x = lax.convert_element_type(x, dtype)
+    return [lax.stop_gradient(x)]
   if isinstance(m, _Pvary):
     raw = [x.value if isinstance(x, _Table) else x for x in invals]
     outs = eqn.primitive.bind(*raw, **eqn.primitive.get_bind_params(eqn.params))

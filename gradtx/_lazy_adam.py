@@ -141,7 +141,10 @@ def scale_by_lazy_adam(
   (duplicates summed) and only its rows are updated, as in TensorFlow's
   ``LazyAdam`` and PyTorch's ``SparseAdam``; every other row keeps its
   moments bit for bit. The step count :math:`t` is global (one per call,
-  shared by all leaves), so the bias corrections are those dense Adam uses:
+  shared by all leaves, as in optax and TensorFlow's ``LazyAdam``; PyTorch's
+  ``SparseAdam`` counts per parameter tensor, only on steps where that
+  tensor has a gradient, which differs once a table has gone a step
+  without one), so the bias corrections are those dense Adam uses:
 
   .. math::
     m_i &\leftarrow \beta_1 m_i + (1 - \beta_1) g_i, \qquad

@@ -15,8 +15,9 @@ of gradients into an optax chain.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  map_updates,
   stateless,
-  tree_map,
   varying_axes,
 )
 from gradtx._sharded import sharded_init
@@ -42,6 +43,7 @@ AxisName = Any  # a mesh / pmap axis name, or a tuple of them
 
 
 def _check_op(op: Any, allowed: Sequence[str], where: str) -> str:
+  """Checks ``op`` eagerly, before any collective is traced."""
   if not isinstance(op, str) or op not in allowed:
     raise ValueError(
       f"{where}: `op` must be one of {', '.join(map(repr, allowed))}; got "
@@ -50,7 +52,13 @@ def _check_op(op: Any, allowed: Sequence[str], where: str) -> str:
   return op
 
 
+# ----------------------------------------------------------------------------
+# Reductions across replicas, inside a mapped step (all_reduce and
+# Mirrored.all_reduce)
+
+
 def _unbound(where: str, axis_name: AxisName, err: Exception) -> NameError:
+  """JAX's unbound-axis error, told in terms of where to call ``where``."""
   return NameError(
     f"{where}: the axis name {axis_name!r} is not bound here ({err}). Call it "
     "inside the function given to `Mirrored.step` (whose axis is "
@@ -69,7 +77,25 @@ def _first(x: Any, axis_name: AxisName) -> jax.Array:
   return lax.psum(jnp.where(is_first, x, jnp.zeros_like(x)), axis_name)
 
 
+def _is_varying(x: jax.Array, axis_name: AxisName) -> bool:
+  """Whether shard_map's type checks see ``x`` differ along the axis."""
+  varying = varying_axes(x)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return any(n in varying for n in names)
+
+
+def _reduce_dense(x: jax.Array, axis_name: AxisName, op: str) -> jax.Array:
+  """A dense leaf: one collective (``first`` is a masked psum)."""
+  if op == "sum":
+    return lax.psum(x, axis_name)
+  if op == "mean":
+    return lax.pmean(x, axis_name)
+  return _first(x, axis_name)
+
+
 def _reduce_sparse(u: SparseRows, axis_name: AxisName, op: str) -> SparseRows:
+  """A SparseRows: every replica's rows gathered (never densified), so it
+  moves ``R * n * (dim + 1)`` numbers, not the table."""
   if op == "first":
     return SparseRows(
       _first(u.indices, axis_name), _first(u.values, axis_name), u.num_rows
@@ -89,29 +115,64 @@ def _reduce_sparse(u: SparseRows, axis_name: AxisName, op: str) -> SparseRows:
   return SparseRows(indices, values, u.num_rows)
 
 
-def _is_varying(x: jax.Array, axis_name: AxisName) -> bool:
-  """Whether shard_map's type checks see ``x`` differ along the axis."""
-  varying = varying_axes(x)
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return any(n in varying for n in names)
-
-
 def _reduce_tree(tree: Any, axis_name: AxisName, op: str, where: str) -> Any:
-  def reduce_leaf(x):
-    if x is None:
-      return None
-    if isinstance(x, SparseRows):
-      return _reduce_sparse(x, axis_name, op)
-    if op == "sum":
-      return lax.psum(x, axis_name)
-    if op == "mean":
-      return lax.pmean(x, axis_name)
-    return _first(x, axis_name)
-
+  """Every leaf reduced over ``axis_name``; an unbound axis is reported as
+  a misuse of ``where``."""
   try:
-    return tree_map(reduce_leaf, tree)
+    return map_updates(
+      functools.partial(_reduce_dense, axis_name=axis_name, op=op),
+      tree,
+      sparse=functools.partial(_reduce_sparse, axis_name=axis_name, op=op),
+    )
   except NameError as e:
     raise _unbound(where, axis_name, e) from e
+
+
+# ----------------------------------------------------------------------------
+# Reductions of per-replica values, outside the step (Mirrored.reduce)
+
+
+def _check_per_replica(tree: Any, n: int) -> None:
+  """Each leaf carries the leading replica axis a per-replica output has."""
+  for path, x in _paths(tree):
+    shape = np.shape(x)
+    if not shape or shape[0] != n:
+      got = "a scalar" if not shape else f"leading size {shape[0]}"
+      raise ValueError(
+        f"Mirrored.reduce: leaf `tree{path}` has {got}; per-replica values "
+        f"need a leading axis of size num_replicas={n} (list the output "
+        "in the step's `per_replica_outputs`)."
+      )
+
+
+def _combine_dense(x: jax.Array, op: str) -> jax.Array:
+  """A dense ``[R, ...]`` leaf combined over its replica axis."""
+  if op == "first":
+    return x[0]
+  return jnp.sum(x, axis=0) if op == "sum" else jnp.mean(x, axis=0)
+
+
+def _combine_sparse(u: SparseRows, op: str, n: int) -> SparseRows:
+  """A stacked SparseRows (indices ``[R, n]``) as one of ``R * n`` rows,
+  like the in-step gather (or replica 0's rows for ``first``)."""
+  idx, vals = u.indices, u.values
+  if op == "first":
+    return SparseRows(idx[0], vals[0], u.num_rows)
+  idx = idx.reshape(-1)
+  vals = vals.reshape((-1,) + vals.shape[2:])
+  if op == "mean":
+    vals = (vals / n).astype(vals.dtype)
+  return SparseRows(idx, vals, u.num_rows)
+
+
+def _reduce_stacked(tree: Any, op: str, n: int) -> Any:
+  """What ``Mirrored.reduce`` jits: every leaf combined over its replica
+  axis."""
+  return map_updates(
+    functools.partial(_combine_dense, op=op),
+    tree,
+    sparse=functools.partial(_combine_sparse, op=op, n=n),
+  )
 
 
 def all_reduce(
@@ -203,10 +264,68 @@ class AllReduce(optax.GradientTransformationExtraArgs):
 
 
 # ----------------------------------------------------------------------------
-# Mirrored
+# Mirrored, job by job: the mesh, placement, batch splitting, the two ways
+# of running the step, and the per-replica outputs. The class only checks
+# its arguments and delegates here.
+
+
+class _Replicas(NamedTuple):
+  """The 1-D mesh of the replicas and the two placements every job uses."""
+
+  mesh: Mesh
+  axis_name: str
+  replicated: NamedSharding  # whole on every replica
+  split: NamedSharding  # leading axis split over the replicas
+  local: int  # replicas on this process's devices
+
+  @property
+  def size(self) -> int:
+    return self.mesh.size
+
+
+def _replica_devices(
+  devices: Sequence[jax.Device] | None,
+) -> list[jax.Device]:
+  """The checked devices in replica order; by default every process's, in
+  process order, so replica ``r`` is the same device on every process."""
+  if devices is None:
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  devices = list(devices)
+  if not devices:
+    raise ValueError("Mirrored `devices` must not be empty.")
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(
+      "Mirrored `devices` must be jax.Device objects (for example "
+      "`jax.devices()` or `jax.local_devices()`); got "
+      f"{[type(d).__name__ for d in devices]}."
+    )
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"Mirrored `devices` has duplicates: {devices}.")
+  return devices
+
+
+def _make_replicas(
+  devices: Sequence[jax.Device] | None, axis_name: Any
+) -> _Replicas:
+  """Mesh construction: the checked arguments as a 1-D mesh, with the two
+  shardings placement and batch splitting use."""
+  if not isinstance(axis_name, str) or not axis_name:
+    raise TypeError(
+      f"Mirrored `axis_name` must be a non-empty str; got {axis_name!r}."
+    )
+  devices = _replica_devices(devices)
+  mesh = Mesh(np.array(devices, dtype=object), (axis_name,))
+  return _Replicas(
+    mesh=mesh,
+    axis_name=axis_name,
+    replicated=NamedSharding(mesh, P()),
+    split=NamedSharding(mesh, P(axis_name)),
+    local=sum(d.process_index == jax.process_index() for d in devices),
+  )
 
 
 def _int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
+  """An int or ints (never bools) as a tuple, checked when ``step`` is built."""
   items = (x,) if isinstance(x, int) else tuple(x)
   if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
     raise TypeError(f"`{name}` must be an int or a tuple of ints; got {x!r}.")
@@ -214,10 +333,12 @@ def _int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
 
 
 def _paths(tree: Any) -> list[tuple[str, Any]]:
+  """(keystr path, leaf) pairs, for errors that name the leaf."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [(jax.tree_util.keystr(path), leaf) for path, leaf in leaves]
 
 
+# -- placement ---------------------------------------------------------------
 RowSelector = Callable[[str, Any], bool]
 
 
@@ -243,6 +364,273 @@ def _row_selector(shard_rows: Any) -> tuple[RowSelector, tuple[str, ...]]:
     )
   paths = tuple(n if n.startswith(("[", ".")) else f"[{n!r}]" for n in names)
   return (lambda path, leaf: path in paths), paths
+
+
+def _replicate_leaf(sharding: NamedSharding, x: Any) -> jax.Array:
+  """``x`` whole on every replica, in fresh buffers."""
+  if jax.process_count() == 1 or (
+    isinstance(x, jax.Array) and not x.is_fully_addressable
+  ):
+    # A fresh buffer first: device_put may reuse the input's buffer for
+    # the shard on its device (even with may_alias=False), and donating
+    # that shard would delete the caller's array.
+    return jax.device_put(jnp.array(x, copy=True), sharding)
+  # The same value on every process: each places its own copy.
+  return jax.make_array_from_process_local_data(
+    sharding, np.array(x, copy=True)
+  )
+
+
+def _replicate(r: _Replicas, tree: Any) -> Any:
+  """Every leaf whole on every replica (``Mirrored.replicate``)."""
+  return jax.tree.map(functools.partial(_replicate_leaf, r.replicated), tree)
+
+
+def _put_rows(r: _Replicas, x: Any) -> jax.Array:
+  """``x`` split by rows over the replicas, in fresh buffers."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(jnp.array(x, copy=True), r.split)
+  host = np.asarray(x)
+  # Each process builds only its devices' rows, never the whole table on
+  # one device.
+  return jax.make_array_from_callback(
+    host.shape, r.split, lambda index: np.array(host[index], copy=True)
+  )
+
+
+def _check_named_tables(names: tuple[str, ...], paths: list[str]) -> None:
+  """A name in ``shard_rows`` that matches no leaf is a typo: say so."""
+  missing = [p for p in names if p not in paths]
+  if missing:
+    raise ValueError(
+      f"Mirrored.place: `shard_rows` names {missing}, which are not leaves "
+      f"of the params; their leaves are {paths}."
+    )
+
+
+def _check_table_rows(path: str, shape: tuple[int, ...], n: int) -> None:
+  """Every replica holds the same number of rows of a row-sharded table."""
+  if not shape or shape[0] % n:
+    got = "a scalar" if not shape else f"{shape[0]} rows"
+    raise ValueError(
+      f"Mirrored.place: table `params{path}` (chosen by `shard_rows`) "
+      f"has {got}, which does not split evenly over {n} replicas. Pad it "
+      f"to a multiple of {n} rows (padding rows are never read)."
+    )
+
+
+def _place(
+  r: _Replicas, select: RowSelector, names: tuple[str, ...], params: Any
+) -> Any:
+  """The leaves ``select`` picks split by rows; every other one replicated."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+  _check_named_tables(names, paths)
+  out = []
+  for path, (_, x) in zip(paths, leaves, strict=True):
+    if select(path, x):
+      _check_table_rows(path, np.shape(x), r.size)
+      out.append(_put_rows(r, x))
+    else:
+      out.append(_replicate(r, x))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _init_state(
+  r: _Replicas, tx: optax.GradientTransformation, params: Any
+) -> Any:
+  """``tx.init`` with each leaf sharded like its param, so the state of a
+  row-sharded table stays row-sharded; the rest replicated."""
+  state = sharded_init(tx, params)
+  return jax.tree.map(functools.partial(_keep_on_mesh, r), state)
+
+
+def _keep_on_mesh(r: _Replicas, x: Any) -> Any:
+  """A leaf already on the mesh as it is, any other replicated."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == r.mesh:
+    return x
+  return _replicate(r, x)
+
+
+# -- batch splitting ---------------------------------------------------------
+def _check_local_batch(tree: Any, local: int, what: str) -> None:
+  """Each leaf has a leading batch axis that splits over ``local`` replicas."""
+  for path, x in _paths(tree):
+    shape = np.shape(x)
+    if not shape:
+      raise ValueError(
+        f"Mirrored.shard_batch: batch leaf `batch{path}` is a scalar; "
+        "every batch leaf needs a leading batch axis. Pass scalars as "
+        "extra (replicated) arguments of the step instead."
+      )
+    if shape[0] % local:
+      raise ValueError(
+        f"Mirrored.shard_batch: batch leaf `batch{path}` has leading size "
+        f"{shape[0]}, which does not split evenly over {local} {what}. "
+        f"Pad or trim the batch to a multiple of {local}."
+      )
+
+
+def _split_batch(r: _Replicas, tree: Any) -> Any:
+  """This process's part of the batch, split over its replicas; the global
+  batch is the processes' parts in process order."""
+  if r.local == 0:
+    raise ValueError(
+      f"Mirrored.shard_batch: process {jax.process_index()} has none of "
+      "the mesh's devices, so it has no part of the batch to place."
+    )
+  what = "replicas" if r.local == r.size else "local replicas"
+  _check_local_batch(tree, r.local, what)
+  if jax.process_count() == 1:
+    return jax.device_put(tree, r.split)
+  return jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(r.split, np.asarray(x)),
+    tree,
+  )
+
+
+def _check_global_batch(batch: Any, n: int) -> None:
+  """At trace time: the step's batch splits over the ``n`` replicas."""
+  for path, x in _paths(batch):
+    shape = np.shape(x)
+    if not shape or shape[0] % n:
+      got = "a scalar" if not shape else f"leading size {shape[0]}"
+      raise ValueError(
+        f"Mirrored.step: batch leaf `batch{path}` has {got}, which does "
+        f"not split evenly over {n} replicas. Every batch leaf needs a "
+        f"leading axis whose size is a multiple of {n}; place batches "
+        "with `mirrored.shard_batch`."
+      )
+
+
+# -- the step: per-replica outputs -------------------------------------------
+def _split_outputs(
+  out: Any, per_replica: tuple[int, ...], name: str
+) -> tuple[Any, list[Any]]:
+  """``fn``'s outputs as (the replicated ones, the per-replica ones)."""
+  if not per_replica:
+    return out, []
+  if not isinstance(out, tuple):
+    raise TypeError(
+      f"Mirrored.step({name}): `per_replica_outputs` needs the step to "
+      f"return a tuple; it returned a {type(out).__name__}."
+    )
+  k = len(out)
+  bad = [i for i in per_replica if not -k <= i < k]
+  if bad:
+    raise ValueError(
+      f"Mirrored.step({name}): `per_replica_outputs` {bad} out of range for "
+      f"a step returning {k} outputs."
+    )
+  chosen = sorted({i % k for i in per_replica})
+  rep = tuple(x for i, x in enumerate(out) if i not in chosen)
+  return rep, [out[i] for i in chosen]
+
+
+def _join_outputs(
+  rep: Any, per: list[Any], per_replica: tuple[int, ...]
+) -> Any:
+  """The inverse of :func:`_split_outputs`: ``fn``'s output order again."""
+  if not per_replica:
+    return rep
+  k = len(rep) + len(per)
+  chosen = sorted({i % k for i in per_replica})
+  rep_iter, per_iter = iter(rep), iter(per)
+  return tuple(
+    next(per_iter) if i in chosen else next(rep_iter) for i in range(k)
+  )
+
+
+def _split_call(
+  fn: Callable[..., Any], per_replica: tuple[int, ...], name: str, *args: Any
+) -> tuple[Any, list[Any]]:
+  """The body both strategies map: ``fn`` with its outputs split."""
+  return _split_outputs(fn(*args), per_replica, name)
+
+
+# -- the step: two execution strategies --------------------------------------
+# Each runs ``body`` once per replica and returns (replicated outputs,
+# per-replica outputs stacked on a leading replica axis).
+Strategy = Callable[..., tuple[Any, list[Any]]]
+
+
+def _stack_per_replica(body: Callable[..., Any], *args: Any) -> Any:
+  """``body`` with a leading axis of 1 on each per-replica output, which
+  ``shard_map``'s ``out_specs=P(axis)`` concatenates over the replicas."""
+  rep, per = body(*args)
+  per = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), p) for p in per]
+  return rep, per
+
+
+def _shard_map_strategy(
+  r: _Replicas, body: Callable[..., Any], name: str, args: tuple[Any, ...]
+) -> tuple[Any, list[Any]]:
+  """Replicated params: ``body`` per replica under ``shard_map``."""
+  del name
+  # check_vma=False gives pmap's semantics: the gradient of a replicated
+  # input is the replica's own, not already summed across replicas.
+  return jax.shard_map(
+    functools.partial(_stack_per_replica, body),
+    mesh=r.mesh,
+    in_specs=(P(), P(), P(r.axis_name)) + (P(),) * (len(args) - 3),
+    out_specs=(P(), P(r.axis_name)),
+    check_vma=False,
+  )(*args)
+
+
+def _vmap_strategy(
+  r: _Replicas, body: Callable[..., Any], name: str, args: tuple[Any, ...]
+) -> tuple[Any, list[Any]]:
+  """Row-sharded tables: ``body`` per replica under ``vmap`` over the
+  replica axis, at the global view (see the ``Mirrored`` docstring)."""
+  batch = jax.tree.map(lambda x: x.reshape((r.size, -1) + x.shape[1:]), args[2])
+  mapped = jax.vmap(
+    body,
+    in_axes=(None, None, 0) + (None,) * (len(args) - 3),
+    out_axes=(None, 0),
+    axis_name=r.axis_name,
+    spmd_axis_name=r.axis_name,
+  )
+  try:
+    return mapped(args[0], args[1], batch, *args[3:])
+  except ValueError as e:
+    if "out_axes is" not in str(e):
+      raise
+    raise ValueError(
+      f"Mirrored.step({name}): an output returned as replicated differs "
+      "across replicas. Reduce per-replica values inside the step "
+      "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
+      "first in the optax chain), or list the output's position in "
+      f"`per_replica_outputs`. ({e})"
+    ) from e
+
+
+def _compile_step(
+  r: _Replicas,
+  strategy: Strategy,
+  fn: Callable[..., Any],
+  donate: tuple[int, ...],
+  per_replica: tuple[int, ...],
+) -> Callable[..., Any]:
+  """The jitted step: checks its arguments at trace time, runs ``fn`` per
+  replica with ``strategy`` and puts the outputs back in ``fn``'s order."""
+  name = getattr(fn, "__name__", repr(fn))
+  body = functools.partial(_split_call, fn, per_replica, name)
+
+  def run(*args):
+    if len(args) < 3:
+      raise TypeError(
+        f"Mirrored.step({name}): the step takes (params, opt_state, batch, "
+        f"*args); got {len(args)} positional argument(s). Pass `()` for an "
+        "absent opt_state."
+      )
+    _check_global_batch(args[2], r.size)
+    rep, per = strategy(r, body, name, args)
+    return _join_outputs(rep, per, per_replica)
+
+  run.__name__ = f"mirrored_{name}"
+  return jax.jit(run, donate_argnums=donate)
 
 
 class Mirrored:
@@ -337,57 +725,34 @@ class Mirrored:
     self._shard_rows, self._row_paths = (
       (None, ()) if shard_rows is None else _row_selector(shard_rows)
     )
-    if not isinstance(axis_name, str) or not axis_name:
-      raise TypeError(
-        f"Mirrored `axis_name` must be a non-empty str; got {axis_name!r}."
-      )
-    if devices is None:
-      devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    devices = list(devices)
-    if not devices:
-      raise ValueError("Mirrored `devices` must not be empty.")
-    if not all(isinstance(d, jax.Device) for d in devices):
-      raise TypeError(
-        "Mirrored `devices` must be jax.Device objects (for example "
-        "`jax.devices()` or `jax.local_devices()`); got "
-        f"{[type(d).__name__ for d in devices]}."
-      )
-    if len(set(devices)) != len(devices):
-      raise ValueError(f"Mirrored `devices` has duplicates: {devices}.")
-    self._axis_name = axis_name
-    self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,))
-    self._replicated = NamedSharding(self._mesh, P())
-    self._split = NamedSharding(self._mesh, P(axis_name))
-    self._local_replicas = sum(
-      d.process_index == jax.process_index() for d in devices
-    )
+    self._replicas = _make_replicas(devices, axis_name)
     self._reduce_jit = jax.jit(
       _reduce_stacked,
       static_argnums=(1, 2),
-      out_shardings=self._replicated,
+      out_shardings=self._replicas.replicated,
     )
 
   def __repr__(self) -> str:
     rows = "" if self._shard_rows is None else ", shard_rows=..."
     return (
       f"Mirrored(num_replicas={self.num_replicas}, "
-      f"axis_name={self._axis_name!r}{rows})"
+      f"axis_name={self.axis_name!r}{rows})"
     )
 
   @property
   def num_replicas(self) -> int:
     """The number of replicas (devices in the mesh, all processes)."""
-    return self._mesh.size
+    return self._replicas.size
 
   @property
   def axis_name(self) -> str:
     """The replica axis name, bound inside the function given to step."""
-    return self._axis_name
+    return self._replicas.axis_name
 
   @property
   def mesh(self) -> Mesh:
     """The 1-D ``jax.sharding.Mesh`` of the replicas."""
-    return self._mesh
+    return self._replicas.mesh
 
   # -- placing data -----------------------------------------------------------
   def replicate(self, tree: Any) -> Any:
@@ -407,20 +772,7 @@ class Mirrored:
     Returns:
       The tree with every leaf a ``jax.Array`` replicated on the mesh.
     """
-    single = jax.process_count() == 1
-
-    def put(x):
-      if single or (isinstance(x, jax.Array) and not x.is_fully_addressable):
-        # A fresh buffer first: device_put may reuse the input's buffer for
-        # the shard on its device (even with may_alias=False), and donating
-        # that shard would delete the caller's array.
-        return jax.device_put(jnp.array(x, copy=True), self._replicated)
-      # The same value on every process: each places its own copy.
-      return jax.make_array_from_process_local_data(
-        self._replicated, np.array(x, copy=True)
-      )
-
-    return jax.tree.map(put, tree)
+    return _replicate(self._replicas, tree)
 
   def place(self, params: Any) -> Any:
     """Places params for the step: ``shard_rows`` tables split, rest mirrored.
@@ -459,41 +811,7 @@ class Mirrored:
     """
     if self._shard_rows is None:
       return self.replicate(params)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [jax.tree_util.keystr(path) for path, _ in leaves]
-    missing = [p for p in self._row_paths if p not in paths]
-    if missing:
-      raise ValueError(
-        f"Mirrored.place: `shard_rows` names {missing}, which are not leaves "
-        f"of the params; their leaves are {paths}."
-      )
-    out = []
-    for path, (_, x) in zip(paths, leaves, strict=True):
-      if not self._shard_rows(path, x):
-        out.append(self.replicate(x))
-        continue
-      shape = np.shape(x)
-      if not shape or shape[0] % self.num_replicas:
-        got = "a scalar" if not shape else f"{shape[0]} rows"
-        raise ValueError(
-          f"Mirrored.place: table `params{path}` (chosen by `shard_rows`) "
-          f"has {got}, which does not split evenly over "
-          f"{self.num_replicas} replicas. Pad it to a multiple of "
-          f"{self.num_replicas} rows (padding rows are never read)."
-        )
-      out.append(self._put_rows(x))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-  def _put_rows(self, x: Any) -> jax.Array:
-    """``x`` split by rows over the replicas, in fresh buffers."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return jax.device_put(jnp.array(x, copy=True), self._split)
-    host = np.asarray(x)
-    # Each process builds only its devices' rows, never the whole table on
-    # one device.
-    return jax.make_array_from_callback(
-      host.shape, self._split, lambda index: np.array(host[index], copy=True)
-    )
+    return _place(self._replicas, self._shard_rows, self._row_paths, params)
 
   def init_state(self, tx: optax.GradientTransformation, params: Any) -> Any:
     """``tx.init(params)`` for placed params, each leaf placed like its param.
@@ -510,15 +828,7 @@ class Mirrored:
     Returns:
       The optimizer state, placed on the mesh.
     """
-    state = sharded_init(tx, params)
-
-    def on_mesh(x):
-      sharding = getattr(x, "sharding", None)
-      if isinstance(sharding, NamedSharding) and sharding.mesh == self._mesh:
-        return x
-      return self.replicate(x)
-
-    return jax.tree.map(on_mesh, state)
+    return _init_state(self._replicas, tx, params)
 
   def shard_batch(self, tree: Any) -> Any:
     """Splits the leading axis of every leaf across the replicas.
@@ -539,35 +849,7 @@ class Mirrored:
     Raises:
       ValueError: a leaf is a scalar or its leading size does not divide.
     """
-    local = self._local_replicas
-    if local == 0:
-      raise ValueError(
-        f"Mirrored.shard_batch: process {jax.process_index()} has none of "
-        "the mesh's devices, so it has no part of the batch to place."
-      )
-    what = "replicas" if local == self.num_replicas else "local replicas"
-    for path, x in _paths(tree):
-      shape = np.shape(x)
-      if not shape:
-        raise ValueError(
-          f"Mirrored.shard_batch: batch leaf `batch{path}` is a scalar; "
-          "every batch leaf needs a leading batch axis. Pass scalars as "
-          "extra (replicated) arguments of the step instead."
-        )
-      if shape[0] % local:
-        raise ValueError(
-          f"Mirrored.shard_batch: batch leaf `batch{path}` has leading size "
-          f"{shape[0]}, which does not split evenly over {local} {what}. "
-          f"Pad or trim the batch to a multiple of {local}."
-        )
-    if jax.process_count() == 1:
-      return jax.device_put(tree, self._split)
-    return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(
-        self._split, np.asarray(x)
-      ),
-      tree,
-    )
+    return _split_batch(self._replicas, tree)
 
   # -- the step -------------------------------------------------------------
   def step(
@@ -618,89 +900,10 @@ class Mirrored:
       raise TypeError(f"Mirrored.step `fn` must be callable; got {fn!r}.")
     donate = _int_tuple(donate_argnums, "donate_argnums")
     per_replica = _int_tuple(per_replica_outputs, "per_replica_outputs")
-    name = getattr(fn, "__name__", repr(fn))
-    mapped = self._shard_mapped if self._shard_rows is None else self._vmapped
-
-    def body(*local_args):
-      return _split_outputs(fn(*local_args), per_replica, name)
-
-    def run(*args):
-      if len(args) < 3:
-        raise TypeError(
-          f"Mirrored.step({name}): the step takes (params, opt_state, batch, "
-          f"*args); got {len(args)} positional argument(s). Pass `()` for an "
-          "absent opt_state."
-        )
-      self._check_global_batch(args[2])
-      rep, per = mapped(body, name, args)
-      return _join_outputs(rep, per, per_replica)
-
-    run.__name__ = f"mirrored_{name}"
-    return jax.jit(run, donate_argnums=donate)
-
-  def _shard_mapped(
-    self, body: Callable[..., Any], name: str, args: tuple[Any, ...]
-  ) -> tuple[Any, list[Any]]:
-    """``body`` per replica under ``shard_map``: (replicated, per-replica)."""
-    del name
-    axis = self._axis_name
-
-    def stacked(*local_args):
-      rep, per = body(*local_args)
-      per = [jax.tree.map(lambda x: jnp.expand_dims(x, 0), p) for p in per]
-      return rep, per
-
-    # check_vma=False gives pmap's semantics: the gradient of a replicated
-    # input is the replica's own, not already summed across replicas.
-    return jax.shard_map(
-      stacked,
-      mesh=self._mesh,
-      in_specs=(P(), P(), P(axis)) + (P(),) * (len(args) - 3),
-      out_specs=(P(), P(axis)),
-      check_vma=False,
-    )(*args)
-
-  def _vmapped(
-    self, body: Callable[..., Any], name: str, args: tuple[Any, ...]
-  ) -> tuple[Any, list[Any]]:
-    """``body`` per replica under ``vmap`` over the replica axis, at the
-    global view (with row-sharded tables, see the class docstring)."""
-    axis, replicas = self._axis_name, self.num_replicas
-    batch = jax.tree.map(
-      lambda x: x.reshape((replicas, -1) + x.shape[1:]), args[2]
+    strategy = (
+      _shard_map_strategy if self._shard_rows is None else _vmap_strategy
     )
-    mapped = jax.vmap(
-      body,
-      in_axes=(None, None, 0) + (None,) * (len(args) - 3),
-      out_axes=(None, 0),
-      axis_name=axis,
-      spmd_axis_name=axis,
-    )
-    try:
-      return mapped(args[0], args[1], batch, *args[3:])
-    except ValueError as e:
-      if "out_axes is" not in str(e):
-        raise
-      raise ValueError(
-        f"Mirrored.step({name}): an output returned as replicated differs "
-        "across replicas. Reduce per-replica values inside the step "
-        "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
-        "first in the optax chain), or list the output's position in "
-        f"`per_replica_outputs`. ({e})"
-      ) from e
-
-  def _check_global_batch(self, batch: Any) -> None:
-    n = self.num_replicas
-    for path, x in _paths(batch):
-      shape = np.shape(x)
-      if not shape or shape[0] % n:
-        got = "a scalar" if not shape else f"leading size {shape[0]}"
-        raise ValueError(
-          f"Mirrored.step: batch leaf `batch{path}` has {got}, which does "
-          f"not split evenly over {n} replicas. Every batch leaf needs a "
-          f"leading axis whose size is a multiple of {n}; place batches "
-          "with `mirrored.shard_batch`."
-        )
+    return _compile_step(self._replicas, strategy, fn, donate, per_replica)
 
   # -- reductions -------------------------------------------------------------
   def all_reduce(self, tree: Any, op: str) -> Any:
@@ -716,7 +919,7 @@ class Mirrored:
       The reduced tree, the same on every replica.
     """
     _check_op(op, _OPS, "Mirrored.all_reduce")
-    return _reduce_tree(tree, self._axis_name, op, "Mirrored.all_reduce")
+    return _reduce_tree(tree, self.axis_name, op, "Mirrored.all_reduce")
 
   def reduce(self, tree: Any, op: str) -> Any:
     """Combines per-replica values (a leading replica axis) into one.
@@ -733,70 +936,5 @@ class Mirrored:
       The combined tree, replicated on the mesh.
     """
     _check_op(op, _OPS, "Mirrored.reduce")
-    n = self.num_replicas
-    for path, x in _paths(tree):
-      shape = np.shape(x)
-      if not shape or shape[0] != n:
-        got = "a scalar" if not shape else f"leading size {shape[0]}"
-        raise ValueError(
-          f"Mirrored.reduce: leaf `tree{path}` has {got}; per-replica values "
-          f"need a leading axis of size num_replicas={n} (list the output "
-          "in the step's `per_replica_outputs`)."
-        )
-    return self._reduce_jit(tree, op, n)
-
-
-def _split_outputs(
-  out: Any, per_replica: tuple[int, ...], name: str
-) -> tuple[Any, list[Any]]:
-  if not per_replica:
-    return out, []
-  if not isinstance(out, tuple):
-    raise TypeError(
-      f"Mirrored.step({name}): `per_replica_outputs` needs the step to "
-      f"return a tuple; it returned a {type(out).__name__}."
-    )
-  k = len(out)
-  bad = [i for i in per_replica if not -k <= i < k]
-  if bad:
-    raise ValueError(
-      f"Mirrored.step({name}): `per_replica_outputs` {bad} out of range for "
-      f"a step returning {k} outputs."
-    )
-  chosen = sorted({i % k for i in per_replica})
-  rep = tuple(x for i, x in enumerate(out) if i not in chosen)
-  return rep, [out[i] for i in chosen]
-
-
-def _join_outputs(
-  rep: Any, per: list[Any], per_replica: tuple[int, ...]
-) -> Any:
-  if not per_replica:
-    return rep
-  k = len(rep) + len(per)
-  chosen = sorted({i % k for i in per_replica})
-  rep_iter, per_iter = iter(rep), iter(per)
-  return tuple(
-    next(per_iter) if i in chosen else next(rep_iter) for i in range(k)
-  )
-
-
-def _reduce_stacked(tree: Any, op: str, n: int) -> Any:
-  def reduce_leaf(x):
-    if x is None:
-      return None
-    if isinstance(x, SparseRows):
-      idx, vals = x.indices, x.values
-      if op == "first":
-        return SparseRows(idx[0], vals[0], x.num_rows)
-      idx = idx.reshape(-1)
-      vals = vals.reshape((-1,) + vals.shape[2:])
-      if op == "mean":
-        vals = (vals / n).astype(vals.dtype)
-      return SparseRows(idx, vals, x.num_rows)
-    x = jnp.asarray(x)
-    if op == "first":
-      return x[0]
-    return jnp.sum(x, axis=0) if op == "sum" else jnp.mean(x, axis=0)
-
-  return tree_map(reduce_leaf, tree)
+    _check_per_replica(tree, self.num_replicas)
+    return self._reduce_jit(tree, op, self.num_replicas)

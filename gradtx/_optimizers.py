@@ -62,6 +62,7 @@ def scale_by_rss(
   initial_accumulator_value: ArrayLike = 0.1,
   eps: ArrayLike = 1e-7,
   *,
+  eps_outside_sqrt: bool = False,
   accumulator_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by the root of the summed squared gradients (Adagrad).
@@ -77,9 +78,23 @@ def scale_by_rss(
     u_i = \frac{g_i}{\sqrt{G_i + \epsilon}}
     \ (\text{and } 0 \text{ where } G_i = 0).
 
+  With ``eps_outside_sqrt=True`` the update is instead
+
+  .. math::
+    u_i = \frac{g_i}{\sqrt{G_i} + \epsilon}
+    \ (\text{and } 0 \text{ where } G_i = 0),
+
+  the form of Keras 2's ``Adagrad`` (``tf.keras`` optimizer_v2), FBGEMM's
+  EXACT_ADAGRAD and ``torch.optim.Adagrad`` (Keras 3, like optax, puts
+  :math:`\epsilon` inside). :math:`G_i = 0` means :math:`g_i = 0`, so the
+  zero there only matters when :math:`\epsilon = 0` (it avoids 0/0).
+
   Args:
     initial_accumulator_value: starting value of :math:`G` (>= 0).
-    eps: added to :math:`G` inside the square root.
+    eps: added to :math:`G` inside the square root, or to
+      :math:`\sqrt{G}` with ``eps_outside_sqrt``.
+    eps_outside_sqrt: add ``eps`` after the square root (Keras 2, FBGEMM)
+      instead of inside it (optax, the default).
     accumulator_dtype: dtype of :math:`G`; None uses each parameter's dtype
       (as optax does). ``jnp.float32`` is the safe choice for bf16 tables.
 
@@ -108,6 +123,8 @@ def scale_by_rss(
 
   def update_of(g, p, t):  # the update from the new accumulator
     del p
+    if eps_outside_sqrt:
+      return jnp.where(t > 0, g / (jnp.sqrt(t) + eps), 0.0)
     return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0) * g
 
   def rule(g, p, t):
@@ -139,6 +156,7 @@ def adagrad(
   initial_accumulator_value: ArrayLike = 0.1,
   eps: ArrayLike = 1e-7,
   *,
+  eps_outside_sqrt: bool = False,
   accumulator_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adagrad (``optax.adagrad``'s rule) that updates only the touched rows.
@@ -151,14 +169,26 @@ def adagrad(
 
   .. math::
     G_i \leftarrow G_i + g_i^2, \qquad
-    \theta_i \leftarrow \theta_i - \eta_t \frac{g_i}{\sqrt{G_i + \epsilon}}.
+    \theta_i \leftarrow \theta_i - \eta_t \frac{g_i}{\sqrt{G_i + \epsilon}}
+    \quad \text{(optax's form, the default)},
+
+  or, with ``eps_outside_sqrt=True`` (the form of Keras 2's ``Adagrad``,
+  FBGEMM's EXACT_ADAGRAD and ``torch.optim.Adagrad``),
+
+  .. math::
+    \theta_i \leftarrow \theta_i - \eta_t \frac{g_i}{\sqrt{G_i} + \epsilon}.
+
+  Both move nothing where :math:`G_i = 0` (see :func:`scale_by_rss`).
 
   State: one accumulator per element (like the parameter).
 
   Args:
     learning_rate: a float or an optax schedule ``count -> rate``.
     initial_accumulator_value: starting value of :math:`G`.
-    eps: added to :math:`G` inside the square root.
+    eps: added to :math:`G` inside the square root, or to
+      :math:`\sqrt{G}` with ``eps_outside_sqrt``.
+    eps_outside_sqrt: add ``eps`` after the square root (Keras 2, FBGEMM)
+      instead of inside it (optax, the default).
     accumulator_dtype: dtype of :math:`G`; None uses the param dtype.
 
   Returns:
@@ -173,6 +203,10 @@ def adagrad(
     >>> u, state = tx.update(g, tx.init(params))
     >>> gtx.apply_updates(params, u)[:, 0].round(4)  # 1 - 0.1 * 2 / sqrt(4.1)
     Array([1.    , 1.    , 1.    , 0.9012, 1.    ], dtype=float32)
+    >>> keras2 = gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True)
+    >>> u, _ = keras2.update(g, keras2.init(params))
+    >>> u.values[0, 0].round(4)  # -0.1 * 2 / (sqrt(4.1) + 0.1)
+    Array(-0.0941, dtype=float32)
 
   References:
     Duchi, Hazan and Singer, `Adaptive Subgradient Methods for Online
@@ -181,7 +215,10 @@ def adagrad(
   """
   return optax.chain(
     scale_by_rss(
-      initial_accumulator_value, eps, accumulator_dtype=accumulator_dtype
+      initial_accumulator_value,
+      eps,
+      eps_outside_sqrt=eps_outside_sqrt,
+      accumulator_dtype=accumulator_dtype,
     ),
     scale_by_learning_rate(learning_rate),
   )
@@ -548,6 +585,7 @@ def ftrl(
   l2_regularization_strength: ArrayLike = 0.0,
   beta: ArrayLike = 0.0,
   *,
+  l2_shrinkage_regularization_strength: ArrayLike = 0.0,
   accumulator_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""FTRL-Proximal, per coordinate, with TensorFlow's parameterisation.
@@ -555,12 +593,14 @@ def ftrl(
   The optimizer of large linear CTR models (McMahan et al., 2013). Per
   coordinate, with :math:`p` = ``learning_rate_power`` (:math:`-1/2`: the
   paper's per-coordinate rate), :math:`\lambda_1`, :math:`\lambda_2` the
-  regularization strengths and :math:`\beta` as in Keras' ``Ftrl``:
+  regularization strengths, :math:`\beta` as in Keras' ``Ftrl`` and
+  :math:`\lambda_s` the L2 shrinkage strength (TensorFlow's ``FtrlV2``
+  kernel, Keras' ``l2_shrinkage_regularization_strength``):
 
   .. math::
     n' &= n + g^2, \qquad
     \sigma = \frac{n'^{-p} - n^{-p}}{\eta_t}, \qquad
-    z \leftarrow z + g - \sigma \theta, \\
+    z \leftarrow z + (g + 2 \lambda_s \theta) - \sigma \theta, \\
     \theta &\leftarrow \frac{\operatorname{clip}(z, -\lambda_1, \lambda_1) - z}
       {(n'^{-p} + \beta) / \eta_t + 2 \lambda_2}, \qquad n \leftarrow n'.
 
@@ -569,6 +609,13 @@ def ftrl(
   ``params``); the learning rate is inside the formula, so it takes a
   float or a schedule here, not a chained scale.
 
+  L2 shrinkage is a magnitude penalty :math:`\lambda_s \theta^2` on the loss:
+  only the linear accumulator :math:`z` sees its gradient
+  :math:`g + 2 \lambda_s \theta`; :math:`n` still sums :math:`g^2`.
+  (:math:`\lambda_2` is the paper's stabilising L2 term in the closed
+  form.) With :math:`\lambda_s = 0`, the default, the step is the one
+  without shrinkage, bit for bit.
+
   A :class:`~gradtx.SparseRows` leaf is deduplicated and only its rows
   move: a row without gradient keeps :math:`n`, :math:`z` and its weights
   (TensorFlow's sparse FTRL); in a touched row every weight is recomputed
@@ -576,7 +623,11 @@ def ftrl(
   coordinate's weight (TensorFlow's dense FTRL). With a constant learning
   rate the two agree on weights FTRL itself produced (any row ever touched,
   or weights initialised at zero); with a schedule, a dense leaf also moves
-  untouched rows as :math:`\eta_t` changes.
+  untouched rows as :math:`\eta_t` changes. L2 shrinkage likewise applies
+  to every coordinate of a dense leaf each step, but only to the touched
+  rows of a SparseRows leaf (as in Keras: "shrinkage will only happen on
+  the active weights"); with shrinkage the two agree only while the
+  untouched weights are zero.
 
   Args:
     learning_rate: :math:`\eta`, a float or an optax schedule.
@@ -587,6 +638,9 @@ def ftrl(
     l1_regularization_strength: :math:`\lambda_1 \ge 0`.
     l2_regularization_strength: :math:`\lambda_2 \ge 0`.
     beta: :math:`\beta \ge 0`, added to :math:`n'^{-p}` in the denominator.
+    l2_shrinkage_regularization_strength: :math:`\lambda_s \ge 0`; adds
+      :math:`2 \lambda_s \theta` to the gradient in the :math:`z` update
+      only. Keyword-only: Keras passes it before ``beta``.
     accumulator_dtype: dtype of :math:`n` and :math:`z`; None uses the param
       dtype (``jnp.float32`` is the safe choice for bf16 tables). The
       formula runs in at least float32.
@@ -611,6 +665,11 @@ def ftrl(
   References:
     McMahan et al., `Ad Click Prediction: a View from the Trenches
     <https://research.google.com/pubs/archive/41159.pdf>`_, KDD 2013.
+
+    Keras, `Ftrl <https://keras.io/api/optimizers/ftrl/>`_
+    (``l2_shrinkage_regularization_strength``), and TensorFlow's kernel
+    `ApplyFtrlV2
+    <https://www.tensorflow.org/api_docs/python/tf/raw_ops/ApplyFtrlV2>`_.
   """
   what = "gradtx.ftrl"
   _check_nonnegative(
@@ -619,6 +678,7 @@ def ftrl(
     l1_regularization_strength=l1_regularization_strength,
     l2_regularization_strength=l2_regularization_strength,
     beta=beta,
+    l2_shrinkage_regularization_strength=l2_shrinkage_regularization_strength,
   )
   power = concrete_float(learning_rate_power)
   if power is not None and power > 0:
@@ -628,6 +688,10 @@ def ftrl(
     )
   acc_dtype = _dtype(accumulator_dtype)
   l1, l2 = l1_regularization_strength, l2_regularization_strength
+  shrinkage = l2_shrinkage_regularization_strength
+  # A concrete 0 leaves the term out (the step stays bit for bit the same);
+  # a traced one (inject_hyperparams) is always applied.
+  shrinks = concrete_float(shrinkage) != 0.0
 
   def root(n):
     if power == -0.5:
@@ -657,7 +721,8 @@ def ftrl(
       ctype = jnp.result_type(g, w, n, z, jnp.float32)
       g, w, n, z = (x.astype(ctype) for x in (g, w, n, z))
       n_new = n + g * g
-      z = z + g - (root(n_new) - root(n)) / lr * w
+      g_linear = g + 2 * shrinkage * w if shrinks else g
+      z = z + g_linear - (root(n_new) - root(n)) / lr * w
       return update_of(g, w, n_new, z), n_new, z
 
     u, (n, z) = update_rows(

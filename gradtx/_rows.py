@@ -32,7 +32,9 @@ from gradtx._base import (
   SparseRows,
   check_rows_match,
   check_tree_match,
+  concrete,
   gather_rows,
+  is_update_leaf,
   scatter_rows,
   unique_rows,
 )
@@ -51,16 +53,9 @@ __all__ = [
 Rule = Callable[..., tuple[Any, ...]]
 
 
-def _is_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, SparseRows)
-
-
 def concrete_float(x: Any) -> float | None:
   """``float(x)``, or None for a traced value (under inject_hyperparams)."""
-  try:
-    return float(x)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return None
+  return concrete(x, float)
 
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
@@ -249,7 +244,7 @@ Array([1, 0, 0, 1], dtype=int32))
     raise ValueError(
       f"{what} needs `params`: call `tx.update(updates, state, params)`."
     )
-  treedef = jax.tree.structure(updates, is_leaf=_is_leaf)
+  treedef = jax.tree.structure(updates, is_leaf=is_update_leaf)
   g_list = treedef.flatten_up_to(updates)
   s_lists = [treedef.flatten_up_to(s) for s in states]
   p_list = (

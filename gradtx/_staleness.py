@@ -11,9 +11,9 @@ import optax
 from jax import lax
 
 from gradtx._base import (
-  SparseRows,
+  concrete,
+  map_updates,
   safe_increment,
-  tree_map,
   with_extra_args,
   zero_counter,
   zeros_like_update,
@@ -59,13 +59,10 @@ def _check_max_staleness(max_staleness: Any) -> Any:
     return int(max_staleness)
   if _is_integer_scalar(max_staleness):
     # An integer scalar array, e.g. from optax.inject_hyperparams.
-    try:
-      concrete = int(np.asarray(max_staleness))
-    except jax.errors.ConcretizationTypeError:
+    value = concrete(max_staleness, int)
+    if value is None:
       return jnp.asarray(max_staleness, jnp.int32)
-    except jax.errors.TracerArrayConversionError:
-      return jnp.asarray(max_staleness, jnp.int32)
-    return _check_max_staleness(concrete)
+    return _check_max_staleness(value)
   raise TypeError(
     "gradtx.drop_stale `max_staleness` must be an int >= 0 (or an integer "
     f"scalar array) or None for no limit; got {max_staleness!r} of type "
@@ -100,27 +97,15 @@ def _check_grad_step(grad_step: Any) -> jax.Array:
   return gs.astype(jnp.int32)
 
 
-def _concrete(x: jax.Array) -> int | None:
-  try:
-    return int(np.asarray(x))
-  except (
-    jax.errors.TracerArrayConversionError,
-    jax.errors.ConcretizationTypeError,
-  ):
-    return None
+def concrete_int(x: jax.Array) -> int | None:
+  return concrete(x, int)
 
 
 def _scale_updates(updates: Any, factor: jax.Array) -> Any:
-  def f(u):
-    if u is None:
-      return None
-    if isinstance(u, SparseRows):
-      v = u.values
-      return u.with_values((factor.astype(jnp.float32) * v).astype(v.dtype))
-    u = jnp.asarray(u)
-    return (factor.astype(jnp.float32) * u).astype(u.dtype)
+  def mul(x):
+    return (factor.astype(jnp.float32) * x).astype(x.dtype)
 
-  return tree_map(f, updates)
+  return map_updates(mul, updates)
 
 
 def _aval(x: Any) -> Any:
@@ -237,11 +222,11 @@ def drop_stale(
   def update_fn(updates, state, params=None, *, grad_step=None, **extra_args):
     gs = _check_grad_step(grad_step)
     staleness = (jnp.asarray(state.step, jnp.int32) - gs).astype(jnp.int32)
-    tau = _concrete(staleness)
+    tau = concrete_int(staleness)
     if tau is not None and tau < 0:
       raise ValueError(
-        f"gradtx.drop_stale got `grad_step`={_concrete(gs)} ahead of the "
-        f"global step {_concrete(state.step)}: a gradient cannot come from "
+        f"gradtx.drop_stale got `grad_step`={concrete_int(gs)} ahead of the "
+        f"global step {concrete_int(state.step)}: a gradient cannot come from "
         "parameters that do not exist yet. Pass the step read together with "
         "the parameters (`state.step` of this drop_stale at that time)."
       )
@@ -264,7 +249,7 @@ def drop_stale(
       del updates
       return zeros_like_update(out_updates), inner_state
 
-    decided = _concrete(accept)
+    decided = concrete_int(accept)
     if decided is None:
       new_updates, inner_state = lax.cond(
         accept, run, drop, updates, state.inner_state

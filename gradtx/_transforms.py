@@ -19,20 +19,50 @@ from gradtx._base import (
   check_rows_match,
   check_tree_match,
   gather_rows,
+  is_update_leaf,
+  map_updates,
   safe_increment,
   scatter_add_rows,
+  scatter_rows,
   stateless,
   tree_leaves,
   tree_map,
   with_extra_args,
   zero_counter,
 )
+from gradtx._precision import row_keys, stochastic_round
 
 # ----------------------------------------------------------------------------
 # apply_updates
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _round_rows(rows: jax.Array, dtype: Any, key: Any, ids: jax.Array):
+  """float32 ``rows`` ``[n, ...]`` rounded stochastically to ``dtype``, row
+  ``j`` with the key of row id ``ids[j]``: the same bits whichever rows are
+  updated together and however they are sharded."""
+  keys = row_keys(key, ids)
+  return jax.vmap(lambda r, k: stochastic_round(r, dtype, k))(rows, keys)
+
+
+def _apply_rounded(u: Any, p: jax.Array, key: Any) -> jax.Array:
+  """``p + u`` in float32, written to ``p``'s low-precision dtype with
+  stochastic rounding (only the touched rows of a SparseRows)."""
+  f32 = jnp.float32
+  if isinstance(u, SparseRows):
+    u = u.deduplicated()
+    idx = u.valid_indices()
+    rows = gather_rows(p, idx, unique=True).astype(f32) + u.values.astype(f32)
+    return scatter_rows(p, idx, _round_rows(rows, p.dtype, key, idx))
+  whole = p.reshape((p.shape[0] if p.ndim else 1, -1))
+  new = whole.astype(f32) + jnp.asarray(u, f32).reshape(whole.shape)
+  ids = jnp.arange(whole.shape[0], dtype=jnp.int32)
+  return _round_rows(new, p.dtype, key, ids).reshape(p.shape)
+
+
+def apply_updates(params: Any, updates: Any, *, key: Any = None) -> Any:
   """Adds ``updates`` to ``params``; SparseRows are scatter-added in place.
 
   Like ``optax.apply_updates``: each result keeps its parameter's dtype and
@@ -41,39 +71,67 @@ def apply_updates(params: Any, updates: Any) -> Any:
   with one XLA scatter, which updates the table in place when the caller
   donates ``params`` to its jitted step.
 
+  With a ``key``, every bfloat16 / float16 parameter is computed as float32
+  ``p + u`` and written with :func:`stochastic_round` (a SparseRows: its
+  touched rows only), so updates smaller than half a unit in the last place
+  survive on average instead of rounding away (FBGEMM's
+  ``stochastic_rounding`` of FP16 tables). Each row is rounded with its own
+  key, ``fold_in(fold_in(key, leaf), row)`` (``leaf``: the position in the
+  tree), so the result does not depend on sharding or on which rows are
+  updated together; pass a fresh key each step
+  (``jax.random.fold_in(key, step)``) for reruns and resumes that are
+  bit-identical. float32 parameters are added as without a key.
+
   Args:
     params: a tree of arrays.
     updates: a tree of the same structure; arrays, None or SparseRows.
+    key: None, or a JAX PRNG key for stochastic rounding.
 
   Returns:
     The updated params.
 
   Examples:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> import gradtx as gtx
     >>> u = gtx.SparseRows(jnp.array([1]), jnp.full((1, 2), 0.5), 3)
     >>> gtx.apply_updates({"emb": jnp.zeros((3, 2))}, {"emb": u})["emb"]
     Array([[0. , 0. ],
            [0.5, 0.5],
            [0. , 0. ]], dtype=float32)
+    >>> p = jnp.ones((3, 2), jnp.bfloat16)    # 1e-3 is below bf16's ulp
+    >>> tiny = gtx.SparseRows(jnp.array([1]), jnp.full((1, 2), 1e-3), 3)
+    >>> gtx.apply_updates(p, tiny)[1]           # nearest: lost
+    Array([1, 1], dtype=bfloat16)
+    >>> keys = jax.random.split(jax.random.key(0), 2000)
+    >>> draws = jax.vmap(lambda k: gtx.apply_updates(p, tiny, key=k)[1])(keys)
+    >>> bool(abs(jnp.mean(draws.astype(jnp.float32)) - 1.001) < 3e-4)
+    True
   """
   check_tree_match(updates, params, name="updates", reference_name="params")
+  leaves, treedef = jax.tree.flatten(updates, is_leaf=is_update_leaf)
+  p_leaves = treedef.flatten_up_to(params)
 
-  def apply(u, p):
+  def apply(i, u, p):
     if u is None:
       return p
     if isinstance(u, SparseRows):
       check_rows_match(u, p, "gradtx.apply_updates")
-      return scatter_add_rows(jnp.asarray(p), u)
-    if jnp.shape(u) != jnp.shape(p):
+    elif jnp.shape(u) != jnp.shape(p):
       raise ValueError(
         f"gradtx.apply_updates: an update of shape {jnp.shape(u)} for a "
         f"parameter of shape {jnp.shape(p)}. Updates must have their "
         "parameter's shape (no broadcasting)."
       )
-    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+    p = jnp.asarray(p)
+    if key is not None and p.dtype in _LOW_PRECISION:
+      return _apply_rounded(u, p, jax.random.fold_in(key, i))
+    if isinstance(u, SparseRows):
+      return scatter_add_rows(p, u)
+    return jnp.asarray(p + u).astype(p.dtype)
 
-  return tree_map(apply, updates, params)
+  pairs = enumerate(zip(leaves, p_leaves, strict=True))
+  out = [apply(i, u, p) for i, (u, p) in pairs]
+  return jax.tree.unflatten(treedef, out)
 
 
 # ----------------------------------------------------------------------------
@@ -122,14 +180,7 @@ def _scale_tree(updates: Any, factor: Any, cast_first: bool = False) -> Any:
     f = jnp.asarray(factor, x.dtype) if cast_first else factor
     return (f * x).astype(x.dtype)
 
-  def f(u):
-    if u is None:
-      return None
-    if isinstance(u, SparseRows):
-      return u.with_values(mul(u.values))
-    return mul(jnp.asarray(u))
-
-  return tree_map(f, updates)
+  return map_updates(mul, updates)
 
 
 def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
@@ -266,14 +317,7 @@ def clip_by_global_norm(
     def clip(x):
       return lax.select(trigger, x, (x / norm.astype(x.dtype)) * max_norm)
 
-    def clip_leaf(u):
-      if u is None:
-        return None
-      if isinstance(u, SparseRows):
-        return u.with_values(clip(u.values))
-      return clip(u)
-
-    return tree_map(clip_leaf, updates), state
+    return map_updates(clip, updates), state
 
   return stateless(update_fn)
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import procs
 
 import gradtx as gtx
 
@@ -49,12 +50,7 @@ SAVE_AT = 6  # 5 accepted calls so far: one gradient held in a k=2 window
 
 
 def init_params() -> dict[str, np.ndarray]:
-  rng = np.random.RandomState(0)
-  return {
-    "emb": rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32),
-    "w": rng.normal(size=(DIM,)).astype(np.float32),
-    "b": np.zeros((), np.float32),
-  }
+  return procs.init_params(NUM_ROWS, DIM)
 
 
 def global_batch(step: int) -> dict[str, np.ndarray]:
@@ -72,10 +68,7 @@ def global_batch(step: int) -> dict[str, np.ndarray]:
   }
 
 
-def loss_fn(params, batch):
-  bag = gtx.lookup(params["emb"], batch["ids"]).sum(axis=1)
-  pred = bag @ params["w"] + params["b"]
-  return jnp.mean(jnp.square(pred - batch["y"]))
+loss_fn = procs.loss_fn
 
 
 def make_tx(axis_name: str | None = None) -> optax.GradientTransformation:

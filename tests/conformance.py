@@ -94,9 +94,12 @@ def _extra(case: Case, i: int) -> dict[str, Any]:
   return {k: jnp.asarray(v) for k, v in case.extra_args(i).items()}
 
 
-def _step_fn(tx: optax.GradientTransformation) -> Callable[..., Any]:
-  def step(params, state, grads, extra):
-    updates, state = tx.update(grads, state, params, **extra)
+def step_fn(tx: optax.GradientTransformation) -> Callable[..., Any]:
+  """``(params, state, grads, extra=None) -> (params, state)``: one update
+  (``extra``: the keyword args of ``update``) and apply_updates."""
+
+  def step(params, state, grads, extra=None):
+    updates, state = tx.update(grads, state, params, **(extra or {}))
     return gtx.apply_updates(params, updates), state
 
   return step
@@ -146,13 +149,13 @@ def _jitted_run(case: Case) -> Any:
   several checks)."""
   key = (id(case), case.name)
   if key not in _JITTED:
-    _JITTED[key] = _run(case, jax.jit(_step_fn(case.make_tx())))
+    _JITTED[key] = _run(case, jax.jit(step_fn(case.make_tx())))
   return _JITTED[key]
 
 
 def check_jit(case: Case) -> None:
   """A jitted update gives the eager result."""
-  eager = _run(case, _step_fn(case.make_tx()))
+  eager = _run(case, step_fn(case.make_tx()))
   _assert_close(eager, _jitted_run(case), case.rtol)
 
 
@@ -170,7 +173,7 @@ def check_init_abstract(case: Case) -> None:
 def check_no_recompile(case: Case) -> None:
   """A second update with the same shapes reuses the compiled step."""
   tx = case.make_tx()
-  step = jax.jit(_step_fn(tx))
+  step = jax.jit(step_fn(tx))
   params = case.params()
   state = tx.init(params)
   for i in range(max(case.steps, 3)):
@@ -186,7 +189,7 @@ def check_state_stable(case: Case) -> None:
   tx = case.make_tx()
   params = jax.device_put(case.params(), rep)
   state = jax.device_put(tx.init(params), rep)
-  step = jax.jit(_step_fn(tx))
+  step = jax.jit(step_fn(tx))
   before = _types(state)
   sharding_before = jax.tree.map(lambda x: x.sharding, state)
   for i in range(case.steps):
@@ -219,7 +222,7 @@ def check_chain_extra_args(case: Case) -> None:
 
 def _replicated_run(case: Case, mapper: Callable[..., Any]) -> Any:
   tx = case.make_tx()
-  step = _step_fn(tx)
+  step = step_fn(tx)
 
   def body(params, grads_seq, extras):
     # The steps in a scan, as in a training loop (one step compiled).
@@ -267,7 +270,7 @@ def check_pmap(case: Case) -> None:
 def check_bf16(case: Case) -> None:
   """bf16 params stay bf16; state dtypes do not drift."""
   tx = case.make_tx()
-  step = jax.jit(_step_fn(tx))
+  step = jax.jit(step_fn(tx))
   params = case.params(jnp.bfloat16)
   state = tx.init(params)
   before = _abstract(state)
@@ -295,7 +298,7 @@ def check_donation(case: Case) -> None:
     if isinstance(x, jax.Array) and x.size > 0
   ]
   assert len(bufs) == len(set(bufs)), "state leaves share buffers"
-  step = jax.jit(_step_fn(tx), donate_argnums=(0, 1))
+  step = jax.jit(step_fn(tx), donate_argnums=(0, 1))
   for i in range(case.steps):
     params, state = step(params, state, case.grads(i), _extra(case, i))
   jax.block_until_ready((params, state))
@@ -326,9 +329,50 @@ def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
   )
 
 
-def step_fn(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state
+def touched_rows(g: gtx.SparseRows) -> np.ndarray:
+  """``[num_rows]`` bool: the rows ``g`` has a valid (non-padding) id of."""
+  idx = np.asarray(g.indices)
+  touched = np.zeros(g.num_rows, bool)
+  touched[idx[(idx >= 0) & (idx < g.num_rows)]] = True
+  return touched
 
-  return step
+
+# ----------------------------------------------------------------------------
+# The optimizer tests' tree: two tables (one with [2, 2] rows), two dense
+# leaves, against the numpy references of ``references_*``.
+
+SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
+SPARSE = ("emb", "tab")
+
+
+def make_params(seed=0, dtype=jnp.float32, zero=False):
+  """Seeded normal leaves of SHAPES (zeros with ``zero``)."""
+  rng = np.random.RandomState(seed)
+  return {
+    k: jnp.asarray(0 * zero + (not zero) * rng.normal(size=s), dtype)
+    for k, s in SHAPES.items()
+  }
+
+
+def make_grads(step, n=9, dtype=jnp.float32, sparse=SPARSE):
+  """SparseRows of ``n`` ids with a duplicate and two padding ids (-1, too
+  big) for the ``sparse`` leaves, dense for the others; seeded by ``step``."""
+  rng = np.random.RandomState(1000 + step)
+  out = {}
+  for k, s in SHAPES.items():
+    if k in sparse:
+      out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
+    else:
+      out[k] = jnp.asarray(rng.normal(size=s), dtype)
+  return out
+
+
+def to_ref(grads):
+  """``make_grads``' gradients for a numpy reference: float64 arrays, and
+  ``(indices, values, num_rows)`` for a SparseRows."""
+  return {
+    k: (np.asarray(g.indices), np.asarray(g.values, np.float64), g.num_rows)
+    if isinstance(g, gtx.SparseRows)
+    else np.asarray(g, np.float64)
+    for k, g in grads.items()
+  }

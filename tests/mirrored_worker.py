@@ -15,13 +15,12 @@ distributed runtime on 127.0.0.1 (gloo CPU collectives), runs
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+import procs
 
 import gradtx as gtx
 
@@ -33,12 +32,7 @@ STEPS = 3
 
 
 def init_params() -> dict[str, np.ndarray]:
-  rng = np.random.RandomState(0)
-  return {
-    "emb": rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32),
-    "w": rng.normal(size=(DIM,)).astype(np.float32),
-    "b": np.zeros((), np.float32),
-  }
+  return procs.init_params(NUM_ROWS, DIM)
 
 
 def global_batch(step: int) -> dict[str, np.ndarray]:
@@ -51,11 +45,7 @@ def global_batch(step: int) -> dict[str, np.ndarray]:
   }
 
 
-def loss_fn(params, batch):
-  """Mean squared error of a bag-of-embeddings linear model."""
-  bag = gtx.lookup(params["emb"], batch["ids"]).sum(axis=1)
-  pred = bag @ params["w"] + params["b"]
-  return jnp.mean(jnp.square(pred - batch["y"]))
+loss_fn = procs.loss_fn
 
 
 def make_tx(axis_name: str) -> optax.GradientTransformation:
@@ -90,20 +80,7 @@ def train(m: gtx.Mirrored) -> tuple[dict[str, np.ndarray], list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--port", type=int, required=True)
-  parser.add_argument("--num-processes", type=int, required=True)
-  parser.add_argument("--process-id", type=int, required=True)
-  parser.add_argument("--out", required=True)
-  args = parser.parse_args(argv)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{args.port}",
-    num_processes=args.num_processes,
-    process_id=args.process_id,
-    initialization_timeout=30,
-  )
-  try:
+  with procs.joined(argv, "--out") as args:
     assert jax.process_count() == args.num_processes
     m = gtx.Mirrored()
     params, losses = train(m)
@@ -114,8 +91,6 @@ def main(argv: list[str] | None = None) -> None:
       local_devices=jax.local_device_count(),
       **params,
     )
-  finally:
-    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ Nothing here imports gradtx or optax. Everything is float64, one row at a
 time, in plain loops:
 
 * Adagrad (Duchi et al. 2011, optax's form): ``G += g^2``,
-  ``p -= lr * g / sqrt(G + eps)`` (no move where ``G == 0``).
+  ``p -= lr * g / sqrt(G + eps)`` (no move where ``G == 0``); with
+  ``eps_outside_sqrt``, Keras 2's and FBGEMM's EXACT_ADAGRAD form
+  ``p -= lr * g / (sqrt(G) + eps)``.
 * Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD): for a table row
   ``g += wd * p`` (L2 mode), ``G += mean(g^2)``, ``p -= lr * g / (sqrt(G) +
   eps)``; leaves of ndim < 2 keep one ``G`` per element.
 * Lazy momentum SGD: ``t = g + mu * t``, ``p -= lr * t`` (Nesterov:
   ``p -= lr * (g + mu * t)``), on the touched rows only.
-* FTRL-Proximal (McMahan et al. 2013, TensorFlow's kernel, Keras' beta).
+* FTRL-Proximal (McMahan et al. 2013, TensorFlow's kernel, Keras' beta);
+  with L2 shrinkage (TensorFlow's ApplyFtrlV2, Keras' ``Ftrl``) the linear
+  accumulator takes ``g + 2 * l2_shrinkage * w`` while ``n`` takes ``g^2``.
 
 A sparse gradient ``(indices, values, num_rows)`` is summed per row first
 (ids outside ``[0, num_rows)`` are padding); only those rows move. A dense
@@ -67,8 +71,16 @@ class _RowOptimizer:
 
 
 class Adagrad(_RowOptimizer):
-  def __init__(self, params, lr, initial_accumulator_value=0.1, eps=1e-7):
+  def __init__(
+    self,
+    params,
+    lr,
+    initial_accumulator_value=0.1,
+    eps=1e-7,
+    eps_outside_sqrt=False,
+  ):
     self.init_value, self.eps = initial_accumulator_value, eps
+    self.eps_outside_sqrt = eps_outside_sqrt
     super().__init__(params, lr)
 
   def init_state(self, p):
@@ -77,6 +89,9 @@ class Adagrad(_RowOptimizer):
   def row(self, key, r, g, lr):
     G = self.state[key]
     G[r] = G[r] + g * g
+    if self.eps_outside_sqrt:  # Keras 2 / FBGEMM, as published (no guard)
+      self.p[key][r] = self.p[key][r] - lr * g / (np.sqrt(G[r]) + self.eps)
+      return
     scale = np.where(G[r] > 0, 1 / np.sqrt(G[r] + self.eps), 0.0)
     self.p[key][r] = self.p[key][r] - lr * scale * g
 
@@ -127,9 +142,11 @@ class Ftrl(_RowOptimizer):
     l1=0.0,
     l2=0.0,
     beta=0.0,
+    l2_shrinkage=0.0,
   ):
     self.power, self.init_value = power, initial_accumulator_value
     self.l1, self.l2, self.beta = l1, l2, beta
+    self.l2_shrinkage = l2_shrinkage
     super().__init__(params, lr)
 
   def init_state(self, p):
@@ -137,9 +154,10 @@ class Ftrl(_RowOptimizer):
 
   def row(self, key, r, g, lr):
     n, z, w = self.state[key]["n"], self.state[key]["z"], self.p[key]
-    n_new = n[r] + g * g
+    n_new = n[r] + g * g  # n sums the raw gradient, not g_shrink
     sigma = (n_new ** (-self.power) - n[r] ** (-self.power)) / lr
-    z[r] = z[r] + g - sigma * w[r]
+    g_shrink = g + 2 * self.l2_shrinkage * w[r]  # w before this step
+    z[r] = z[r] + g_shrink - sigma * w[r]
     n[r] = n_new
     # argmin_w  z w + l1 |w| + (1/2) (n^-p + beta) / lr w^2 + l2 w^2
     a = (n_new ** (-self.power) + self.beta) / lr + 2 * self.l2

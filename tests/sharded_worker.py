@@ -23,7 +23,6 @@ its own shards to ``DIR/process_I.npz``. Not a test module: pytest collects
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import procs
 from jax.experimental import multihost_utils
 
 import gradtx as gtx
@@ -51,12 +51,7 @@ SAVE_AT = 4  # 3 accepted calls: one gradient held in the k=2 window
 
 
 def init_params() -> dict[str, np.ndarray]:
-  rng = np.random.RandomState(0)
-  return {
-    "emb": rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32),
-    "w": rng.normal(size=(DIM,)).astype(np.float32),
-    "b": np.zeros((), np.float32),
-  }
+  return procs.init_params(NUM_ROWS, DIM)
 
 
 def global_batch(step: int) -> dict[str, np.ndarray]:
@@ -73,10 +68,7 @@ def global_batch(step: int) -> dict[str, np.ndarray]:
   }
 
 
-def loss_fn(params, batch):
-  bag = gtx.lookup(params["emb"], batch["ids"]).sum(axis=1)
-  pred = bag @ params["w"] + params["b"]
-  return jnp.mean(jnp.square(pred - batch["y"]))
+loss_fn = procs.loss_fn
 
 
 def make_tx(
@@ -196,21 +188,7 @@ def _wait_for(ready: str, timeout: float = 300.0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--port", type=int, required=True)
-  parser.add_argument("--num-processes", type=int, required=True)
-  parser.add_argument("--process-id", type=int, required=True)
-  parser.add_argument("--ready", required=True)
-  parser.add_argument("--out", required=True)
-  args = parser.parse_args(argv)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{args.port}",
-    num_processes=args.num_processes,
-    process_id=args.process_id,
-    initialization_timeout=30,
-  )
-  try:
+  with procs.joined(argv, "--ready", "--out") as args:
     m = gtx.Mirrored(shard_rows="emb")
     tx = make_tx(m.axis_name)
     step = make_step(tx, m)
@@ -252,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
       **shards,
       **out,
     )
-  finally:
-    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

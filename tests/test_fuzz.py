@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
+from gradtx._autodiff import DENSE_READS_PER_ROW
 
 D = 3
 LONG = int(os.environ.get("GRADTX_FUZZ_EXAMPLES", "0"))
@@ -63,11 +64,12 @@ WRAPPERS = {
   "jit_in_scan": (True, False),
   "vmap_table": (False, False),
   "cond": (False, False),
+  "switch": (False, False),
   "while": (False, False),
   "custom_vjp": (False, False),
   "shard_map": (False, True),
 }
-DENSE_USES = ("none", "tied", "slice", "decay")
+DENSE_USES = ("none", "tied", "slice", "decay", "reduction")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,10 @@ def _one_read(t, ids, r: Read, w, unroll=False):
   if wr == "cond":
     zero = lambda t, i: 0.0 * jnp.sum(t, dtype=jnp.float32)  # noqa: E731
     return lax.cond(w[0] < 1e30, plain, zero, t, ids)
+  if wr == "switch":
+    zero = lambda t, i: 0.0 * jnp.sum(t, dtype=jnp.float32)  # noqa: E731
+    index = (w[0] > 0).astype(jnp.int32)
+    return lax.switch(index, [zero, plain], t, ids)
   if wr == "while":
 
     def body(c):
@@ -224,6 +230,8 @@ def _dense_use(t, use):
     return jnp.sum(t[:2] ** 2)
   if use == "decay":
     return 1e-3 * jnp.sum(t**2)
+  if use == "reduction":
+    return jnp.max(t) * 0.01
   return 0.0
 
 
@@ -278,7 +286,13 @@ def _expected_sparse(prog: Program, k: int) -> tuple[bool, bool]:
     keeps_sparse, warns = WRAPPERS[r.wrapper]
     if not keeps_sparse:
       return False, warns
-  return prog.dense_use[k] == "none", False
+  if prog.dense_use[k] != "none":
+    return False, False
+  # read this many times per row in one call: dense is cheaper
+  reads = sum(
+    len(r.ids) * (2 if r.wrapper == "fori" else 1) for r in prog.reads[k]
+  )
+  return reads < DENSE_READS_PER_ROW * prog.rows[k], False
 
 
 def _tol(prog: Program):

@@ -252,3 +252,162 @@ def test_nnx_optimizer_update_with_sparse_grads():
   np.testing.assert_allclose(model.emb[...], want["emb"], rtol=2e-5, atol=1e-6)
   np.testing.assert_allclose(model.w[...], want["w"], rtol=2e-5, atol=1e-6)
   assert int(optimizer.step[...]) == len(BATCHES)
+
+
+def test_train_state_and_nnx_steps_donated_update_in_place():
+  lr = 0.05
+  want = reference_run(make_params(), lr)
+  state = train_state.TrainState.create(
+    apply_fn=lookup_loss, params=make_params(), tx=gtx.lazy_adam(lr)
+  )
+
+  def step(state, ids):
+    return state.apply_gradients(
+      grads=gtx.sparse_grad(lookup_loss)(state.params, ids)
+    )
+
+  jitted = jax.jit(step, donate_argnums=0)
+  compiled = jitted.lower(state, jnp.asarray(BATCHES[0])).compile()
+  for line in whole_table_ops(compiled, V, D):
+    assert "scatter" in line, line
+  for ids in BATCHES:
+    state = jitted(state, jnp.asarray(ids))
+  np.testing.assert_allclose(
+    state.params["emb"], want["emb"], rtol=2e-5, atol=1e-6
+  )
+
+  model = NnxModel(make_params())  # the first params were donated
+  optimizer = nnx.Optimizer(model, gtx.lazy_adam(lr), wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def nnx_step(model, optimizer, ids):
+    graphdef, st = nnx.split(model)
+    grads = gtx.sparse_grad(lambda s: nnx.merge(graphdef, s)(ids))(st)
+    optimizer.update(model, grads)
+
+  for ids in BATCHES:
+    nnx_step(model, optimizer, jnp.asarray(ids))
+  np.testing.assert_allclose(model.emb[...], want["emb"], rtol=2e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Equinox: eqx.apply_updates maps over the updates first
+
+
+def _eqx_model():
+  import equinox as eqx
+
+  class Bag(eqx.Module):
+    embed: eqx.nn.Embedding
+    head: eqx.nn.Linear
+    act: object = jax.nn.tanh  # a non-array leaf, as real models have
+
+    def __call__(self, ids):
+      return self.head(self.act(jax.vmap(self.embed)(ids).mean(0)))
+
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return Bag(eqx.nn.Embedding(V, D, key=k1), eqx.nn.Linear(D, 2, key=k2))
+
+
+def test_equinox_models_take_sparse_updates_through_gtx_apply_updates():
+  import equinox as eqx
+
+  model = _eqx_model()
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  tx = gtx.lazy_adam(0.05)
+
+  def loss(params, ids):
+    return jnp.sum(eqx.combine(params, static)(ids) ** 2)
+
+  @eqx.filter_jit(donate="all-except-first")
+  def step(ids, model, opt_state):
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    grads = gtx.sparse_grad(loss)(params, ids)
+    assert isinstance(grads.embed.weight, gtx.SparseRows)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    # the whole model, non-array leaves included (their update is None)
+    return gtx.apply_updates(model, updates), opt_state, grads
+
+  ids = jnp.asarray(BATCHES[0])
+  # the reference, before the donated step: optax.apply_updates on the
+  # array part
+  grads = gtx.sparse_grad(loss)(params, ids)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  want = np.asarray(optax.apply_updates(params, updates).embed.weight)
+  before = np.array(model.embed.weight)
+  # eqx.apply_updates itself would split the SparseRows: a clear error
+  with pytest.raises(TypeError, match=r"gtx.apply_updates\(model, updates\)"):
+    eqx.apply_updates(params, updates)
+  model = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
+  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  model, _, _ = step(ids, model, opt_state)
+  np.testing.assert_allclose(model.embed.weight, want, rtol=1e-6)
+  untouched = np.setdiff1d(np.arange(V), BATCHES[0])
+  np.testing.assert_array_equal(
+    model.embed.weight[untouched], before[untouched]
+  )
+
+
+# ----------------------------------------------------------------------------
+# split optimizers: sparse tables and dense layers, one line
+
+
+def _dlrm_params():
+  rng = np.random.RandomState(7)
+  return {
+    "emb": jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
+    "mlp": {
+      "w1": jnp.asarray(rng.normal(size=(D, 4)), jnp.float32),
+      "b1": jnp.zeros(4, jnp.float32),
+      "w2": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+    },
+  }
+
+
+def _dlrm_loss(p, ids, y):
+  h = jnp.tanh(p["emb"][ids].sum(1) @ p["mlp"]["w1"] + p["mlp"]["b1"][None])
+  return jnp.mean((h @ p["mlp"]["w2"] - y) ** 2)
+
+
+def test_sparse_labels_split_the_optimizer_and_its_state():
+  params = _dlrm_params()
+  ids = jnp.asarray(np.random.RandomState(8).randint(0, V, (6, 3)))
+  y = jnp.ones(6)
+  labels = gtx.sparse_labels(_dlrm_loss)(params, ids, y)
+  assert labels == {
+    "emb": "sparse",
+    "mlp": {"w1": "dense", "b1": "dense", "w2": "dense"},
+  }
+  tx = optax.multi_transform(
+    {"sparse": gtx.rowwise_adagrad(0.1), "dense": optax.adam(1e-2)}, labels
+  )
+  state = tx.init(params)
+  # no Adam state for the table, no row-wise state for the MLP
+  adam_shapes = {x.shape for x in jax.tree.leaves(state.inner_states["dense"])}
+  row_shapes = {x.shape for x in jax.tree.leaves(state.inner_states["sparse"])}
+  assert (V, D) not in adam_shapes
+  assert row_shapes <= {(V,), ()}
+
+  @jax.jit
+  def step(p, s):
+    g = gtx.sparse_grad(_dlrm_loss)(p, ids, y)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  got, _ = step(params, state)
+  # each part as its own optimizer would do it
+  g = gtx.sparse_grad(_dlrm_loss)(params, ids, y)
+  row = gtx.rowwise_adagrad(0.1)
+  u, _ = row.update(g["emb"], row.init(params["emb"]), params["emb"])
+  np.testing.assert_allclose(
+    got["emb"], gtx.apply_updates(params["emb"], u), rtol=1e-5, atol=1e-7
+  )
+  adam = optax.adam(1e-2)
+  u, _ = adam.update(g["mlp"], adam.init(params["mlp"]), params["mlp"])
+  for k in u:
+    np.testing.assert_allclose(
+      got["mlp"][k],
+      optax.apply_updates(params["mlp"], u)[k],
+      rtol=1e-5,
+      atol=1e-7,
+    )

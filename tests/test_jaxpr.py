@@ -472,9 +472,12 @@ def test_report_table_and_records():
   source = pathlib.Path(__file__).read_text().splitlines()
   assert 'p["tied"].T' in source[line - 1]
   assert "not a floating-point" in by_path["['n']"].reason
-  text = str(report)
+  text = report.details()
   assert re.search(r"\['emb'\]\s+float32\[12, 3\]\s+sparse\s+6", text)
   assert re.search(r"\['tied'\].*dense.*transpose.*test_jaxpr.py:\d+", text)
+  summary = str(report)
+  assert re.search(r"\['emb'\]\s+float32\[12, 3\]\s+sparse, 6 rows", summary)
+  assert re.search(r"\['tied'\].*dense: used by `transpose`", summary)
 
 
 def test_require_sparse_names_the_leaf_use_and_line():
@@ -563,6 +566,7 @@ def _followed_constructs(t, ids, in_shard_map=True):
     + jax.checkpoint(lambda t: t[ids])(t).sum()
     + lax.scan(lambda c, i: (c + t[i].sum(), None), 0.0, ids)[0]
     + (read(t, ids).sum() if in_shard_map else 0.0)
+    + lax.stop_gradient(t)[ids].sum()
   )
 
 
@@ -777,3 +781,156 @@ def test_repeated_argnums_are_rejected_as_jax_rejects_them():
   for argnums in ((0, 0), (1, -1)):
     with pytest.raises(TypeError, match="same argument twice"):
       gtx.sparse_value_and_grad(loss, argnums=argnums)(TABLE, TABLE)
+
+
+# ----------------------------------------------------------------------------
+# dense where dense is cheaper, overrides, frozen tables, the summary
+
+
+def _bert_like(p, ids, segments):
+  # BERT's 2-row segment table read at every position, beside a big table
+  h = p["emb"][ids] + p["seg"][segments]
+  return jnp.sum(jnp.tanh(h @ p["w"]))
+
+
+def _bert_params():
+  rng = np.random.RandomState(3)
+  return {
+    "emb": jnp.asarray(rng.normal(size=(500, D)), jnp.float32),
+    "seg": jnp.asarray(rng.normal(size=(2, D)), jnp.float32),
+    "w": W,
+  }
+
+
+_TOKENS = jnp.asarray(np.random.RandomState(4).randint(0, 500, (4, 16)))
+_SEGMENTS = jnp.asarray(np.random.RandomState(5).randint(0, 2, (4, 16)))
+
+
+def test_a_table_read_many_times_per_row_stays_dense_and_says_why():
+  p = _bert_params()
+  report = gtx.sparsity_report(_bert_like)(p, _TOKENS, _SEGMENTS)
+  by = {r.path: r for r in report}
+  assert by["['emb']"].sparse and by["['emb']"].rows_per_step == 64
+  seg = by["['seg']"]
+  assert not seg.sparse and seg.reads == 64 and seg.is_table
+  assert "2 rows, 64 reads per step: dense is cheaper" in seg.reason
+  (_, got), (_, want) = _vg(
+    lambda p, i: _bert_like(p, i, _SEGMENTS), p, _TOKENS
+  )
+  assert isinstance(got["emb"], gtx.SparseRows)
+  np.testing.assert_allclose(got["seg"], want["seg"], rtol=1e-6)
+  # require_sparse keeps it sparse; dense= makes the big table dense
+  g = gtx.sparse_grad(_bert_like, require_sparse="['seg']")(
+    p, _TOKENS, _SEGMENTS
+  )
+  assert isinstance(g["seg"], gtx.SparseRows)
+  np.testing.assert_allclose(g["seg"].to_dense(), want["seg"], rtol=1e-5)
+  g = gtx.sparse_grad(_bert_like, dense=lambda path: "emb" in path)(
+    p, _TOKENS, _SEGMENTS
+  )
+  assert not isinstance(g["emb"], gtx.SparseRows)
+  np.testing.assert_allclose(g["emb"], want["emb"], rtol=1e-5, atol=1e-7)
+  assert (
+    "asked for dense"
+    in gtx.sparsity_report(_bert_like, dense="['emb']")(p, _TOKENS, _SEGMENTS)[
+      0
+    ].reason
+  )
+  with pytest.raises(ValueError, match="both in `dense` and in"):
+    gtx.sparse_grad(_bert_like, dense="['seg']", require_sparse="['seg']")(
+      p, _TOKENS, _SEGMENTS
+    )
+  with pytest.raises(ValueError, match="`dense` names"):
+    gtx.sparse_grad(_bert_like, dense="['nope']")(p, _TOKENS, _SEGMENTS)
+
+
+def test_the_threshold_is_reads_per_row():
+  # just below and at DENSE_READS_PER_ROW reads per row
+  from gradtx._autodiff import DENSE_READS_PER_ROW
+
+  rows = 8
+  for reads, sparse in (
+    (int(DENSE_READS_PER_ROW * rows) - 1, True),
+    (int(DENSE_READS_PER_ROW * rows), False),
+  ):
+    table = jnp.ones((rows, D))
+    ids = jnp.arange(reads) % rows
+    (r,) = gtx.sparsity_report(lambda t, i: _mlp(t[i], W))(table, ids)
+    assert r.sparse == sparse and r.reads == reads
+
+
+def test_a_frozen_table_gets_no_gradient_and_no_update():
+  def loss(p, ids):  # Flax's sst2 example freezes the embedding this way
+    return _mlp(lax.stop_gradient(p["emb"])[ids], p["w"])
+
+  p = {"emb": TABLE, "w": W}
+  (record, _) = gtx.sparsity_report(loss)(p, IDS)
+  assert record.frozen and record.is_table
+  assert "frozen (stop_gradient): no gradient, no update" in str(
+    gtx.sparsity_report(loss)(p, IDS)
+  )
+  (v, g), (want_v, want) = _vg(loss, p, IDS)
+  np.testing.assert_array_equal(v, want_v)
+  assert isinstance(g["emb"], gtx.SparseRows) and g["emb"].nnz == 0
+  np.testing.assert_array_equal(g["emb"].to_dense(), want["emb"])  # zeros
+  np.testing.assert_array_equal(g["w"], want["w"])
+  tx = gtx.lazy_adam(0.1)
+  state = tx.init(p)
+  u, state = tx.update(g, state, p)
+  new = gtx.apply_updates(p, u)
+  np.testing.assert_array_equal(new["emb"], TABLE)  # no row touched
+  np.testing.assert_array_equal(state[0].mu["emb"], 0.0)
+  # a table read both frozen and not: the unfrozen reads' rows only
+  g = gtx.sparse_grad(lambda t, i: _mlp(lax.stop_gradient(t)[i] + t[i], W))(
+    TABLE, IDS
+  )
+  assert g.nnz == IDS.size
+
+
+def test_report_summary_first_then_details():
+  p = _bert_params()
+  p["b"] = jnp.zeros(D)
+
+  def loss(p, ids, segments):
+    return _bert_like(p, ids, segments) + jnp.sum(p["b"])
+
+  report = gtx.sparsity_report(loss)(p, _TOKENS, _SEGMENTS)
+  text = str(report)
+  first = text.splitlines()[0]
+  assert first.startswith("2 table(s): 1 sparse, 1 dense, 0 frozen")
+  assert "gradient bytes saved per step" in first
+  assert "['emb']" in text and "64 rows per step" in text
+  assert "['seg']" in text and "dense is cheaper" in text
+  assert "2 other leaf(s)" in text and "['b']" not in text
+  assert "['b']" in report.details() and "['w']" in report.details()
+  assert [r.path for r in report.tables] == ["['emb']", "['seg']"]
+
+
+def test_nnx_value_paths_with_or_without_the_suffix():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.emb = nnx.Embed(50, D, rngs=nnx.Rngs(0))
+      self.seg = nnx.Embed(2, D, rngs=nnx.Rngs(1))
+
+    def __call__(self, ids, segments):
+      return jnp.sum(jnp.tanh(self.emb(ids) + self.seg(segments)))
+
+  graphdef, state = nnx.split(Model())
+
+  def loss(state, ids, segments):
+    return nnx.merge(graphdef, state)(ids, segments)
+
+  ids = _TOKENS % 50
+  paths = [r.path for r in gtx.sparsity_report(loss)(state, ids, _SEGMENTS)]
+  seg = [q for q in paths if "seg" in q][0]
+  emb = [q for q in paths if "emb" in q][0]
+  for name in (seg, seg.removesuffix(".value")):
+    g = gtx.sparse_grad(loss, require_sparse=name)(state, ids, _SEGMENTS)
+    assert isinstance(
+      jax.tree.leaves(g["seg"], is_leaf=_is_sparse)[0], gtx.SparseRows
+    )
+  for name in (emb, emb.removesuffix(".value")):
+    g = gtx.sparse_grad(loss, dense=[name])(state, ids, _SEGMENTS)
+    assert not _is_sparse(jax.tree.leaves(g["emb"], is_leaf=_is_sparse)[0])

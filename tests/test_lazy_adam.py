@@ -6,38 +6,20 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import CHECKS, Case, sparse_rows, step_fn
+from conformance import (
+  CHECKS,
+  SHAPES,
+  SPARSE,
+  Case,
+  make_grads,
+  make_params,
+  step_fn,
+  to_ref,
+  touched_rows,
+)
 from hlo import assert_tables_updated_in_place
 
 import gradtx as gtx
-
-SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
-SPARSE = ("emb", "tab")
-
-
-def make_params(seed=0, dtype=jnp.float32):
-  rng = np.random.RandomState(seed)
-  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
-
-
-def make_grads(step, n=9, dtype=jnp.float32):
-  rng = np.random.RandomState(1000 + step)
-  out = {}
-  for k, s in SHAPES.items():
-    if k in SPARSE:
-      out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
-    else:
-      out[k] = jnp.asarray(rng.normal(size=s), dtype)
-  return out
-
-
-def to_ref(grads):
-  return {
-    k: (np.asarray(g.indices), np.asarray(g.values), g.num_rows)
-    if isinstance(g, gtx.SparseRows)
-    else np.asarray(g)
-    for k, g in grads.items()
-  }
 
 
 def lazy_state(state):
@@ -239,9 +221,7 @@ def test_untouched_rows_unchanged_bit_for_bit(catch_up):
   new_params, new_state = step(params, state, g)
   s, ns = lazy_state(state), lazy_state(new_state)
   for k in SPARSE:
-    idx = np.asarray(g[k].indices)
-    touched = np.zeros(SHAPES[k][0], bool)
-    touched[idx[(idx >= 0) & (idx < SHAPES[k][0])]] = True
+    touched = touched_rows(g[k])
     assert 0 < touched.sum() < len(touched)
     trees = [(params, new_params), (s.mu, ns.mu), (s.nu, ns.nu)]
     if catch_up:

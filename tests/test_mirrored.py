@@ -1,17 +1,12 @@
 """Mirrored replication and all_reduce: against numpy and single-device runs,
 in shard_map, pmap, Mirrored.step and across two real processes."""
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import mirrored_worker as worker
 import numpy as np
 import optax
+import procs
 import pytest
 from conformance import CHECKS, Case
 from jax.sharding import PartitionSpec as P
@@ -580,43 +575,11 @@ def test_pmap_step_equals_single_device():
 # two real processes x 2 CPU devices
 
 
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_equal_single_process_four_devices(tmp_path):
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    JAX_PLATFORMS="cpu",
-  )
-  script = str(Path(__file__).with_name("mirrored_worker.py"))
-  port = str(_free_port())
-  procs, logs = [], []
-  try:
-    for i in range(2):
-      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
-      cmd += ["--process-id", str(i), "--out", str(tmp_path)]
-      # Logs go to files, not pipes: a full pipe could stall one process
-      # while the other waits for it in a collective.
-      logs.append(tmp_path / f"log_{i}.txt")
-      with open(logs[-1], "wb") as log:
-        procs.append(
-          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
+  out = ["--out", str(tmp_path)]
+  with procs.launched("mirrored_worker.py", out, tmp_path, timeout=90):
     # the reference, while they run: one process, 4 of the 8 local devices
     want, want_losses = worker.train(gtx.Mirrored(jax.devices()[:4]))
-    for p in procs:
-      p.wait(timeout=90)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs, strict=True):
-    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
 
   for i in range(2):
     got = np.load(tmp_path / f"process_{i}.npz")

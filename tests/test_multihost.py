@@ -6,13 +6,12 @@ ends -- after a kill mid-training and after a kill inside a save."""
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import procs
 import pytest
 
 from examples import multihost
@@ -36,19 +35,14 @@ def _cache_env(tmp: Path) -> dict[str, str]:
   }
 
 
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 class Job:
   """Two processes of examples.multihost, logs in files (a full pipe could
   stall one process while the other waits for it in a collective)."""
 
   def __init__(self, tmp: Path, name: str, env: dict[str, str] | None = None):
     self.logs = [tmp / f"{name}_{i}.log" for i in range(2)]
-    port = str(_free_port())
+    port = str(procs.free_port())
+    env = dict(os.environ, **_cache_env(tmp), **(env or {}))
     self.procs = []
     for i in range(2):
       cmd = [sys.executable, "-m", "examples.multihost"]
@@ -56,16 +50,7 @@ class Job:
       cmd += ["--process-id", str(i), "--steps", str(STEPS)]
       cmd += ["--checkpoint-dir", str(tmp / "ckpt"), "--out", str(tmp / name)]
       cmd += ["--devices-per-process", str(DEVICES)]
-      with open(self.logs[i], "wb") as log:
-        self.procs.append(
-          subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=dict(os.environ, **_cache_env(tmp), **(env or {})),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-          )
-        )
+      self.procs.append(procs.start(cmd, self.logs[i], cwd=ROOT, env=env))
 
   def log(self, i: int) -> str:
     return self.logs[i].read_text(errors="replace")
@@ -86,14 +71,11 @@ class Job:
     ]
 
   def kill(self) -> None:
-    for p in self.procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
+    procs.kill(self.procs)
 
   def assert_ok(self) -> None:
-    for i, rc in enumerate(self.wait()):
-      assert rc == 0, self.log(i)[-4000:]
+    self.wait()
+    procs.assert_exited_ok(self.procs, self.logs)
 
 
 def _run_to_end(tmp: Path, name: str) -> dict[str, np.ndarray]:

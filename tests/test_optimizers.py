@@ -1,50 +1,31 @@
 """Sparse optimizers on the row engine: adagrad, rowwise_adagrad, ftrl,
 lazy_sgd (and scale_by_rss, scale_by_rowwise_rss, lazy_trace)."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import references_optimizers as ref
-from conformance import CHECKS, Case, sparse_rows, step_fn
+from conformance import (
+  CHECKS,
+  SHAPES,
+  SPARSE,
+  Case,
+  make_grads,
+  make_params,
+  step_fn,
+  to_ref,
+  touched_rows,
+)
 from hlo import assert_tables_updated_in_place
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
 
-SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
-SPARSE = ("emb", "tab")
 SCHEDULE = optax.linear_schedule(0.1, 0.01, 30)
-
-
-def make_params(seed=0, dtype=jnp.float32, zero=False):
-  rng = np.random.RandomState(seed)
-  return {
-    k: jnp.asarray(0 * zero + (not zero) * rng.normal(size=s), dtype)
-    for k, s in SHAPES.items()
-  }
-
-
-def make_grads(step, n=9, dtype=jnp.float32, sparse=SPARSE):
-  """SparseRows with a duplicate and two padding ids (-1, too big)."""
-  rng = np.random.RandomState(1000 + step)
-  out = {}
-  for k, s in SHAPES.items():
-    if k in sparse:
-      out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
-    else:
-      out[k] = jnp.asarray(rng.normal(size=s), dtype)
-  return out
-
-
-def to_ref(grads):
-  return {
-    k: (np.asarray(g.indices), np.asarray(g.values, np.float64), g.num_rows)
-    if isinstance(g, gtx.SparseRows)
-    else np.asarray(g, np.float64)
-    for k, g in grads.items()
-  }
 
 
 def _lr(lr):
@@ -62,6 +43,20 @@ CONFIGS = {
   "adagrad_init_eps": (
     lambda: gtx.adagrad(0.3, initial_accumulator_value=0.0, eps=1e-3),
     lambda p: ref.Adagrad(p, _lr(0.3), 0.0, 1e-3),
+    lambda s, r: {"G": (s[0].sum_of_squares, r.state)},
+  ),
+  # eps = 0.1 next to G of order 1-10: the two forms differ far beyond the
+  # tolerance (test_new_options_change_the_step)
+  "adagrad_eps_outside_sqrt_schedule": (
+    lambda: gtx.adagrad(SCHEDULE, eps=0.1, eps_outside_sqrt=True),
+    lambda p: ref.Adagrad(p, SCHEDULE, 0.1, 0.1, eps_outside_sqrt=True),
+    lambda s, r: {"G": (s[0].sum_of_squares, r.state)},
+  ),
+  "adagrad_eps_outside_sqrt_zero_init": (
+    lambda: gtx.adagrad(
+      0.3, initial_accumulator_value=0.0, eps=1e-3, eps_outside_sqrt=True
+    ),
+    lambda p: ref.Adagrad(p, _lr(0.3), 0.0, 1e-3, eps_outside_sqrt=True),
     lambda s, r: {"G": (s[0].sum_of_squares, r.state)},
   ),
   "rowwise_adagrad": (
@@ -110,6 +105,36 @@ CONFIGS = {
       beta=0.7,
     ),
     lambda p: ref.Ftrl(p, SCHEDULE, -0.3, 0.5, l1=0.05, beta=0.7),
+    lambda s, r: {
+      "n": (s.n, {k: v["n"] for k, v in r.state.items()}),
+      "z": (s.z, {k: v["z"] for k, v in r.state.items()}),
+    },
+  ),
+  "ftrl_l2_shrinkage": (
+    lambda: gtx.ftrl(
+      0.5,
+      l1_regularization_strength=0.2,
+      l2_regularization_strength=0.1,
+      l2_shrinkage_regularization_strength=0.3,
+    ),
+    lambda p: ref.Ftrl(p, _lr(0.5), l1=0.2, l2=0.1, l2_shrinkage=0.3),
+    lambda s, r: {
+      "n": (s.n, {k: v["n"] for k, v in r.state.items()}),
+      "z": (s.z, {k: v["z"] for k, v in r.state.items()}),
+    },
+  ),
+  "ftrl_l2_shrinkage_power_beta_schedule": (
+    lambda: gtx.ftrl(
+      SCHEDULE,
+      learning_rate_power=-0.3,
+      initial_accumulator_value=0.5,
+      l1_regularization_strength=0.05,
+      beta=0.7,
+      l2_shrinkage_regularization_strength=0.05,
+    ),
+    lambda p: ref.Ftrl(
+      p, SCHEDULE, -0.3, 0.5, l1=0.05, beta=0.7, l2_shrinkage=0.05
+    ),
     lambda s, r: {
       "n": (s.n, {k: v["n"] for k, v in r.state.items()}),
       "z": (s.z, {k: v["z"] for k, v in r.state.items()}),
@@ -188,6 +213,73 @@ def test_adagrad_on_sparse_equals_optax_on_dense(jit):
       np.testing.assert_allclose(p_ours[k], p_theirs[k], rtol=0, atol=5e-7)
     else:
       np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_adagrad_eps_outside_sqrt_on_sparse_equals_dense(jit):
+  # No optax twin: the touched rows of a SparseRows leaf must equal the dense
+  # leaf's rule on the densified gradient, the others stay.
+  tx = lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True)  # noqa: E731
+  p_sparse, s_sparse, p_dense, s_dense = _run_pair(
+    tx(), tx(), make_grads, jit, steps=2 + 2 * jit
+  )
+  for k in SHAPES:
+    np.testing.assert_array_equal(
+      s_sparse[0].sum_of_squares[k], s_dense[0].sum_of_squares[k]
+    )
+    # one float32 ulp at most (a scatter-add under jit, as above)
+    np.testing.assert_allclose(p_sparse[k], p_dense[k], rtol=0, atol=5e-7)
+
+
+def test_new_options_are_off_by_default_and_change_the_step():
+  """eps_outside_sqrt=False and l2_shrinkage_regularization_strength=0.0
+  are the defaults and give the default step bit for bit (the default itself
+  is checked against optax and the numpy references above); switched on,
+  each changes the step by far more than the tolerances used."""
+  pairs = {
+    "adagrad": (
+      lambda: gtx.adagrad(0.1, eps=0.1),
+      lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=False),
+      lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True),
+    ),
+    "ftrl": (
+      lambda: gtx.ftrl(0.5, l1_regularization_strength=0.2),
+      lambda: gtx.ftrl(
+        0.5,
+        l1_regularization_strength=0.2,
+        l2_shrinkage_regularization_strength=0.0,
+      ),
+      lambda: gtx.ftrl(
+        0.5,
+        l1_regularization_strength=0.2,
+        l2_shrinkage_regularization_strength=0.3,
+      ),
+    ),
+  }
+  for name, (default, off, on) in pairs.items():
+    runs = []
+    for make_tx in (default, off, on):
+      tx = make_tx()
+      params = make_params()
+      state = tx.init(params)
+      step = jax.jit(step_fn(tx))
+      for i in range(4):
+        params, state = step(params, state, make_grads(i))
+      runs.append(jax.tree.leaves((params, state)))
+    for a, b in zip(runs[0], runs[1], strict=True):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+    moved = max(
+      float(np.abs(np.asarray(a, np.float64) - np.asarray(c)).max())
+      for a, c in zip(runs[0], runs[2], strict=True)
+    )
+    assert moved > 1e-3, name  # the references compare at 1e-5
+  for factory, name, value in (
+    (gtx.adagrad, "eps_outside_sqrt", False),
+    (gtx.scale_by_rss, "eps_outside_sqrt", False),
+    (gtx.ftrl, "l2_shrinkage_regularization_strength", 0.0),
+  ):
+    param = inspect.signature(factory).parameters[name]
+    assert param.default == value and param.kind == param.KEYWORD_ONLY
 
 
 @pytest.mark.parametrize(
@@ -269,6 +361,47 @@ def test_ftrl_sparse_equals_dense_ftrl_from_zero_weights():
   for k in SHAPES:
     np.testing.assert_allclose(p_sparse[k], p_dense[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(s_sparse.n[k], s_dense.n[k])
+
+
+def test_ftrl_l2_shrinkage_on_sparse_moves_only_the_touched_rows():
+  """Keras: with a sparse gradient "shrinkage will only happen on the active
+  weights". A dense leaf (TensorFlow's dense kernel) shrinks every weight
+  every step, so a row touched once keeps moving there; each equals the
+  numpy reference on its own gradients."""
+  tx = gtx.ftrl(
+    0.5,
+    l2_regularization_strength=0.1,
+    l2_shrinkage_regularization_strength=0.5,
+  )
+  grads = [  # a duplicate and padding ids (4, -1)
+    gtx.SparseRows(
+      jnp.array([1, 1, 4]), jnp.array([[1.0, -2], [0.5, 1], [9, 9]]), 4
+    ),
+    gtx.SparseRows(jnp.array([2, -1]), jnp.array([[-1.0, 0.5], [9, 9]]), 4),
+    gtx.SparseRows(jnp.array([2]), jnp.array([[2.0, 1]]), 4),
+  ]
+  p0 = jnp.zeros((4, 2))
+  out = {}
+  for kind in ("sparse", "dense"):
+    p, state = p0, tx.init(p0)
+    r = ref.Ftrl({"emb": np.zeros((4, 2))}, _lr(0.5), l2=0.1, l2_shrinkage=0.5)
+    history = []
+    for g in grads:
+      g = g if kind == "sparse" else g.to_dense()
+      u, state = tx.update(g, state, p)
+      p = gtx.apply_updates(p, u)
+      r.step(to_ref({"emb": g}))
+      history.append(np.asarray(p))
+    np.testing.assert_allclose(p, r.p["emb"], rtol=1e-5, atol=1e-6)
+    out[kind] = history
+  sparse, dense = out["sparse"], out["dense"]
+  assert np.abs(sparse[0][1]).min() > 0.1  # row 1 moved on step 0
+  # ... and stays put without a gradient in the sparse run only
+  assert sparse[2][1].tobytes() == sparse[0][1].tobytes()
+  assert np.abs(dense[2][1] - dense[0][1]).min() > 1e-3
+  # rows never touched have zero weights: nothing to shrink in either run
+  for h in (sparse[2], dense[2]):
+    assert not h[[0, 3]].any()
 
 
 # ----------------------------------------------------------------------------
@@ -381,11 +514,24 @@ def test_bf16_table_with_float32_accumulators():
   "make_tx",
   [
     lambda: gtx.adagrad(0.1),
+    lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True),
     lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.1),
     lambda: gtx.lazy_sgd(0.1, momentum=0.9),
     lambda: gtx.ftrl(0.1, l1_regularization_strength=0.01),
+    lambda: gtx.ftrl(
+      0.1,
+      l1_regularization_strength=0.01,
+      l2_shrinkage_regularization_strength=0.1,
+    ),
   ],
-  ids=["adagrad", "rowwise_adagrad", "lazy_sgd_momentum", "ftrl"],
+  ids=[
+    "adagrad",
+    "adagrad_eps_outside_sqrt",
+    "rowwise_adagrad",
+    "lazy_sgd_momentum",
+    "ftrl",
+    "ftrl_l2_shrinkage",
+  ],
 )
 def test_untouched_and_padding_rows_unchanged_bit_for_bit(make_tx):
   tx = make_tx()
@@ -397,9 +543,7 @@ def test_untouched_and_padding_rows_unchanged_bit_for_bit(make_tx):
   g = make_grads(7)
   new_params, new_state = step(params, state, g)
   for k in SPARSE:
-    idx = np.asarray(g[k].indices)
-    touched = np.zeros(SHAPES[k][0], bool)
-    touched[idx[(idx >= 0) & (idx < SHAPES[k][0])]] = True
+    touched = touched_rows(g[k])
     assert 0 < touched.sum() < len(touched)
     olds = [params[k]] + [
       x for x in jax.tree.leaves(state) if jnp.shape(x)[:1] == SHAPES[k][:1]
@@ -441,8 +585,15 @@ def test_deterministic_with_many_duplicates():
     # does (tested there); these two use the rate differently.
     (gtx.rowwise_adagrad, {"weight_decay": 0.01}),
     (gtx.ftrl, {"l1_regularization_strength": 0.01}),
+    (
+      gtx.ftrl,
+      {
+        "l1_regularization_strength": 0.01,
+        "l2_shrinkage_regularization_strength": 0.1,
+      },
+    ),
   ],
-  ids=["rowwise_adagrad", "ftrl"],
+  ids=["rowwise_adagrad", "ftrl", "ftrl_l2_shrinkage"],
 )
 def test_inject_hyperparams(factory, kwargs):
   params = make_params()
@@ -680,6 +831,8 @@ def test_bad_hyperparameters_raise():
     gtx.ftrl(0.1, learning_rate_power=0.5)
   with pytest.raises(ValueError, match="l1_regularization_strength.*>= 0"):
     gtx.ftrl(0.1, l1_regularization_strength=-1.0)
+  with pytest.raises(ValueError, match="l2_shrinkage_regularization_strength"):
+    gtx.ftrl(0.1, l2_shrinkage_regularization_strength=-0.1)
   with pytest.raises(ValueError, match="weight_decay.*>= 0"):
     gtx.rowwise_adagrad(0.1, weight_decay=-0.1)
   with pytest.raises(ValueError, match="initial_accumulator_value"):
@@ -722,6 +875,10 @@ def test_mismatched_sparse_rows_and_state_raise():
 CASES = [
   Case("adagrad", lambda: gtx.adagrad(0.1)),
   Case(
+    "adagrad_eps_outside_sqrt",
+    lambda: gtx.adagrad(0.1, eps=1e-3, eps_outside_sqrt=True),
+  ),
+  Case(
     "rowwise_adagrad_decay_schedule",
     lambda: gtx.rowwise_adagrad(
       optax.cosine_decay_schedule(0.1, 10), weight_decay=0.01
@@ -733,6 +890,15 @@ CASES = [
     "ftrl",
     lambda: gtx.ftrl(
       0.1, l1_regularization_strength=0.01, accumulator_dtype=jnp.float32
+    ),
+  ),
+  Case(
+    "ftrl_l2_shrinkage",
+    lambda: gtx.ftrl(
+      0.1,
+      l1_regularization_strength=0.01,
+      l2_shrinkage_regularization_strength=0.05,
+      accumulator_dtype=jnp.float32,
     ),
   ),
 ]

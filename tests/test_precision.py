@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import gradtx as gtx
 from gradtx._precision import (
   dequantize_rows,
   num_blocks,
@@ -455,3 +456,90 @@ def test_quantize_bad_arguments():
     dequantize_rows(codes.astype(jnp.int32), scales, 4, (6,))
   with pytest.raises(TypeError, match="`dtype` must be a floating-point"):
     dequantize_rows(codes, scales, 4, (6,), dtype=jnp.int8)
+
+
+# ----------------------------------------------------------------------------
+# gtx.apply_updates(..., key=): stochastic rounding of low-precision tables
+
+
+def _bf16_table(rows=11, dim=3):
+  return jnp.asarray(
+    np.random.RandomState(9).normal(size=(rows, dim)), jnp.bfloat16
+  )
+
+
+def _tiny_update(ids, rows=11, dim=3, scale=1e-3):
+  vals = np.random.RandomState(10).normal(size=(len(ids), dim)) * scale
+  return gtx.SparseRows(jnp.asarray(ids), jnp.asarray(vals, jnp.float32), rows)
+
+
+def test_apply_updates_without_a_key_rounds_to_nearest():
+  p, u = _bf16_table(), _tiny_update([2, 5, 2, -1, 11])
+  want = (np.asarray(p, np.float32) + np.asarray(u.to_dense())).astype(
+    ml_dtypes.bfloat16
+  )
+  np.testing.assert_array_equal(gtx.apply_updates(p, u), want)
+
+
+def test_apply_updates_with_a_key_rounds_touched_rows_stochastically():
+  p, u = _bf16_table(), _tiny_update([2, 5, 2, -1, 11])
+  exact = np.asarray(p, np.float32) + np.asarray(u.to_dense(), np.float32)
+  lo, hi = _neighbours(exact.astype(np.float64), jnp.bfloat16)
+  key = jax.random.key(1)
+  got = np.asarray(gtx.apply_updates(p, u, key=key), np.float32)
+  touched = np.zeros(11, bool)
+  touched[[2, 5]] = True
+  ok = (got == lo.astype(np.float32)) | (got == hi.astype(np.float32))
+  assert ok[touched].all()
+  np.testing.assert_array_equal(
+    got[~touched], np.asarray(p, np.float32)[~touched]
+  )
+  # deterministic per key, different for another key
+  np.testing.assert_array_equal(
+    gtx.apply_updates(p, u, key=key), gtx.apply_updates(p, u, key=key)
+  )
+  assert not np.array_equal(
+    gtx.apply_updates(p, u, key=jax.random.key(2)),
+    got.astype(ml_dtypes.bfloat16),
+  ) or np.array_equal(lo, hi)
+  # float32 leaves ignore the key
+  p32 = jnp.asarray(p, jnp.float32)
+  np.testing.assert_array_equal(
+    gtx.apply_updates(p32, u, key=key), gtx.apply_updates(p32, u)
+  )
+
+
+def test_apply_updates_with_a_key_is_unbiased():
+  # 4,000 keys: the mean of each element must be the exact float32 sum
+  # within 5 standard errors (each draw is lo or hi: SE <= gap / 2 / sqrt(N))
+  p, u = _bf16_table(3, 2), _tiny_update([1], rows=3, dim=2)
+  n = 4000
+  keys = jax.random.split(jax.random.key(3), n)
+  draws = jax.jit(jax.vmap(lambda k: gtx.apply_updates(p, u, key=k)[1]))(keys)
+  mean = np.asarray(draws, np.float64).mean(0)
+  exact = np.asarray(p, np.float64)[1] + np.asarray(u.values, np.float64)[0]
+  lo, hi = _neighbours(exact, jnp.bfloat16)
+  gap = np.asarray(hi, np.float64) - np.asarray(lo, np.float64)
+  assert (np.abs(mean - exact) <= 5 * gap / 2 / np.sqrt(n)).all()
+  nearest = np.asarray(exact.astype(ml_dtypes.bfloat16), np.float64)
+  assert (np.abs(nearest - exact) > 5 * gap / 2 / np.sqrt(n)).any()
+
+
+def test_apply_updates_rounding_does_not_depend_on_batching_or_sharding():
+  p, key = _bf16_table(16, 4), jax.random.key(4)
+  both = _tiny_update([3, 9], rows=16, dim=4)
+  first = gtx.SparseRows(both.indices[:1], both.values[:1], 16)
+  second = gtx.SparseRows(both.indices[1:], both.values[1:], 16)
+  together = gtx.apply_updates(p, both, key=key)
+  apart = gtx.apply_updates(
+    gtx.apply_updates(p, first, key=key), second, key=key
+  )
+  np.testing.assert_array_equal(together, apart)
+  # a dense bf16 leaf, row-sharded over the 8 devices: the same bits
+  dense = jnp.asarray(np.random.RandomState(11).normal(size=(16, 4)) * 1e-3)
+  dense = dense.astype(jnp.float32)
+  want = gtx.apply_updates(p, dense, key=key)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  sharded = jax.device_put(p, NamedSharding(mesh, P("d", None)))
+  got = jax.jit(lambda p, u: gtx.apply_updates(p, u, key=key))(sharded, dense)
+  np.testing.assert_array_equal(got, want)

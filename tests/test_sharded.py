@@ -11,18 +11,14 @@ one table shard. The model, the batches and the chains are
 is compiled once and its run shared by every assertion about it.
 """
 
-import os
 import re
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import checkpoint_worker
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import procs
 import pytest
 import sharded_worker as worker
 from jax.sharding import AxisType, NamedSharding
@@ -224,12 +220,6 @@ def hybrid(tmp_path_factory):
 # Two processes x 2 devices, and an 8-device checkpoint restored onto them
 
 
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
 def _close(got, want, rtol=2e-5):
   for g, w in zip(got, jax.tree.leaves(want), strict=True):
     w = np.asarray(w)
@@ -245,40 +235,13 @@ def test_two_processes_and_eight_to_four_device_restore(request, tmp_path):
   # the 4 devices and continued. The workers start first and train from
   # scratch while this process runs on 8 devices (the ``hybrid`` fixture,
   # requested after they start, unless an earlier test built it).
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=2",
-    JAX_PLATFORMS="cpu",
-  )
-  script = str(Path(__file__).with_name("sharded_worker.py"))
-  port = str(_free_port())
-  procs, logs = [], []
-  try:
-    for i in range(2):
-      cmd = [sys.executable, script, "--port", port, "--num-processes", "2"]
-      cmd += ["--process-id", str(i), "--ready", str(tmp_path / "ready")]
-      cmd += ["--out", str(tmp_path)]
-      # Logs go to files: a full pipe could stall one process in a
-      # collective the other waits on.
-      logs.append(tmp_path / f"log_{i}.txt")
-      with open(logs[-1], "wb") as log:
-        procs.append(
-          subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
+  args = ["--ready", str(tmp_path / "ready"), "--out", str(tmp_path)]
+  with procs.launched("sharded_worker.py", args, tmp_path, timeout=180):
     hybrid = request.getfixturevalue("hybrid")
     # Written whole, then renamed: a worker never reads half a path.
     (tmp_path / "ready.tmp").write_text(str(hybrid["ckpt"]))
     (tmp_path / "ready.tmp").rename(tmp_path / "ready")
     params, state, want_losses, _, _ = _reference(CHAIN)  # while they run
-    for p in procs:
-      p.wait(timeout=180)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs, strict=True):
-    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
 
   want = {"params": params, "opt_state": (optax.EmptyState(), state)}
   count = len(jax.tree.leaves(want))

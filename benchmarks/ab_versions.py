@@ -1,0 +1,113 @@
+"""Whole-step speed of this checkout against an earlier commit, in one run.
+
+The earlier commit's ``gradtx`` package is materialized from git into a
+temporary folder as ``gradtx_before`` (its imports renamed), so both
+versions run side by side in one process: the whole training step users
+run (forward with the loss returned, sparse backward, optimizer, apply;
+jitted and donated; fresh uniform ids every step), alternating in rounds.
+
+  python -m benchmarks.ab_versions --before REV [--rows 1000000] [--dim 64]
+      [--ids 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx
+from benchmarks._common import (
+  Schedule,
+  add_schedule_args,
+  table_runner,
+  table_step,
+  time_interleaved,
+  uniform_batches,
+  write_results,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_before(rev: str) -> Any:
+  """``gradtx`` as of ``rev``, imported as ``gradtx_before``."""
+  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx_before"
+  out.mkdir()
+  names = subprocess.run(
+    ["git", "ls-tree", "--name-only", rev, "gradtx/"],
+    cwd=ROOT,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout.split()
+  for name in names:
+    if not name.endswith(".py"):
+      continue
+    text = subprocess.run(
+      ["git", "show", f"{rev}:{name}"],
+      cwd=ROOT,
+      check=True,
+      capture_output=True,
+      text=True,
+    ).stdout
+    text = re.sub(r"\bgradtx\b(?=[._ ])", "gradtx_before", text)
+    (out / pathlib.Path(name).name).write_text(text)
+  sys.path.insert(0, str(out.parent))
+  return importlib.import_module("gradtx_before")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--before", required=True)
+  parser.add_argument("--rows", type=int, default=1_000_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--ids", type=int, default=8192)
+  add_schedule_args(parser)
+  args = parser.parse_args(argv)
+  sched = Schedule.from_args(args)
+  versions = {
+    f"before ({args.before})": load_before(args.before),
+    "now": gradtx,
+  }
+  rng = np.random.RandomState(0)
+  batches = uniform_batches(rng, args.rows, args.ids)
+  makers = {
+    "lazy_adam": lambda g: g.lazy_adam(1e-3),
+    "lazy_adamw": lambda g: g.lazy_adamw(1e-3, weight_decay=1e-4),
+    "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
+    "adagrad": lambda g: g.adagrad(1e-2),
+  }
+  rows = []
+  for name, make in makers.items():
+    fns = {}
+    for label, gtx in versions.items():
+      tx = make(gtx)
+      table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
+      fns[label] = table_runner(table_step(gtx, tx), tx, table, batches)
+    times = time_interleaved(
+      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
+    )
+    base = next(iter(times.values()))
+    for label, t in times.items():
+      rows.append([name, label, f"{t * 1e3:.2f}", f"{t / base:.3f}"])
+  write_results(
+    "ab_versions",
+    f"Whole step, this checkout vs {args.before}: {args.rows:,} x "
+    f"{args.dim} table, {args.ids:,} fresh uniform ids per step",
+    ["optimizer", "version", "step ms", "vs before"],
+    rows,
+    notes=sched.describe() + "; both versions in one process.",
+  )
+
+
+if __name__ == "__main__":
+  main()

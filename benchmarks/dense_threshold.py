@@ -1,0 +1,111 @@
+"""Where dense beats sparse: the whole lazy_adam step of a table read R
+times per step, with its gradient sparse (SparseRows, lazy update of the
+touched rows) and dense (``dense=``: jax's dense gradient, Adam on the
+whole table), side by side in one process, over tables of V rows for a
+fixed R. The crossover R / V sets ``gradtx._autodiff.DENSE_READS_PER_ROW``.
+
+  python -m benchmarks.dense_threshold [--reads 4096] [--dim 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import (
+  Schedule,
+  add_schedule_args,
+  time_interleaved,
+  write_results,
+)
+from gradtx._autodiff import DENSE_READS_PER_ROW
+
+RATIOS = (0.05, 0.1, 0.25, 0.35, 0.5, 1.0, 2.0, 4.0, 8.0, 64.0, 2048.0)
+STEPS = 8  # distinct id batches cycled through
+
+
+def _step(kind: str):
+  tx = gtx.lazy_adam(1e-3)
+
+  def loss(p, ids):
+    return jnp.sum(jnp.tanh(p["emb"][ids]) * p["w"])
+
+  opts = (
+    {"require_sparse": "['emb']"} if kind == "sparse" else {"dense": "['emb']"}
+  )
+  vg = gtx.sparse_value_and_grad(loss, **opts)
+
+  def step(p, s, ids):
+    value, g = vg(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--reads", type=int, default=4096)
+  parser.add_argument("--dim", type=int, default=64)
+  add_schedule_args(parser)
+  args = parser.parse_args(argv)
+  sched = Schedule.from_args(args)
+  rng = np.random.RandomState(0)
+  rows = []
+  for ratio in RATIOS:
+    v = max(1, int(round(args.reads / ratio)))
+    batches = [
+      jnp.asarray(rng.randint(0, v, args.reads), jnp.int32)
+      for _ in range(STEPS)
+    ]
+    fns = {}
+    for kind in ("sparse", "dense"):
+      tx, step = _step(kind)
+      p = {
+        "emb": jnp.asarray(rng.normal(size=(v, args.dim)), jnp.float32),
+        "w": jnp.ones(args.dim, jnp.float32),
+      }
+      box = {"p": p, "s": tx.init(p), "k": 0}
+
+      def run(box=box, step=step, batches=batches):
+        box["k"] = (box["k"] + 1) % STEPS
+        box["p"], box["s"], val = step(box["p"], box["s"], batches[box["k"]])
+        val.block_until_ready()
+
+      fns[kind] = run
+    t = time_interleaved(
+      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
+    )
+    rows.append(
+      [
+        f"{v:,}",
+        f"{ratio:g}",
+        f"{t['sparse'] * 1e3:.3f}",
+        f"{t['dense'] * 1e3:.3f}",
+        f"{t['sparse'] / t['dense']:.2f}",
+        "dense" if ratio >= DENSE_READS_PER_ROW else "sparse",
+      ]
+    )
+  write_results(
+    "dense_threshold",
+    f"Sparse vs dense gradient, whole lazy_adam step, {args.reads:,} reads "
+    f"per step, {args.dim} wide",
+    [
+      "rows V",
+      "reads / V",
+      "sparse ms",
+      "dense ms",
+      "sparse / dense",
+      "gtx picks",
+    ],
+    rows,
+    notes=sched.describe() + "; both in one process, fresh uniform ids.",
+  )
+
+
+if __name__ == "__main__":
+  main()

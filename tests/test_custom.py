@@ -1,0 +1,621 @@
+"""Your own sparse optimizer: gtx.row_transformation.
+
+Lazy Lion (Chen et al. 2023) and row-wise Adagrad written with it, checked
+against numpy re-implementations of the published formulas (Lion's below,
+row-wise Adagrad's in ``references_optimizers``) and, for dense leaves,
+against ``optax.lion`` bit for bit; then the engine's guarantees (padding,
+untouched rows, donation, row-sharded tables, composition) and the
+validation errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import references_optimizers as ref
+from conformance import CHECKS, Case, sparse_rows, step_fn
+from hlo import assert_tables_updated_in_place
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradtx as gtx
+
+SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
+SPARSE = ("emb", "tab")
+B1, B2 = 0.9, 0.99
+
+
+def make_params(seed=0, dtype=jnp.float32):
+  rng = np.random.RandomState(seed)
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+
+
+def make_grads(step, n=9, dtype=jnp.float32):
+  """SparseRows with a duplicate and two padding ids (-1, too big)."""
+  rng = np.random.RandomState(2000 + step)
+  return {
+    k: sparse_rows(rng, s[0], s[1:], n, dtype)
+    if k in SPARSE
+    else jnp.asarray(rng.normal(size=s), dtype)
+    for k, s in SHAPES.items()
+  }
+
+
+def lazy_lion(learning_rate, b1=B1, b2=B2, weight_decay=0.0):
+  """The guide's lazy Lion."""
+
+  def init(p):
+    return (jnp.zeros_like(p),)
+
+  def rule(g, p, m):
+    c = b1 * m + (1 - b1) * g
+    update = -learning_rate * (jnp.sign(c) + weight_decay * p)
+    return update, (1 - b2) * g + b2 * m
+
+  return gtx.row_transformation(rule, init, needs_params=True)
+
+
+def rowwise_adagrad(learning_rate, eps=1e-8):
+  """FBGEMM's EXACT_ROWWISE_ADAGRAD: one float32 accumulator per table row
+  (``[V]``), per element for leaves of ndim < 2."""
+
+  def init(p):
+    return (jnp.zeros(p.shape[:1], jnp.float32),)
+
+  def rule(g, p, acc):
+    del p
+    if acc.ndim < g.ndim:  # a table: acc is [n] rows
+      acc = acc + jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
+      scale = jnp.sqrt(acc).reshape(acc.shape + (1,) * (g.ndim - 1))
+    else:
+      acc = acc + g * g
+      scale = jnp.sqrt(acc)
+    return -learning_rate * g / (scale + eps), acc
+
+  return gtx.row_transformation(rule, init)
+
+
+class NumpyLazyLion:
+  """Lion from the paper (Algorithm 2, decoupled weight decay), float64, one
+  row at a time; a sparse gradient ``(ids, values, num_rows)`` is summed per
+  valid id first and only those rows (parameter and moment) change."""
+
+  def __init__(self, params, lr, wd):
+    self.p = {k: np.asarray(v, np.float64).copy() for k, v in params.items()}
+    self.m = {k: np.zeros_like(v) for k, v in self.p.items()}
+    self.lr, self.wd = lr, wd
+
+  def row(self, k, r, g):
+    p, m = self.p[k], self.m[k]
+    c = B1 * m[r] + (1 - B1) * g
+    p[r] = p[r] - self.lr * (np.sign(c) + self.wd * p[r])
+    m[r] = B2 * m[r] + (1 - B2) * g
+
+  def step(self, grads):
+    for k, g in grads.items():
+      if isinstance(g, gtx.SparseRows):
+        rows = ref.summed_rows(g.indices, g.values, g.num_rows)
+      elif self.p[k].ndim == 0:
+        rows = {(): np.asarray(g, np.float64)}
+      else:
+        rows = dict(enumerate(np.asarray(g, np.float64)))
+      for r, gr in rows.items():
+        self.row(k, r, gr)
+
+
+def touched_rows(g):
+  idx = np.asarray(g.indices)
+  touched = np.zeros(g.num_rows, bool)
+  touched[idx[(idx >= 0) & (idx < g.num_rows)]] = True
+  return touched
+
+
+# ----------------------------------------------------------------------------
+# Against independent references
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lazy_lion_matches_numpy(jit):
+  tx = lazy_lion(0.01, weight_decay=0.1)
+  params = make_params()
+  state = tx.init(params)
+  want = NumpyLazyLion(params, 0.01, 0.1)
+  step = jax.jit(step_fn(tx)) if jit else step_fn(tx)
+  for i in range(4):
+    grads = make_grads(i)
+    params, state = step(params, state, grads)
+    want.step(grads)
+  for k in SHAPES:
+    np.testing.assert_allclose(params[k], want.p[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      state.states[0][k], want.m[k], rtol=1e-5, atol=1e-7
+    )
+
+
+def test_untouched_and_padding_rows_unchanged_bit_for_bit():
+  tx = lazy_lion(0.01, weight_decay=0.1)
+  params = make_params()
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  for i in range(2):
+    params, state = step(params, state, make_grads(i))
+  g = make_grads(7)
+  new_params, new_state = step(params, state, g)
+  for k in SPARSE:
+    touched = touched_rows(g[k])
+    assert 0 < touched.sum() < len(touched)
+    pairs = [
+      (params[k], new_params[k]),
+      (state.states[0][k], new_state.states[0][k]),
+    ]
+    for old, new in pairs:
+      old, new = np.asarray(old), np.asarray(new)
+      assert old[~touched].tobytes() == new[~touched].tobytes()
+      assert (old[touched] != new[touched]).any(axis=-1).all()
+
+
+def test_update_is_sparse_on_deduplicated_ids():
+  tx = lazy_lion(1.0)
+  ids = jnp.array([5, 2, 5, -1, 9, 2], jnp.int32)
+  g = gtx.SparseRows(ids, jnp.ones((6, 2)), 9)
+  u, _ = tx.update(g, tx.init(jnp.zeros((9, 2))), jnp.zeros((9, 2)))
+  assert isinstance(u, gtx.SparseRows) and u.unique
+  valid = np.asarray(u.indices)[np.asarray(u.indices) < 9]
+  assert sorted(valid.tolist()) == [2, 5]
+  np.testing.assert_array_equal(
+    u.to_dense()[np.array([2, 5])], -np.ones((2, 2))
+  )
+  assert float(jnp.abs(u.to_dense()).sum()) == 4.0
+
+
+def test_dense_leaves_equal_optax_lion_bitwise():
+  ours = lazy_lion(0.01, weight_decay=0.1)
+  theirs = optax.lion(0.01, b1=B1, b2=B2, weight_decay=0.1)
+  dense = {k: v for k, v in make_params().items() if k not in SPARSE}
+  p, s = dense, ours.init(dense)
+  pt, st = dense, theirs.init(dense)
+  for i in range(3):
+    g = {k: make_grads(i)[k] for k in dense}
+    u, s = ours.update(g, s, p)
+    ut, st = theirs.update(g, st, pt)
+    p, pt = optax.apply_updates(p, u), optax.apply_updates(pt, ut)
+    for k in dense:
+      assert np.asarray(p[k]).tobytes() == np.asarray(pt[k]).tobytes()
+      assert (
+        np.asarray(s.states[0][k]).tobytes()
+        == np.asarray(st[0].mu[k]).tobytes()
+      )
+
+
+def test_per_row_state_matches_numpy_and_rowwise_adagrad():
+  tx = rowwise_adagrad(0.1)
+  builtin = gtx.rowwise_adagrad(0.1)
+  params = make_params()
+  state = tx.init(params)
+  assert state.states[0]["emb"].shape == (40,)
+  assert state.states[0]["tab"].shape == (25,)
+  assert state.states[0]["w"].shape == (3,)
+  assert state.states[0]["b"].shape == ()
+  want = ref.RowwiseAdagrad(
+    {k: np.asarray(v) for k, v in params.items()}, lambda _: 0.1
+  )
+  p, pb, sb = params, params, builtin.init(params)
+  step, step_b = jax.jit(step_fn(tx)), jax.jit(step_fn(builtin))
+  for i in range(3):
+    grads = make_grads(i)
+    p, state = step(p, state, grads)
+    pb, sb = step_b(pb, sb, grads)
+    want.step(
+      {
+        k: (np.asarray(g.indices), np.asarray(g.values, np.float64), g.num_rows)
+        if isinstance(g, gtx.SparseRows)
+        else np.asarray(g, np.float64)
+        for k, g in grads.items()
+      }
+    )
+  for k in SHAPES:
+    np.testing.assert_allclose(p[k], want.p[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      state.states[0][k], want.state[k], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(p[k], pb[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+      state.states[0][k], sb[0].sum_of_squares[k], rtol=1e-6
+    )
+
+
+def test_needs_params_passes_the_parameter_rows():
+  seen = {}
+
+  def rule(g, p, hits):
+    seen["p"] = p
+    return jnp.zeros_like(g), hits + 1
+
+  def init(p):
+    return (jnp.zeros(p.shape[:1], jnp.int32),)
+
+  table = jnp.arange(12.0).reshape(6, 2)
+  g = gtx.SparseRows(jnp.array([4, 1, 4, 6]), jnp.ones((4, 2)), 6)
+  tx = gtx.row_transformation(rule, init, needs_params=True)
+  _, state = tx.update(g, tx.init(table), table)
+  rows = np.asarray(seen["p"])
+  assert rows.shape[1:] == (2,)
+  got = {tuple(r) for r in rows[: len(rows)]} & {
+    tuple(r) for r in np.asarray(table)
+  }
+  assert got == {(2.0, 3.0), (8.0, 9.0)}
+  np.testing.assert_array_equal(state.states[0], [0, 1, 0, 0, 1, 0])
+  # dense: the whole parameter
+  tx.update(jnp.ones((6, 2)), tx.init(table), table)
+  np.testing.assert_array_equal(seen["p"], table)
+  # without needs_params the rule gets None and params are optional
+  plain = gtx.row_transformation(rule, init)
+  plain.update(g, plain.init(table))
+  assert seen["p"] is None
+  with pytest.raises(ValueError, match="needs `params`"):
+    tx.update(g, tx.init(table))
+
+
+def test_init_may_return_the_parameter_and_no_state():
+  """A state initialised to the parameter itself (e.g. slow weights) is a
+  copy, so a donated step can donate both; an empty tuple is no state."""
+  ema = gtx.row_transformation(
+    lambda g, p, fast, slow: (jnp.zeros_like(g), fast, slow + g),
+    lambda p: (p, p),
+  )
+  params = {"emb": jnp.ones((8, 2))}
+  state = jax.jit(ema.init)(params)
+  bufs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves((params, state))}
+  assert len(bufs) == 3
+  step = jax.jit(step_fn(ema), donate_argnums=(0, 1))
+  g = {"emb": gtx.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 8)}
+  params, state = step(params, ema.init(params), g)
+  np.testing.assert_array_equal(state.states[1]["emb"][:, 0], [1, 2] + [1] * 6)
+  sgd = gtx.row_transformation(lambda g, p: (-g,), lambda p: ())
+  state = sgd.init(params)
+  assert state == gtx.RowTransformationState(())
+  u, _ = sgd.update(g, state)
+  np.testing.assert_array_equal(u["emb"].to_dense()[1], [-1, -1])
+
+
+def test_none_leaves_and_eval_shape():
+  tx = rowwise_adagrad(0.1)
+  params = {"emb": jnp.zeros((10, 4)), "frozen": None}
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  shapes = jax.eval_shape(tx.init, abstract)
+  assert shapes.states[0]["frozen"] is None
+  assert shapes.states[0]["emb"].shape == (10,)
+  g = {
+    "emb": gtx.SparseRows(jnp.array([3]), jnp.ones((1, 4)), 10),
+    "frozen": None,
+  }
+  u, state = tx.update(g, tx.init(params))
+  assert u["frozen"] is None and state.states[0]["frozen"] is None
+
+
+# ----------------------------------------------------------------------------
+# Composition
+
+
+def test_accumulate_every_2_equals_inner_on_concatenated_window():
+  rows = {"emb": 9, "tab": 9, "w": None, "b": None}
+  tx = gtx.accumulate(lazy_lion(0.01, weight_decay=0.1), 2, rows_per_step=rows)
+  inner = lazy_lion(0.01, weight_decay=0.1)
+  params = make_params()
+  p, s = params, tx.init(params)
+  rp, rs = params, inner.init(params)
+  step, inner_step = jax.jit(step_fn(tx)), jax.jit(step_fn(inner))
+  for w in range(2):
+    window = [make_grads(2 * w + j) for j in range(2)]
+    p, s = step(p, s, window[0])
+    assert int(s.num_accumulated) == 1
+    p, s = step(p, s, window[1])
+    mean = {
+      k: gtx.SparseRows(
+        jnp.concatenate([g[k].indices for g in window]),
+        jnp.concatenate([g[k].values for g in window]) / 2,
+        window[0][k].num_rows,
+      )
+      if k in SPARSE
+      else (window[0][k] + window[1][k]) / 2
+      for k in SHAPES
+    }
+    rp, rs = inner_step(rp, rs, mean)
+    for k in SHAPES:
+      np.testing.assert_allclose(p[k], rp[k], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(
+        s.inner_state.states[0][k], rs.states[0][k], rtol=1e-5, atol=1e-7
+      )
+
+
+def test_drop_stale_leaves_state_untouched_on_a_stale_gradient():
+  tx = gtx.drop_stale(rowwise_adagrad(0.1), 1)
+  params = make_params()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g, gs):
+    u, s = tx.update(g, s, p, grad_step=gs)
+    return gtx.apply_updates(p, u), s
+
+  params, state = step(params, state, make_grads(0), jnp.int32(0))
+  before = (params, state.inner_state)
+  params, state = step(params, state, make_grads(1), jnp.int32(-1))  # stale 2
+  assert int(state.num_dropped) == 1
+  jax.tree.map(
+    np.testing.assert_array_equal, (params, state.inner_state), before
+  )
+
+
+def test_inject_hyperparams_changes_the_rate_without_recompiling():
+  injected = optax.inject_hyperparams(lazy_lion)(
+    learning_rate=0.01, weight_decay=0.1
+  )
+  plain = lazy_lion(0.01, weight_decay=0.1)
+  params = make_params()
+  s, sp = injected.init(params), plain.init(params)
+  step, step_plain = jax.jit(step_fn(injected)), jax.jit(step_fn(plain))
+  p = pp = params
+  for i in range(3):
+    p, s = step(p, s, make_grads(i))
+    pp, sp = step_plain(pp, sp, make_grads(i))
+  for k in SHAPES:
+    np.testing.assert_allclose(p[k], pp[k], rtol=1e-5, atol=1e-6)
+  compiled = step._cache_size()
+  lr = s.hyperparams["learning_rate"]
+  s.hyperparams["learning_rate"] = jnp.full_like(lr, 0.5)
+  big = step(p, s, make_grads(9))[0]["emb"]
+  assert np.abs(np.asarray(big) - np.asarray(p["emb"])).max() > 0.4
+  assert step._cache_size() == compiled
+
+
+def test_optax_chain_with_clipping_and_a_schedule():
+  """The rule gives a direction; gtx transforms chain around it."""
+  schedule = optax.linear_schedule(0.1, 0.0, 4)
+  direction = gtx.row_transformation(
+    lambda g, p, m: (jnp.sign(B1 * m + (1 - B1) * g), B2 * m + (1 - B2) * g),
+    lambda p: (jnp.zeros_like(p),),
+  )
+  tx = optax.chain(
+    gtx.clip_by_global_norm(1.0),
+    direction,
+    gtx.scale_by_learning_rate(schedule),
+  )
+  params = make_params()
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  for i in range(5):
+    new, state = step(params, state, make_grads(i))
+    moved = float(jnp.abs(new["w"] - params["w"]).max())
+    np.testing.assert_allclose(moved, float(schedule(i)), rtol=1e-5)
+    params = new
+
+
+def test_mirrored_equals_single_device():
+  m = gtx.Mirrored()
+  rng = np.random.RandomState(3)
+  p0 = {
+    "emb": rng.normal(size=(40, 3)).astype(np.float32),
+    "w": rng.normal(size=(3,)).astype(np.float32),
+  }
+  batches = [
+    {
+      "ids": rng.randint(0, 40, size=(16, 2)).astype(np.int32),
+      "y": rng.normal(size=(16,)).astype(np.float32),
+    }
+    for _ in range(3)
+  ]
+
+  def loss(p, b):
+    bag = jnp.tanh(gtx.lookup(p["emb"], b["ids"]).sum(1))
+    return jnp.mean((bag @ p["w"] - b["y"]) ** 2)
+
+  def make(tx):
+    def train_step(params, state, batch):
+      u, state = tx.update(gtx.sparse_grad(loss)(params, batch), state, params)
+      return gtx.apply_updates(params, u), state
+
+    return train_step
+
+  tx_m = optax.chain(gtx.all_reduce(m.axis_name), rowwise_adagrad(0.1))
+  step = m.step(make(tx_m), donate_argnums=(0, 1))
+  params, state = m.replicate(p0), m.replicate(tx_m.init(p0))
+  tx_1 = rowwise_adagrad(0.1)
+  step_1 = jax.jit(make(tx_1))
+  params_1 = jax.tree.map(jnp.asarray, p0)
+  state_1 = tx_1.init(params_1)
+  for b in batches:
+    params, state = step(params, state, m.shard_batch(b))
+    params_1, state_1 = step_1(params_1, state_1, b)
+  for k in p0:
+    np.testing.assert_allclose(params[k], params_1[k], rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(
+    state[1].states[0]["emb"], state_1.states[0]["emb"], rtol=2e-5, atol=1e-7
+  )
+  assert np.abs(np.asarray(params["emb"]) - p0["emb"]).max() > 0.05
+
+
+def test_row_sharded_table_equals_single_device():
+  """On a table split by rows over 8 devices the state init returns (one
+  [V, D], one [V]) is placed with the rows, the step equals the
+  single-device one and everything stays row-sharded."""
+  mesh = jax.make_mesh(
+    (8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,)
+  )
+  rng = np.random.RandomState(4)
+  p0 = {
+    "emb": rng.normal(size=(64, 3)).astype(np.float32),
+    "w": rng.normal(size=(3,)).astype(np.float32),
+  }
+  batches = [rng.randint(0, 64, size=(12,)).astype(np.int32) for _ in range(3)]
+
+  def rule(g, p, m, acc):
+    acc = acc + jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
+    m = B1 * m + g
+    scale = jnp.sqrt(acc).reshape(acc.shape + (1,) * (g.ndim - 1))
+    return -0.1 * (m / (scale + 1e-8) + 0.01 * p), m, acc
+
+  def init(p):  # like p and per row, built from shapes only
+    return (jnp.zeros(p.shape, p.dtype), jnp.zeros(p.shape[:1]))
+
+  def loss(p, ids):
+    return jnp.sum(jnp.tanh(gtx.lookup(p["emb"], ids)) @ p["w"])
+
+  tx = gtx.row_transformation(rule, init, needs_params=True)
+
+  @jax.jit
+  def step(params, state, ids):
+    u, state = tx.update(gtx.sparse_grad(loss)(params, ids), state, params)
+    return gtx.apply_updates(params, u), state
+
+  single = jax.tree.map(jnp.asarray, p0), tx.init(p0)
+  for ids in batches:
+    single = step(*single, jnp.asarray(ids))
+  rows = NamedSharding(mesh, P("d", None))
+  rep = NamedSharding(mesh, P())
+  with jax.set_mesh(mesh):
+    params = {
+      "emb": jax.device_put(p0["emb"], rows),
+      "w": jax.device_put(p0["w"], rep),
+    }
+    state = gtx.sharded_init(tx, params)
+    assert state.states[0]["emb"].sharding.spec == P("d", None)
+    assert state.states[1]["emb"].sharding.spec == P("d")
+    for ids in batches:
+      params, state = step(params, state, jax.device_put(ids, rep))
+  for got, want in zip(
+    jax.tree.leaves((params, state)), jax.tree.leaves(single), strict=True
+  ):
+    np.testing.assert_allclose(
+      np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6
+    )
+  for x in (params["emb"], state.states[0]["emb"], state.states[1]["emb"]):
+    assert x.sharding.spec[0] == "d", x.sharding
+  # eager init of placed params places the state the same way
+  eager = tx.init(params)
+  assert eager.states[1]["emb"].sharding.spec == P("d")
+  assert np.abs(np.asarray(params["emb"]) - p0["emb"]).max() > 1e-2
+
+
+def test_compiled_step_updates_tables_in_place():
+  num_rows, dim, n = 50_021, 8, 64
+  tx = lazy_lion(0.1, weight_decay=0.1)
+  params = {"emb": jnp.zeros((num_rows, dim)), "w": jnp.zeros(3)}
+  g = {
+    "emb": gtx.SparseRows(
+      jnp.arange(n, dtype=jnp.int32) * 7, jnp.ones((n, dim)), num_rows
+    ),
+    "w": jnp.ones(3),
+  }
+  compiled = (
+    jax.jit(step_fn(tx), donate_argnums=(0, 1))
+    .lower(params, tx.init(params), g)
+    .compile()
+  )
+  assert_tables_updated_in_place(compiled, num_rows, dim, 2)
+
+
+# ----------------------------------------------------------------------------
+# Validation
+
+
+def test_bad_arguments_raise():
+  with pytest.raises(TypeError, match="`rule` must be a function"):
+    gtx.row_transformation(None, lambda p: ())
+  with pytest.raises(TypeError, match="`init` must be a function"):
+    gtx.row_transformation(lambda g, p: (g,), (jnp.zeros(3),))
+
+
+def test_bad_init_results_raise():
+  def rule(g, p, *states):
+    return (g, *states)
+
+  table = {"a": jnp.zeros((6, 2)), "b": jnp.zeros(3)}
+  cases = [
+    (
+      lambda p: jnp.zeros_like(p),
+      TypeError,
+      r"tuple of arrays.*`return \(x,\)`",
+    ),
+    (lambda p: (None,), TypeError, "returned NoneType at position 0"),
+    (lambda p: (0.0,), TypeError, "returned float at position 0"),
+    (
+      lambda p: (jnp.zeros_like(p), jnp.zeros((*p.shape, 2))),
+      ValueError,
+      r"shape \(6, 2, 2\) at position 1 .* shaped like its parameter",
+    ),
+    (
+      lambda p: (jnp.zeros(p.shape[1:]),),
+      ValueError,
+      r"shape \(2,\) at position 0 for a parameter of shape \(6, 2\)",
+    ),
+    (
+      lambda p: (jnp.zeros_like(p),) * (p.ndim),
+      ValueError,
+      "returned 1 arrays for one parameter and 2 for another",
+    ),
+  ]
+  for init, error, match in cases:
+    tx = gtx.row_transformation(rule, init)
+    with pytest.raises(error, match=match):
+      tx.init(table)
+    with pytest.raises(error, match=match):
+      jax.eval_shape(tx.init, table)
+
+
+def test_bad_rule_results_raise():
+  table = jnp.zeros((6, 2))
+  g = gtx.SparseRows(jnp.array([1, 1]), jnp.ones((2, 2)), 6)
+  two = lambda p: (jnp.zeros_like(p), jnp.zeros(p.shape[:1]))  # noqa: E731
+  cases = [
+    (
+      lambda g, p, m, a: g,
+      TypeError,
+      "must return a tuple.*got one array of shape",
+    ),
+    (
+      lambda g, p, m, a: (g, m),
+      ValueError,
+      r"got 2 states and returned 2 values.*3 values",
+    ),
+    (
+      lambda g, p, m, a: (g, m, a[:, None] + m),
+      ValueError,
+      r"new state 1 of shape \(\d, 2\) for input of shape \(\d,\)",
+    ),
+    (
+      lambda g, p, m, a: (g[:, 0], m, a),
+      ValueError,
+      r"the update of shape \(\d,\) for input of shape \(\d, 2\)",
+    ),
+  ]
+  for rule, error, match in cases:
+    tx = gtx.row_transformation(rule, two)
+    state = tx.init(table)
+    for grad in (g, jnp.ones((6, 2))):
+      with pytest.raises(error, match=match):
+        tx.update(grad, state)
+      with pytest.raises(error, match=match):
+        jax.jit(tx.update)(grad, state)
+  tx = gtx.row_transformation(lambda g, p, m, a: (g, m, a), two)
+  bad = gtx.SparseRows(g.indices, g.values, 7)
+  with pytest.raises(ValueError, match="num_rows=7"):
+    tx.update(bad, tx.init(table))
+
+
+# ----------------------------------------------------------------------------
+# Conformance
+
+CASES = [
+  Case("lazy_lion", lambda: lazy_lion(0.01, weight_decay=0.1)),
+  Case("rowwise_adagrad", lambda: rowwise_adagrad(0.1)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("check", CHECKS)
+def test_conformance(case, check):
+  check(case)
