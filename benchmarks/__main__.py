@@ -26,6 +26,9 @@ BENCHMARKS = [
   "mirrored",
   "train_step",
   "optimizers",
+  "dense_threshold",
+  "lr_pass",
+  "row_reader",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 

@@ -51,8 +51,12 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--reads", type=int, default=4096)
   parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--quick", "--smoke", action="store_true")
   add_schedule_args(parser)
   args = parser.parse_args(argv)
+  if args.quick:  # a smoke run: small sizes, few rounds
+    args.reads = 256
+    args.rounds, args.burst, args.settle = 2, 2, 1
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
   rows = []

@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument("--quick", "--smoke", action="store_true")
   add_schedule_args(parser)
   args = parser.parse_args(argv)
+  if args.quick:  # a smoke run: small sizes, few rounds
+    args.rows, args.ids = 20_000, 512
+    args.rounds, args.burst, args.settle = 2, 2, 1
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
   batches = uniform_batches(rng, args.rows, args.ids)

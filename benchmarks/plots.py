@@ -168,6 +168,14 @@ SECTIONS = [
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
   ("mirrored", "Mirrored replication", plot_mirrored),
+  (
+    "dense_threshold",
+    "Where dense beats sparse (the reads-per-row rule)",
+    None,
+  ),
+  ("ab_versions", "Whole step before and after the redesign", None),
+  ("lr_pass", "The learning rate's separate pass", None),
+  ("row_reader", "One row reader", None),
 ]
 
 

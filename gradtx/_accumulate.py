@@ -17,6 +17,7 @@ from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  is_int,
   is_update_leaf,
   map_updates,
   safe_increment,
@@ -51,7 +52,7 @@ def _check_every_k(every_k: Any, name: str = "every_k") -> int | None:
   """The static k, or None for a schedule."""
   if callable(every_k) and name == "every_k":
     return None
-  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
+  if not is_int(every_k):
     what = " or a schedule `step -> int`" if name == "every_k" else ""
     raise TypeError(
       f"gradtx.accumulate `{name}` must be a Python int >= 1{what}; got "
@@ -70,7 +71,7 @@ def _check_rows(n: Any, path: str) -> int | None:
   """One leaf's ``rows_per_step``: an int >= 1 (sparse) or None (dense)."""
   if n is None:
     return None
-  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+  if not is_int(n) or n < 1:
     raise ValueError(
       f"gradtx.accumulate `rows_per_step` at {path or 'the root'} must be "
       f"an int >= 1 (the rows one SparseRows gradient carries) or None for "

@@ -23,8 +23,13 @@ def _has_dtype(x: Any) -> bool:
   return hasattr(x, "dtype") and hasattr(x, "shape")
 
 
+def is_int(x: Any) -> bool:
+  """A Python or numpy integer, not a bool: what an int argument accepts."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _check_num_rows(num_rows: Any) -> int:
-  if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+  if not is_int(num_rows):
     raise TypeError(
       "SparseRows `num_rows` must be a Python int (the table's row count, "
       f"static under jit); got {num_rows!r} of type "

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from gradtx._base import (
   SparseRows,
   check_tree_match,
+  is_int,
   map_updates,
   stateless,
   varying_axes,
@@ -327,7 +328,7 @@ def _make_replicas(
 def _int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
   """An int or ints (never bools) as a tuple, checked when ``step`` is built."""
   items = (x,) if isinstance(x, int) else tuple(x)
-  if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+  if not all(is_int(i) for i in items):
     raise TypeError(f"`{name}` must be an int or a tuple of ints; got {x!r}.")
   return items
 

@@ -13,6 +13,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from gradtx._base import is_int
+
 _ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -49,9 +51,7 @@ def _check_key(key: Any, fn: str) -> Any:
 
 
 def _check_block_size(block_size: Any, fn: str) -> int:
-  if isinstance(block_size, bool) or not isinstance(
-    block_size, (int, np.integer)
-  ):
+  if not is_int(block_size):
     raise TypeError(
       f"gradtx.{fn} `block_size` must be a Python int (static under jit); "
       f"got {block_size!r} of type {type(block_size).__name__}."
@@ -245,7 +245,7 @@ def num_blocks(row_size: int, block_size: int) -> int:
     (3, 2, 0)
   """
   block_size = _check_block_size(block_size, "num_blocks")
-  if isinstance(row_size, bool) or not isinstance(row_size, (int, np.integer)):
+  if not is_int(row_size):
     raise TypeError(
       f"gradtx.num_blocks `row_size` must be a Python int; got {row_size!r} "
       f"of type {type(row_size).__name__}."

@@ -12,6 +12,7 @@ from jax import lax
 
 from gradtx._base import (
   concrete,
+  is_int,
   map_updates,
   safe_increment,
   with_extra_args,
@@ -332,7 +333,7 @@ def staleness_stats(state: Any, which: int | None = None) -> dict[str, Any]:
       )
     s = found[0]
   else:
-    if isinstance(which, bool) or not isinstance(which, (int, np.integer)):
+    if not is_int(which):
       raise TypeError(
         f"gradtx.staleness_stats `which` must be an int; got {which!r}."
       )
