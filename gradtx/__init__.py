@@ -21,6 +21,7 @@ from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
 from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
+from gradtx._memory import bytes_per_row as bytes_per_row
 from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import Mirrored as Mirrored
 from gradtx._mirrored import all_reduce as all_reduce
@@ -70,6 +71,7 @@ __all__ = [
   "add_decayed_weights",
   "all_reduce",
   "apply_updates",
+  "bytes_per_row",
   "clip_by_global_norm",
   "densify",
   "drop_stale",

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["use_huge_pages"]
+__all__ = ["bytes_per_row", "use_huge_pages"]
 
 _HUGE = 2 << 20  # 2 MiB, the x86-64 / arm64 transparent huge page
 _MADV_HUGEPAGE = 14
@@ -124,3 +124,46 @@ def use_huge_pages(
       data.block_until_ready()
       _advise(data.unsafe_buffer_pointer(), data.nbytes, madvise, collapse)
   return tree
+
+
+def bytes_per_row(tx: Any, params: Any) -> dict[str, float]:
+  """Bytes per row of each table, its parameter and the optimizer state
+  ``tx`` keeps for it: what a table costs in memory, row by row.
+
+  A table is a parameter leaf with at least 2 dimensions. Its state is
+  every leaf of ``tx.init(params)`` whose key path ends with the table's
+  (optax and gradtx states hold trees shaped like the params, so
+  ``state[0].mu['emb']`` belongs to ``['emb']``). Nothing is allocated: the
+  state is traced with ``jax.eval_shape``.
+
+  Args:
+    tx: a gradient transformation.
+    params: the params (arrays or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    ``{path: bytes per row}`` for each table, paths as
+    ``jax.tree_util.keystr`` writes them.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.zeros((1000, 64)), "w": jnp.zeros(64)}
+    >>> gtx.bytes_per_row(gtx.lazy_adam(1e-3), params)    # p + m + v
+    {"['emb']": 768.0}
+    >>> gtx.bytes_per_row(gtx.rowwise_adagrad(0.1), params)   # p + 1 float
+    {"['emb']": 260.0}
+  """
+  state = jax.eval_shape(tx.init, params)
+  state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  out = {}
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if len(getattr(p, "shape", ())) < 2:
+      continue
+    rows = p.shape[0]
+    total = p.size * p.dtype.itemsize
+    n = len(path)
+    for spath, s in state_leaves:
+      if n and tuple(spath[-n:]) == tuple(path) and s.shape[:1] == (rows,):
+        total += s.size * s.dtype.itemsize
+    out[jax.tree_util.keystr(path)] = total / rows
+  return out

@@ -118,3 +118,33 @@ def test_sharded_table_each_shard():
 def test_traced_values_refused():
   with pytest.raises(ValueError, match="outside jit"):
     jax.jit(gtx.use_huge_pages)(jnp.zeros((4, 2)))
+
+
+# ----------------------------------------------------------------------------
+# bytes_per_row
+
+
+def test_bytes_per_row_counts_the_table_and_its_state():
+  import optax
+
+  params = {
+    "emb": jnp.zeros((1000, 64)),
+    "small": jnp.zeros((10, 8), jnp.bfloat16),
+    "w": jnp.zeros(64),
+  }
+  got = gtx.bytes_per_row(gtx.lazy_adam(1e-3), params)
+  assert got == {"['emb']": 768.0, "['small']": 3 * 16.0}
+  assert gtx.bytes_per_row(gtx.rowwise_adagrad(0.1), params) == {
+    "['emb']": 256.0 + 4,
+    "['small']": 16.0 + 4,
+  }
+  # a bf16 first moment, in a chain with clipping, on abstract params
+  tx = optax.chain(
+    gtx.clip_by_global_norm(1.0), gtx.lazy_adam(1e-3, mu_dtype=jnp.bfloat16)
+  )
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
+  assert gtx.bytes_per_row(tx, abstract)["['emb']"] == 256 + 128 + 256
+  # optax's own dense Adam counts the same way
+  assert gtx.bytes_per_row(optax.adam(1e-3), params)["['emb']"] == 768.0
