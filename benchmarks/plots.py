@@ -173,7 +173,7 @@ SECTIONS = [
     "Where dense beats sparse (the reads-per-row rule)",
     None,
   ),
-  ("ab_versions", "Whole step before and after the redesign", None),
+  ("ab_versions", "Whole step before and after this round of changes", None),
   ("lr_pass", "The learning rate's separate pass", None),
   ("row_reader", "One row reader", None),
 ]
