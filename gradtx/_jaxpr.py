@@ -704,13 +704,19 @@ def _to_gather_layout(sink: Any, eqn: Any, nb: int) -> Any:
 _JITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _body_fn(jaxpr: Any, consts: Sequence[Any], spec: tuple) -> Callable:
+def _body_fn(
+  jaxpr_of: Callable[[], Any], consts: Sequence[Any], spec: tuple
+) -> Callable:
+  """The body re-evaluated with sinks in and ids out; ``jaxpr_of()`` gives
+  the body's jaxpr (a weak reference for the cached jit: a strong one from
+  the cache's value would keep its weak key alive forever)."""
+
   def run(args, raws, sinks):
     qs = [_Queue(s) for s in sinks]
     args = list(args)
     for p, g, casts in spec:
       args[p] = _Table(raws[g], casts, qs[g])
-    outs = _eval(Analysis(), jaxpr, consts, args)
+    outs = _eval(Analysis(), jaxpr_of(), consts, args)
     return outs, [q.ids for q in qs]
 
   return run
@@ -721,7 +727,8 @@ def _jitted_body(eqn: Any, m: _Sub, spec: tuple) -> Callable:
   key = (spec, bool(eqn.params.get("inline", False)))
   fn = per_body.get(key)
   if fn is None:
-    fn = jax.jit(_body_fn(m.jaxpr, m.consts, spec), inline=key[1])
+    run = _body_fn(weakref.ref(m.jaxpr), m.consts, spec)
+    fn = jax.jit(run, inline=key[1])
     per_body[key] = fn
   return fn
 
@@ -745,7 +752,7 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
     (p, g, invals[p].casts) for g, ps in enumerate(members) for p in ps
   )
   plain = [None if isinstance(x, _Table) else x for x in invals]
-  run = _body_fn(m.jaxpr, m.consts, spec)
+  run = _body_fn(lambda: m.jaxpr, m.consts, spec)
 
   if m.kind == "jit":
     outs, ids = _jitted_body(eqn, m, spec)(plain, raws, sinks)

@@ -934,3 +934,23 @@ def test_nnx_value_paths_with_or_without_the_suffix():
   for name in (emb, emb.removesuffix(".value")):
     g = gtx.sparse_grad(loss, dense=[name])(state, ids, _SEGMENTS)
     assert not _is_sparse(jax.tree.leaves(g["emb"], is_leaf=_is_sparse)[0])
+
+
+def test_re_jitted_blocks_are_not_kept_after_their_jit_is_gone():
+  import gc
+
+  def make():
+    @jax.jit
+    def block(t, i):
+      return jnp.tanh(t[i])
+
+    return lambda t, i: block(t, i).sum()
+
+  gc.collect()
+  before = len(_jaxpr._JITTED)
+  for _ in range(3):
+    f = make()
+    gtx.sparse_value_and_grad(f)(TABLE, IDS)
+    del f
+  gc.collect()
+  assert len(_jaxpr._JITTED) <= before
