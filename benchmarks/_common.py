@@ -340,3 +340,18 @@ def uniform_batches(rng: Any, rows: int, ids: int, count: int = 8) -> list:
   return [
     jnp.asarray(rng.randint(0, rows, ids), jnp.int32) for _ in range(count)
   ]
+
+
+def ratio_rows(
+  name: str, fns: dict[str, Callable[[], Any]], sched: Schedule
+) -> list[list[str]]:
+  """Times ``fns`` side by side (:func:`time_interleaved`); one row per
+  variant: ``name``, the variant, ms per call, and its ratio to the first."""
+  times = time_interleaved(
+    fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
+  )
+  base = next(iter(times.values()))
+  return [
+    [name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"]
+    for variant, t in times.items()
+  ]

@@ -28,9 +28,9 @@ import gradtx
 from benchmarks._common import (
   Schedule,
   add_schedule_args,
+  ratio_rows,
   table_runner,
   table_step,
-  time_interleaved,
   uniform_batches,
   write_results,
 )
@@ -93,12 +93,7 @@ def main(argv: list[str] | None = None) -> None:
       tx = make(gtx)
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
       fns[label] = table_runner(table_step(gtx, tx), tx, table, batches)
-    times = time_interleaved(
-      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
-    )
-    base = next(iter(times.values()))
-    for label, t in times.items():
-      rows.append([name, label, f"{t * 1e3:.2f}", f"{t / base:.3f}"])
+    rows += ratio_rows(name, fns, sched)
   write_results(
     "ab_versions",
     f"Whole step, this checkout vs {args.before}: {args.rows:,} x "

@@ -22,9 +22,9 @@ import gradtx as gtx
 from benchmarks._common import (
   Schedule,
   add_schedule_args,
+  ratio_rows,
   table_runner,
   table_step,
-  time_interleaved,
   uniform_batches,
   write_results,
 )
@@ -58,12 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
       fns[variant] = table_runner(table_step(gtx, tx), tx, table, batches)
-    times = time_interleaved(
-      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
-    )
-    base = times["chain (rule + lr pass)"]
-    for variant, t in times.items():
-      rows.append([name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"])
+    rows += ratio_rows(name, fns, sched)
   write_results(
     "lr_pass",
     f"The learning rate's pass, whole step: {args.rows:,} x {args.dim} "

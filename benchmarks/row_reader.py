@@ -24,8 +24,8 @@ import gradtx as gtx
 from benchmarks._common import (
   Schedule,
   add_schedule_args,
+  ratio_rows,
   table_runner,
-  time_interleaved,
   uniform_batches,
   write_results,
 )
@@ -81,12 +81,7 @@ def main(argv: list[str] | None = None) -> None:
       tx = make()
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
       fns[variant] = table_runner(_step(tx, reader), tx, table, batches)
-    times = time_interleaved(
-      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
-    )
-    base = times["fill gather"]
-    for variant, t in times.items():
-      rows.append([name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"])
+    rows += ratio_rows(name, fns, sched)
   write_results(
     "row_reader",
     f"One row reader, whole step: {args.rows:,} x {args.dim} table, "
