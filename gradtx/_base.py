@@ -163,12 +163,11 @@ class SparseRows:
 
   # -- pytree ---------------------------------------------------------------
   def tree_flatten(self):
-    hit = _jaxpr.reducing_collective()
-    if hit is not None:
-      raise _reduction_error(*hit)
-    trap = _jaxpr.flatten_trap()
-    if trap is not None:
-      raise TypeError(trap)
+    hazard = _jaxpr.flatten_hazard()
+    if isinstance(hazard, str):
+      raise TypeError(hazard)
+    if hazard is not None:
+      raise _reduction_error(*hazard)
     return (self._indices, self._values), self._num_rows
 
   @classmethod

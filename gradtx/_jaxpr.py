@@ -166,24 +166,20 @@ _SPLITS_UPDATES = {
 }
 
 
-def flatten_trap() -> str | None:
-  """What to do instead, when the pytree flatten that called the caller of
-  this function runs inside a function of ``_SPLITS_UPDATES``."""
+def flatten_hazard() -> tuple[str, str] | str | None:
+  """What the pytree flatten that called the caller of this function is
+  inside of, when that would corrupt a SparseRows: ``(name, "file:line")``
+  for one of JAX's reducing collectives (the outermost one, and the user's
+  line that called it), what to call instead for a function of
+  ``_SPLITS_UPDATES``, else None. One walk up the stack per flatten."""
   f = sys._getframe(2)
   while f is not None and f.f_globals.get("__name__") == "jax._src.tree_util":
     f = f.f_back
   if f is None:
     return None
-  return _SPLITS_UPDATES.get((f.f_globals.get("__name__"), f.f_code.co_name))
-
-
-def reducing_collective() -> tuple[str, str] | None:
-  """``(name, "file:line")`` when the pytree flatten that called the caller
-  of this function runs inside one of JAX's reducing collectives (the name
-  of the outermost one, the user's line that called it), else None."""
-  f = sys._getframe(2)
-  while f is not None and f.f_globals.get("__name__") == "jax._src.tree_util":
-    f = f.f_back
+  module = f.f_globals.get("__name__")
+  if module != _COLLECTIVES_MODULE:
+    return _SPLITS_UPDATES.get((module, f.f_code.co_name))
   name = None
   while f is not None and f.f_globals.get("__name__") == _COLLECTIVES_MODULE:
     if _REDUCING.match(f.f_code.co_name):
