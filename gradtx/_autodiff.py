@@ -27,6 +27,10 @@ from gradtx._base import (
   varying_axes,
 )
 
+# Leaves named by path (``jax.tree_util.keystr``; nnx's ``.value`` optional),
+# several paths, or a predicate on the path: ``require_sparse`` and ``dense``.
+PathSelector = str | Sequence[str] | Callable[[str], bool] | None
+
 # ----------------------------------------------------------------------------
 # lookup
 
@@ -438,8 +442,8 @@ def sparse_value_and_grad(
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
   *,
-  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
-  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
+  require_sparse: PathSelector = None,
+  dense: PathSelector = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, with SparseRows gradients for tables.
 
@@ -627,8 +631,8 @@ def sparse_grad(
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
   *,
-  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
-  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
+  require_sparse: PathSelector = None,
+  dense: PathSelector = None,
 ) -> Callable[..., Any]:
   """Like ``jax.grad``, with SparseRows gradients for tables.
 
@@ -663,8 +667,8 @@ def sparsity_report(
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
   *,
-  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
-  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
+  require_sparse: PathSelector = None,
+  dense: PathSelector = None,
 ) -> Callable[..., SparsityReport]:
   """Which leaves :func:`sparse_value_and_grad` makes sparse, and why not.
 
@@ -712,8 +716,8 @@ def sparse_labels(
   *,
   sparse_label: Any = "sparse",
   dense_label: Any = "dense",
-  require_sparse: str | Sequence[str] | Callable[[str], bool] | None = None,
-  dense: str | Sequence[str] | Callable[[str], bool] | None = None,
+  require_sparse: PathSelector = None,
+  dense: PathSelector = None,
 ) -> Callable[..., Any]:
   """Labels for ``optax.multi_transform``: which leaves get a sparse
   gradient, as :func:`sparse_value_and_grad` decides.

@@ -14,32 +14,23 @@ import numpy as np
 import optax
 import pytest
 import references_optimizers as ref
-from conformance import CHECKS, Case, sparse_rows, step_fn
+from conformance import (
+  CHECKS,
+  SHAPES,
+  SPARSE,
+  Case,
+  make_grads,
+  make_params,
+  step_fn,
+  touched_rows,
+)
 from hlo import assert_tables_updated_in_place
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
 
-SHAPES = {"emb": (40, 3), "tab": (25, 2, 2), "w": (3, 2), "b": ()}
-SPARSE = ("emb", "tab")
 B1, B2 = 0.9, 0.99
-
-
-def make_params(seed=0, dtype=jnp.float32):
-  rng = np.random.RandomState(seed)
-  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
-
-
-def make_grads(step, n=9, dtype=jnp.float32):
-  """SparseRows with a duplicate and two padding ids (-1, too big)."""
-  rng = np.random.RandomState(2000 + step)
-  return {
-    k: sparse_rows(rng, s[0], s[1:], n, dtype)
-    if k in SPARSE
-    else jnp.asarray(rng.normal(size=s), dtype)
-    for k, s in SHAPES.items()
-  }
 
 
 def lazy_lion(learning_rate, b1=B1, b2=B2, weight_decay=0.0):
@@ -102,13 +93,6 @@ class NumpyLazyLion:
         rows = dict(enumerate(np.asarray(g, np.float64)))
       for r, gr in rows.items():
         self.row(k, r, gr)
-
-
-def touched_rows(g):
-  idx = np.asarray(g.indices)
-  touched = np.zeros(g.num_rows, bool)
-  touched[idx[(idx >= 0) & (idx < g.num_rows)]] = True
-  return touched
 
 
 # ----------------------------------------------------------------------------
