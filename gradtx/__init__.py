@@ -36,6 +36,7 @@ from gradtx._optimizers import lazy_trace as lazy_trace
 from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
+from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._staleness import DropStaleState as DropStaleState
@@ -58,6 +59,7 @@ __all__ = [
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",
+  "QuantizedRows",
   "RowTransformationState",
   "ScaleByLazyAdamCatchUpState",
   "ScaleByLazyAdamState",

@@ -26,6 +26,7 @@ from gradtx._base import (
   with_extra_args,
   zero_counter,
 )
+from gradtx._precision import check_block_size, state_dtype, state_full
 from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
 from gradtx._transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -38,16 +39,16 @@ class ScaleByLazyAdamState(NamedTuple):
   """State of :func:`scale_by_lazy_adam` (``catch_up=False``)."""
 
   count: jax.Array  # int32 [], steps taken (saturating); shared by all leaves
-  mu: Any  # like params; first moment, dtype mu_dtype (default: param dtype)
-  nu: Any  # like params; second moment, param dtype
+  mu: Any  # like params; first moment, mu_dtype (default: param dtype)
+  nu: Any  # like params; second moment, nu_dtype (default: param dtype)
 
 
 class ScaleByLazyAdamCatchUpState(NamedTuple):
   """State of :func:`scale_by_lazy_adam` with ``catch_up=True``."""
 
   count: jax.Array  # int32 [], steps taken (saturating); shared by all leaves
-  mu: Any  # like params; first moment, dtype mu_dtype (default: param dtype)
-  nu: Any  # like params; second moment, param dtype
+  mu: Any  # like params; first moment, mu_dtype (default: param dtype)
+  nu: Any  # like params; second moment, nu_dtype (default: param dtype)
   last_step: Any  # per leaf int32 [rows] (shape[:1]); step of last update
   future_sum: Any  # per leaf float32 [rows]; R(last_step), see the docstring
 
@@ -131,7 +132,9 @@ def scale_by_lazy_adam(
   eps: ArrayLike = 1e-8,
   eps_root: ArrayLike = 0.0,
   *,
-  mu_dtype: DTypeLike | None = None,
+  mu_dtype: DTypeLike | str | None = None,
+  nu_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
   catch_up: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by Adam, touching only the rows a sparse gradient has.
@@ -218,9 +221,20 @@ def scale_by_lazy_adam(
     b2: decay rate of the second moment.
     eps: added to the denominator outside the square root.
     eps_root: added to the second moment inside the square root.
-    mu_dtype: dtype of the first moment (e.g. ``jnp.bfloat16``); ``None``
-      uses each parameter's dtype. The second moment has the parameter's
-      dtype. State dtypes never change.
+    mu_dtype: dtype of the first moment: ``None`` (each parameter's
+      dtype), a float dtype (e.g. ``jnp.bfloat16``) or ``"int8"``: 8-bit
+      block-wise dynamic quantization (:class:`~gradtx.QuantizedRows`: a
+      code per element plus a float32 scale per block; the rule dequantizes
+      the touched rows, computes in float32 and requantizes them). Leaves
+      with fewer than 2 dimensions keep a float32 moment under ``"int8"``.
+      State dtypes never change.
+    nu_dtype: dtype of the second moment, the same choices (unsigned codes
+      for ``"int8"``, whose range reaches :math:`2^{-31}` of a block's
+      maximum: a non-zero :math:`v` never becomes zero, so
+      :math:`m / \sqrt{v}` stays bounded).
+    block_size: the most elements per quantization block of an ``"int8"``
+      moment. Blocks never span two rows; 64 gives a 64-wide row one
+      float32 scale (4 bytes on 64).
     catch_up: apply, at a row's next update, the moment decay and the
       parameter drift dense Adam would have applied on the steps the row
       skipped. Adds an int32 and a float32 per row to the state.
@@ -250,8 +264,10 @@ def scale_by_lazy_adam(
     <https://www.tensorflow.org/addons/api_docs/python/tfa/optimizers/LazyAdam>`_,
     2019.
   """
-  mu_dtype = (
-    None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+  mu_dtype = state_dtype(mu_dtype, "scale_by_lazy_adam", "mu_dtype")
+  nu_dtype = state_dtype(nu_dtype, "scale_by_lazy_adam", "nu_dtype")
+  block_size = check_block_size(
+    block_size, "scale_by_lazy_adam", mu_dtype, nu_dtype
   )
   if catch_up:
     fb1, fb2 = concrete_float(b1), concrete_float(b2)
@@ -263,11 +279,11 @@ def scale_by_lazy_adam(
       )
 
   def init_fn(params):
-    mu = tree_map(
-      lambda p: None if p is None else jnp.zeros_like(p, dtype=mu_dtype),
-      params,
-    )
-    nu = tree_map(lambda p: None if p is None else jnp.zeros_like(p), params)
+    def zeros(p, dtype, signed):
+      return state_full(p, 0, dtype, signed=signed, block_size=block_size)
+
+    mu = tree_map(lambda p: zeros(p, mu_dtype, True), params)
+    nu = tree_map(lambda p: zeros(p, nu_dtype, False), params)
     if not catch_up:
       return ScaleByLazyAdamState(count=zero_counter(), mu=mu, nu=nu)
     last = tree_map(
@@ -360,7 +376,9 @@ def lazy_adam(
   eps: ArrayLike = 1e-8,
   eps_root: ArrayLike = 0.0,
   *,
-  mu_dtype: DTypeLike | None = None,
+  mu_dtype: DTypeLike | str | None = None,
+  nu_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
   catch_up: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam that updates only the rows of a sparse gradient (lazy Adam).
@@ -386,7 +404,10 @@ def lazy_adam(
     b2: decay rate of the second moment.
     eps: added to the denominator outside the square root.
     eps_root: added to the second moment inside the square root.
-    mu_dtype: dtype of the first moment; ``None`` uses the param dtype.
+    mu_dtype: dtype of the first moment: ``None`` (the param's), a float
+      dtype or ``"int8"`` (see :func:`scale_by_lazy_adam`).
+    nu_dtype: dtype of the second moment, the same choices.
+    block_size: the most elements per block of an ``"int8"`` moment.
     catch_up: on a row's next update, also apply what dense Adam would have
       applied on the steps it skipped (see :func:`scale_by_lazy_adam`).
 
@@ -413,7 +434,14 @@ def lazy_adam(
   """
   return optax.chain(
     scale_by_lazy_adam(
-      b1, b2, eps, eps_root, mu_dtype=mu_dtype, catch_up=catch_up
+      b1,
+      b2,
+      eps,
+      eps_root,
+      mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype,
+      block_size=block_size,
+      catch_up=catch_up,
     ),
     scale_by_learning_rate(learning_rate),
   )
@@ -427,7 +455,9 @@ def lazy_adamw(
   eps_root: ArrayLike = 0.0,
   weight_decay: ArrayLike = 1e-4,
   *,
-  mu_dtype: DTypeLike | None = None,
+  mu_dtype: DTypeLike | str | None = None,
+  nu_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
   catch_up: bool = False,
   mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -455,7 +485,10 @@ def lazy_adamw(
     eps: added to the denominator outside the square root.
     eps_root: added to the second moment inside the square root.
     weight_decay: the decoupled weight decay rate :math:`\lambda`.
-    mu_dtype: dtype of the first moment; ``None`` uses the param dtype.
+    mu_dtype: dtype of the first moment: ``None`` (the param's), a float
+      dtype or ``"int8"`` (see :func:`scale_by_lazy_adam`).
+    nu_dtype: dtype of the second moment, the same choices.
+    block_size: the most elements per block of an ``"int8"`` moment.
     catch_up: see :func:`scale_by_lazy_adam`.
     mask: a tree of bools like params (or a callable ``params -> tree``);
       weight decay applies where it is True.
@@ -479,7 +512,14 @@ def lazy_adamw(
   """
   return optax.chain(
     scale_by_lazy_adam(
-      b1, b2, eps, eps_root, mu_dtype=mu_dtype, catch_up=catch_up
+      b1,
+      b2,
+      eps,
+      eps_root,
+      mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype,
+      block_size=block_size,
+      catch_up=catch_up,
     ),
     add_decayed_weights(weight_decay, mask),
     scale_by_learning_rate(learning_rate),

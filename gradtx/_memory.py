@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from gradtx._precision import QuantizedRows
+
 __all__ = ["bytes_per_row", "use_huge_pages"]
 
 _HUGE = 2 << 20  # 2 MiB, the x86-64 / arm64 transparent huge page
@@ -152,9 +154,16 @@ def bytes_per_row(tx: Any, params: Any) -> dict[str, float]:
     {"['emb']": 768.0}
     >>> gtx.bytes_per_row(gtx.rowwise_adagrad(0.1), params)   # p + 1 float
     {"['emb']": 260.0}
+    >>> bf16 = {"emb": jnp.zeros((1000, 64), jnp.bfloat16)}
+    >>> gtx.bytes_per_row(  # p + (64 codes + 1 float32 scale) for m and v
+    ...   gtx.lazy_adam(1e-3, mu_dtype="int8", nu_dtype="int8"), bf16)
+    {"['emb']": 264.0}
   """
   state = jax.eval_shape(tx.init, params)
-  state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  # A QuantizedRows leaf holds codes and scales under the table's path.
+  state_leaves = jax.tree_util.tree_flatten_with_path(
+    state, is_leaf=lambda x: isinstance(x, QuantizedRows)
+  )[0]
   out = {}
   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
     if len(getattr(p, "shape", ())) < 2:
@@ -164,6 +173,6 @@ def bytes_per_row(tx: Any, params: Any) -> dict[str, float]:
     n = len(path)
     for spath, s in state_leaves:
       if n and tuple(spath[-n:]) == tuple(path) and s.shape[:1] == (rows,):
-        total += s.size * s.dtype.itemsize
+        total += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s))
     out[jax.tree_util.keystr(path)] = total / rows
   return out

@@ -24,12 +24,25 @@ from gradtx._base import (
   with_extra_args,
   zero_counter,
 )
+from gradtx._precision import (
+  INT8,
+  check_block_size,
+  state_dtype,
+  state_full,
+)
 from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
 from gradtx._transforms import scale_by_learning_rate
 
 
-def _dtype(dtype: DTypeLike | None) -> Any:
-  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+def _float_dtype(dtype: Any, what: str, why: str) -> Any:
+  """A state dtype that must be a float: ``"int8"`` is refused with ``why``."""
+  parsed = state_dtype(dtype, what, "accumulator_dtype")
+  if parsed == INT8:
+    raise ValueError(
+      f'gradtx.{what} `accumulator_dtype` cannot be "int8": {why} Use '
+      "jnp.float32 (or jnp.bfloat16 to halve it)."
+    )
+  return parsed
 
 
 def _check_nonnegative(what: str, **values: Any) -> None:
@@ -41,9 +54,13 @@ def _check_nonnegative(what: str, **values: Any) -> None:
       )
 
 
-def _full_like(params: Any, value: Any, dtype: Any) -> Any:
+def _full_like(
+  params: Any, value: Any, dtype: Any, signed: bool = True, block_size: int = 64
+) -> Any:
+  """State like ``params`` filled with ``value``: arrays of ``dtype`` (None:
+  each param's) or, for ``"int8"``, quantized (signed or unsigned codes)."""
   return tree_map(
-    lambda p: None if p is None else jnp.full_like(p, value, dtype=dtype),
+    lambda p: state_full(p, value, dtype, signed=signed, block_size=block_size),
     params,
   )
 
@@ -63,7 +80,8 @@ def scale_by_rss(
   eps: ArrayLike = 1e-7,
   *,
   eps_outside_sqrt: bool = False,
-  accumulator_dtype: DTypeLike | None = None,
+  accumulator_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by the root of the summed squared gradients (Adagrad).
 
@@ -97,6 +115,12 @@ def scale_by_rss(
       instead of inside it (optax, the default).
     accumulator_dtype: dtype of :math:`G`; None uses each parameter's dtype
       (as optax does). ``jnp.float32`` is the safe choice for bf16 tables.
+      ``"int8"``: 8-bit block-wise dynamic quantization with unsigned codes
+      (:class:`~gradtx.QuantizedRows`; :math:`G \ge 0`, and a non-zero
+      :math:`G` never rounds to zero); leaves with fewer than 2 dimensions
+      keep float32.
+    block_size: the most elements per quantization block of an ``"int8"``
+      accumulator (blocks never span two rows).
 
   Returns:
     A transformation whose ``update`` takes dense arrays or SparseRows.
@@ -119,7 +143,10 @@ def scale_by_rss(
   """
   what = "gradtx.scale_by_rss"
   _check_nonnegative(what, initial_accumulator_value=initial_accumulator_value)
-  acc_dtype = _dtype(accumulator_dtype)
+  acc_dtype = state_dtype(
+    accumulator_dtype, "scale_by_rss", "accumulator_dtype"
+  )
+  block_size = check_block_size(block_size, "scale_by_rss", acc_dtype)
 
   def update_of(g, p, t):  # the update from the new accumulator
     del p
@@ -133,7 +160,9 @@ def scale_by_rss(
 
   def init_fn(params):
     return ScaleByRssState(
-      _full_like(params, initial_accumulator_value, acc_dtype)
+      _full_like(
+        params, initial_accumulator_value, acc_dtype, False, block_size
+      )
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -157,7 +186,8 @@ def adagrad(
   eps: ArrayLike = 1e-7,
   *,
   eps_outside_sqrt: bool = False,
-  accumulator_dtype: DTypeLike | None = None,
+  accumulator_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adagrad (``optax.adagrad``'s rule) that updates only the touched rows.
 
@@ -189,7 +219,9 @@ def adagrad(
       :math:`\sqrt{G}` with ``eps_outside_sqrt``.
     eps_outside_sqrt: add ``eps`` after the square root (Keras 2, FBGEMM)
       instead of inside it (optax, the default).
-    accumulator_dtype: dtype of :math:`G`; None uses the param dtype.
+    accumulator_dtype: dtype of :math:`G`; None uses the param dtype;
+      ``"int8"`` quantizes it to 8 bits (see :func:`scale_by_rss`).
+    block_size: the most elements per block of an ``"int8"`` accumulator.
 
   Returns:
     A transformation; apply its updates with :func:`gradtx.apply_updates`.
@@ -219,6 +251,7 @@ def adagrad(
       eps,
       eps_outside_sqrt=eps_outside_sqrt,
       accumulator_dtype=accumulator_dtype,
+      block_size=block_size,
     ),
     scale_by_learning_rate(learning_rate),
   )
@@ -302,7 +335,12 @@ def scale_by_rowwise_rss(
     initial_accumulator_value=initial_accumulator_value,
     weight_decay=weight_decay,
   )
-  acc_dtype = _dtype(accumulator_dtype)
+  acc_dtype = _float_dtype(
+    accumulator_dtype,
+    "scale_by_rowwise_rss",
+    "it is one value per row, and 8-bit codes need a float scale per block, "
+    "which would take more bytes than the float32 value.",
+  )
   decays = concrete_float(weight_decay) != 0.0
 
   def decayed(g, p, acc):
@@ -432,7 +470,8 @@ class LazyTraceState(NamedTuple):
 def lazy_trace(
   decay: ArrayLike,
   nesterov: bool = False,
-  accumulator_dtype: DTypeLike | None = None,
+  accumulator_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Momentum (``optax.trace``) whose rows decay only when touched.
 
@@ -448,7 +487,12 @@ def lazy_trace(
   Args:
     decay: the momentum :math:`\mu`.
     nesterov: use Nesterov momentum.
-    accumulator_dtype: dtype of the trace; None uses the param dtype.
+    accumulator_dtype: dtype of the trace; None uses the param dtype;
+      ``"int8"``: 8-bit block-wise dynamic quantization with signed codes
+      (:class:`~gradtx.QuantizedRows`); leaves with fewer than 2 dimensions
+      keep float32.
+    block_size: the most elements per quantization block of an ``"int8"``
+      trace (blocks never span two rows).
 
   Returns:
     A transformation whose ``update`` takes dense arrays or SparseRows.
@@ -464,7 +508,8 @@ def lazy_trace(
     >>> state.trace[:, 0]
     Array([1.5, 0. , 0. ], dtype=float32)
   """
-  acc_dtype = _dtype(accumulator_dtype)
+  acc_dtype = state_dtype(accumulator_dtype, "lazy_trace", "accumulator_dtype")
+  block_size = check_block_size(block_size, "lazy_trace", acc_dtype)
 
   def update_of(g, p, t):  # the update from the new trace
     del p
@@ -475,7 +520,7 @@ def lazy_trace(
     return update_of(g, p, t), t
 
   def init_fn(params):
-    return LazyTraceState(_full_like(params, 0, acc_dtype))
+    return LazyTraceState(_full_like(params, 0, acc_dtype, True, block_size))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -514,7 +559,8 @@ def lazy_sgd(
   momentum: ArrayLike | None = None,
   nesterov: bool = False,
   *,
-  accumulator_dtype: DTypeLike | None = None,
+  accumulator_dtype: DTypeLike | str | None = None,
+  block_size: int = 64,
 ) -> optax.GradientTransformationExtraArgs:
   r"""SGD with lazy (touched-rows-only) momentum.
 
@@ -539,7 +585,9 @@ def lazy_sgd(
     learning_rate: a float or an optax schedule ``count -> rate``.
     momentum: the momentum :math:`\mu`, or None for plain SGD.
     nesterov: use Nesterov momentum.
-    accumulator_dtype: dtype of the trace; None uses the param dtype.
+    accumulator_dtype: dtype of the trace; None uses the param dtype;
+      ``"int8"`` quantizes it to 8 bits (see :func:`lazy_trace`).
+    block_size: the most elements per block of an ``"int8"`` trace.
 
   Returns:
     A transformation; apply its updates with :func:`gradtx.apply_updates`.
@@ -560,7 +608,7 @@ def lazy_sgd(
   if momentum is None:
     return optax.chain(_sum_duplicates(), scale_by_learning_rate(learning_rate))
   return optax.chain(
-    lazy_trace(momentum, nesterov, accumulator_dtype),
+    lazy_trace(momentum, nesterov, accumulator_dtype, block_size),
     scale_by_learning_rate(learning_rate),
   )
 
@@ -643,7 +691,12 @@ def ftrl(
       only. Keyword-only: Keras passes it before ``beta``.
     accumulator_dtype: dtype of :math:`n` and :math:`z`; None uses the param
       dtype (``jnp.float32`` is the safe choice for bf16 tables). The
-      formula runs in at least float32.
+      formula runs in at least float32. Not ``"int8"``: the weights are
+      computed afresh from :math:`z` and :math:`n` at every step, so a
+      state error is a weight error (near the L1 threshold
+      :math:`|z| \approx \lambda_1` a few percent of :math:`z` decide whether
+      a weight is zero), and :math:`\sigma` is a difference of successive
+      :math:`\sqrt{n}` that rounding :math:`n` to 8 bits swamps.
 
   Returns:
     A transformation that needs ``params`` in ``update``.
@@ -686,7 +739,13 @@ def ftrl(
       f"{what}: `learning_rate_power` must be <= 0; got {power}. Use -0.5 "
       "(the paper's per-coordinate rate) or 0 for a fixed rate."
     )
-  acc_dtype = _dtype(accumulator_dtype)
+  acc_dtype = _float_dtype(
+    accumulator_dtype,
+    "ftrl",
+    "FTRL computes the weights afresh from z and n at every step, so 8-bit "
+    "rounding of z or n becomes a weight error (and near the L1 threshold, a "
+    "zero weight that should not be).",
+  )
   l1, l2 = l1_regularization_strength, l2_regularization_strength
   shrinkage = l2_shrinkage_regularization_strength
   # A concrete 0 leaves the term out (the step stays bit for bit the same);

@@ -16,7 +16,11 @@ element) or per row (``[V]``, e.g. row-wise Adagrad's accumulator); the
 engine reads both with the bottom layer's row I/O, ``gather_rows`` and
 ``scatter_rows`` (:mod:`gradtx._base`, owner-local for row-sharded tables),
 the only places that read or write rows of a table; ``per_row_full``
-allocates ``[V]`` state split like the table's rows.
+allocates ``[V]`` state split like the table's rows. A state leaf may also
+be an 8-bit :class:`~gradtx.QuantizedRows` (``"int8"`` state dtypes): the
+engine reads its rows' codes and scales and dequantizes them, the rule
+computes in float32, and the new rows are quantized and written back
+(:mod:`gradtx._precision`), so rules never see the storage format.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ from gradtx._base import (
   is_update_leaf,
   scatter_rows,
   unique_rows,
+)
+from gradtx._precision import (
+  read_state,
+  read_state_rows,
+  state_array,
+  write_state,
+  write_state_rows,
 )
 from gradtx._sharded import is_split, per_row_full
 
@@ -66,6 +77,7 @@ def per_row(x: jax.Array, ndim: int) -> jax.Array:
 def _check_state_leaf(
   g: SparseRows, s: Any, what: str, name: str, row_states: bool
 ) -> None:
+  s = state_array(s)
   if s is None or not hasattr(s, "shape"):
     raise ValueError(
       f"{what}: got a SparseRows gradient of dense shape {g.shape} at a "
@@ -103,7 +115,7 @@ def _read_sparse(g, p, states, what, names, needs_params, row_states):
   p_rows = (
     gather_rows(jnp.asarray(p), idx, unique=True) if needs_params else None
   )
-  rows = [gather_rows(s, idx, unique=True) for s in states]
+  rows = [read_state_rows(s, idx) for s in states]
   return _Leaf(values, p_rows, rows, idx, g.num_rows)
 
 
@@ -113,9 +125,9 @@ def _read_dense(g, p, states, what, needs_params, row_states):
     wants = [jnp.shape(p)]
   else:  # without params, a state leaf shaped like the parameter shows it
     wants = [
-      jnp.shape(s)
+      jnp.shape(state_array(s))
       for s, rows in zip(states, row_states, strict=True)
-      if s is not None and not (rows and jnp.shape(s) == shape[:1])
+      if s is not None and not (rows and jnp.shape(state_array(s)) == shape[:1])
     ]
   for want in wants[:1]:
     if shape != want:
@@ -124,7 +136,9 @@ def _read_dense(g, p, states, what, needs_params, row_states):
         f"shape {want}. Gradients must have their parameter's shape (no "
         "broadcasting)."
       )
-  return _Leaf(g, p if needs_params else None, list(states), None, 0)
+  return _Leaf(
+    g, p if needs_params else None, [read_state(s) for s in states], None, 0
+  )
 
 
 def _materialize(x: jax.Array) -> jax.Array:
@@ -274,13 +288,13 @@ Array([1, 0, 0, 1], dtype=int32))
     new = outs[i][1:]
     if x.idx is None:
       tables[i] = [
-        r.astype(s.dtype) for s, r in zip(leaf_states[i], new, strict=True)
+        write_state(s, r) for s, r in zip(leaf_states[i], new, strict=True)
       ]
     else:
       if update_of is not None:
         new = [_materialize(r) for r in new]
       tables[i] = [
-        scatter_rows(s, x.idx, r)
+        write_state_rows(s, x.idx, r)
         for s, r in zip(leaf_states[i], new, strict=True)
       ]
     back_args[i] = (x.g, x.p, *new)

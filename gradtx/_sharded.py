@@ -327,13 +327,16 @@ def _owner_sharding(p: Any) -> NamedSharding | None:
   return NamedSharding(sharding.mesh, P(sharding.spec[0]))
 
 
-def per_row_full(p: Any, fill_value: Any, dtype: Any) -> jax.Array:
-  """A fresh ``[V]`` array, one value per row of ``p``, split like its rows.
+def per_row_full(
+  p: Any, fill_value: Any, dtype: Any, trailing: tuple[int, ...] = ()
+) -> jax.Array:
+  """A fresh ``[V, *trailing]`` array (one value, or ``trailing`` values,
+  per row of ``p``), split like its rows.
 
   Per-row optimizer state of a row-sharded table lives with the rows it
   belongs to, so a step never moves it; elsewhere a plain ``jnp.full``.
   """
-  shape = tuple(jnp.shape(p)[:1])
+  shape = tuple(jnp.shape(p)[:1]) + tuple(trailing)
   sharding = _owner_sharding(p)
   if sharding is None:
     return jnp.full(shape, fill_value, dtype)

@@ -30,7 +30,7 @@ from gradtx._base import (
   with_extra_args,
   zero_counter,
 )
-from gradtx._precision import row_keys, stochastic_round
+from gradtx._precision import round_with_bits, row_bits
 
 # ----------------------------------------------------------------------------
 # apply_updates
@@ -41,10 +41,11 @@ _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def _round_rows(rows: jax.Array, dtype: Any, key: Any, ids: jax.Array):
   """float32 ``rows`` ``[n, ...]`` rounded stochastically to ``dtype``, row
-  ``j`` with the key of row id ``ids[j]``: the same bits whichever rows are
-  updated together and however they are sharded."""
-  keys = row_keys(key, ids)
-  return jax.vmap(lambda r, k: stochastic_round(r, dtype, k))(rows, keys)
+  ``j`` with the bits of row id ``ids[j]`` (:func:`row_bits`): the same
+  whichever rows are updated together and however they are sharded."""
+  flat = rows.reshape(rows.shape[0], -1)
+  bits = row_bits(key, ids, flat.shape[1])
+  return round_with_bits(flat, dtype, bits).reshape(rows.shape)
 
 
 def _apply_rounded(u: Any, p: jax.Array, key: Any) -> jax.Array:
@@ -75,9 +76,11 @@ def apply_updates(params: Any, updates: Any, *, key: Any = None) -> Any:
   ``p + u`` and written with :func:`stochastic_round` (a SparseRows: its
   touched rows only), so updates smaller than half a unit in the last place
   survive on average instead of rounding away (FBGEMM's
-  ``stochastic_rounding`` of FP16 tables). Each row is rounded with its own
-  key, ``fold_in(fold_in(key, leaf), row)`` (``leaf``: the position in the
-  tree), so the result does not depend on sharding or on which rows are
+  ``stochastic_rounding`` of FP16 tables), with :func:`stochastic_round`'s
+  rule. The random bits of an element come from ``fold_in(key, leaf)``
+  (``leaf``: the position in the tree), its row id and its column, through
+  an integer hash (a few integer ops per element, not a PRNG key per row),
+  so the result does not depend on sharding or on which rows are
   updated together; pass a fresh key each step
   (``jax.random.fold_in(key, step)``) for reruns and resumes that are
   bit-identical. float32 parameters are added as without a key.

@@ -86,6 +86,17 @@ STATES = {
     lambda: gtx.rowwise_adagrad(SCHEDULE, weight_decay=0.01),
     3,
   ),
+  # 8-bit moments (QuantizedRows: codes and scales).
+  "lazy_adam_int8": (
+    lambda: gtx.lazy_adam(SCHEDULE, mu_dtype="int8", nu_dtype="int8"),
+    3,
+  ),
+  "lazy_sgd_int8_accumulate": (
+    lambda: gtx.accumulate(
+      gtx.lazy_sgd(0.1, 0.9, accumulator_dtype="int8"), 3, rows_per_step=ROWS
+    ),
+    2,
+  ),
   # FTRL's count, n and z, inside an accumulation window.
   "ftrl_accumulate": (
     lambda: gtx.accumulate(
@@ -147,7 +158,10 @@ def test_state_round_trips_and_continues_exactly(name, tmp_path):
   step = _step_fn(tx)
   params = _params()
   params, state = _run(step, params, tx.init(params), before)
-  if name in ("accumulate_mid_window", "nested_chain", "ftrl_accumulate"):
+  if name.endswith("accumulate") or name in (
+    "accumulate_mid_window",
+    "nested_chain",
+  ):
     acc = [
       x
       for x in jax.tree.leaves(

@@ -531,6 +531,16 @@ CASES = [
   ),
   Case("lazy_adamw", lambda: gtx.lazy_adamw(0.05, weight_decay=0.1)),
   Case("lazy_adam_catch_up", lambda: gtx.lazy_adam(0.05, catch_up=True)),
+  Case(
+    "lazy_adam_int8",
+    lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
+  ),
+  Case(
+    "lazy_adamw_int8_catch_up",
+    lambda: gtx.lazy_adamw(
+      0.05, mu_dtype="int8", nu_dtype="int8", block_size=2, catch_up=True
+    ),
+  ),
   # A bf16 first moment rounds differently when jit fuses its update into
   # an FMA; one bf16 ulp of m moves later steps by ~1e-4 (optax.adam with
   # mu_dtype=bf16 does the same).

@@ -523,6 +523,9 @@ def test_bf16_table_with_float32_accumulators():
       l1_regularization_strength=0.01,
       l2_shrinkage_regularization_strength=0.1,
     ),
+    lambda: gtx.adagrad(0.1, accumulator_dtype="int8"),
+    lambda: gtx.lazy_sgd(0.1, momentum=0.9, accumulator_dtype="int8"),
+    lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
   ],
   ids=[
     "adagrad",
@@ -531,6 +534,9 @@ def test_bf16_table_with_float32_accumulators():
     "lazy_sgd_momentum",
     "ftrl",
     "ftrl_l2_shrinkage",
+    "adagrad_int8",
+    "lazy_sgd_momentum_int8",
+    "lazy_adam_int8",
   ],
 )
 def test_untouched_and_padding_rows_unchanged_bit_for_bit(make_tx):
@@ -626,7 +632,14 @@ def test_schedule_count_saturates():
 ROWS = {"emb": 9, "tab": 9, "w": None, "b": None}
 
 
-@pytest.mark.parametrize("make_tx", [lambda: gtx.ftrl(0.2)], ids=["ftrl"])
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda: gtx.ftrl(0.2),
+    lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
+  ],
+  ids=["ftrl", "lazy_adam_int8"],
+)
 def test_accumulate_equals_inner_on_concatenated_window(make_tx):
   k = 2
   tx = gtx.accumulate(make_tx(), k, mean=False, rows_per_step=ROWS)
@@ -886,6 +899,11 @@ CASES = [
   ),
   Case("lazy_sgd", lambda: gtx.lazy_sgd(0.1)),
   Case("lazy_sgd_nesterov", lambda: gtx.lazy_sgd(0.05, 0.9, nesterov=True)),
+  Case("adagrad_int8", lambda: gtx.adagrad(0.1, accumulator_dtype="int8")),
+  Case(
+    "lazy_sgd_int8",
+    lambda: gtx.lazy_sgd(0.05, 0.9, accumulator_dtype="int8", block_size=3),
+  ),
   Case(
     "ftrl",
     lambda: gtx.ftrl(

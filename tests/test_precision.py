@@ -1,5 +1,6 @@
-"""Stochastic rounding, per-row keys and row-aligned int8 quantization
-(gradtx._precision), against numpy / ml_dtypes references."""
+"""Stochastic rounding and the per-row bits apply_updates rounds with
+(gradtx._precision), against numpy / ml_dtypes references. 8-bit state:
+tests/test_quantized_state.py."""
 
 import functools
 
@@ -13,10 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
 from gradtx._precision import (
-  dequantize_rows,
-  num_blocks,
-  quantize_rows,
-  row_keys,
+  round_with_bits,
+  row_bits,
   stochastic_round,
 )
 
@@ -212,44 +211,56 @@ def test_stochastic_round_bad_arguments():
     stochastic_round(x, jnp.float16, jax.random.split(key, 2))
 
 
+def _np_mix32(x):
+  """numpy: the lowbias32 hash, in uint32 arithmetic (wraps mod 2**32)."""
+  x = np.asarray(x, np.uint32)
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x7FEB352D)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(0x846CA68B)
+  return x ^ (x >> np.uint32(16))
+
+
+def _np_row_bits(key, ids, row_size):
+  seed = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
+  rows = _np_mix32(np.asarray(ids).astype(np.uint32) ^ seed[0])
+  cols = np.arange(row_size, dtype=np.uint32) * np.uint32(0x9E3779B9)
+  return _np_mix32(rows[:, None] + cols[None, :] + seed[1])
+
+
 @pytest.mark.parametrize("legacy", [False, True])
-def test_row_keys_do_not_depend_on_the_batch(legacy):
+def test_row_bits_match_numpy_and_do_not_depend_on_the_batch(legacy):
   key = jax.random.PRNGKey(5) if legacy else jax.random.key(5)
-  data = jax.random.key_data if not legacy else np.asarray
-
-  def as_bits(keys):
-    return np.asarray(data(keys))
-
-  a = as_bits(row_keys(key, jnp.array([4, 9, 1, 7], jnp.int32)))
-  b = as_bits(row_keys(key, jnp.array([7, 4], jnp.int32)))
+  with np.errstate(over="ignore"):
+    want = _np_row_bits(key, [4, 9, 1, 7], 6)
+  a = np.asarray(row_bits(key, jnp.array([4, 9, 1, 7], jnp.int32), 6))
+  np.testing.assert_array_equal(a, want)
+  b = np.asarray(row_bits(key, jnp.array([7, 4], jnp.int32), 6))
   np.testing.assert_array_equal(a[0], b[1])
   np.testing.assert_array_equal(a[3], b[0])
-  # Same as folding the id in directly, row by row.
-  np.testing.assert_array_equal(a[1], as_bits(jax.random.fold_in(key, 9)))
-  assert len({tuple(np.ravel(k)) for k in a}) == 4
-  assert as_bits(row_keys(key, jnp.zeros((0,), jnp.int32))).shape[0] == 0
-  jitted = jax.jit(row_keys)(key, jnp.array([7, 4], jnp.int32))
-  np.testing.assert_array_equal(as_bits(jitted), b)
+  assert row_bits(key, jnp.zeros((0,), jnp.int32), 6).shape == (0, 6)
+  jitted = jax.jit(row_bits, static_argnums=2)(key, jnp.array([7, 4]), 6)
+  np.testing.assert_array_equal(np.asarray(jitted), b)
+  other = np.asarray(row_bits(jax.random.fold_in(key, 1), jnp.array([4]), 6))
+  assert not np.array_equal(other[0], a[0])
 
 
-def test_row_keys_make_rounding_independent_of_the_batch():
-  key = jax.random.key(11)
-  rng = np.random.default_rng(3)
-  table = rng.normal(size=(6, 33)).astype(np.float32)
-
-  def round_rows(ids):
-    keys = row_keys(key, jnp.asarray(ids, jnp.int32))
-    rnd = jax.vmap(lambda r, k: stochastic_round(r, jnp.float16, k))
-    return np.asarray(rnd(jnp.asarray(table[ids]), keys))
-
-  whole = round_rows(np.arange(6))
-  part = round_rows(np.array([5, 2]))
-  np.testing.assert_array_equal(
-    part[0].view(np.uint16), whole[5].view(np.uint16)
-  )
-  np.testing.assert_array_equal(
-    part[1].view(np.uint16), whole[2].view(np.uint16)
-  )
+def test_row_bits_are_uniform():
+  """Every bit is a fair coin and the low 16 bits (bf16's rounding draw)
+  are uniform: chi-square over 256 bins of their top byte, and the rows of
+  consecutive ids are uncorrelated."""
+  bits = np.asarray(row_bits(jax.random.key(3), jnp.arange(4096), 64))
+  n = bits.size
+  ones = np.array([((bits >> np.uint32(k)) & 1).mean() for k in range(32)])
+  # 5 standard deviations of a fair coin's mean over n draws
+  assert np.all(np.abs(ones - 0.5) < 5 * 0.5 / np.sqrt(n))
+  low = ((bits & np.uint32(0xFFFF)) >> np.uint32(8)).ravel()
+  counts = np.bincount(low, minlength=256)
+  chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
+  assert chi2 < 255 + 6 * np.sqrt(2 * 255)  # mean 255, sd sqrt(510)
+  u = bits.astype(np.float64) / 2.0**32
+  corr = np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]
+  assert abs(corr) < 5 / np.sqrt(u[1:].size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -260,8 +271,7 @@ def test_rounding_does_not_depend_on_sharding(dtype):
   ids = jnp.arange(16, dtype=jnp.int32)
 
   def round_rows(rows, ids):
-    keys = row_keys(jax.random.key(4), ids)
-    return jax.vmap(lambda r, k: stochastic_round(r, dtype, k))(rows, keys)
+    return round_with_bits(rows, dtype, row_bits(jax.random.key(4), ids, 12))
 
   single = np.asarray(jax.jit(round_rows)(table, ids))
   put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("d")))
@@ -280,186 +290,13 @@ def test_rounding_does_not_depend_on_sharding(dtype):
   )
 
 
-def test_row_keys_bad_arguments():
+def test_row_bits_bad_arguments():
   with pytest.raises(TypeError, match="`row_ids` must be an integer"):
-    row_keys(jax.random.key(0), jnp.ones(3))
+    row_bits(jax.random.key(0), jnp.ones(3), 2)
   with pytest.raises(ValueError, match="`row_ids` must be 1-D"):
-    row_keys(jax.random.key(0), jnp.ones((2, 2), jnp.int32))
+    row_bits(jax.random.key(0), jnp.ones((2, 2), jnp.int32), 2)
   with pytest.raises(TypeError, match="`key` must be a JAX PRNG key"):
-    row_keys(np.zeros(2, np.int32), jnp.arange(3))
-
-
-def _block_absmax(x, block_size):
-  """numpy: absmax of every block of every flattened row, [n, num_blocks]."""
-  row_size = int(np.prod(x.shape[1:]))
-  flat = np.abs(x.reshape(x.shape[0], row_size).astype(np.float64))
-  starts = range(0, row_size, block_size)
-  cols = [flat[:, s : s + block_size].max(axis=1) for s in starts]
-  return np.stack(cols, axis=1) if cols else np.zeros((x.shape[0], 0))
-
-
-def _check_round_trip(x, block_size):
-  codes, scales = quantize_rows(jnp.asarray(x), block_size)
-  n = x.shape[0]
-  row_size = int(np.prod(x.shape[1:]))
-  nb = -(-row_size // block_size)
-  assert codes.dtype == jnp.int8 and codes.shape == (n, row_size)
-  assert scales.dtype == jnp.float32 and scales.shape == (n, nb)
-  absmax = _block_absmax(x, block_size)
-  np.testing.assert_allclose(np.asarray(scales), absmax / 127, rtol=1e-6)
-  y = np.asarray(dequantize_rows(codes, scales, block_size, x.shape[1:]))
-  assert y.shape == x.shape and y.dtype == np.float32
-  # |x - deq(q(x))| <= absmax / 254 per block, plus float32 rounding of the
-  # division and the product (a few ulps of absmax).
-  per_element = np.repeat(absmax, block_size, axis=1)[:, :row_size]
-  bound = per_element / 254 + 4 * np.finfo(np.float32).eps * per_element
-  err = np.abs(
-    x.reshape(n, row_size).astype(np.float64) - y.reshape(n, row_size)
-  )
-  assert np.all(err <= bound)
-  codes = np.asarray(codes).astype(np.int32)
-  assert np.all(np.abs(codes) <= 127)
-  # The largest element of every non-zero block gets code +-127.
-  for b in range(nb):
-    block = codes[:, b * block_size : (b + 1) * block_size]
-    top = np.abs(block).max(axis=1) if block.size else np.zeros(n)
-    np.testing.assert_array_equal(top[absmax[:, b] > 0], 127)
-  return codes, np.asarray(scales), y
-
-
-@pytest.mark.parametrize(
-  "shape,block_size",
-  [
-    ((5, 64), 16),  # whole blocks
-    ((4, 3, 7), 8),  # 21 per row: blocks of 8, 8 and 5
-    ((3, 10), 64),  # one block, shorter than block_size
-    ((2, 9), 1),
-    ((0, 6), 4),  # no rows
-    ((3, 0), 4),  # empty rows
-  ],
-)
-def test_quantize_round_trip_within_the_bound(shape, block_size):
-  rng = np.random.default_rng(1)
-  x = (
-    rng.normal(size=shape)
-    * rng.lognormal(0, 3, size=shape[:1] + (1,) * (len(shape) - 1))
-  ).astype(np.float32)
-  _check_round_trip(x, block_size)
-
-
-def test_quantize_blocks_never_cross_rows():
-  rng = np.random.default_rng(2)
-  x = rng.uniform(-1, 1, size=(4, 5)).astype(np.float32)  # blocks of 4 and 1
-  codes, scales = quantize_rows(jnp.asarray(x), 4)
-  # A huge value at the end of row 1: with blocks over the flattened array it
-  # would share a block with the start of row 2.
-  x2 = x.copy()
-  x2[1, -1] = 1e6
-  codes2, scales2 = quantize_rows(jnp.asarray(x2), 4)
-  others = [0, 2, 3]
-  np.testing.assert_array_equal(
-    np.asarray(codes2)[others], np.asarray(codes)[others]
-  )
-  np.testing.assert_array_equal(
-    np.asarray(scales2)[others], np.asarray(scales)[others]
-  )
-  # The last, one-element block of each row is scaled by that element alone.
-  np.testing.assert_allclose(
-    np.asarray(scales)[:, 1], np.abs(x[:, 4]) / 127, rtol=1e-6
-  )
-  assert float(np.asarray(scales2)[1, 1]) == pytest.approx(1e6 / 127)
-  np.testing.assert_array_equal(np.asarray(codes)[:, 4], np.sign(x[:, 4]) * 127)
-  _check_round_trip(x2, 4)
-
-
-def test_quantize_zeros_are_exact():
-  x = np.zeros((3, 10), np.float32)
-  x[1, :4] = [0.5, -2.0, 0.0, 1.0]  # row 1: first block non-zero, rest zero
-  codes, scales, y = _check_round_trip(x, 4)
-  np.testing.assert_array_equal(scales[0], 0.0)
-  np.testing.assert_array_equal(scales[1, 1:], 0.0)
-  np.testing.assert_array_equal(codes[0], 0)
-  assert np.all(np.isfinite(y))
-  np.testing.assert_array_equal(y[0], 0.0)
-  np.testing.assert_array_equal(y[1, 4:], 0.0)
-  assert y[1, 2] == 0.0 and not np.signbit(y[1, 2])
-
-
-def test_quantize_under_jit_and_vmap():
-  rng = np.random.default_rng(4)
-  x = rng.normal(size=(3, 2, 11)).astype(np.float32)
-  q = jax.jit(functools.partial(quantize_rows, block_size=8))
-  dq = jax.jit(dequantize_rows, static_argnums=(2, 3))
-  codes, scales = q(jnp.asarray(x))
-  y = np.asarray(dq(codes, scales, 8, (2, 11)))
-  eager_codes, eager_scales, eager_y = _check_round_trip(x, 8)
-  np.testing.assert_array_equal(np.asarray(codes), eager_codes)
-  np.testing.assert_array_equal(y, eager_y)
-  # vmap over a leading batch axis: each slice [2, 11] is two rows of 11.
-  v_codes, v_scales = jax.vmap(q)(jnp.asarray(x))
-  assert v_codes.shape == (3, 2, 11) and v_scales.shape == (3, 2, 2)
-  per_slice = _block_absmax(x.reshape(6, 11), 8).reshape(3, 2, 2)
-  np.testing.assert_allclose(np.asarray(v_scales), per_slice / 127, rtol=1e-6)
-  empty = q(jnp.zeros((0, 5)))
-  assert empty[0].shape == (0, 5) and empty[1].shape == (0, 1)
-
-
-def test_dequantize_dtype_and_bfloat16_input():
-  x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 12)
-  codes, scales = quantize_rows(jnp.asarray(x, jnp.bfloat16), 5)
-  y = dequantize_rows(codes, scales, 5, (12,), dtype=jnp.bfloat16)
-  assert y.dtype == jnp.bfloat16 and y.shape == (2, 12)
-  x_bf16 = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-  _check_round_trip(x_bf16, 5)
-
-
-def test_quantize_keeps_rows_sharded():
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P("d")))
-  x = np.random.default_rng(7).normal(size=(16, 3, 10)).astype(np.float32)
-
-  def round_trip(a):
-    codes, scales = quantize_rows(a, 4)
-    return codes, scales, dequantize_rows(codes, scales, 4, a.shape[1:])
-
-  for fn in (round_trip, jax.vmap(round_trip)):
-    sharded = jax.jit(fn)(put(jnp.asarray(x)))
-    for out, ref in zip(sharded, fn(jnp.asarray(x)), strict=True):
-      assert out.sharding.spec[0] == "d"  # blocks stay within a device's rows
-      np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-
-
-def test_num_blocks():
-  assert [num_blocks(r, 4) for r in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
-  assert num_blocks(7, 1) == 7 and num_blocks(7, 100) == 1
-  with pytest.raises(ValueError, match="`block_size` must be >= 1"):
-    num_blocks(7, 0)
-  with pytest.raises(ValueError, match="`row_size` must be >= 0"):
-    num_blocks(-1, 4)
-  with pytest.raises(TypeError, match="`block_size` must be a Python int"):
-    num_blocks(7, 4.0)
-
-
-def test_quantize_bad_arguments():
-  with pytest.raises(TypeError, match="`x` must be a floating-point"):
-    quantize_rows(jnp.ones((2, 3), jnp.int32), 4)
-  with pytest.raises(ValueError, match="leading row axis"):
-    quantize_rows(jnp.float32(1.0), 4)
-  with pytest.raises(TypeError, match="`block_size` must be a Python int"):
-    quantize_rows(jnp.ones((2, 3)), True)
-  codes, scales = quantize_rows(jnp.ones((2, 6)), 4)
-  with pytest.raises(ValueError, match="`codes` must have shape"):
-    dequantize_rows(codes, scales, 4, (5,))
-  with pytest.raises(ValueError, match="`scales` must have shape"):
-    dequantize_rows(codes, scales, 2, (6,))
-  with pytest.raises(TypeError, match="`codes` must be int8"):
-    dequantize_rows(codes.astype(jnp.int32), scales, 4, (6,))
-  with pytest.raises(TypeError, match="`dtype` must be a floating-point"):
-    dequantize_rows(codes, scales, 4, (6,), dtype=jnp.int8)
-
-
-# ----------------------------------------------------------------------------
-# gtx.apply_updates(..., key=): stochastic rounding of low-precision tables
+    row_bits(np.zeros(2, np.int32), jnp.arange(3), 2)
 
 
 def _bf16_table(rows=11, dim=3):
