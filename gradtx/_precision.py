@@ -449,16 +449,19 @@ def quantize_rows(
   blocks = num_blocks(row_size, block_size)
   length = _block_length(row_size, blocks)
   flat = x.reshape(n, row_size).astype(jnp.float32)
-  if not signed:
-    flat = jnp.maximum(flat, 0)
   # Pad each row on its own so that the last block of a row never borrows
   # elements from the next row; zeros do not change a block's maximum.
   padded = jnp.pad(flat, ((0, 0), (0, blocks * length - row_size)))
   padded = padded.reshape(n, blocks, length)
-  absmax = jnp.max(jnp.abs(padded), axis=2, initial=0.0)
+  # Unsigned: negative values are stored as 0, and the maximum of the raw
+  # values (from 0) is the block's scale, with no |x| pass before it.
+  magnitude = jnp.abs(padded) if signed else jnp.maximum(padded, 0)
+  absmax = jnp.max(padded, axis=2, initial=0.0)
+  if signed:
+    absmax = jnp.maximum(absmax, -jnp.min(padded, axis=2, initial=0.0))
   scales = absmax / _TOP
   safe = jnp.where(scales > 0, scales, 1)[:, :, None]
-  code = _encode(jnp.abs(padded) / safe, signed)
+  code = _encode(magnitude / safe, signed)
   if signed:
     code = jnp.where(padded < 0, -code, code)
   code = code.reshape(n, blocks * length)[:, :row_size]
