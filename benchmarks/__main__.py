@@ -29,6 +29,8 @@ BENCHMARKS = [
   "dense_threshold",
   "lr_pass",
   "row_reader",
+  "convergence",
+  "low_precision",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 

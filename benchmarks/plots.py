@@ -165,6 +165,12 @@ SECTIONS = [
   ("fbgemm_anchor", "FBGEMM anchor (optional)", None),
   ("sparse_grad", "Sparse vs dense gradient", plot_sparse_grad),
   ("lazy_adam", "Lazy Adam vs dense Adam", plot_lazy_adam),
+  (
+    "convergence",
+    "Convergence with cheaper optimizers and lower precision",
+    None,
+  ),
+  ("low_precision", "Low precision: the whole step's time", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
   ("mirrored", "Mirrored replication", plot_mirrored),

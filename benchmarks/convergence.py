@@ -1,0 +1,834 @@
+"""Does quality hold with cheaper optimizers and lower precision?
+
+Two models trained on real data, the Python standard library's source on
+this machine (tokenized as ``examples/demo.py`` does it), split by file:
+every 10th file in sorted order is held out, the rest is trained on (the
+vocabulary comes from the training files only).
+
+* ``skip-gram``: word2vec with negative sampling, as in the demo: two
+  ``[vocab, 64]`` tables (center, context) read as plain ``table[ids]``.
+  Held-out loss: the same loss on held-out (center, context) pairs with a
+  fixed set of negatives (fixed seed), so every config is scored on the
+  same examples.
+* ``next-token LM``: the 4 previous tokens' rows of a ``[vocab, 64]`` table,
+  concatenated, a ``tanh`` dense layer to 64, a separate (not tied) output
+  projection and full softmax over the vocabulary. Held-out loss: mean
+  next-token cross entropy on a fixed set of held-out positions.
+
+Every config starts from the same init and sees the same batches in the
+same order for the same number of steps; one process runs them side by
+side, in rounds (each config trains one eval interval, then the next
+config does), so machine noise hits all of them alike:
+
+* ``adam (dense)``: ``jax.value_and_grad`` (dense table gradients) and
+  ``optax.adam``, which moves every row every step;
+* ``lazy_adam``, ``lazy_adam catch_up``, ``rowwise_adagrad``, ``adagrad``,
+  ``lazy_sgd momentum``: ``gtx.sparse_value_and_grad`` (SparseRows
+  gradients for the tables) and the gradtx optimizer;
+* ``adagrad int8`` / ``lazy_sgd momentum int8``: float32 tables,
+  ``gtx.adagrad(lr, accumulator_dtype="int8")`` (Adagrad's sum of squares
+  in 8 bits) / ``gtx.lazy_sgd(lr, momentum=0.9, accumulator_dtype="int8")``
+  (the momentum trace in 8 bits);
+* ``bf16 nearest`` / ``bf16 stochastic``: the embedding tables stored in
+  bfloat16 (dense layers stay float32), ``gtx.lazy_adam(lr,
+  mu_dtype=jnp.float32, nu_dtype=jnp.float32)``, applied with
+  ``gtx.apply_updates`` rounding to nearest / stochastically
+  (``key=fold_in(key, step)``). The moments stay float32, so only the
+  table's rounding differs from float32 ``lazy_adam``;
+* ``bf16 stochastic, bf16 m/v``: the same with ``gtx.lazy_adam(lr)``,
+  whose moments take each parameter's dtype: bfloat16 for the tables,
+  float32 for the LM's dense layers (``mu_dtype=nu_dtype=jnp.bfloat16``
+  would make those bfloat16 too);
+* ``int8 m/v``: float32 tables, ``gtx.lazy_adam(lr, mu_dtype="int8",
+  nu_dtype="int8")``; ``bf16 stochastic + int8 m/v``: both.
+
+A state dtype passed to an optimizer applies to every parameter: in the
+LM, ``"int8"`` also quantizes the dense weights' state (``w``, ``w_out``;
+the 1-D biases' stays float32).
+
+Every low-precision variant has a float32 twin, the same optimizer in
+float32: ``lazy_adam`` for the Adam ones, ``adagrad`` and ``lazy_sgd
+momentum`` for the int8 accumulators. Reported per task and config:
+held-out loss every ``steps / evals`` steps and at the end (as a ratio to
+float32 ``lazy_adam`` and, for the low-precision variants, to their float32
+twin's), for the low-precision variants the step from which they stop
+following their twin (``stalls at``, see :func:`stall_step`), bytes per
+row of the embedding table (``gtx.bytes_per_row``: the row and its
+optimizer state), and the whole training step's time (jitted, params and
+state donated, fresh ids each step, the loss returned and waited for;
+median over the timed steps, the first ``SETTLE`` of each round untimed)
+with its ratio to ``lazy_adam``'s. Writes
+``results/convergence.{md,json,png}``.
+
+Learning rates: one peak rate per task and optimizer family, decayed to 0
+by a cosine schedule over the run (``--schedule constant`` keeps the peak), the
+low-precision variants using their float32 twin's (never tuned per
+variant). Chosen by a sweep of the float32 optimizers at the default sizes
+and schedule (5,000 steps, 5 evaluations), final held-out loss:
+
+=================  ==========================  ==========================
+family             skip-gram                   next-token LM
+=================  ==========================  ==========================
+Adam (lazy_adam)   3e-3 2.123, **1e-2 2.086**, 1e-3 2.521, 3e-3 2.320,
+                   3e-2 2.107                  **1e-2 2.225**, 3e-2 2.562
+rowwise_adagrad    0.03 2.145, **0.1 2.088**,  0.03 2.445, **0.1 2.343**,
+                   0.3 2.081                   0.3 2.613
+adagrad            3 2.280, 10 2.165,          0.3 2.437, **1 2.273**,
+                   **30 2.132**, 100 5.83      3 2.664
+lazy_sgd momentum  1 2.285, 3 2.183,           0.03 2.653, 0.1 2.417,
+                   **10 2.111**, 30 nan        **0.3 2.296**, 1 2.589
+=================  ==========================  ==========================
+
+Adam's 1e-2 is best on both tasks. Row-wise Adagrad gets 0.1 on both (0.3
+is 0.3% better on skip-gram but 12% worse on the LM). Adagrad and SGD
+cannot share a rate: they see the gradient's scale, and skip-gram's
+per-row gradients (a mean over 1,024 examples, a row in a few of them)
+are far smaller than the LM's dense-layer gradients; Adagrad's
+``initial_accumulator_value=0.1`` (optax's default) dominates its
+denominator for such gradients, so it needs an SGD-sized rate too. The
+best rate shared by both tasks in the sweep costs Adagrad 7% on skip-gram
+and 17% on the LM (3: 2.280, 2.664) and SGD 8% and 13% (1: 2.285, 2.589),
+more than the differences measured here, so each of those two gets its best
+rate per task (within a factor 3).
+
+  python -m benchmarks.convergence [--quick] [--only NAME ...]
+      [--tasks skip-gram lm] [--steps 5000] [--evals 10]
+      [--max-tokens 2000000] [--schedule cosine] [--lr FAMILY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import sysconfig
+import time
+import tokenize
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import gradtx as gtx
+from benchmarks._common import RESULTS, load_note, write_results
+from examples.demo import build_vocab
+
+DIM = 64
+SEED = 0
+HELD_OUT_EVERY = 10  # every 10th file (sorted order) is held out
+SETTLE = 3  # untimed steps at the start of each config's round
+STEPS = 5000  # per config and task
+MAX_TOKENS = 2_000_000
+# Peak learning rate per task and optimizer family (the sweep in the module
+# docstring). Adam and row-wise Adagrad are invariant to the gradient's
+# scale and share one rate across tasks; Adagrad (its 0.1 initial
+# accumulator) and SGD are not.
+LR = {
+  "skip-gram": {
+    "adam": 1e-2,
+    "rowwise_adagrad": 0.1,
+    "adagrad": 30.0,
+    "sgd": 10.0,
+  },
+  "next-token LM": {
+    "adam": 1e-2,
+    "rowwise_adagrad": 0.1,
+    "adagrad": 1.0,
+    "sgd": 0.3,
+  },
+}
+FAMILIES = list(LR["skip-gram"])
+
+
+# ----------------------------------------------------------------------------
+# corpus
+
+
+def stdlib_files(max_tokens: int) -> list[list[str]]:
+  """The standard library's tokens, one list per file, in sorted file order.
+
+  Tokenized as ``examples.demo.stdlib_tokens`` does (names, operators,
+  numbers kept; strings become ``<str>``; comments and layout dropped), but
+  kept per file for the held-out split. Stops after ``max_tokens``.
+  """
+  root = Path(sysconfig.get_paths()["stdlib"])
+  files = sorted(
+    p
+    for p in root.rglob("*.py")
+    if "site-packages" not in p.relative_to(root).parts
+  )
+  keep = {tokenize.NAME, tokenize.OP, tokenize.NUMBER}
+  out: list[list[str]] = []
+  total = 0
+  for path in files:
+    toks: list[str] = []
+    try:
+      src = path.read_text(encoding="utf-8")
+      for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type in keep:
+          toks.append(tok.string)
+        elif tok.type == tokenize.STRING:
+          toks.append("<str>")
+    except (SyntaxError, UnicodeDecodeError, tokenize.TokenError):
+      continue
+    if toks:
+      out.append(toks[: max_tokens - total])
+      total += len(out[-1])
+    if total >= max_tokens:
+      break
+  return out
+
+
+class Corpus(NamedTuple):
+  train: list[str]  # tokens of the training files, concatenated
+  held_out: list[str]  # tokens of the held-out files, concatenated
+  files: int
+
+
+def load_corpus(max_tokens: int) -> Corpus:
+  files = stdlib_files(max_tokens)
+  train, held = [], []
+  for i, toks in enumerate(files):
+    (held if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).extend(toks)
+  return Corpus(train, held, len(files))
+
+
+def encode(tokens: list[str], index: dict[str, int]) -> np.ndarray:
+  return np.asarray([index.get(t, 0) for t in tokens], np.int32)
+
+
+# ----------------------------------------------------------------------------
+# tasks
+
+
+class Task(NamedTuple):
+  name: str
+  params: dict[str, np.ndarray]  # float32 init
+  tables: tuple[str, ...]  # the embedding tables (bf16 in bf16 configs)
+  loss: Callable[[Any, Any], jax.Array]
+  sample: Callable[[np.random.RandomState], dict[str, np.ndarray]]
+  eval_batches: list[dict[str, np.ndarray]]
+  vocab: int
+  batch: int
+  tokens: tuple[int, int]  # training, held-out tokens
+
+
+def skipgram_task(
+  corpus: Corpus, vocab: int, batch: int, eval_pairs: int
+) -> Task:
+  negatives, window = 5, 4
+  words, index, freq = build_vocab(corpus.train, vocab)
+  vocab = len(words)
+  train, held = encode(corpus.train, index), encode(corpus.held_out, index)
+  noise = np.cumsum(np.asarray(freq, np.float64) ** 0.75)
+  noise /= noise[-1]  # unigram^0.75 CDF of the training files
+  offsets = np.concatenate([np.arange(-window, 0), np.arange(1, window + 1)])
+
+  def sample(rng, stream=train, n=batch):
+    pos = rng.randint(window, len(stream) - window, n)
+    ctx = stream[pos + rng.choice(offsets, n)]
+    negs = np.searchsorted(noise, rng.random_sample((n, negatives)))
+    negs = np.minimum(negs, vocab - 1)
+    others = np.concatenate([ctx[:, None], negs], axis=1)
+    return {"center": stream[pos], "others": others.astype(np.int32)}
+
+  rng = np.random.RandomState(SEED + 1)
+  eval_batches = [
+    sample(rng, held, 4096) for _ in range(max(1, eval_pairs // 4096))
+  ]
+
+  def loss(p, b):
+    center = p["center"][b["center"]].astype(jnp.float32)  # [b, d]
+    others = p["context"][b["others"]].astype(jnp.float32)  # [b, 1+neg, d]
+    logits = jnp.einsum("bd,bkd->bk", center, others)
+    sign = jnp.concatenate([jnp.ones((1,)), -jnp.ones((negatives,))])
+    return -jnp.mean(jnp.sum(jax.nn.log_sigmoid(sign * logits), axis=-1))
+
+  init = np.random.RandomState(SEED)
+  params = {
+    "center": (init.uniform(-0.5, 0.5, (vocab, DIM)) / DIM).astype(np.float32),
+    "context": np.zeros((vocab, DIM), np.float32),
+  }
+  return Task(
+    "skip-gram",
+    params,
+    ("center", "context"),
+    loss,
+    sample,
+    eval_batches,
+    vocab,
+    batch,
+    (len(train), len(held)),
+  )
+
+
+def lm_task(
+  corpus: Corpus, vocab: int, batch: int, eval_positions: int
+) -> Task:
+  context, hidden = 4, 64
+  words, index, _ = build_vocab(corpus.train, vocab)
+  vocab = len(words)
+  train, held = encode(corpus.train, index), encode(corpus.held_out, index)
+  window = np.arange(-context, 0)
+
+  def sample(rng, stream=train, n=batch):
+    pos = rng.randint(context, len(stream), n)
+    return {"context": stream[pos[:, None] + window], "target": stream[pos]}
+
+  rng = np.random.RandomState(SEED + 2)
+  eval_batches = [
+    sample(rng, held, 2048) for _ in range(max(1, eval_positions // 2048))
+  ]
+
+  def loss(p, b):
+    x = p["emb"][b["context"]].astype(jnp.float32)  # [b, context, d]
+    h = jnp.tanh(x.reshape(x.shape[0], -1) @ p["w"] + p["b"])
+    logits = h @ p["w_out"] + p["b_out"]  # [b, vocab]
+    target = jnp.take_along_axis(logits, b["target"][:, None], axis=1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=1) - target)
+
+  init = np.random.RandomState(SEED)
+  params = {
+    "emb": init.normal(0, 0.1, (vocab, DIM)).astype(np.float32),
+    "w": (
+      init.normal(0, 1, (context * DIM, hidden)) / np.sqrt(context * DIM)
+    ).astype(np.float32),
+    "b": np.zeros(hidden, np.float32),
+    "w_out": (init.normal(0, 1, (hidden, vocab)) * 0.01).astype(np.float32),
+    "b_out": np.zeros(vocab, np.float32),
+  }
+  return Task(
+    "next-token LM",
+    params,
+    ("emb",),
+    loss,
+    sample,
+    eval_batches,
+    vocab,
+    batch,
+    (len(train), len(held)),
+  )
+
+
+# ----------------------------------------------------------------------------
+# configs
+
+
+class Config(NamedTuple):
+  name: str
+  family: str  # key of LR
+  make: Callable[[float], Any]  # lr -> transformation
+  table_dtype: Any = jnp.float32
+  dense: bool = False  # jax.value_and_grad + optax.apply_updates
+  stochastic: bool = False  # apply_updates(..., key=fold_in(key, step))
+  twin: str = ""  # a low-precision variant: its float32 counterpart's name
+
+
+def _adam(mu_dtype: Any) -> Callable[[float], Any]:
+  return lambda lr: gtx.lazy_adam(lr, mu_dtype=mu_dtype, nu_dtype=mu_dtype)
+
+
+def _sgd(accumulator_dtype: Any = None) -> Callable[[float], Any]:
+  return lambda lr: gtx.lazy_sgd(
+    lr, momentum=0.9, accumulator_dtype=accumulator_dtype
+  )
+
+
+BF16 = jnp.bfloat16
+CONFIGS = [
+  Config("adam (dense)", "adam", optax.adam, dense=True),
+  Config("lazy_adam", "adam", gtx.lazy_adam),
+  Config(
+    "lazy_adam catch_up", "adam", lambda lr: gtx.lazy_adam(lr, catch_up=True)
+  ),
+  Config("rowwise_adagrad", "rowwise_adagrad", gtx.rowwise_adagrad),
+  Config("adagrad", "adagrad", gtx.adagrad),
+  Config(
+    "adagrad int8",
+    "adagrad",
+    lambda lr: gtx.adagrad(lr, accumulator_dtype="int8"),
+    twin="adagrad",
+  ),
+  Config("lazy_sgd momentum", "sgd", _sgd()),
+  Config(
+    "lazy_sgd momentum int8", "sgd", _sgd("int8"), twin="lazy_sgd momentum"
+  ),
+  Config("bf16 nearest", "adam", _adam(jnp.float32), BF16, twin="lazy_adam"),
+  Config(
+    "bf16 stochastic",
+    "adam",
+    _adam(jnp.float32),
+    BF16,
+    stochastic=True,
+    twin="lazy_adam",
+  ),
+  Config(
+    "bf16 stochastic, bf16 m/v",
+    "adam",
+    gtx.lazy_adam,  # moments in each param's dtype: bf16 for the tables only
+    BF16,
+    stochastic=True,
+    twin="lazy_adam",
+  ),
+  Config("int8 m/v", "adam", _adam("int8"), twin="lazy_adam"),
+  Config(
+    "bf16 stochastic + int8 m/v",
+    "adam",
+    _adam("int8"),
+    BF16,
+    stochastic=True,
+    twin="lazy_adam",
+  ),
+]
+NAMES = [c.name for c in CONFIGS]
+TWIN = {c.name: c.twin for c in CONFIGS if c.twin}
+BASE = "lazy_adam"
+# task key -> (maker, its sizes, its --quick sizes): vocab, batch, held-out
+# examples.
+TASKS = {
+  "skip-gram": (skipgram_task, (30_000, 1024, 32_768), (5_000, 1024, 8192)),
+  "lm": (lm_task, (5_000, 128, 8192), (2_000, 128, 2048)),
+}
+
+
+class Run:
+  """One config training on one task: its params, state, step, results."""
+
+  def __init__(self, task: Task, cfg: Config, lr: float, schedule: Any):
+    self.cfg, self.lr = cfg, lr
+    self.params = {
+      k: jnp.asarray(v, cfg.table_dtype if k in task.tables else jnp.float32)
+      for k, v in task.params.items()
+    }
+    self.tx = cfg.make(schedule(lr))
+    self.state = self.tx.init(self.params)
+    table = task.tables[0]
+    path = jax.tree_util.keystr((jax.tree_util.DictKey(table),))
+    self.bytes_per_row = gtx.bytes_per_row(self.tx, self.params)[path]
+    rows = task.params[table].shape[0]
+    self.state_dtypes = ", ".join(
+      sorted(
+        {
+          x.dtype.name
+          for k, x in jax.tree_util.tree_flatten_with_path(self.state)[0]
+          if path in jax.tree_util.keystr(k) and x.shape[:1] == (rows,)
+        }
+      )
+    )
+    self.step = _make_step(task, cfg, self.tx)
+    self.count = 0
+    self.curve: list[tuple[int, float]] = []
+    self.times: list[float] = []
+
+  def train(self, batches: list[Any]) -> None:
+    for i, batch in enumerate(batches):
+      t0 = time.perf_counter()
+      self.params, self.state, loss = self.step(
+        self.params, self.state, batch, self.count
+      )
+      loss.block_until_ready()
+      if i >= SETTLE:
+        self.times.append(time.perf_counter() - t0)
+      self.count += 1
+
+
+def _make_step(task: Task, cfg: Config, tx: Any) -> Callable[..., Any]:
+  if cfg.dense:
+    value_and_grad = jax.value_and_grad(task.loss)
+  else:
+    tables = tuple(f"['{t}']" for t in task.tables)
+    value_and_grad = gtx.sparse_value_and_grad(task.loss, require_sparse=tables)
+  key = jax.random.key(SEED)
+
+  def step(params, state, batch, count):
+    loss, grads = value_and_grad(params, batch)
+    updates, state = tx.update(grads, state, params)
+    if cfg.dense:
+      params = optax.apply_updates(params, updates)
+    else:
+      k = jax.random.fold_in(key, count) if cfg.stochastic else None
+      params = gtx.apply_updates(params, updates, key=k)
+    return params, state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def evaluate(loss_fn: Callable[..., Any], params: Any, batches: list) -> float:
+  return float(np.mean([float(loss_fn(params, b)) for b in batches]))
+
+
+def make_schedule(kind: str, steps: int) -> Callable[[float], Any]:
+  """Peak learning rate -> what the optimizers get."""
+  if kind == "constant":
+    return lambda lr: lr
+  return lambda lr: optax.cosine_decay_schedule(lr, steps)
+
+
+def train_side_by_side(
+  task: Task,
+  configs: list[Config],
+  lrs: dict[str, float],
+  steps: int,
+  evals: int,
+  schedule: str = "cosine",
+) -> tuple[dict[str, Run], dict[str, str]]:
+  """Trains every config on ``task`` in rounds of ``steps // evals`` steps."""
+  runs, failed = {}, {}
+  sched = make_schedule(schedule, steps)
+  for cfg in configs:
+    try:
+      runs[cfg.name] = Run(task, cfg, lrs[cfg.family], sched)
+    except Exception as e:  # an option this gradtx lacks: reported
+      failed[cfg.name] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+      print(f"  {task.name} / {cfg.name}: FAILED {failed[cfg.name]}")
+  eval_fn = jax.jit(task.loss)
+  eval_batches = [jax.device_put(b) for b in task.eval_batches]
+  for run in runs.values():
+    run.curve.append((0, evaluate(eval_fn, run.params, eval_batches)))
+  rng = np.random.RandomState(SEED + 3)
+  bounds = np.linspace(0, steps, evals + 1).astype(int)
+  for r, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+    # The same fresh batches for every config, on the device once.
+    batches = [jax.device_put(task.sample(rng)) for _ in range(hi - lo)]
+    for name, run in list(runs.items()):
+      try:
+        run.train(batches)
+      except Exception as e:  # e.g. no XLA kernel for an option
+        failed[name] = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        print(f"  {task.name} / {name}: FAILED {failed[name]}")
+        del runs[name]
+        continue
+      run.curve.append((int(hi), evaluate(eval_fn, run.params, eval_batches)))
+    line = ", ".join(f"{k} {v.curve[-1][1]:.4f}" for k, v in runs.items())
+    print(f"  {task.name} step {hi} ({r + 1}/{evals}): {line}", flush=True)
+  return runs, failed
+
+
+# ----------------------------------------------------------------------------
+# report
+
+
+def stall_step(curve: list, base: list) -> Any:
+  """Where a low-precision run stops following its float32 twin: the first
+  evaluation after which, over every later interval in which ``base`` (the
+  twin's curve) still improves, and there is one, ``curve`` improves by
+  less than half as much; "-" if there is none."""
+  stalled, lagged = "-", False
+  for i in range(len(curve) - 1, 0, -1):
+    base_gain = base[i - 1][1] - base[i][1]
+    gain = curve[i - 1][1] - curve[i][1]
+    if base_gain > 0:
+      if not gain < base_gain / 2:
+        break
+      lagged = True
+    if lagged:
+      stalled = curve[i - 1][0]
+  return stalled
+
+
+def _finite(x: float) -> float | None:
+  return float(x) if np.isfinite(x) else None
+
+
+def _plot(curves: dict[str, dict[str, list]], path: Path) -> None:
+  """Held-out loss by step (top); the low-precision variants' as a ratio to
+  their float32 twin's (bottom)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  n = len(curves)
+  # 13 configs: tab20's dark shades, then its light ones.
+  colors = [
+    plt.get_cmap("tab20")(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]
+  ]
+  fig, axes = plt.subplots(
+    2, n, figsize=(6.5 * n, 7.5), squeeze=False, height_ratios=[3, 2]
+  )
+  for col, (task, by_config) in enumerate(curves.items()):
+    top, bottom = axes[0, col], axes[1, col]
+    finite = [y for c in by_config.values() for _, y in c[1:] if np.isfinite(y)]
+    for k, (name, curve) in enumerate(by_config.items()):
+      x, y = zip(*curve[1:], strict=True)
+      twin = dict(by_config.get(TWIN.get(name, ""), []))
+      style = "--" if name in TWIN else "-"
+      kw = {"color": colors[k % len(colors)], "label": name, "marker": "."}
+      top.plot(x, y, style, **kw)
+      if twin:
+        bottom.plot(x, [v / twin[s] for s, v in curve[1:]], style, **kw)
+    # Zoom on where the configs differ: from the best loss to the median
+    # loss after the first interval (worse curves leave through the top).
+    lo = min(finite)
+    hi = float(np.median([c[1][1] for c in by_config.values()]))
+    top.set_ylim(lo - 0.05 * (hi - lo), hi)
+    top.set_title(task)
+    top.set_ylabel("held-out loss")
+    bottom.axhline(1.0, color="gray", lw=0.8)
+    bottom.axhline(1.01, color="gray", lw=0.8, ls=":")
+    bottom.set_title("low precision / its float32 twin (dotted: +1%)")
+    bottom.set_ylabel("held-out loss ratio")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+      ax.grid(True, alpha=0.3)
+  axes[0, -1].legend(fontsize=8)
+  fig.suptitle("Held-out loss: cheaper optimizers and lower precision")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _curve_table(task: str, runs: dict[str, Run]) -> str:
+  steps = [s for s, _ in next(iter(runs.values())).curve]
+  lines = ["| config | " + " | ".join(str(s) for s in steps) + " |"]
+  lines.append("|" + "|".join("---" for _ in range(len(steps) + 1)) + "|")
+  for name, run in runs.items():
+    cells = " | ".join(f"{v:.4f}" for _, v in run.curve)
+    lines.append(f"| {name} | {cells} |")
+  return f"Held-out loss by step, {task}:\n\n" + "\n".join(lines)
+
+
+def _result_row(task: Task, cfg: Config, runs: dict, failed: dict) -> list:
+  dtype = jnp.dtype(cfg.table_dtype).name
+  if cfg.name in failed:
+    note = f"failed: {failed[cfg.name]}"
+    return [task.name, cfg.name, "-", dtype] + ["-"] * 8 + [note]
+  run, base, twin = runs[cfg.name], runs.get(BASE), runs.get(cfg.twin)
+  start, end = run.curve[0][1], run.curve[-1][1]
+  ms = statistics.median(run.times) * 1e3
+  base_ms = statistics.median(base.times) * 1e3 if base else None
+  return [
+    task.name,
+    cfg.name,
+    run.lr,
+    dtype,
+    run.state_dtypes,
+    run.bytes_per_row,
+    round(end, 4),
+    round(end / base.curve[-1][1], 4) if base else "-",
+    round(end / twin.curve[-1][1], 4) if twin else "-" if cfg.twin else "",
+    stall_step(run.curve, twin.curve) if twin else "",
+    round(ms, 3),
+    round(ms / base_ms, 3) if base else "-",
+    "" if np.isfinite(end) and end < start else "diverged",
+  ]
+
+
+def _headline(task: str, runs: dict[str, Run]) -> list[dict[str, Any]]:
+  out = []
+  for name, target in [
+    ("bf16 stochastic + int8 m/v", "<= 1.01"),
+    ("int8 m/v", ""),
+    ("bf16 stochastic, bf16 m/v", ""),
+    ("bf16 stochastic", ""),
+    ("bf16 nearest", ""),
+    ("adagrad int8", ""),
+    ("lazy_sgd momentum int8", ""),
+  ]:
+    twin = runs.get(TWIN[name])
+    if name in runs and twin is not None:
+      out.append(
+        {
+          "metric": f"{task}: held-out loss, {name} / {TWIN[name]}",
+          "value": round(runs[name].curve[-1][1] / twin.curve[-1][1], 4),
+          "target": target,
+        }
+      )
+  base, cheap = runs.get(BASE), runs.get("bf16 stochastic + int8 m/v")
+  if base is not None and cheap is not None:
+    out.append(
+      {
+        "metric": f"{task}: table bytes/row, bf16 stochastic + int8 m/v vs "
+        f"{BASE}",
+        "value": f"{cheap.bytes_per_row:g} vs {base.bytes_per_row:g}",
+      }
+    )
+    out.append(
+      {
+        "metric": f"{task}: step time, bf16 stochastic + int8 m/v / {BASE}",
+        "value": round(
+          statistics.median(cheap.times) / statistics.median(base.times), 2
+        ),
+      }
+    )
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="a smoke run")
+  parser.add_argument(
+    "--only", nargs="+", choices=NAMES, metavar="NAME", help=f"of {NAMES}"
+  )
+  parser.add_argument(
+    "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS)
+  )
+  parser.add_argument("--steps", type=int, help="steps per config and task")
+  parser.add_argument("--evals", type=int, help="held-out evaluations")
+  parser.add_argument("--max-tokens", type=int, help="corpus cap")
+  parser.add_argument(
+    "--schedule",
+    choices=["cosine", "constant"],
+    default="cosine",
+    help="learning rate: cosine decay from the peak to 0, or the peak",
+  )
+  parser.add_argument(
+    "--lr",
+    nargs="+",
+    default=[],
+    metavar="FAMILY=VALUE",
+    help="override a peak learning rate in both tasks (families: "
+    f"{', '.join(FAMILIES)})",
+  )
+  args = parser.parse_args(argv)
+  if args.quick:
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
+  steps = args.steps or (200 if args.quick else STEPS)
+  evals = args.evals or (4 if args.quick else 10)
+  max_tokens = args.max_tokens or (200_000 if args.quick else MAX_TOKENS)
+  overrides = {}
+  for item in args.lr:
+    family, _, value = item.partition("=")
+    if family not in FAMILIES or not value:
+      parser.error(
+        f"--lr {item}: expected FAMILY=VALUE, FAMILY one of {FAMILIES}"
+      )
+    overrides[family] = float(value)
+  lrs = {task: {**lr, **overrides} for task, lr in LR.items()}
+  configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
+
+  t0 = time.perf_counter()
+  load_before = load_note()
+  corpus = load_corpus(max_tokens)
+  print(
+    f"corpus: {len(corpus.train):,} training + {len(corpus.held_out):,} "
+    f"held-out tokens from {corpus.files} files "
+    f"({time.perf_counter() - t0:.1f}s)",
+    flush=True,
+  )
+  rows, curves, tables, headline, per_task, failed_all = [], {}, [], [], {}, []
+  for key in args.tasks:
+    make, sizes, quick_sizes = TASKS[key]
+    task = make(corpus, *(quick_sizes if args.quick else sizes))
+    t1 = time.perf_counter()
+    runs, failed = train_side_by_side(
+      task, configs, lrs[task.name], steps, evals, args.schedule
+    )
+    wall = time.perf_counter() - t1
+    print(f"{task.name}: {wall:.0f}s", flush=True)
+    failed_all += [f"{task.name} / {k}" for k in failed]
+    curves[task.name] = {k: r.curve for k, r in runs.items()}
+    rows += [_result_row(task, cfg, runs, failed) for cfg in configs]
+    if runs:
+      tables.append(_curve_table(task.name, runs))
+    headline += _headline(task.name, runs)
+    per_task[task.name] = {
+      "vocab": task.vocab,
+      "batch": task.batch,
+      "train_tokens": task.tokens[0],
+      "held_out_tokens": task.tokens[1],
+      "eval_examples": sum(
+        len(next(iter(b.values()))) for b in task.eval_batches
+      ),
+      "learning_rates": lrs[task.name],
+      "wall_s": wall,
+      "curves": {
+        k: [(x, _finite(y)) for x, y in c] for k, c in curves[task.name].items()
+      },
+      "step_ms": {k: statistics.median(r.times) * 1e3 for k, r in runs.items()},
+      "failed": failed,
+    }
+
+  RESULTS.mkdir(exist_ok=True)
+  png = RESULTS / f"convergence{os.environ.get('GRADTX_BENCH_SUFFIX', '')}.png"
+  if any(curves.values()):
+    _plot({k: v for k, v in curves.items() if v}, png)
+  task_notes = "; ".join(
+    f"{k}: vocab {v['vocab']:,}, batch {v['batch']}, "
+    f"{v['eval_examples']:,} held-out examples"
+    for k, v in per_task.items()
+  )
+  schedule = (
+    "cosine decay from the peak `lr` to 0"
+    if args.schedule == "cosine"
+    else "constant `lr`"
+  )
+  notes = (
+    f"Python {sys.version.split()[0]} standard library, {max_tokens:,}-token "
+    f"cap, every {HELD_OUT_EVERY}th file held out ({len(corpus.train):,} "
+    f"training, {len(corpus.held_out):,} held-out tokens). {steps} steps "
+    f"per config, {schedule}, held-out loss every {steps // evals} steps; "
+    f"the same init, batches and order for every config. {task_notes}. "
+    "`peak lr`: per task and optimizer family, from a sweep of the float32 "
+    "optimizers (see the module docstring). Adam and row-wise Adagrad are "
+    "invariant to the gradient's scale and get the same rate on both "
+    "tasks; Adagrad and SGD are not, skip-gram's per-row gradients being "
+    "far smaller than the LM's, and no one rate per family works for both "
+    "tasks (the best shared rate in the sweep costs them 7-17%), so they get "
+    "one per task. Every low-precision variant uses its float32 twin's "
+    "rate, untuned. Low-precision variants and their float32 twin: bf16 "
+    "nearest / stochastic (bf16 table, float32 m and v: only the table's "
+    "rounding differs), bf16 stochastic with bf16 m/v (lazy_adam's "
+    "default: the moments in each param's dtype, so bf16 for the tables "
+    "and float32 for the LM's dense layers), int8 m/v and bf16 "
+    f"stochastic + int8 m/v against {BASE}; adagrad int8 against adagrad, "
+    "lazy_sgd momentum int8 against lazy_sgd momentum. An `int8` state "
+    "dtype applies to every parameter: in the LM it also quantizes the "
+    "dense weights' state (not the 1-D biases'). "
+    "`table state dtypes`, `table bytes/row`: the optimizer state of the "
+    "(first) embedding table and `gtx.bytes_per_row` (its row plus that "
+    "state). `/ float32 twin`: held-out loss over the float32 twin's. "
+    "`stalls at step` (low-precision variants): the first evaluation after "
+    "which the variant's held-out loss improves by less than half as much "
+    "as its float32 twin's over every later interval in which the twin's "
+    "improves, and there is one ('-': none). `step ms`: median whole "
+    "jitted step "
+    "(forward with the loss returned, backward, optimizer, apply; params "
+    f"and state donated; fresh ids), the first {SETTLE} steps of each "
+    "config's round untimed. Load average (1/5/15 min) before: "
+    f"{load_before}; after: {load_note()}. Plot: {png.name}.\n\n"
+    + "\n\n".join(tables)
+  )
+  write_results(
+    "convergence",
+    "Convergence: held-out loss with cheaper optimizers and lower precision",
+    [
+      "task",
+      "config",
+      "peak lr",
+      "table dtype",
+      "table state dtypes",
+      "table bytes/row",
+      "held-out loss",
+      f"/ {BASE}",
+      "/ float32 twin",
+      "stalls at step",
+      "step ms",
+      f"step / {BASE}",
+      "note",
+    ],
+    rows,
+    notes=notes,
+    extra={
+      "headline": headline,
+      "steps": steps,
+      "evals": evals,
+      "max_tokens": max_tokens,
+      "schedule": args.schedule,
+      "tasks": per_task,
+      "seconds": time.perf_counter() - t0,
+    },
+  )
+  print(f"total {time.perf_counter() - t0:.0f}s")
+  if failed_all:
+    raise SystemExit(f"failed: {failed_all}")
+
+
+if __name__ == "__main__":
+  main()
