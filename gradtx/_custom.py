@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradtx._base import with_extra_args
+from gradtx._precision import QuantizedRows
 from gradtx._rows import update_rows
 from gradtx._sharded import is_split
 
@@ -124,7 +125,9 @@ def row_transformation(
     init: ``init(p) -> tuple of arrays``, called on every parameter leaf
       that is not None (also on ``jax.ShapeDtypeStruct`` leaves under
       ``jax.eval_shape`` and under ``jit``); each array is shaped like ``p``
-      (``[V, *row]``) or per row (``[V]``), and every leaf returns as many.
+      (``[V, *row]``) or per row (``[V]``), or is an 8-bit
+      ``gtx.QuantizedRows.zeros_like(p)`` (the rule sees float32 rows,
+      requantized after it); every leaf returns as many.
     needs_params: pass the parameter rows to ``rule`` (then ``update`` needs
       ``params``).
 
@@ -195,10 +198,20 @@ def row_transformation(
     for k, s in enumerate(out):
       if isinstance(s, np.ndarray):
         s = jnp.asarray(s)
+      if isinstance(s, QuantizedRows):  # 8-bit, placed by zeros_like
+        if s.shape != shape:
+          raise ValueError(
+            f"{what}: `init` ({_name(init)}) returned a QuantizedRows of "
+            f"shape {s.shape} at position {k} for a parameter of shape "
+            f"{shape}; build it with `gtx.QuantizedRows.zeros_like(p)`."
+          )
+        states.append(s)
+        continue
       if not isinstance(s, jax.Array):
         raise TypeError(
           f"{what}: `init` ({_name(init)}) returned {type(s).__name__} at "
-          f"position {k}; return JAX arrays (e.g. `jnp.zeros_like(p)`)."
+          f"position {k}; return JAX arrays (e.g. `jnp.zeros_like(p)`) or "
+          "8-bit `gtx.QuantizedRows.zeros_like(p)`."
         )
       if s.shape not in allowed:
         raise ValueError(

@@ -406,6 +406,37 @@ class QuantizedRows(NamedTuple):
     """The stored array, ``[V, *row]`` of ``dtype``."""
     return dequantize_rows(self, dtype)
 
+  @classmethod
+  def zeros_like(
+    cls, p: Any, *, signed: bool = True, block_size: int = 64
+  ) -> QuantizedRows:
+    """An 8-bit state of zeros for parameter ``p`` (at least 2-D): codes
+    shaped and placed like ``p``, scales split like its rows. For the
+    ``init`` of :func:`gradtx.row_transformation`.
+
+    Args:
+      p: the parameter, ``[V, *row]`` with ``row`` non-empty.
+      signed: int8 codes (a state with a sign, e.g. a momentum); False:
+        uint8 codes for a state that is never negative.
+      block_size: the most elements per block.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import gradtx as gtx
+      >>> m = gtx.QuantizedRows.zeros_like(jnp.ones((100, 8)), block_size=4)
+      >>> m.codes.shape, m.scales.shape, float(m.dequantize().sum())
+      ((100, 8), (100, 2), 0.0)
+    """
+    if jnp.ndim(p) < 2:
+      raise ValueError(
+        "gradtx.QuantizedRows.zeros_like `p` must have at least 2 "
+        f"dimensions, [V, *row]; got shape {jnp.shape(p)}. Keep 1-D and "
+        "scalar leaves' state in float32 (`jnp.zeros_like(p)`): a scale "
+        "per row would cost more than 8 bits save."
+      )
+    block_size = _check_block_size(block_size, "QuantizedRows.zeros_like")
+    return state_full(p, 0, INT8, signed=signed, block_size=block_size)
+
 
 def quantize_rows(
   x: ArrayLike, block_size: int, *, signed: bool = True

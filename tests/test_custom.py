@@ -603,3 +603,34 @@ CASES = [
 @pytest.mark.parametrize("check", CHECKS)
 def test_conformance(case, check):
   check(case)
+
+
+def test_an_8_bit_state_from_init_runs_dequantized_through_the_rule():
+  def lion(int8):
+    def init(p):
+      if int8 and p.ndim >= 2:
+        return (gtx.QuantizedRows.zeros_like(p),)
+      return (jnp.zeros_like(p),)
+
+    def rule(g, p, m):
+      assert m.dtype == jnp.float32  # dequantized rows
+      c = 0.9 * m + 0.1 * g
+      return -0.01 * jnp.sign(c), 0.01 * g + 0.99 * m
+
+    return gtx.row_transformation(rule, init)
+
+  params = make_params()
+  exact, quantized = lion(False), lion(True)
+  s8 = quantized.init(params)
+  assert isinstance(s8.states[0]["emb"], gtx.QuantizedRows)
+  assert not isinstance(s8.states[0]["b"], gtx.QuantizedRows)
+  s32 = exact.init(params)
+  for i in range(3):
+    g = make_grads(i)
+    u32, s32 = exact.update(g, s32)
+    u8, s8 = jax.jit(quantized.update)(g, s8)
+    m32 = np.asarray(s32.states[0]["emb"])
+    m8 = np.asarray(s8.states[0]["emb"].dequantize())
+    np.testing.assert_allclose(m8, m32, rtol=1 / 16, atol=1e-6)
+  with pytest.raises(ValueError, match="at least 2 dimensions"):
+    gtx.QuantizedRows.zeros_like(jnp.zeros(3))

@@ -552,6 +552,23 @@ def test_bad_state_dtypes_raise():
     gtx.lazy_sgd(0.1, 0.9, accumulator_dtype="int8", block_size=8.0)
 
 
+def test_inject_hyperparams_needs_a_static_block_size_for_int8():
+  params = {"emb": jnp.zeros((10, 4))}
+  g = {"emb": gtx.SparseRows(jnp.array([1]), jnp.ones((1, 4)), 10)}
+  inject = optax.inject_hyperparams
+  tx = inject(gtx.lazy_adam)(learning_rate=0.1, mu_dtype="int8")
+  with pytest.raises(TypeError, match=r"static_args=\('block_size',\)"):
+    jax.jit(tx.update)(g, tx.init(params), params)
+  tx = inject(gtx.lazy_adam, static_args=("block_size",))(
+    learning_rate=0.1, mu_dtype="int8"
+  )
+  _, state = jax.jit(tx.update)(g, tx.init(params), params)
+  assert isinstance(state.inner_state[0].mu["emb"], gtx.QuantizedRows)
+  # float state: block_size is unused and may be traced
+  tx = inject(gtx.lazy_adam)(learning_rate=0.1)
+  jax.jit(tx.update)(g, tx.init(params), params)
+
+
 # ----------------------------------------------------------------------------
 # Composition: drop_stale, Mirrored, row-sharded tables (accumulate and
 # untouched rows: tests/test_optimizers.py; orbax resume:
