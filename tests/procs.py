@@ -7,11 +7,12 @@ A test starts a worker script of this folder with :func:`launched`::
     ...  # the in-process reference, while the workers run
 
 Each process gets ``devices`` fake CPU devices and this process's environment
-otherwise (so the persistent compilation cache conftest.py sets up is shared
-with them), writes its output to a log file (a full pipe could stall one
-process while the other waits for it in a collective), and must exit 0. A
-worker joins the distributed runtime with :func:`joined`, and trains the
-small model of :func:`init_params` and :func:`loss_fn` on its own batches.
+otherwise (so a single-process worker shares the persistent compilation
+cache conftest.py sets up), writes its output to a log file (a full pipe
+could stall one process while the other waits for it in a collective), and
+must exit 0. A worker joins the distributed runtime with :func:`joined`
+(which turns that cache off: see there), and trains the small model of
+:func:`init_params` and :func:`loss_fn` on its own batches.
 Not a test module: pytest collects ``test_*.py``.
 """
 
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,12 +69,30 @@ def kill(processes: Sequence[subprocess.Popen]) -> None:
       p.wait()
 
 
+def _status(returncode: int) -> str:
+  """``0``, ``1``, or ``-6 (SIGABRT)`` for a process a signal ended."""
+  if returncode >= 0:
+    return str(returncode)
+  try:
+    return f"{returncode} ({signal.Signals(-returncode).name})"
+  except ValueError:
+    return str(returncode)
+
+
 def assert_exited_ok(
   processes: Sequence[subprocess.Popen], logs: Sequence[Path]
 ) -> None:
-  """Every (ended) process exited 0; else the tail of its log."""
-  for p, log in zip(processes, logs, strict=True):
-    assert p.returncode == 0, log.read_text(errors="replace")[-LOG_TAIL:]
+  """Every (ended) process exited 0; else the exit status and the tail of
+  the log of each one that did not. All of them: the first listed is not
+  always the first that failed (a process that aborts leaves its peers
+  failing as they wait for it)."""
+  failed = [
+    f"process {i} exited {_status(p.returncode)}:\n"
+    + log.read_text(errors="replace")[-LOG_TAIL:]
+    for i, (p, log) in enumerate(zip(processes, logs, strict=True))
+    if p.returncode != 0
+  ]
+  assert not failed, "\n\n".join(failed)
 
 
 @contextlib.contextmanager
@@ -90,9 +111,10 @@ def launched(
   With more than one process, each is passed ``--port P --num-processes N
   --process-id I`` (for :func:`joined`) before ``args``; a single process is
   passed ``args`` alone. Process ``I`` logs to ``log_dir/log_I.txt``. On
-  leaving the body each process is waited for, ``timeout`` seconds at most;
-  any still running then (or when the body raised) is killed, and one that
-  exited non-zero fails with the tail of its log.
+  leaving the body the processes are waited for, ``timeout`` seconds in
+  all; any still running then (or when the body raised) is killed
+  (``SIGKILL``), and every one that exited non-zero fails the test with the
+  tail of its log.
   """
   cmd = [sys.executable, str(Path(__file__).with_name(script))]
   if num_processes > 1:
@@ -106,8 +128,12 @@ def launched(
       logs.append(log_dir / f"log_{i}.txt")
       processes.append(start(cmd + flags + list(args), logs[-1], env=env))
     yield processes
+    deadline = time.monotonic() + timeout
     for p in processes:
-      p.wait(timeout=timeout)
+      try:
+        p.wait(timeout=max(deadline - time.monotonic(), 0))
+      except subprocess.TimeoutExpired:
+        break  # killed below: fails with the logs
   finally:
     kill(processes)
   assert_exited_ok(processes, logs)
@@ -124,7 +150,19 @@ def joined(
   """Parses ``--port``, ``--num-processes``, ``--process-id`` and the
   worker's own required ``options`` (e.g. ``"--out"``) from ``argv``, and
   joins the JAX distributed runtime on 127.0.0.1 (gloo CPU collectives)
-  until the ``with`` body ends."""
+  until the ``with`` body ends.
+
+  Every program is compiled in the process, never loaded from the
+  persistent compilation cache: an XLA:CPU executable deserialized from it
+  (seen with jaxlib 0.10.2 and 0.12) may run a collective and a conditional
+  holding collectives in either order, and the order differs from device
+  to device under load. Gloo pairs two devices' messages in the order they
+  are sent, so one collective receives another's data: a size mismatch
+  aborts the process (and its peer waits out the heartbeat timeout), an
+  equal size gives a silently wrong result. This must run before anything
+  is compiled: JAX decides whether to use the cache at the first compile.
+  """
+  jax.config.update("jax_enable_compilation_cache", False)
   parser = argparse.ArgumentParser()
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--num-processes", type=int, required=True)
