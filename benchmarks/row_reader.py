@@ -1,6 +1,6 @@
 """A/B of gradtx's one row reader on the whole training step.
 
-``gather_rows`` (``gradtx._base``) is the one reader of lookup, the row
+``gather_rows`` (``gradtx._rowio``) is the one reader of lookup, the row
 engine and weight decay. Before it, the row engine read state rows with a
 fill-mode gather and lookup with a gather of clamped ids plus a per-row
 select. This times the whole lazy_adam / rowwise_adagrad step (forward with
@@ -29,7 +29,9 @@ from benchmarks._common import (
   uniform_batches,
   write_results,
 )
-from gradtx import _base, _rows
+from gradtx import _rowio
+
+_ONE_READER = _rowio.gather_rows
 
 
 def _fill_reader(table: Any, ids: Any, *, unique: bool = False, what=""):
@@ -43,13 +45,13 @@ def _step(tx: Any, reader: Any) -> Any:
     return jnp.sum(jnp.tanh(p["emb"][ids]) * 0.01)
 
   def step(p, s, ids):
-    _rows.gather_rows = reader  # read at trace time
+    _rowio.gather_rows = reader  # read at trace time
     try:
       value, g = gtx.sparse_value_and_grad(loss)(p, ids)
       u, s = tx.update(g, s, p)
       return gtx.apply_updates(p, u), s, value
     finally:
-      _rows.gather_rows = _base.gather_rows
+      _rowio.gather_rows = _ONE_READER
 
   return jax.jit(step, donate_argnums=(0, 1))
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     fns = {}
     for variant, reader in (
       ("fill gather", _fill_reader),
-      ("clamp + select (one reader)", _base.gather_rows),
+      ("clamp + select (one reader)", _ONE_READER),
     ):
       tx = make()
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)

@@ -16,14 +16,12 @@ from jax.typing import DTypeLike
 from gradtx import _sharded
 from gradtx._base import (
   SparseRows,
+  apply_if,
   check_tree_match,
   is_int,
   is_update_leaf,
   map_updates,
-  safe_increment,
   tree_map,
-  varying_axes,
-  with_extra_args,
   zero_counter,
   zeros_like_update,
 )
@@ -121,17 +119,6 @@ def _new_buffer(p: Any, rows: int, dtype: Any) -> SparseRows:
     jnp.zeros((rows, *shape[1:]), dtype),
     shape[0],
   )
-
-
-def _cast_like(new: Any, old: Any) -> Any:
-  """Casts each array leaf of ``new`` to the dtype of ``old``'s leaf."""
-
-  def cast(n: Any, o: Any) -> Any:
-    if hasattr(o, "dtype") and hasattr(n, "dtype"):
-      return jnp.asarray(n).astype(o.dtype)
-    return n
-
-  return jax.tree.map(cast, new, old)
 
 
 class _Plan(NamedTuple):
@@ -432,8 +419,9 @@ def _emit_branch(
   count: jax.Array,
   params: Any,
   extra_args: dict[str, Any],
-) -> tuple[Any, Any, jax.Array]:
-  """The emitting branch: the inner update of the window's gradient."""
+) -> tuple[tuple[Any, jax.Array], Any]:
+  """The emitting branch: the inner update of the window's gradient, and
+  True (the skip branch gives False: the flag orders :func:`_reset`)."""
   # Recomputed here, fused into the inner transformation's first read,
   # rather than materialized once for both the cond and the select.
   acc = _accumulated(state.accumulator, prepared, state.num_accumulated)
@@ -443,39 +431,9 @@ def _emit_branch(
   new_updates, inner_state = plan.inner.update(
     total, state.inner_state, params, **extra_args
   )
-  return (
-    new_updates,
-    _cast_like(inner_state, state.inner_state),
-    jnp.ones([], bool),
-  )
-
-
-def _silent_branch(
-  update_types: Any, inner_state: Any
-) -> tuple[Any, Any, jax.Array]:
-  """The silent branch: zero updates of the emitting branch's types (an
-  all-padding SparseRows where it emits one), the inner state untouched."""
-  return zeros_like_update(update_types), inner_state, jnp.zeros([], bool)
-
-
-def _emit_or_silent(
-  emit: jax.Array, emit_fn: Callable[[], Any], inner_state: Any
-) -> tuple[Any, Any, jax.Array]:
-  """``lax.cond`` over the two branches, so the inner transformation runs
-  only on the emitting call: (updates, inner state, emitted)."""
-  emit_types = jax.eval_shape(emit_fn)
-  silent_fn = functools.partial(_silent_branch, emit_types[0], inner_state)
-  # Inside shard_map both branches must agree on which mesh axes each
-  # output varies over (jax-ml/jax#23693): cast both to the union.
-  varying = jax.tree.map(
-    lambda a, b: varying_axes(a) | varying_axes(b),
-    emit_types,
-    jax.eval_shape(silent_fn),
-  )
-  return lax.cond(
-    emit,
-    lambda: _to_varying(emit_fn(), varying),
-    lambda: _to_varying(silent_fn(), varying),
+  emitted = jnp.ones([], bool)
+  return (new_updates, emitted), optax.tree.cast_like(
+    inner_state, state.inner_state
   )
 
 
@@ -510,8 +468,8 @@ def _passthrough_update(
     updates, state.inner_state, params, **extra_args
   )
   return new_updates, state._replace(
-    num_micro_steps=safe_increment(state.num_micro_steps),
-    num_updates=safe_increment(state.num_updates),
+    num_micro_steps=optax.safe_increment(state.num_micro_steps),
+    num_updates=optax.safe_increment(state.num_updates),
     inner_state=inner_state,
   )
 
@@ -534,14 +492,14 @@ def _update(
   emit_fn = functools.partial(
     _emit_branch, plan, state, updates, prepared, count, params, extra_args
   )
-  new_updates, inner_state, emitted = _emit_or_silent(
+  (new_updates, emitted), inner_state = apply_if(
     emit, emit_fn, state.inner_state
   )
   acc = _accumulated(state.accumulator, prepared, state.num_accumulated)
   return new_updates, AccumulateState(
-    num_micro_steps=safe_increment(state.num_micro_steps),
+    num_micro_steps=optax.safe_increment(state.num_micro_steps),
     num_updates=jnp.where(
-      emit, safe_increment(state.num_updates), state.num_updates
+      emit, optax.safe_increment(state.num_updates), state.num_updates
     ),
     num_accumulated=jnp.where(emit, 0, count).astype(jnp.int32),
     accumulator=_reset(acc, emitted, state.accumulator),
@@ -647,23 +605,9 @@ def accumulate(
   plan = _make_plan(
     inner, every_k, mean, accumulator_dtype, rows_per_step, max_every_k
   )
-  return with_extra_args(
+  return optax.GradientTransformationExtraArgs(
     functools.partial(_init, plan), functools.partial(_update, plan)
   )
-
-
-def _to_varying(tree: Any, varying: Any) -> Any:
-  """Casts each leaf to vary over the mesh axes ``varying`` names."""
-
-  def cast(x: Any, axes: frozenset[str]) -> Any:
-    missing = tuple(sorted(axes - varying_axes(x)))
-    if not missing:
-      return x
-    if hasattr(lax, "pcast"):
-      return lax.pcast(x, missing, to="varying")
-    return lax.pvary(x, missing)  # jax < 0.8
-
-  return jax.tree.map(cast, tree, varying)
 
 
 def _raise_bad_k(k: Any, max_every_k: Any) -> None:

@@ -21,11 +21,11 @@ from jax.typing import ArrayLike
 from gradtx import _jaxpr
 from gradtx._base import (
   SparseRows,
-  gather_rows,
   map_updates,
   narrow_ids,
   varying_axes,
 )
+from gradtx._rowio import gather_rows
 
 # Leaves named by path (``jax.tree_util.keystr``; nnx's ``.value`` optional),
 # several paths, or a predicate on the path: ``require_sparse`` and ``dense``.

@@ -326,6 +326,8 @@ class SparseRows:
     # One row-scatter code path for this and gradtx.apply_updates.
     other = jnp.asarray(other)
     check_rows_match(self, other, what, name="array operand")
+    from gradtx._rowio import scatter_add_rows  # row I/O sits above
+
     return scatter_add_rows(other, self)
 
   # -- operations -----------------------------------------------------------
@@ -642,12 +644,6 @@ def varying_axes(x: Any) -> frozenset:
   return _jaxpr.vma_of(aval)
 
 
-def safe_increment(count: jax.Array) -> jax.Array:
-  """Adds one to an int32 counter, saturating at ``2**31 - 1``."""
-  count = jnp.asarray(count)
-  return jnp.where(count < INT32_MAX, count + 1, count).astype(count.dtype)
-
-
 def zero_counter() -> jax.Array:
   """A fresh int32 scalar counter (a new buffer each call)."""
   return jnp.zeros([], jnp.int32)
@@ -672,6 +668,61 @@ def zeros_like_update(x: Any) -> Any:
   return tree_map(zero, x)
 
 
+def apply_if(
+  pred: Any,
+  run: Callable[[], tuple[Any, Any]],
+  state: Any,
+  check: Callable[[Any, Any], None] | None = None,
+) -> tuple[Any, Any]:
+  """``run()`` where ``pred`` holds, else zero updates and ``state`` kept.
+
+  The one conditional of gradtx's wrappers (``accumulate``, ``drop_stale``):
+  ``run`` returns ``(updates, new_state)`` and is traced once, whatever the
+  nesting (the skip branch takes its types from that trace, see
+  :func:`gradtx._jaxpr.trace_once`). The skip branch gives zeros of the
+  updates' types (an all-padding SparseRows where ``run`` gives one) and
+  ``state`` as it is. Inside ``shard_map`` both branches are cast to the
+  union of the mesh axes their outputs vary over (jax-ml/jax#23693). A
+  concrete ``pred`` (an eager call) branches in Python: an eager
+  ``lax.cond`` would compile at each call.
+
+  Args:
+    pred: a bool scalar, traced or concrete.
+    run: ``run() -> (updates, new_state)``; ``new_state`` has the structure
+      and types of ``state``.
+    state: the state the skip branch keeps.
+    check: ``check(state, new_state_types)``, called once ``run`` is traced
+      (to refuse a ``run`` that changes the state's types).
+
+  Returns:
+    ``(updates, state)`` of the branch taken.
+  """
+  decided = concrete(pred, bool)
+  if decided and check is None:
+    return run()
+  replay, (u_types, s_types) = _jaxpr.trace_once(run)
+  if check is not None:
+    check(state, s_types)
+  if decided:
+    return replay()
+
+  def skip():
+    return zeros_like_update(u_types), state
+
+  if decided is not None:
+    return skip()
+  varying = jax.tree.map(
+    lambda a, b: varying_axes(a) | varying_axes(b),
+    (u_types, s_types),
+    jax.eval_shape(skip),
+  )
+
+  def cast(tree):
+    return jax.tree.map(_jaxpr.cast_varying, tree, varying)
+
+  return lax.cond(pred, lambda: cast(replay()), lambda: cast(skip()))
+
+
 def check_tree_match(
   tree: Any, reference: Any, *, name: str, reference_name: str
 ) -> None:
@@ -692,13 +743,6 @@ def check_tree_match(
     ) from e
 
 
-def with_extra_args(
-  init_fn: Callable[..., Any], update_fn: Callable[..., Any]
-) -> optax.GradientTransformationExtraArgs:
-  """Wraps two closures as an optax transformation that takes extra args."""
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
 def stateless(
   update_fn: Callable[..., Any],
 ) -> optax.GradientTransformationExtraArgs:
@@ -708,107 +752,7 @@ def stateless(
     del params
     return optax.EmptyState()
 
-  return with_extra_args(init_fn, update_fn)
-
-
-# ----------------------------------------------------------------------------
-# row I/O: the one reader, the one writer and the one scatter-add of gradtx
-# (lookup, the row engine, apply_updates, weight decay); owner-local for a
-# table whose rows are split over Explicit mesh axes (_sharded).
-
-
-def gather_rows(
-  table: jax.Array,
-  ids: jax.Array,
-  *,
-  unique: bool = False,
-  what: str = "gradtx",
-) -> jax.Array:
-  """Rows ``table[ids]``; ids outside ``[0, num_rows)`` (negative ones
-  included: no wrap-around) read zero rows.
-
-  Owner-local when ``table``'s rows (or the ids) are split over Explicit
-  mesh axes. Elsewhere a gather of clamped ids and a per-row select: XLA:CPU
-  compiles a fill-mode gather's per-element bounds check into a slower loop.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> from gradtx._base import gather_rows
-    >>> gather_rows(jnp.arange(6.0).reshape(3, 2), jnp.array([2, -1, 3]))
-    Array([[4., 5.],
-           [0., 0.],
-           [0., 0.]], dtype=float32)
-  """
-  ids = jnp.asarray(ids).astype(jnp.int32)
-  if _sharded.is_row_sharded(table) or _sharded.is_split(ids):
-    return _sharded.read_rows(table, ids, unique=unique, what=what)
-  num_rows = table.shape[0]
-  valid = (ids >= 0) & (ids < num_rows)
-  rows = table.at[jnp.clip(ids, 0, num_rows - 1)].get(mode="promise_in_bounds")
-  keep = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
-  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
-
-
-def scatter_rows(
-  x: jax.Array,
-  idx: jax.Array,
-  rows: jax.Array,
-  *,
-  add: bool = False,
-  unique: bool = True,
-) -> jax.Array:
-  """``x[idx] = rows`` (or ``+=``) in place; ids outside ``[0, num_rows)``
-  write nothing (pass :meth:`SparseRows.valid_indices`: negative ids would
-  wrap).
-
-  A plain scatter, or an owner-local write (each device writes the rows it
-  owns) when ``x``'s rows are split over Explicit mesh axes.
-  """
-  if _sharded.is_row_sharded(x):
-    return _sharded.write_rows(x, idx, rows, add=add, unique=unique)
-  ref = x.at[idx]
-  kwargs = dict(mode="drop", unique_indices=unique)
-  rows = rows.astype(x.dtype)
-  return ref.add(rows, **kwargs) if add else ref.set(rows, **kwargs)
-
-
-def add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  # Each row is written once: add in the wider dtype, round once (as
-  # optax.apply_updates does for dense leaves), deterministic everywhere.
-  idx, values = unique_rows(u)
-  rows = gather_rows(p, idx)
-  new = (rows + values).astype(p.dtype)
-  return scatter_rows(p, idx, new)
-
-
-def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
-
-  The result keeps ``p``'s dtype. With each id once (the update of every
-  gradtx optimizer) it equals ``(p + u.to_dense()).astype(p.dtype)``, the
-  rule of ``optax.apply_updates``. Shared by :func:`apply_updates` and
-  ``array + SparseRows``.
-
-  A plain scatter-add where it is deterministic (CPU/TPU scatters are
-  sequential: duplicates are added in turn, each add rounded to ``p``'s
-  dtype); on GPUs, whose scatter-add is atomic, and for updates that
-  promote the param (float32 rows into a bf16 table, which a cast-then-add
-  would round twice) the rows are deduplicated and written once.
-  """
-  if jnp.result_type(p.dtype, u.dtype) != p.dtype:
-    return add_unique_rows(p, u)
-  if u.unique:  # each id once (any gradtx optimizer's update): deterministic
-    return scatter_rows(p, u.valid_indices(), u.values, add=True, unique=True)
-
-  def direct(p, idx, vals):
-    return scatter_rows(p, idx, vals, add=True, unique=False)
-
-  def unique(p, idx, vals):
-    return add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
-
-  return lax.platform_dependent(
-    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
-  )
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def check_rows_match(

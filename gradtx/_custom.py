@@ -1,7 +1,7 @@
 """Your own sparse optimizer: a per-row rule and an init on the row engine.
 
 :func:`row_transformation` wraps a user's pure per-row ``rule`` and per-leaf
-``init`` as a transformation that runs on :func:`gradtx._rows.update_rows`,
+``init`` as a transformation built by :func:`gradtx._rows.row_optimizer`,
 the engine of the built-in optimizers: deduplication once per leaf, the
 touched rows of params and state gathered, the new state rows scattered back
 in place (owner-local on row-sharded tables), padding discarded.
@@ -17,12 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from gradtx._base import with_extra_args
 from gradtx._precision import QuantizedRows
-from gradtx._rows import update_rows
-from gradtx._sharded import is_split
+from gradtx._rows import row_optimizer
+from gradtx._sharded import owner_sharding
 
 
 class RowTransformationState(NamedTuple):
@@ -43,28 +41,11 @@ def _describe(x: Any) -> str:
   return type(x).__name__
 
 
-def _row_sharding(p: Any, per_row: bool) -> NamedSharding | None:
-  """Where a state leaf of ``p`` lives when ``p``'s rows are split over a
-  mesh: like ``p``, or (``per_row``) split like its rows. None otherwise."""
-  if isinstance(p, jax.core.Tracer):
-    if not is_split(p):  # Auto axes, or inside shard_map: nothing to place
-      return None
-    sharding = jax.typeof(p).sharding
-  else:
-    sharding = getattr(p, "sharding", None)
-  if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
-    return None
-  if sharding.spec[0] is None:
-    return None
-  spec = P(sharding.spec[0]) if per_row else sharding.spec
-  return NamedSharding(sharding.mesh, spec)
-
-
 def _place(s: jax.Array, p: Any, per_row: bool) -> jax.Array:
   """``s`` with the placement the built-in optimizers give their state: a
   row-sharded table's state stays with its rows, so a step never moves it
   (``jnp.zeros(p.shape[:1])`` alone would be replicated)."""
-  target = _row_sharding(p, per_row)
+  target = owner_sharding(p, per_row)
   if target is None:
     return s
   if isinstance(s, jax.core.Tracer):
@@ -226,64 +207,42 @@ def row_transformation(
       states.append(_place(s, p, per_row=s.ndim < len(shape)))
     return tuple(states)
 
-  def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
-    per_leaf = [None if p is None else init_leaf(p) for p in leaves]
-    lengths = sorted({len(x) for x in per_leaf if x is not None})
-    if len(lengths) > 1:
+  def checked(g, p, *rows):
+    out = rule(g, p, *rows)
+    if not isinstance(out, tuple | list):
+      raise TypeError(
+        f"{what}: `rule` must return a tuple `(update, *new_states)`; got "
+        f"{_describe(out)}. Write e.g. `return update, new_m` (one new state "
+        "per state, in order; `return (update,)` without state)."
+      )
+    if len(out) != 1 + len(rows):
       raise ValueError(
-        f"{what}: `init` ({_name(init)}) returned {lengths[0]} arrays for "
-        f"one parameter and {lengths[-1]} for another; return the same "
-        "number of states for every parameter."
+        f"{what}: `rule` got {len(rows)} states and returned "
+        f"{len(out)} values; it must return `(update, *new_states)`, "
+        f"{1 + len(rows)} values, new states in the order they came in."
       )
-    return RowTransformationState(
-      tuple(
-        treedef.unflatten([None if x is None else x[k] for x in per_leaf])
-        for k in range(lengths[0] if lengths else 0)
-      )
-    )
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    states = tuple(state.states)
-
-    def checked(g, p, *rows):
-      out = rule(g, p, *rows)
-      if not isinstance(out, tuple | list):
-        raise TypeError(
-          f"{what}: `rule` must return a tuple `(update, *new_states)`; got "
-          f"{_describe(out)}. Write e.g. `return update, new_m` (one new state "
-          "per state, in order; `return (update,)` without state)."
-        )
-      if len(out) != 1 + len(rows):
+    for k, (x, want) in enumerate(zip(out, (g, *rows), strict=True)):
+      name = "the update" if k == 0 else f"new state {k - 1}"
+      if jnp.shape(x) != jnp.shape(want):
         raise ValueError(
-          f"{what}: `rule` got {len(rows)} states and returned "
-          f"{len(out)} values; it must return `(update, *new_states)`, "
-          f"{1 + len(rows)} values, new states in the order they came in."
+          f"{what}: `rule` returned {name} of shape {jnp.shape(x)} for "
+          f"input of shape {jnp.shape(want)}; return it in the shape it "
+          "came in (a per-row state stays [n]; broadcast it with "
+          "`s[:, None]` inside the rule, not in its result)."
         )
-      for k, (x, want) in enumerate(zip(out, (g, *rows), strict=True)):
-        name = "the update" if k == 0 else f"new state {k - 1}"
-        if jnp.shape(x) != jnp.shape(want):
-          raise ValueError(
-            f"{what}: `rule` returned {name} of shape {jnp.shape(x)} for "
-            f"input of shape {jnp.shape(want)}; return it in the shape it "
-            "came in (a per-row state stays [n]; broadcast it with "
-            "`s[:, None]` inside the rule, not in its result)."
-          )
-      return tuple(out)
+    # The rule computes its update with its new states: the engine's form,
+    # with an update that ignores the materialised rows.
+    return tuple(out[1:]), lambda *new: out[0]
 
-    u, new = update_rows(
-      checked,
-      updates,
-      list(states),
-      params,
-      what=what,
-      state_names=[
-        f"state {k} (init's result [{k}])" for k in range(len(states))
-      ],
-      needs_params=needs_params,
-      row_states=True,
-    )
-    return u, RowTransformationState(tuple(new))
-
-  return with_extra_args(init_fn, update_fn)
+  return row_optimizer(
+    checked,
+    init_leaf,
+    RowTransformationState,
+    what=what,
+    state_names=lambda n: [
+      f"state {k} (init's result [{k}])" for k in range(n)
+    ],
+    needs_params=needs_params,
+    pack=lambda count, trees: RowTransformationState(tuple(trees)),
+    unpack=lambda state: (None, list(state.states)),
+  )

@@ -779,3 +779,46 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
   for ps, group_ids in zip(members, ids, strict=True):
     invals[ps[0]].queue.ids.extend(group_ids)
   return outs
+
+
+# ----------------------------------------------------------------------------
+# a function traced once, replayed inside a conditional
+
+
+def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+  """``fn()`` traced once: ``(replay, shapes)``.
+
+  ``replay()`` binds the traced operations again in whatever trace is
+  current (a ``lax.cond`` branch) without calling ``fn``; ``shapes`` is its
+  output tree with ``jax.ShapeDtypeStruct`` leaves that keep the varying
+  mesh axes. A conditional that needs the types of one branch to build the
+  other then traces the Python function once, not twice (``eval_shape`` and
+  the branch), at every level of nesting.
+  """
+  closed, tree = trace(lambda _: fn(), [])
+  shapes = [
+    jax.ShapeDtypeStruct(
+      a.shape,
+      a.dtype,
+      weak_type=a.weak_type,
+      manual_axis_type=getattr(a, "manual_axis_type", None),
+    )
+    for a in closed.out_avals
+  ]
+
+  def replay():
+    return jax.tree.unflatten(tree, jcore.jaxpr_as_fun(closed)())
+
+  return replay, jax.tree.unflatten(tree, shapes)
+
+
+def cast_varying(x: Any, axes: frozenset) -> Any:
+  """``x`` cast to vary over the mesh ``axes`` it does not vary over yet."""
+  missing = tuple(sorted(axes - vma_of(jax.typeof(x))))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def is_replicated_output_error(e: Exception) -> bool:
+  """Whether ``e`` is ``vmap``'s refusal to return as unmapped
+  (``out_axes=None``) an output that varies along the mapped axis."""
+  return isinstance(e, ValueError) and "out_axes is" in str(e)

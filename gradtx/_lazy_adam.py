@@ -12,6 +12,7 @@ what dense Adam would have done to it on the steps it had no gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -20,14 +21,9 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from gradtx._base import (
-  safe_increment,
-  tree_map,
-  with_extra_args,
-  zero_counter,
-)
 from gradtx._precision import check_block_size, state_dtype, state_full
-from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
+from gradtx._rows import concrete_float, per_row, row_optimizer
+from gradtx._sharded import per_row_full
 from gradtx._transforms import add_decayed_weights, scale_by_learning_rate
 
 # Exact terms of the per-step sum R (see _future_sum); the rest of the
@@ -51,6 +47,14 @@ class ScaleByLazyAdamCatchUpState(NamedTuple):
   nu: Any  # like params; second moment, nu_dtype (default: param dtype)
   last_step: Any  # per leaf int32 [rows] (shape[:1]); step of last update
   future_sum: Any  # per leaf float32 [rows]; R(last_step), see the docstring
+
+
+@functools.partial(jax.jit, inline=True)
+def _bias_corrections(b1: Any, b2: Any, count: jax.Array) -> tuple:
+  """``1 - b^count`` for both moments, as ``optax.tree.bias_correction``
+  computes them: once per step for every leaf, and jitted (an eager ``**``
+  can round differently from a compiled one)."""
+  return 1 - b1**count, 1 - b2**count
 
 
 def _bias_factor(step: jax.Array, b1: Any, b2: Any) -> jax.Array:
@@ -264,8 +268,12 @@ def scale_by_lazy_adam(
     <https://www.tensorflow.org/addons/api_docs/python/tfa/optimizers/LazyAdam>`_,
     2019.
   """
-  mu_dtype = state_dtype(mu_dtype, "scale_by_lazy_adam", "mu_dtype")
-  nu_dtype = state_dtype(nu_dtype, "scale_by_lazy_adam", "nu_dtype")
+  mu_dtype = state_dtype(
+    mu_dtype, "scale_by_lazy_adam", "mu_dtype", complex_ok=True
+  )
+  nu_dtype = state_dtype(
+    nu_dtype, "scale_by_lazy_adam", "nu_dtype", complex_ok=True
+  )
   block_size = check_block_size(
     block_size, "scale_by_lazy_adam", mu_dtype, nu_dtype
   )
@@ -278,95 +286,61 @@ def scale_by_lazy_adam(
         "Use a larger b2 or a smaller b1, or catch_up=False."
       )
 
-  def init_fn(params):
-    def zeros(p, dtype, signed):
-      return state_full(p, 0, dtype, signed=signed, block_size=block_size)
-
-    mu = tree_map(lambda p: zeros(p, mu_dtype, True), params)
-    nu = tree_map(lambda p: zeros(p, nu_dtype, False), params)
+  def init(p):
+    mu = state_full(p, 0, mu_dtype, signed=True, block_size=block_size)
+    nu = state_full(p, 0, nu_dtype, signed=False, block_size=block_size)
     if not catch_up:
-      return ScaleByLazyAdamState(count=zero_counter(), mu=mu, nu=nu)
-    last = tree_map(
-      lambda p: None if p is None else per_row_full(p, 0, jnp.int32),
-      params,
-    )
-    fsum = tree_map(
-      lambda p: None if p is None else per_row_full(p, 0, jnp.float32),
-      params,
-    )
-    return ScaleByLazyAdamCatchUpState(
-      count=zero_counter(), mu=mu, nu=nu, last_step=last, future_sum=fsum
+      return mu, nu
+    return (
+      mu,
+      nu,
+      per_row_full(p, 0, jnp.int32),
+      per_row_full(p, 0, jnp.float32),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    count_inc = safe_increment(state.count)
+  def rule(count):
+    count_inc = optax.safe_increment(count)
+    bc1, bc2 = _bias_corrections(b1, b2, count_inc)
     if catch_up:
       r_prev, r_now = _future_sum(jnp.stack([count_inc - 1, count_inc]), b1, b2)
 
-    def update_of(g, p, mu, nu):  # the updates from the new moments
-      del g, p
-      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-      nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
-      return [
-        m / (jnp.sqrt(v + eps_root) + eps)
-        for m, v in zip(mu_hat, nu_hat, strict=True)
-      ]
-
-    def rule(g, p, m, v, *rows):
-      # Lists over leaves: the moments and bias corrections are the
-      # optax.tree calls of optax.scale_by_adam, over the same leaves in the
-      # same order, so dense leaves get its bits (XLA rewrites divisions by
-      # a shared scalar depending on the graph around them).
+    def row_rule(g, p, m, v, *rows):
+      del p
       if catch_up:
-        caught = [
-          _catch_up(*x, count_inc, r_prev, b1, b2, eps, eps_root)
-          for x in zip(m, v, *rows, strict=True)
-        ]
-        m, v, drift, skipped = (list(x) for x in zip(*caught, strict=True))
-      mu = optax.tree.update_moment(g, m, b1, 1)
-      nu = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
-      u = update_of(g, p, mu, nu)
-      if not catch_up:
-        return u, mu, nu
-      u = [
-        jnp.where(per_row(s, u.ndim), u + d.astype(u.dtype), u)
-        for u, d, s in zip(u, drift, skipped, strict=True)
-      ]
-      last, fsum = rows
-      # Functions of the rows read (last < count_inc, so these are count_inc
-      # and R(count_inc)): the writes depend on the reads and XLA updates
-      # the [V] state in place, with no copy.
-      fsum = [
-        jnp.where(la < count_inc, r_now, f)
-        for la, f in zip(last, fsum, strict=True)
-      ]
-      last = [jnp.maximum(la, count_inc) for la in last]
-      return u, mu, nu, last, fsum
+        last, fsum = rows
+        m, v, drift, skipped = _catch_up(
+          m, v, last, fsum, count_inc, r_prev, b1, b2, eps, eps_root
+        )
+        # Functions of the rows read (last < count_inc, so these are
+        # count_inc and R(count_inc)): the writes depend on the reads and XLA
+        # updates the [V] state in place, with no copy.
+        rows = (
+          jnp.maximum(last, count_inc),
+          jnp.where(last < count_inc, r_now, fsum),
+        )
+      # optax.scale_by_adam's moments, call for call
+      m = optax.tree.update_moment(g, m, b1, 1)
+      v = optax.tree.update_moment_per_elem_norm(g, v, b2, 2)
 
-    states = [state.mu, state.nu]
-    if catch_up:
-      states += [state.last_step, state.future_sum]
-    u, new = update_rows(
-      rule,
-      updates,
-      states,
-      params,
-      what="gradtx.scale_by_lazy_adam",
-      state_names=["first moment", "second moment"]
-      + ["catch-up state"] * (2 * catch_up),
-      row_states=[False, False] + [True] * (2 * catch_up),
-      across_leaves=True,
-      # catch_up's update also needs the rows as they were before the step
-      update_of=None if catch_up else update_of,
-    )
-    if not catch_up:
-      return u, ScaleByLazyAdamState(count=count_inc, mu=new[0], nu=new[1])
-    return u, ScaleByLazyAdamCatchUpState(
-      count_inc, new[0], new[1], last_step=new[2], future_sum=new[3]
-    )
+      def update(m, v, *_):
+        m_hat, v_hat = m / bc1.astype(m.dtype), v / bc2.astype(v.dtype)
+        u = m_hat / (jnp.sqrt(v_hat + eps_root) + eps)
+        if catch_up:  # what the skipped steps would have applied
+          u = jnp.where(per_row(skipped, u.ndim), u + drift.astype(u.dtype), u)
+        return u
 
-  return with_extra_args(init_fn, update_fn)
+      return (m, v, *rows), update
+
+    return row_rule
+
+  return row_optimizer(
+    rule,
+    init,
+    ScaleByLazyAdamCatchUpState if catch_up else ScaleByLazyAdamState,
+    what="gradtx.scale_by_lazy_adam",
+    state_names=["first moment", "second moment"]
+    + ["catch-up state"] * (2 * catch_up),
+  )
 
 
 def lazy_adam(

@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradtx import _jaxpr
 from gradtx._base import (
   SparseRows,
   check_tree_match,
@@ -596,7 +597,7 @@ def _vmap_strategy(
   try:
     return mapped(args[0], args[1], batch, *args[3:])
   except ValueError as e:
-    if "out_axes is" not in str(e):
+    if not _jaxpr.is_replicated_output_error(e):
       raise
     raise ValueError(
       f"Mirrored.step({name}): an output returned as replicated differs "

@@ -16,21 +16,15 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from gradtx._base import (
-  SparseRows,
-  safe_increment,
-  stateless,
-  tree_map,
-  with_extra_args,
-  zero_counter,
-)
+from gradtx._base import SparseRows, stateless, tree_map
 from gradtx._precision import (
   INT8,
   check_block_size,
   state_dtype,
   state_full,
 )
-from gradtx._rows import concrete_float, per_row, per_row_full, update_rows
+from gradtx._rows import concrete_float, per_row, row_optimizer
+from gradtx._sharded import per_row_full
 from gradtx._transforms import scale_by_learning_rate
 
 
@@ -52,17 +46,6 @@ def _check_nonnegative(what: str, **values: Any) -> None:
       raise ValueError(
         f"{what}: `{name}` must be >= 0; got {v}. Pass a non-negative value."
       )
-
-
-def _full_like(
-  params: Any, value: Any, dtype: Any, signed: bool = True, block_size: int = 64
-) -> Any:
-  """State like ``params`` filled with ``value``: arrays of ``dtype`` (None:
-  each param's) or, for ``"int8"``, quantized (signed or unsigned codes)."""
-  return tree_map(
-    lambda p: state_full(p, value, dtype, signed=signed, block_size=block_size),
-    params,
-  )
 
 
 # ----------------------------------------------------------------------------
@@ -146,38 +129,24 @@ def scale_by_rss(
   acc_dtype = state_dtype(
     accumulator_dtype, "scale_by_rss", "accumulator_dtype"
   )
-  block_size = check_block_size(block_size, "scale_by_rss", acc_dtype)
+  block = check_block_size(block_size, "scale_by_rss", acc_dtype)
 
-  def update_of(g, p, t):  # the update from the new accumulator
-    del p
-    if eps_outside_sqrt:
-      return jnp.where(t > 0, g / (jnp.sqrt(t) + eps), 0.0)
-    return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0) * g
+  def init(p):
+    value = initial_accumulator_value
+    return (state_full(p, value, acc_dtype, signed=False, block_size=block),)
 
   def rule(g, p, t):
+    del p
     t = (g.conj() * g).real + t
-    return update_of(g, p, t), t
 
-  def init_fn(params):
-    return ScaleByRssState(
-      _full_like(
-        params, initial_accumulator_value, acc_dtype, False, block_size
-      )
-    )
+    def update(t):
+      if eps_outside_sqrt:
+        return jnp.where(t > 0, g / (jnp.sqrt(t) + eps), 0.0)
+      return jnp.where(t > 0, jax.lax.rsqrt(t + eps), 0.0) * g
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    u, (s,) = update_rows(
-      rule,
-      updates,
-      [state.sum_of_squares],
-      params,
-      what=what,
-      update_of=update_of,
-    )
-    return u, ScaleByRssState(s)
+    return (t,), update
 
-  return with_extra_args(init_fn, update_fn)
+  return row_optimizer(rule, init, ScaleByRssState, what=what)
 
 
 def adagrad(
@@ -343,53 +312,32 @@ def scale_by_rowwise_rss(
   )
   decays = concrete_float(weight_decay) != 0.0
 
-  def decayed(g, p, acc):
+  def init(p):
+    dtype = acc_dtype or p.dtype
+    if jnp.ndim(p) >= 2:  # a table: one accumulator per row
+      return (per_row_full(p, initial_accumulator_value, dtype),)
+    return (jnp.full_like(p, initial_accumulator_value, dtype=dtype),)
+
+  def rule(g, p, acc):
     # at the accumulator's precision: in a bf16 table's dtype a small decay
     # would round away against g (FBGEMM adds it in float32)
     g = g.astype(jnp.promote_types(g.dtype, acc.dtype))
     if decays:
       g = g + weight_decay * p.astype(g.dtype)
-    return g
-
-  def update_of(g, p, acc):  # the update from the new accumulator
-    g = decayed(g, p, acc)
-    return g / (per_row(jnp.sqrt(acc), g.ndim) + eps)
-
-  def rule(g, p, acc):
-    dg = decayed(g, p, acc)
-    if acc.ndim < g.ndim:  # a table: one accumulator per row
-      acc = acc + jnp.mean(dg * dg, axis=tuple(range(1, g.ndim)))
+    if acc.ndim < g.ndim:
+      acc = acc + jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
     else:
-      acc = acc + dg * dg
-    return update_of(g, p, acc), acc
+      acc = acc + g * g
+    return (acc,), lambda acc: g / (per_row(jnp.sqrt(acc), g.ndim) + eps)
 
-  def init_fn(params):
-    def init(p):
-      if p is None:
-        return None
-      dtype = acc_dtype or p.dtype
-      if jnp.ndim(p) >= 2:
-        return per_row_full(p, initial_accumulator_value, dtype)
-      return jnp.full_like(p, initial_accumulator_value, dtype=dtype)
-
-    return ScaleByRowwiseRssState(tree_map(init, params))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    u, (s,) = update_rows(
-      rule,
-      updates,
-      [state.sum_of_squares],
-      params,
-      what=what,
-      state_names=["row-wise accumulator"],
-      needs_params=decays,
-      row_states=True,
-      update_of=update_of,
-    )
-    return u, ScaleByRowwiseRssState(s)
-
-  return with_extra_args(init_fn, update_fn)
+  return row_optimizer(
+    rule,
+    init,
+    ScaleByRowwiseRssState,
+    what=what,
+    state_names=["row-wise accumulator"],
+    needs_params=decays,
+  )
 
 
 def rowwise_adagrad(
@@ -508,33 +456,20 @@ def lazy_trace(
     >>> state.trace[:, 0]
     Array([1.5, 0. , 0. ], dtype=float32)
   """
-  acc_dtype = state_dtype(accumulator_dtype, "lazy_trace", "accumulator_dtype")
-  block_size = check_block_size(block_size, "lazy_trace", acc_dtype)
+  acc_dtype = state_dtype(
+    accumulator_dtype, "lazy_trace", "accumulator_dtype", complex_ok=True
+  )
+  block = check_block_size(block_size, "lazy_trace", acc_dtype)
 
-  def update_of(g, p, t):  # the update from the new trace
-    del p
-    return g + decay * t if nesterov else t
+  def init(p):
+    return (state_full(p, 0, acc_dtype, signed=True, block_size=block),)
 
   def rule(g, p, t):
+    del p
     t = g + decay * t
-    return update_of(g, p, t), t
+    return (t,), lambda t: g + decay * t if nesterov else t
 
-  def init_fn(params):
-    return LazyTraceState(_full_like(params, 0, acc_dtype, True, block_size))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    u, (t,) = update_rows(
-      rule,
-      updates,
-      [state.trace],
-      params,
-      what="gradtx.lazy_trace",
-      update_of=update_of,
-    )
-    return u, LazyTraceState(t)
-
-  return with_extra_args(init_fn, update_fn)
+  return row_optimizer(rule, init, LazyTraceState, what="gradtx.lazy_trace")
 
 
 def _sum_duplicates() -> optax.GradientTransformationExtraArgs:
@@ -757,43 +692,35 @@ def ftrl(
       return jnp.sqrt(n)
     return jnp.power(n, -jnp.asarray(learning_rate_power, n.dtype))
 
-  def init_fn(params):
-    return FtrlState(
-      count=zero_counter(),
-      n=_full_like(params, initial_accumulator_value, acc_dtype),
-      z=_full_like(params, 0, acc_dtype),
+  def init(p):
+    return (
+      jnp.full_like(p, initial_accumulator_value, dtype=acc_dtype),
+      jnp.full_like(p, 0, dtype=acc_dtype),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
-    del extra_args
-    lr = (
-      learning_rate(state.count) if callable(learning_rate) else (learning_rate)
-    )
+  def rule(count):
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
 
-    def update_of(g, w, n, z):  # the update from the new accumulators
-      ctype = jnp.result_type(g, w, n, z, jnp.float32)
-      w, n, z = (x.astype(ctype) for x in (w, n, z))
-      quadratic = (root(n) + beta) / lr + 2 * l2
-      return (jnp.clip(z, -l1, l1) - z) / quadratic - w
-
-    def rule(g, w, n, z):
+    def row_rule(g, w, n, z):
       ctype = jnp.result_type(g, w, n, z, jnp.float32)
       g, w, n, z = (x.astype(ctype) for x in (g, w, n, z))
       n_new = n + g * g
       g_linear = g + 2 * shrinkage * w if shrinks else g
       z = z + g_linear - (root(n_new) - root(n)) / lr * w
-      return update_of(g, w, n_new, z), n_new, z
 
-    u, (n, z) = update_rows(
-      rule,
-      updates,
-      [state.n, state.z],
-      params,
-      what=what,
-      state_names=["accumulator n", "accumulator z"],
-      needs_params=True,
-      update_of=update_of,
-    )
-    return u, FtrlState(count=safe_increment(state.count), n=n, z=z)
+      def update(n, z):
+        quadratic = (root(n) + beta) / lr + 2 * l2
+        return (jnp.clip(z, -l1, l1) - z) / quadratic - w
 
-  return with_extra_args(init_fn, update_fn)
+      return (n_new, z), update
+
+    return row_rule
+
+  return row_optimizer(
+    rule,
+    init,
+    FtrlState,
+    what=what,
+    state_names=["accumulator n", "accumulator z"],
+    needs_params=True,
+  )

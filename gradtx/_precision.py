@@ -14,7 +14,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _sharded
-from gradtx._base import concrete, gather_rows, is_int, scatter_rows
+from gradtx._base import concrete, is_int
 
 _ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -570,8 +570,11 @@ INT8 = "int8"
 StateDtype = Any  # None (the param's dtype), a float dtype, or INT8
 
 
-def state_dtype(dtype: Any, fn: str, arg: str) -> StateDtype:
-  """Parses a state dtype argument: ``None``, a float dtype or ``"int8"``."""
+def state_dtype(
+  dtype: Any, fn: str, arg: str, *, complex_ok: bool = False
+) -> StateDtype:
+  """Parses a state dtype argument: ``None``, a float dtype, ``"int8"`` or,
+  where the optax twin takes one (``complex_ok``), a complex dtype."""
   if dtype is None:
     return None
   try:
@@ -580,10 +583,13 @@ def state_dtype(dtype: Any, fn: str, arg: str) -> StateDtype:
     canonical = None
   if canonical == jnp.int8:  # "int8", jnp.int8 or np.int8
     return INT8
-  if canonical is None or not jnp.issubdtype(canonical, jnp.floating):
+  kinds = (jnp.floating, jnp.complexfloating) if complex_ok else (jnp.floating,)
+  if canonical is None or not any(jnp.issubdtype(canonical, k) for k in kinds):
+    also = ", a complex dtype" if complex_ok else ""
     raise TypeError(
       f"gradtx.{fn} `{arg}` must be None, a floating-point dtype (e.g. "
-      f'jnp.bfloat16) or "int8" (8-bit block-wise quantized); got {dtype!r}.'
+      f'jnp.bfloat16){also} or "int8" (8-bit block-wise quantized); got '
+      f"{dtype!r}."
     )
   return jax.dtypes.canonicalize_dtype(canonical)
 
@@ -618,6 +624,12 @@ def state_full(
     return None
   if dtype != INT8:
     return jnp.full_like(p, value, dtype=dtype)
+  if jnp.issubdtype(p.dtype, jnp.complexfloating):
+    raise TypeError(
+      f'an "int8" optimizer state is for real parameters; got a parameter '
+      f"of dtype {p.dtype}. Keep the state in a complex dtype (None, the "
+      "parameter's, or e.g. jnp.complex64) for complex parameters."
+    )
   if jnp.ndim(p) < 2:
     return jnp.full_like(p, value, dtype=jnp.float32)
   row_shape = tuple(jnp.shape(p)[1:])
@@ -629,43 +641,3 @@ def state_full(
   codes = jnp.full_like(p, code, dtype=one.codes.dtype)
   scales = _sharded.per_row_full(p, scale, jnp.float32, one.scales.shape[1:])
   return QuantizedRows(codes, scales)
-
-
-def read_state(s: Any) -> Any:
-  """A whole state leaf as an array (dequantized if quantized)."""
-  return dequantize_rows(s) if isinstance(s, QuantizedRows) else s
-
-
-def write_state(s: Any, new: jax.Array) -> Any:
-  """``new`` stored the way ``s`` is: its dtype, or quantized like it."""
-  if isinstance(s, QuantizedRows):
-    return quantize_rows(new, s.block_size, signed=s.signed)
-  return new.astype(s.dtype)
-
-
-def read_state_rows(s: Any, idx: jax.Array) -> jax.Array:
-  """Rows ``idx`` (unique; padding reads zeros) of a state leaf."""
-  if isinstance(s, QuantizedRows):
-    return dequantize_rows(
-      QuantizedRows(
-        gather_rows(s.codes, idx, unique=True),
-        gather_rows(s.scales, idx, unique=True),
-      )
-    )
-  return gather_rows(s, idx, unique=True)
-
-
-def write_state_rows(s: Any, idx: jax.Array, rows: jax.Array) -> Any:
-  """``s`` with rows ``idx`` (unique; padding dropped) set to ``rows``."""
-  if isinstance(s, QuantizedRows):
-    q = quantize_rows(rows, s.block_size, signed=s.signed)
-    return QuantizedRows(
-      scatter_rows(s.codes, idx, q.codes),
-      scatter_rows(s.scales, idx, q.scales),
-    )
-  return scatter_rows(s, idx, rows)
-
-
-def state_array(s: Any) -> Any:
-  """The array whose shape and placement stand for a state leaf's."""
-  return s.codes if isinstance(s, QuantizedRows) else s

@@ -1,26 +1,37 @@
 """The row engine every sparse optimizer runs on.
 
-An optimizer is a pure per-row rule plus its state layout (FBGEMM's design:
-one kernel template, short per-row update rules). This module does the rest
-once: per leaf it deduplicates a :class:`~gradtx.SparseRows` gradient
-(:func:`~gradtx._base.unique_rows`: duplicates summed, deterministically;
-on CPU without a sort), gathers the touched rows of the parameter and of
-every state leaf, calls the rule on those rows, scatters the new state rows
-back in place (``unique_indices`` hint, ``mode="drop"`` for padding) and
-returns the update as a SparseRows on the deduplicated ids. A dense leaf
-calls the same rule on the whole array, so it
-gets exactly the dense optimizer.
+An optimizer is one per-row rule plus its state layout (FBGEMM's design:
+one kernel template, short per-row update rules). :func:`row_optimizer`
+builds the transformation from them; the built-ins and
+:func:`gradtx.row_transformation` all go through it.
 
-A state leaf is either shaped like its parameter (``[V, *row]``, one value per
-element) or per row (``[V]``, e.g. row-wise Adagrad's accumulator); the
-engine reads both with the bottom layer's row I/O, ``gather_rows`` and
-``scatter_rows`` (:mod:`gradtx._base`, owner-local for row-sharded tables),
-the only places that read or write rows of a table; ``per_row_full``
-allocates ``[V]`` state split like the table's rows. A state leaf may also
-be an 8-bit :class:`~gradtx.QuantizedRows` (``"int8"`` state dtypes): the
-engine reads its rows' codes and scales and dequantizes them, the rule
-computes in float32, and the new rows are quantized and written back
-(:mod:`gradtx._precision`), so rules never see the storage format.
+**The rule form.** ``rule(g, p, *states) -> (new_states, update)``: from
+the gradient rows ``g``, the parameter rows ``p`` (None unless the
+optimizer needs them) and the old state rows, the new state rows, and a
+function ``update(*new_states)`` that computes the update from the new
+state rows. The engine materialises the new state rows once, writes them
+back, and calls ``update`` on them, so every optimizer writes its update
+once and gets the fast form (:func:`_materialize`).
+
+**Groups of tables.** A model with a table per feature holds tens to
+hundreds of SparseRows leaves of one row shape. Leaves whose rows are read
+alike (row shape and dtype of the gradient, dtypes of the parameter and of
+each state's rows, the row sharding) form a *group*, and the group is one
+pass: one deduplication over the tables' ids offset into one id space, one
+rule call on the concatenated rows, one materialisation per state kind.
+Each table keeps its own parameter and state arrays, so the reads and
+writes of a table are its own gather and scatter on its own slice of the
+group's rows: the user's params are one leaf per table, and the state stays
+shaped like them (checkpoints, ``optax.tree.map_params``, row sharding
+and int8 state are unchanged; a stacked copy would cost a table-sized copy
+per step). The deduplication keeps each id at its first position, so a
+table's unique ids stay in its own static slice. Dense leaves call the rule
+once each on the whole arrays, so they get the dense optimizer.
+
+A state leaf is shaped like its parameter (``[V, *row]``) or per row
+(``[V]``), or is an 8-bit :class:`~gradtx.QuantizedRows`; the row I/O of
+:mod:`gradtx._rowio` reads and writes all of them (dequantizing and
+requantizing, owner-local on row-sharded tables), so rules see float rows.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from gradtx._base import (
@@ -37,31 +49,27 @@ from gradtx._base import (
   check_rows_match,
   check_tree_match,
   concrete,
-  gather_rows,
   is_update_leaf,
-  scatter_rows,
   unique_rows,
+  zero_counter,
 )
-from gradtx._precision import (
+from gradtx._rowio import (
+  read_param_rows,
   read_state,
   read_state_rows,
   state_array,
   write_state,
   write_state_rows,
 )
-from gradtx._sharded import is_split, per_row_full
+from gradtx._sharded import is_split, row_axes
 
-__all__ = [
-  "concrete_float",
-  "gather_rows",
-  "per_row",
-  "per_row_full",
-  "scatter_rows",
-  "update_rows",
-]
+__all__ = ["concrete_float", "per_row", "row_optimizer", "update_rows"]
 
-# rule(g, p, *state) -> (update, *new_state), on rows or whole leaves.
-Rule = Callable[..., tuple[Any, ...]]
+# rule(g, p, *states) -> (new_states, update), update(*new_states) -> u
+Rule = Callable[..., tuple[Sequence[Any], Callable[..., Any]]]
+
+# The ids of a group share one int32 id space.
+_MAX_GROUP_ROWS = 2**31 - 1
 
 
 def concrete_float(x: Any) -> float | None:
@@ -74,9 +82,7 @@ def per_row(x: jax.Array, ndim: int) -> jax.Array:
   return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
-def _check_state_leaf(
-  g: SparseRows, s: Any, what: str, name: str, row_states: bool
-) -> None:
+def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
   s = state_array(s)
   if s is None or not hasattr(s, "shape"):
     raise ValueError(
@@ -85,7 +91,7 @@ def _check_state_leaf(
       "state was initialized from a params tree with None or no array "
       "there). Call `tx.init(params)` with the table itself at that position."
     )
-  if jnp.ndim(s) == len(g.shape) or not row_states:
+  if jnp.ndim(s) == len(g.shape):
     check_rows_match(g, s, what, "optimizer state")
   elif jnp.shape(s) != g.shape[:1]:
     raise ValueError(
@@ -96,49 +102,23 @@ def _check_state_leaf(
     )
 
 
-class _Leaf(NamedTuple):
-  """One leaf's inputs to the rule and how to write its outputs back."""
-
-  g: jax.Array  # [n, *row] deduplicated rows, or the whole dense gradient
-  p: Any  # matching rows of the parameter, or None
-  states: list[jax.Array]  # matching rows of each state leaf
-  idx: Any  # int32 [n] unique ids (padding = num_rows); None if dense
-  num_rows: int
-
-
-def _read_sparse(g, p, states, what, names, needs_params, row_states):
-  if p is not None:
-    check_rows_match(g, p, what, "parameter")
-  for s, name, rows in zip(states, names, row_states, strict=True):
-    _check_state_leaf(g, s, what, name, rows)
-  idx, values = unique_rows(g)  # once per leaf; padding = num_rows
-  p_rows = (
-    gather_rows(jnp.asarray(p), idx, unique=True) if needs_params else None
-  )
-  rows = [read_state_rows(s, idx) for s in states]
-  return _Leaf(values, p_rows, rows, idx, g.num_rows)
-
-
-def _read_dense(g, p, states, what, needs_params, row_states):
+def _check_dense(g: Any, p: Any, states: list[Any], what: str) -> None:
   shape = jnp.shape(g)
   if p is not None:
-    wants = [jnp.shape(p)]
+    want = jnp.shape(p)
   else:  # without params, a state leaf shaped like the parameter shows it
     wants = [
       jnp.shape(state_array(s))
-      for s, rows in zip(states, row_states, strict=True)
-      if s is not None and not (rows and jnp.shape(state_array(s)) == shape[:1])
+      for s in states
+      if s is not None and jnp.shape(state_array(s)) != shape[:1]
     ]
-  for want in wants[:1]:
-    if shape != want:
-      raise ValueError(
-        f"{what}: a dense gradient of shape {shape} for a parameter of "
-        f"shape {want}. Gradients must have their parameter's shape (no "
-        "broadcasting)."
-      )
-  return _Leaf(
-    g, p if needs_params else None, [read_state(s) for s in states], None, 0
-  )
+    want = wants[0] if wants else shape
+  if shape != want:
+    raise ValueError(
+      f"{what}: a dense gradient of shape {shape} for a parameter of "
+      f"shape {want}. Gradients must have their parameter's shape (no "
+      "broadcasting)."
+    )
 
 
 def _materialize(x: jax.Array) -> jax.Array:
@@ -154,8 +134,8 @@ def _materialize(x: jax.Array) -> jax.Array:
   rows' gather fused in (lazy_adam's whole step at 1M x 64 with 8,192 ids:
   9.1 -> 6.9 ms). Reading the rows back from the written table does the
   same, but inside a ``lax.cond`` (accumulate, drop_stale,
-  optax.apply_if_finite) XLA then copies the whole table. Rows split over mesh
-  axes are left as they are.
+  optax.apply_if_finite) XLA then copies the whole table. Rows split over
+  mesh axes are left as they are.
   """
   if is_split(x):
     return x
@@ -163,21 +143,121 @@ def _materialize(x: jax.Array) -> jax.Array:
   return jnp.zeros_like(x).at[slots].set(x, mode="drop", unique_indices=True)
 
 
-def _call(fn: Rule, args: dict[int, tuple], across_leaves: bool) -> dict:
-  """``fn`` on each leaf's args, or once on lists over the leaves."""
-  if not across_leaves or not args:
-    return {i: fn(*a) for i, a in args.items()}
-  out = fn(*(list(col) for col in zip(*args.values(), strict=True)))
-  return dict(zip(args, out, strict=True))
+def _dtype_key(x: Any) -> Any:
+  return None if x is None else jnp.dtype(getattr(x, "dtype", jnp.float32))
 
 
-def _finish(leaf: _Leaf, u: Any, tables: list[Any]):
-  if leaf.idx is None:
-    return u, tables
-  valid = per_row(leaf.idx < leaf.num_rows, u.ndim)
-  u = jnp.where(valid, u, jnp.zeros_like(u))
-  update = SparseRows(leaf.idx, u, leaf.num_rows, unique=True, normalized=True)
-  return update, tables
+def _group_key(g: SparseRows, p: Any, states: list[Any]) -> tuple:
+  """Leaves with equal keys read rows alike: one pass updates them all."""
+  parts = [g.values.shape[1:], g.values.dtype, _dtype_key(p)]
+  parts.append((is_split(g.indices), is_split(g.values)))
+  for s in states:
+    arr = state_array(s)
+    per_row_state = jnp.ndim(arr) < len(g.shape)
+    rows_dtype = jnp.float32 if arr is not s else arr.dtype
+    parts.append((per_row_state, jnp.dtype(rows_dtype)))
+  if p is not None:
+    parts.append(row_axes(p))
+  parts.extend(row_axes(state_array(s)) for s in states)
+  return tuple(parts)
+
+
+def _groups(keys: dict[int, tuple], sizes: dict[int, int]) -> list[list[int]]:
+  """Leaves by key, in leaf order, each group's rows within int32 ids."""
+  out: dict[tuple, list[list[int]]] = {}
+  for i, key in keys.items():
+    chunks = out.setdefault(key, [[]])
+    if sum(sizes[j] for j in chunks[-1]) + sizes[i] > _MAX_GROUP_ROWS:
+      chunks.append([])
+    chunks[-1].append(i)
+  return [c for chunks in out.values() for c in chunks]
+
+
+class _Slice(NamedTuple):
+  """One table of a group: where its rows sit in the group's arrays."""
+
+  leaf: int
+  start: int  # first position of its ids in the group's ids
+  stop: int
+  offset: int  # its first row in the group's id space
+  num_rows: int
+
+
+def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
+  """The group's ids (offset per table, padding = total rows) deduplicated
+  in one pass, each id at its first position: ``(ids, values)``."""
+  if len(grads) == 1:
+    return unique_rows(grads[0])
+  total = sum(g.num_rows for g in grads)
+  ids, offset = [], 0
+  for g in grads:
+    idx = g.valid_indices()
+    ids.append(jnp.where(idx < g.num_rows, idx + offset, total))
+    offset += g.num_rows
+  joined = SparseRows(
+    jnp.concatenate(ids),
+    jnp.concatenate([g.values for g in grads]),
+    total,
+    unique=all(g.unique for g in grads),
+    normalized=True,
+  )
+  return unique_rows(joined)
+
+
+def _cat(xs: list[Any]) -> Any:
+  if xs[0] is None:
+    return None
+  return xs[0] if len(xs) == 1 else jnp.concatenate(xs)
+
+
+def _update_group(rule, group, g_list, p_list, leaf_states, needs_params):
+  """One pass over a group of SparseRows leaves: returns, per leaf, its
+  update (SparseRows) and its new state leaves."""
+  grads = [g_list[i] for i in group]
+  gid, values = _dedup_group(grads)
+  slices, start, offset = [], 0, 0
+  for i, g in zip(group, grads, strict=True):
+    slices.append(_Slice(i, start, start + g.nnz, offset, g.num_rows))
+    start += g.nnz
+    offset += g.num_rows
+  total = offset
+  local = []  # each table's unique ids (padding = its num_rows)
+  for s in slices:
+    ids = gid[s.start : s.stop]
+    if len(slices) > 1:
+      ids = jnp.where(ids < total, ids - s.offset, s.num_rows)
+    local.append(ids)
+  p_rows = _cat(
+    [
+      read_param_rows(p_list[s.leaf], ids) if needs_params else None
+      for s, ids in zip(slices, local, strict=True)
+    ]
+  )
+  n_states = len(leaf_states[group[0]])
+  old = [
+    _cat(
+      [
+        read_state_rows(leaf_states[s.leaf][k], ids)
+        for s, ids in zip(slices, local, strict=True)
+      ]
+    )
+    for k in range(n_states)
+  ]
+  new, update = rule(values, p_rows, *old)
+  new = [_materialize(r) for r in new]
+  u = update(*new)
+  valid = gid < total
+  u = jnp.where(per_row(valid, u.ndim), u, jnp.zeros_like(u))
+  out = {}
+  for s, ids in zip(slices, local, strict=True):
+    rows = slice(s.start, s.stop)
+    states = [
+      write_state_rows(leaf_states[s.leaf][k], ids, new[k][rows])
+      for k in range(n_states)
+    ]
+    upd = SparseRows(ids, u[rows], s.num_rows, unique=True, normalized=True)
+    out[s.leaf] = (upd, states)
+  return out
 
 
 def update_rows(
@@ -189,23 +269,22 @@ def update_rows(
   what: str,
   state_names: Sequence[str] | None = None,
   needs_params: bool = False,
-  row_states: bool | Sequence[bool] = False,
-  across_leaves: bool = False,
-  update_of: Rule | None = None,
 ) -> tuple[Any, list[Any]]:
   """Applies a per-row ``rule`` to every leaf; SparseRows only on its rows.
 
-  Per leaf: a SparseRows gradient is deduplicated once and the rows it touches
-  are read from the parameter (if needed) and every state leaf; the rule
-  computes on those rows; the new state rows are written back in place and
-  the update is a SparseRows on the deduplicated ids, zero on padding rows. A
-  dense leaf gives the rule whole arrays.
+  SparseRows leaves are updated a group at a time (see the module
+  docstring): deduplicated once per group, the touched rows of the
+  parameter (if needed) and of every state leaf read, the rule called once
+  on the group's rows, the new state rows written back in place, and each
+  leaf's update a SparseRows on its deduplicated ids, zero on padding rows.
+  A dense leaf gives the rule whole arrays.
 
   Args:
-    rule: ``rule(g, p, *state) -> (update, *new_state)``, pure and
-      elementwise along the leading (row) axis. ``g`` is ``[n, *row]`` rows of
-      a deduplicated SparseRows or a whole dense gradient (a padding row
-      holds any value; what the rule makes of it is discarded); ``p`` the
+    rule: ``rule(g, p, *states) -> (new_states, update)`` with
+      ``update(*new_states) -> u``; pure and elementwise along the leading
+      (row) axis. ``g`` is ``[n, *row]`` rows of a deduplicated SparseRows
+      (or of a group of them) or a whole dense gradient (a padding row holds
+      any value; what the rule makes of it is discarded); ``p`` the
       matching rows of the parameter (None unless ``needs_params``); each
       state is ``[n, *row]`` or ``[n]`` rows.
     updates: the gradient tree (arrays, SparseRows, None).
@@ -215,22 +294,9 @@ def update_rows(
     what: the transformation's name, for error messages.
     state_names: names of the states, for error messages.
     needs_params: pass parameter rows to the rule.
-    row_states: whether state leaves may be per row (``[V]``) instead of
-      shaped like their parameter; one bool, or one per state.
-    across_leaves: call the rule once with lists (one entry per non-None
-      leaf) instead of once per leaf; it returns lists. For rules written
-      with optax's tree-level helpers, whose compiled form can depend on
-      the leaves computed together (so dense leaves keep optax's bits).
-    update_of: ``update_of(g, p, *new_state) -> update``, the rule's update
-      as a function of the new state rows (lists over the leaves when
-      ``across_leaves``, as for the rule). Given, a SparseRows leaf's new
-      state rows are computed once (:func:`_materialize`) and its update
-      comes from them, which XLA:CPU compiles to faster gathers; the rule's
-      own update is then unused for that leaf.
 
   Returns:
-    ``(updates, new_states)``; a SparseRows leaf's update is a SparseRows on
-    the deduplicated ids (padding rows zero), its new states written in place.
+    ``(updates, new_states)``.
 
   Examples:
     A per-row counter of touches and an update of twice the gradient:
@@ -239,17 +305,15 @@ def update_rows(
     >>> import gradtx as gtx
     >>> from gradtx._rows import update_rows
     >>> def rule(g, p, hits):
-    ...   return 2 * g, hits + 1
+    ...   return (hits + 1,), lambda hits: 2 * g
     >>> g = gtx.SparseRows(jnp.array([3, 0, 3, 9]), jnp.ones((4, 2)), 4)
     >>> u, (hits,) = update_rows(
-    ...   rule, g, [jnp.zeros(4, jnp.int32)], what="demo", row_states=True)
+    ...   rule, g, [jnp.zeros(4, jnp.int32)], what="demo")
     >>> u.indices, u.values[:, 0], hits
     (Array([3, 0, 4, 4], dtype=int32), Array([4., 2., 0., 0.], dtype=float32), \
 Array([1, 0, 0, 1], dtype=int32))
   """
   names = list(state_names or ["optimizer state"] * len(states))
-  if isinstance(row_states, bool):
-    row_states = [row_states] * len(states)
   for s in states:
     check_tree_match(updates, s, name="updates", reference_name="params")
   if params is not None:
@@ -265,51 +329,123 @@ Array([1, 0, 0, 1], dtype=int32))
     [None] * len(g_list) if params is None else treedef.flatten_up_to(params)
   )
   leaf_states = [[s[i] for s in s_lists] for i in range(len(g_list))]
-  read = {}
+  results: dict[int, tuple[Any, list[Any]]] = {}
+  keys, sizes = {}, {}
   for i, (g, p) in enumerate(zip(g_list, p_list, strict=True)):
     if isinstance(g, SparseRows):
-      read[i] = _read_sparse(
-        g, p, leaf_states[i], what, names, needs_params, row_states
-      )
+      if p is not None:
+        check_rows_match(g, p, what, "parameter")
+      for s, name in zip(leaf_states[i], names, strict=True):
+        _check_state_leaf(g, s, what, name)
+      keys[i] = _group_key(g, p if needs_params else None, leaf_states[i])
+      sizes[i] = g.num_rows
     elif g is not None:
-      read[i] = _read_dense(
-        g, p, leaf_states[i], what, needs_params, row_states
+      _check_dense(g, p, leaf_states[i], what)
+      new, update = rule(
+        g,
+        p if needs_params else None,
+        *[read_state(s) for s in leaf_states[i]],
       )
-  outs = _call(
-    lambda *a: (
-      tuple(zip(*rule(*a), strict=True)) if across_leaves else rule(*a)
-    ),
-    {i: (x.g, x.p, *x.states) for i, x in read.items()},
-    across_leaves,
-  )
-  us = {i: out[0] for i, out in outs.items()}
-  tables, back_args = {}, {}
-  for i, x in read.items():
-    new = outs[i][1:]
-    if x.idx is None:
-      tables[i] = [
-        write_state(s, r) for s, r in zip(leaf_states[i], new, strict=True)
-      ]
-    else:
-      if update_of is not None:
-        new = [_materialize(r) for r in new]
-      tables[i] = [
-        write_state_rows(s, x.idx, r)
-        for s, r in zip(leaf_states[i], new, strict=True)
-      ]
-    back_args[i] = (x.g, x.p, *new)
-  if update_of is not None and any(x.idx is not None for x in read.values()):
-    # Called on every leaf, as the rule was (an across_leaves rule then
-    # compiles alike); used for the SparseRows leaves.
-    back = _call(update_of, back_args, across_leaves)
-    us.update((i, back[i]) for i, x in read.items() if x.idx is not None)
+      results[i] = (
+        update(*new),
+        [write_state(s, r) for s, r in zip(leaf_states[i], new, strict=True)],
+      )
+  for group in _groups(keys, sizes):
+    results.update(
+      _update_group(rule, group, g_list, p_list, leaf_states, needs_params)
+    )
   out_u, out_s = [], [[] for _ in states]
   for i in range(len(g_list)):
-    if i in read:
-      u, new = _finish(read[i], us[i], tables[i])
-    else:
-      u, new = None, leaf_states[i]
+    u, new = results.get(i, (None, leaf_states[i]))
     out_u.append(u)
     for acc, x in zip(out_s, new, strict=True):
       acc.append(x)
   return treedef.unflatten(out_u), [treedef.unflatten(x) for x in out_s]
+
+
+def row_optimizer(
+  rule: Callable[..., tuple[Sequence[Any], Callable[..., Any]]],
+  init: Callable[[Any], tuple[Any, ...]],
+  state_type: type,
+  *,
+  what: str,
+  state_names: Sequence[str] | Callable[[int], Sequence[str]] | None = None,
+  needs_params: bool = False,
+  pack: Callable[[Any, list[Any]], Any] | None = None,
+  unpack: Callable[[Any], tuple[Any, list[Any]]] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """A transformation from a per-row ``rule`` and a per-leaf ``init``.
+
+  The one constructor of gradtx's row optimizers (the built-ins and
+  :func:`gradtx.row_transformation`).
+
+  Args:
+    rule: ``rule(g, p, *states) -> (new_states, update)`` (see
+      :func:`update_rows`). When ``state_type`` has a ``count`` field,
+      ``rule(count)`` returns that step's rule, ``count`` being the steps
+      taken before it: per-step scalars (bias corrections, a scheduled
+      rate) are computed once, shared by every leaf as in optax.
+    init: ``init(p) -> tuple of state arrays`` for each parameter leaf that
+      is not None.
+    state_type: the state's NamedTuple: an optional leading ``count`` field
+      (int32, saturating) and then one tree like params per array ``init``
+      returns.
+    what: the transformation's name, for error messages.
+    state_names: names of the states, for error messages (or a function
+      of their number).
+    needs_params: pass parameter rows to the rule.
+    pack: ``pack(count, trees) -> state`` for a state_type of another form.
+    unpack: ``unpack(state) -> (count, trees)``, pack's inverse.
+  """
+  custom = pack is not None
+  counted = not custom and state_type._fields[:1] == ("count",)
+  if not custom:
+    pack = (
+      (lambda count, trees: state_type(count, *trees))
+      if counted
+      else (lambda count, trees: state_type(*trees))
+    )
+    unpack = (
+      (lambda s: (s[0], list(s[1:])))
+      if counted
+      else (lambda s: (None, list(s)))
+    )
+
+  def init_fn(params):
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+    per_leaf = [None if p is None else tuple(init(p)) for p in leaves]
+    lengths = sorted({len(x) for x in per_leaf if x is not None})
+    if len(lengths) > 1:
+      raise ValueError(
+        f"{what}: `init` returned {lengths[0]} arrays for one parameter and "
+        f"{lengths[-1]} for another; return the same number of states for "
+        "every parameter."
+      )
+    n = (
+      lengths[0]
+      if lengths
+      else (0 if custom else len(state_type._fields) - counted)
+    )
+    trees = [
+      treedef.unflatten([None if x is None else x[k] for x in per_leaf])
+      for k in range(n)
+    ]
+    return pack(zero_counter() if counted else None, trees)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    count, trees = unpack(state)
+    step_rule = rule(count) if counted else rule
+    names = state_names(len(trees)) if callable(state_names) else state_names
+    u, new = update_rows(
+      step_rule,
+      updates,
+      trees,
+      params,
+      what=what,
+      state_names=names,
+      needs_params=needs_params,
+    )
+    return u, pack(optax.safe_increment(count) if counted else None, new)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

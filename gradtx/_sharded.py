@@ -17,13 +17,10 @@ fall back to plain gathers and scatters.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,95 +81,6 @@ def _mesh_of(x: Any) -> Any:
   return jax.typeof(x).sharding.mesh
 
 
-def _num_shards(mesh: Any, axes: tuple[str, ...]) -> int:
-  return math.prod(mesh.shape[a] for a in axes)
-
-
-def _check_divisible(table: Any, axes: tuple[str, ...], what: str) -> int:
-  shards = _num_shards(_mesh_of(table), axes)
-  rows = table.shape[0]
-  if rows % shards:
-    raise ValueError(
-      f"{what}: a table of {rows} rows is split over mesh axes {axes} of "
-      f"{shards} devices, which does not divide it. Pad the table to a "
-      f"multiple of {shards} rows (the padding rows are never read)."
-    )
-  return rows // shards
-
-
-def _index_spec(x: Any, mesh: Any) -> tuple[Any, ...]:
-  """``x``'s spec on ``mesh`` (replicated if its type carries none)."""
-  spec = _spec(x, jnp.ndim(x))
-  if spec is None or _mesh_of(x) != mesh:
-    return (None,) * jnp.ndim(x)
-  return spec
-
-
-def _reshard(x: jax.Array, mesh: Any, spec: tuple[Any, ...]) -> jax.Array:
-  """``x`` with sharding ``spec`` on ``mesh`` (a no-op if it has it)."""
-  if _spec(x, jnp.ndim(x)) == tuple(spec) and _mesh_of(x) == mesh:
-    return x
-  return jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
-
-
-def _owner_offset(axes: tuple[str, ...], local_rows: int) -> jax.Array:
-  """First global row owned by this device (inside ``shard_map``)."""
-  return (lax.axis_index(axes) * local_rows).astype(jnp.int32)
-
-
-def _gather_dims(
-  x: jax.Array, spec: tuple[Any, ...], axes: tuple[str, ...]
-) -> jax.Array:
-  """All-gathers ``x`` along its dims split over any of ``axes``."""
-  for dim, entry in enumerate(spec):
-    shared = tuple(a for a in _names(entry) if a in axes)
-    if shared:
-      x = lax.all_gather(x, shared, axis=dim, tiled=True)
-  return x
-
-
-def _sum_back(
-  x: jax.Array, spec: tuple[Any, ...], axes: tuple[str, ...]
-) -> jax.Array:
-  """Sums ``x`` over ``axes``, scattering dims split over them back."""
-  done = set()
-  for dim, entry in enumerate(spec):
-    shared = tuple(a for a in _names(entry) if a in axes)
-    if shared:
-      x = lax.psum_scatter(x, shared, scatter_dimension=dim, tiled=True)
-      done.update(shared)
-  rest = tuple(a for a in axes if a not in done)
-  return lax.psum(x, rest) if rest else x
-
-
-def _run_manual(
-  fn: Callable[..., Any],
-  mesh: Any,
-  in_specs: tuple[Any, ...],
-  out_specs: Any,
-  *args: Any,
-) -> Any:
-  return jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=in_specs,
-    out_specs=out_specs,
-    axis_names=_explicit_axes(mesh),
-  )(*args)
-
-
-def _local_ids(
-  ids: jax.Array, axes: tuple[str, ...], local_rows: int, num_rows: int
-) -> jax.Array:
-  """Local row of each id on this device; ``local_rows`` if not owned.
-
-  Ids outside ``[0, num_rows)`` belong to no device.
-  """
-  local = ids.astype(jnp.int32) - _owner_offset(axes, local_rows)
-  owned = (local >= 0) & (local < local_rows) & (ids >= 0) & (ids < num_rows)
-  return jnp.where(owned, local, local_rows)
-
-
 def is_split(x: Any) -> bool:
   """Whether ``x``'s type splits it over Explicit mesh axes."""
   if not hasattr(x, "shape"):
@@ -184,136 +92,10 @@ def is_split(x: Any) -> bool:
   return any(a in explicit for e in spec for a in _names(e))
 
 
-def _read_whole(table: jax.Array, ids: jax.Array, unique: bool):
-  """Rows of a table whose rows are not split; the output is split as the
-  ids are (JAX asks for the output sharding of such a gather)."""
-  num_rows = table.shape[0]
-  ids = jnp.where(ids < 0, num_rows, ids.astype(jnp.int32))
-  out = None
-  if is_split(ids) and _mesh_of(ids) == _mesh_of(table):
-    t_spec = _spec(table, table.ndim)
-    spec = P(*_spec(ids, ids.ndim), *t_spec[1:])
-    out = NamedSharding(_mesh_of(ids), spec)
-  return table.at[ids].get(
-    mode="fill",
-    fill_value=0,
-    unique_indices=unique,
-    out_sharding=out,
-  )
-
-
-def read_rows(
-  table: jax.Array,
-  ids: jax.Array,
-  *,
-  unique: bool = False,
-  what: str = "gradtx",
-) -> jax.Array:
-  """``table[ids]`` for a row-sharded ``table``; ids off the table read 0.
-
-  Each device reads the ids that fall in its rows (the others masked to a
-  zero fill), and one sum over the row axes combines them: an all-gather of
-  the ids and a reduce-scatter of the ``ids.size`` rows when the ids are
-  split along the table's row axes, a psum of those rows otherwise. Exact:
-  each row is a sum of itself and zeros.
-
-  Args:
-    table: ``[V, *row]``, rows split over Explicit mesh axes.
-    ids: integer ids of any shape and sharding on the same mesh; negative
-      ids and ids ``>= V`` are padding and read zeros.
-    unique: no id appears twice, padding aside (an XLA hint).
-    what: the caller's name, for errors.
-
-  Returns:
-    ``ids.shape + row`` rows, sharded as ``ids`` on its dims.
-  """
-  axes = row_axes(table)
-  if not axes:
-    return _read_whole(table, ids, unique)
-  mesh = _mesh_of(table)
-  local_rows = _check_divisible(table, axes, what)
-  num_rows = table.shape[0]
-  t_spec = _spec(table, table.ndim)
-  row_spec = t_spec[1:]
-  # Ids may not be split along an axis that also splits the row dims.
-  taken = {a for e in row_spec for a in _names(e)}
-  i_spec = tuple(
-    tuple(a for a in _names(e) if a not in taken) or None
-    for e in _index_spec(ids, mesh)
-  )
-  ids = _reshard(ids, mesh, i_spec)
-  t_in = t_spec
-
-  def body(t, i):
-    i = _gather_dims(i, i_spec, axes)
-    local = _local_ids(i, axes, local_rows, num_rows)
-    rows = t.at[local].get(
-      mode="fill",
-      fill_value=0,
-      unique_indices=unique,
-    )
-    return _sum_back(rows, i_spec, axes)
-
-  return _run_manual(
-    body, mesh, (P(*t_in), P(*i_spec)), P(*i_spec, *row_spec), table, ids
-  )
-
-
-def write_rows(
-  table: jax.Array,
-  ids: jax.Array,
-  rows: jax.Array,
-  *,
-  add: bool,
-  unique: bool = False,
-  what: str = "gradtx",
-) -> jax.Array:
-  """``table.at[ids].set(rows)`` (or ``.add``) for a row-sharded table.
-
-  Every device receives the ``ids`` and ``rows`` it does not already hold
-  (an all-gather of ``n`` ids and rows when they are split along the row
-  axes; nothing moves when they are replicated) and writes the ones it
-  owns. Ids outside ``[0, V)`` write nothing.
-
-  Args:
-    table: ``[V, *row]``, rows split over Explicit mesh axes.
-    ids: ``[n]`` integer ids.
-    rows: ``[n, *row]`` values (cast to the table's dtype).
-    add: add the rows (duplicates summed) instead of setting them.
-    unique: no id appears twice, padding aside (an XLA hint).
-    what: the caller's name, for errors.
-
-  Returns:
-    The table with the rows written, sharded as before.
-  """
-  axes = row_axes(table)
-  mesh = _mesh_of(table)
-  local_rows = _check_divisible(table, axes, what)
-  num_rows = table.shape[0]
-  t_spec = P(*_spec(table, table.ndim))
-  i_spec = _index_spec(ids, mesh)[:1]
-  r_spec = (i_spec[0],) + tuple(t_spec[1:])
-  ids = _reshard(ids, mesh, i_spec)
-  rows = _reshard(rows.astype(table.dtype), mesh, r_spec)
-
-  def body(t, i, r):
-    i = _gather_dims(i, i_spec, axes)
-    r = _gather_dims(r, r_spec[:1], axes)
-    local = _local_ids(i, axes, local_rows, num_rows)
-    ref = t.at[local]
-    kwargs = dict(
-      mode="drop",
-      unique_indices=unique,
-    )
-    return ref.add(r, **kwargs) if add else ref.set(r, **kwargs)
-
-  return _run_manual(
-    body, mesh, (t_spec, P(*i_spec), P(*r_spec)), t_spec, table, ids, rows
-  )
-
-
-def _owner_sharding(p: Any) -> NamedSharding | None:
-  """The sharding of a ``[V]`` array whose rows sit with ``p``'s rows."""
+def owner_sharding(p: Any, per_row: bool = True) -> NamedSharding | None:
+  """Where a state leaf of ``p`` lives when ``p``'s rows are split over a
+  mesh: split like its rows (``per_row``, a ``[V]`` leaf) or like ``p``.
+  None when ``p``'s rows are not split."""
   if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
     sharding = p.sharding  # a concrete array: any mesh, eager or not
   else:
@@ -324,7 +106,8 @@ def _owner_sharding(p: Any) -> NamedSharding | None:
     return None
   if sharding.spec[0] is None:
     return None
-  return NamedSharding(sharding.mesh, P(sharding.spec[0]))
+  spec = P(sharding.spec[0]) if per_row else sharding.spec
+  return NamedSharding(sharding.mesh, spec)
 
 
 def per_row_full(
@@ -337,7 +120,7 @@ def per_row_full(
   belongs to, so a step never moves it; elsewhere a plain ``jnp.full``.
   """
   shape = tuple(jnp.shape(p)[:1]) + tuple(trailing)
-  sharding = _owner_sharding(p)
+  sharding = owner_sharding(p)
   if sharding is None:
     return jnp.full(shape, fill_value, dtype)
   return jnp.full(shape, fill_value, dtype, device=sharding)

@@ -8,17 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from gradtx._base import (
+  apply_if,
   concrete,
   is_int,
-  map_updates,
-  safe_increment,
-  with_extra_args,
   zero_counter,
-  zeros_like_update,
 )
+from gradtx._transforms import scale_tree
 
 
 class DropStaleState(NamedTuple):
@@ -100,13 +97,6 @@ def _check_grad_step(grad_step: Any) -> jax.Array:
 
 def concrete_int(x: jax.Array) -> int | None:
   return concrete(x, int)
-
-
-def _scale_updates(updates: Any, factor: jax.Array) -> Any:
-  def mul(x):
-    return (factor.astype(jnp.float32) * x).astype(x.dtype)
-
-  return map_updates(mul, updates)
 
 
 def _aval(x: Any) -> Any:
@@ -235,41 +225,29 @@ def drop_stale(
     if limit is not None:
       accept = accept & (staleness <= limit)
 
-    def run(updates, inner_state):
+    def run():
+      grads = updates
       if rescale:
         factor = 1.0 / jnp.maximum(staleness, 1).astype(jnp.float32)
-        updates = _scale_updates(updates, factor)
+        grads = scale_tree(grads, factor)
       return inner.update(
-        updates, inner_state, params, grad_step=grad_step, **extra_args
+        grads, state.inner_state, params, grad_step=grad_step, **extra_args
       )
 
-    out_updates, out_state = jax.eval_shape(run, updates, state.inner_state)
-    _check_state_kept(state.inner_state, out_state)
-
-    def drop(updates, inner_state):
-      del updates
-      return zeros_like_update(out_updates), inner_state
-
-    decided = concrete_int(accept)
-    if decided is None:
-      new_updates, inner_state = lax.cond(
-        accept, run, drop, updates, state.inner_state
-      )
-    else:
-      # Eager call: branch in Python (an eager lax.cond compiles each time).
-      branch = run if decided else drop
-      new_updates, inner_state = branch(updates, state.inner_state)
+    new_updates, inner_state = apply_if(
+      accept, run, state.inner_state, check=_check_state_kept
+    )
     new_state = DropStaleState(
-      step=jnp.where(accept, safe_increment(state.step), state.step),
+      step=jnp.where(accept, optax.safe_increment(state.step), state.step),
       num_dropped=jnp.where(
-        accept, state.num_dropped, safe_increment(state.num_dropped)
+        accept, state.num_dropped, optax.safe_increment(state.num_dropped)
       ),
       last_staleness=staleness,
       inner_state=inner_state,
     )
     return new_updates, new_state
 
-  return with_extra_args(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _find(tree: Any, out: list[DropStaleState]) -> None:

@@ -18,19 +18,15 @@ from gradtx._base import (
   SparseRows,
   check_rows_match,
   check_tree_match,
-  gather_rows,
   is_update_leaf,
   map_updates,
-  safe_increment,
-  scatter_add_rows,
-  scatter_rows,
   stateless,
   tree_leaves,
   tree_map,
-  with_extra_args,
   zero_counter,
 )
 from gradtx._precision import round_with_bits, row_bits
+from gradtx._rowio import gather_rows, scatter_add_rows, scatter_rows
 
 # ----------------------------------------------------------------------------
 # apply_updates
@@ -169,7 +165,7 @@ def densify() -> optax.GradientTransformationExtraArgs:
   return stateless(update_fn)
 
 
-def _scale_tree(updates: Any, factor: Any, cast_first: bool = False) -> Any:
+def scale_tree(updates: Any, factor: Any, cast_first: bool = False) -> Any:
   """Each leaf times ``factor``, returned in the leaf's dtype.
 
   ``cast_first``: ``factor`` is rounded to the leaf's dtype before the
@@ -207,7 +203,7 @@ def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    return _scale_tree(updates, step_size), state
+    return scale_tree(updates, step_size), state
 
   return stateless(update_fn)
 
@@ -251,11 +247,11 @@ def scale_by_learning_rate(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     lr = learning_rate(state.count)
-    return _scale_tree(
+    return scale_tree(
       updates, sign * lr, cast_first=True
-    ), ScaleByScheduleState(count=safe_increment(state.count))
+    ), ScaleByScheduleState(count=optax.safe_increment(state.count))
 
-  return with_extra_args(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _valid_values(u: SparseRows) -> jax.Array:

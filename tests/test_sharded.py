@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
-from gradtx import _base
+from gradtx import _rowio
 
 V, D = worker.NUM_ROWS, worker.DIM
 STEPS, SAVE_AT = worker.STEPS, worker.SAVE_AT
@@ -381,7 +381,7 @@ def test_write_rows_sets_and_adds_owner_rows():
   rows = layout.put(np.arange(16, dtype=np.float32).reshape(8, 2), "d")
   with jax.set_mesh(layout.mesh):
     added = jax.jit(
-      lambda t, i, r: _base.scatter_rows(t, i, r, add=True, unique=False)
+      lambda t, i, r: _rowio.scatter_rows(t, i, r, add=True, unique=False)
     )(table, ids, rows)
   want = host.copy()
   np.add.at(

@@ -632,7 +632,7 @@ def test_apply_updates_rounds_once_into_bf16_like_optax():
 
 
 def test_apply_updates_gpu_path_matches_cpu_path():
-  from gradtx._base import add_unique_rows
+  from gradtx._rowio import add_unique_rows
 
   p = jnp.asarray(np.random.RandomState(1).normal(size=(7, 2)), jnp.float32)
   u = gtx.SparseRows(jnp.array([3, -1, 3, 6, 0]), jnp.ones((5, 2)) * 0.5, 7)

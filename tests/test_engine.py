@@ -1,0 +1,371 @@
+"""The row engine: one rule form, one pass per group of tables, one
+conditional for the wrappers, every state dtype optax takes.
+
+Grouped results are checked against the same optimizer run on each table
+alone (the engine's one-table path) and against numpy's Adam; the wrappers'
+trace counts and the compiled step's deduplications are counted.
+"""
+
+import functools
+
+import hlo
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import references_lazy_adam as ref
+from conformance import sparse_rows
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gradtx as gtx
+
+# Three tables of one row shape (a group), one of another width, a dense
+# leaf: the layout of a recommender with a table per feature.
+TABLES = {"t0": (30, 4), "t1": (17, 4), "t2": (41, 4), "u": (20, 3)}
+
+
+def _params(seed=0):
+  rng = np.random.RandomState(seed)
+  out = {
+    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in TABLES.items()
+  }
+  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  return out
+
+
+def _grads(step):
+  rng = np.random.RandomState(50 + step)
+  out = {k: sparse_rows(rng, s[0], s[1:], 8) for k, s in TABLES.items()}
+  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  return out
+
+
+def _lion_rule(g, p, m):
+  del p
+  u = jnp.sign(0.9 * m + 0.1 * g)
+  return -0.01 * u, 0.99 * m + 0.01 * g
+
+
+OPTIMIZERS = {
+  "lazy_adam": lambda: gtx.lazy_adam(0.05),
+  "lazy_adam_catch_up": lambda: gtx.lazy_adam(0.05, catch_up=True),
+  "lazy_adam_int8": lambda: gtx.lazy_adam(
+    0.05, mu_dtype="int8", nu_dtype="int8"
+  ),
+  "lazy_adamw": lambda: gtx.lazy_adamw(0.05, weight_decay=0.1),
+  "adagrad": lambda: gtx.adagrad(0.1),
+  "rowwise_adagrad": lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.01),
+  "ftrl": lambda: gtx.ftrl(0.1, l1_regularization_strength=0.01),
+  "lazy_sgd_momentum": lambda: gtx.lazy_sgd(0.1, momentum=0.9),
+  "row_transformation": lambda: gtx.row_transformation(
+    _lion_rule, lambda p: (jnp.zeros_like(p),)
+  ),
+}
+
+
+def _train(tx, params, steps=3, keys=None):
+  """``steps`` jitted updates on the ``keys`` leaves of params (all)."""
+  keys = list(params) if keys is None else keys
+  params = {k: params[k] for k in keys}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  for i in range(steps):
+    g = {k: v for k, v in _grads(i).items() if k in keys}
+    params, state = step(params, state, g)
+  return params, state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_grouped_tables_equal_each_table_alone(name):
+  make = OPTIMIZERS[name]
+  together, s_together = _train(make(), _params())
+  for k in TABLES:
+    alone, s_alone = _train(make(), _params(), keys=[k])
+    np.testing.assert_allclose(
+      np.asarray(together[k]), np.asarray(alone[k]), rtol=1e-6, atol=1e-7
+    )
+    # and the table's state leaves, whatever the optimizer's state type
+    grouped = [
+      leaf
+      for path, leaf in jax.tree_util.tree_leaves_with_path(s_together)
+      if f"'{k}'" in jax.tree_util.keystr(path)
+    ]
+    single = [
+      leaf
+      for path, leaf in jax.tree_util.tree_leaves_with_path(s_alone)
+      if f"'{k}'" in jax.tree_util.keystr(path)
+    ]
+    assert len(grouped) == len(single) > 0
+    for a, b in zip(grouped, single, strict=True):
+      np.testing.assert_allclose(
+        np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6
+      )
+
+
+def test_grouped_lazy_adam_matches_numpy():
+  params = _params()
+  got, _ = _train(gtx.lazy_adam(0.05), params, steps=3)
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in p.items()}
+  v = {k: np.zeros_like(x) for k, x in p.items()}
+  for t in range(1, 4):
+    g = _grads(t - 1)
+    for k in p:
+      if k in TABLES:
+        rows = ref.coalesce_rows(g[k].indices, g[k].values, g[k].num_rows)
+        for r, gr in rows.items():
+          m[k][r] = 0.9 * m[k][r] + 0.1 * gr
+          v[k][r] = 0.999 * v[k][r] + 0.001 * gr**2
+          d = ref.adam_direction(m[k][r], v[k][r], t, 0.9, 0.999, 1e-8, 0.0)
+          p[k][r] = p[k][r] - 0.05 * d
+      else:
+        gd = np.asarray(g[k], np.float64)
+        m[k] = 0.9 * m[k] + 0.1 * gd
+        v[k] = 0.999 * v[k] + 0.001 * gd**2
+        d = ref.adam_direction(m[k], v[k], t, 0.9, 0.999, 1e-8, 0.0)
+        p[k] = p[k] - 0.05 * d
+  for k in p:
+    np.testing.assert_allclose(np.asarray(got[k]), p[k], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tables", [1, 3, 6])
+def test_one_dedup_per_group_whatever_the_number_of_tables(tables):
+  params = {f"t{i}": jnp.zeros((50 + i, 8)) for i in range(tables)}
+  tx = gtx.lazy_adam(0.1)
+  rng = np.random.RandomState(0)
+  grads = {
+    k: sparse_rows(rng, v.shape[0], v.shape[1:], 16) for k, v in params.items()
+  }
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  compiled = jax.jit(step).lower(params, tx.init(params), grads).compile()
+  assert hlo.dedups(compiled) == (1, 0)
+
+
+# ----------------------------------------------------------------------------
+# the wrappers' conditional: the rule traced once per group
+
+
+def _counting_tx(counter):
+  def rule(g, p, m):
+    counter.append(1)
+    m = 0.9 * m + g
+    return -0.1 * m, m
+
+  return gtx.row_transformation(rule, lambda p: (jnp.zeros_like(p),))
+
+
+# the rows one gradient carries, per leaf (None: a dense leaf)
+ROWS = {**{k: 8 for k in TABLES}, "w": None}
+
+WRAPPERS = {
+  "alone": lambda tx: tx,
+  "drop_stale": lambda tx: gtx.drop_stale(tx, 1),
+  "accumulate": lambda tx: gtx.accumulate(tx, 2, rows_per_step=ROWS),
+  "accumulate(drop_stale)": lambda tx: gtx.accumulate(
+    gtx.drop_stale(tx, 1), 2, rows_per_step=ROWS
+  ),
+  "drop_stale(accumulate)": lambda tx: gtx.drop_stale(
+    gtx.accumulate(tx, 2, rows_per_step=ROWS), 1
+  ),
+  "drop_stale(drop_stale)": lambda tx: gtx.drop_stale(gtx.drop_stale(tx, 2), 1),
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS))
+def test_rule_traced_once_per_group_under_any_nesting(wrap):
+  counter = []
+  tx = WRAPPERS[wrap](_counting_tx(counter))
+  params = _params()
+  grads = _grads(0)
+  jax.jit(lambda g, s, p: tx.update(g, s, p, grad_step=0)).trace(
+    grads, tx.init(params), params
+  )
+  # one call for the group of three 4-wide tables, one for the 3-wide
+  # table, one for the dense leaf
+  assert len(counter) == 3
+
+
+@pytest.mark.parametrize("wrap", ["drop_stale", "accumulate"])
+def test_wrappers_under_shard_map_check_vma(wrap):
+  """Gradients that vary over the mesh axis, sparse and dense, through
+  each wrapper's conditional with shard_map's type checks on; per device
+  the result is the single-device one on that device's gradient."""
+  mesh = jax.make_mesh((8,), ("d",))
+  wrappers = {
+    "drop_stale": lambda tx: gtx.drop_stale(tx, 1),
+    "accumulate": lambda tx: gtx.accumulate(
+      tx, 2, rows_per_step={"emb": 4, "w": None}
+    ),
+  }
+  tx = wrappers[wrap](gtx.lazy_adam(0.1))
+  params = {"emb": jnp.ones((16, 2)), "w": jnp.ones(2)}
+  rng = np.random.RandomState(0)
+  ids = jnp.asarray(rng.randint(0, 16, size=(8, 4)), jnp.int32)
+  vals = jnp.asarray(rng.normal(size=(8, 4, 2)), jnp.float32)
+  dense = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+
+  def one_device(p, i, v, d):
+    state = tx.init(p)
+    for t in range(2):
+      g = {"emb": gtx.SparseRows(i, v, 16), "w": d}
+      u, state = tx.update(g, state, p, grad_step=t)
+      p = gtx.apply_updates(p, u)
+    return p
+
+  def body(p, i, v, d):
+    out = one_device(p, i[0], v[0], d[0])
+    return jax.tree.map(lambda x: x[None], out)
+
+  f = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(P(), P("d"), P("d"), P("d")),
+      out_specs=P("d"),
+      check_vma=True,
+    )
+  )
+  split = NamedSharding(mesh, P("d"))
+  got = f(
+    jax.device_put(params, NamedSharding(mesh, P())),
+    *(jax.device_put(x, split) for x in (ids, vals, dense)),
+  )
+  for dev in range(8):
+    want = jax.jit(one_device)(params, ids[dev], vals[dev], dense[dev])
+    for k in params:
+      np.testing.assert_allclose(
+        np.asarray(got[k])[dev], np.asarray(want[k]), rtol=1e-6
+      )
+
+
+# ----------------------------------------------------------------------------
+# row-sharded tables in a group, on 8 devices
+
+
+def test_grouped_row_sharded_tables_equal_single_device():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  rng = np.random.RandomState(1)
+  shapes = {"a": (64, 4), "b": (32, 4), "c": (16, 4)}
+  host = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+  grads = [
+    {k: sparse_rows(rng, s[0], s[1:], 10) for k, s in shapes.items()}
+    for _ in range(3)
+  ]
+  tx = gtx.lazy_adam(0.05)
+
+  def train(params, init, place_grads):
+    state = init(params)
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return gtx.apply_updates(p, u), s
+
+    for g in grads:
+      params, state = step(params, state, place_grads(g))
+    return params
+
+  want = train(
+    {k: jnp.asarray(v) for k, v in host.items()}, tx.init, lambda g: g
+  )
+  with jax.set_mesh(mesh):
+    sharded = {
+      k: jax.device_put(v, NamedSharding(mesh, P("d", None)))
+      for k, v in host.items()
+    }
+    got = train(sharded, functools.partial(gtx.sharded_init, tx), lambda g: g)
+  for k in shapes:
+    assert got[k].sharding.spec == P("d", None)
+    np.testing.assert_allclose(
+      np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6
+    )
+
+
+# ----------------------------------------------------------------------------
+# complex parameters and state: what optax does
+
+
+def _complex(rng, shape):
+  return jnp.asarray(
+    rng.normal(size=shape) + 1j * rng.normal(size=shape), jnp.complex64
+  )
+
+
+COMPLEX_PAIRS = {
+  "adam_mu_complex": (
+    lambda: gtx.lazy_adam(0.05, mu_dtype=jnp.complex64),
+    lambda: optax.adam(0.05, mu_dtype=jnp.complex64),
+  ),
+  "adam": (lambda: gtx.lazy_adam(0.05), lambda: optax.adam(0.05)),
+  "sgd_momentum_complex": (
+    lambda: gtx.lazy_sgd(0.1, momentum=0.9, accumulator_dtype=jnp.complex64),
+    lambda: optax.sgd(0.1, momentum=0.9, accumulator_dtype=jnp.complex64),
+  ),
+}
+
+
+@pytest.mark.parametrize("pair", list(COMPLEX_PAIRS))
+def test_complex_params_and_state_match_optax(pair):
+  make_ours, make_theirs = COMPLEX_PAIRS[pair]
+  rng = np.random.RandomState(2)
+  params = {"emb": _complex(rng, (6, 3)), "w": _complex(rng, (3,))}
+  ours, theirs = make_ours(), make_theirs()
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  p_ours = p_theirs = params
+  for _ in range(3):
+    g_emb = _complex(rng, (6, 3))
+    g_w = _complex(rng, (3,))
+    # every row touched once (in a shuffled order): the lazy update is the
+    # dense one
+    perm = rng.permutation(6)
+    sparse = {
+      "emb": gtx.SparseRows(jnp.asarray(perm), g_emb[perm], 6),
+      "w": g_w,
+    }
+    u, s_ours = jax.jit(ours.update)(sparse, s_ours, p_ours)
+    p_ours = gtx.apply_updates(p_ours, u)
+    u, s_theirs = jax.jit(theirs.update)(
+      {"emb": g_emb, "w": g_w}, s_theirs, p_theirs
+    )
+    p_theirs = optax.apply_updates(p_theirs, u)
+  for k in params:
+    assert p_ours[k].dtype == jnp.complex64
+    np.testing.assert_allclose(
+      np.asarray(p_ours[k]), np.asarray(p_theirs[k]), rtol=2e-6, atol=1e-6
+    )
+  ours_leaves = jax.tree.leaves(s_ours)
+  theirs_leaves = jax.tree.leaves(s_theirs)
+  assert [x.dtype for x in ours_leaves if x.ndim] == [
+    x.dtype for x in theirs_leaves if x.ndim
+  ]
+
+
+def test_int8_state_refuses_complex_params():
+  tx = gtx.lazy_adam(0.1, mu_dtype="int8")
+  with pytest.raises(TypeError, match='"int8" optimizer state is for real'):
+    tx.init({"emb": jnp.zeros((4, 2), jnp.complex64)})
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: gtx.adagrad(0.1, accumulator_dtype=jnp.complex64),
+    lambda: gtx.rowwise_adagrad(0.1, accumulator_dtype=jnp.complex64),
+    lambda: gtx.ftrl(0.1, accumulator_dtype=jnp.complex64),
+  ],
+  ids=["adagrad", "rowwise_adagrad", "ftrl"],
+)
+def test_complex_accumulators_refused_where_optax_has_none(make):
+  with pytest.raises(TypeError, match="floating-point dtype"):
+    make()
