@@ -213,15 +213,31 @@ def _opt_step_fn(tx: Any) -> Callable[..., Any]:
   return step
 
 
-def _gtx_variant(loss, params_np, tx, ids, labels, grads):
+# (variant, head, optimizer) -> (tx, jitted step, jitted opt-only step):
+# the runs on uniform and on Zipf ids share one compiled step
+_JITTED: dict[tuple, tuple] = {}
+
+
+def _jitted(key: tuple, loss: Callable[..., Any], make_tx: Callable) -> tuple:
+  if key not in _JITTED:
+    tx = make_tx()
+    _JITTED[key] = (
+      tx,
+      jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1)),
+      jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1)),
+    )
+  return _JITTED[key]
+
+
+def _gtx_variant(jitted, params_np, ids, labels, grads):
   """``(run, run_opt, first loss, buffers)``: the whole step and the
-  optimizer alone, on the same donated params and state."""
+  optimizer alone (None without ``grads``), on the same donated params
+  and state."""
+  tx, jstep, jopt = jitted
   params = {k: jnp.array(v) for k, v in params_np.items()}
   box = [params, tx.init(params)]
   if HUGE_PAGES[0]:
     gtx.use_huge_pages(box)
-  jstep = jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1))
-  jopt = jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1))
 
   def run(i):
     k = i % len(ids)
@@ -234,6 +250,8 @@ def _gtx_variant(loss, params_np, tx, ids, labels, grads):
     jax.block_until_ready(box[0])
 
   first = run(0)
+  if grads is None:
+    return run, None, first, box
   run_opt(0)
   return run, run_opt, first, box
 
@@ -303,7 +321,6 @@ def _torch_variant(params_np, rows, opt_name, data):
   import torch
   import torch.nn.functional as F
 
-  torch.set_num_threads(2)
   dim = params_np["t0"].shape[1]
   embs = []
   for i, v in enumerate(rows):
@@ -347,7 +364,6 @@ def _fbgemm_variant(params_np, rows, optim, data):
   import torch
   import torch.nn.functional as F
 
-  torch.set_num_threads(2)
   dim = params_np["t0"].shape[1]
   lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
   tbe = _tbe(list(rows), dim, optim, "SUM", lr)
@@ -403,7 +419,6 @@ def _random_rows_floor(layout, total: int, dim: int, data, offsets):
   if _available("torch"):
     import torch
 
-    torch.set_num_threads(2)
     bufs = [torch.ones(total, dim) for _ in range(wide)]
     bufs += [torch.ones(total) for _ in range(narrow)]
     if HUGE_PAGES[0]:
@@ -457,11 +472,41 @@ def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
 # the step's time
 
 
+def _threads_label(system: str, n: int, threads: list[int]) -> str:
+  """The first thread count is the system's plain name."""
+  return system if n == threads[0] else f"{system}, {n} thread{'s' * (n > 1)}"
+
+
+def _with_threads(n: int, run: Callable[[int], Any]) -> Callable[[int], Any]:
+  """``run`` with torch's intra-op threads set to ``n`` for each call (a
+  process-wide setting; systems of other thread counts run between)."""
+  if not _available("torch"):
+    return run
+  import torch
+
+  def call(i):
+    torch.set_num_threads(n)
+    return run(i)
+
+  return call
+
+
 def run_group(
-  opt_name, dist, head, rows, dim, batch, hidden, sched, systems, bandwidth
+  opt_name,
+  dist,
+  head,
+  rows,
+  dim,
+  batch,
+  hidden,
+  sched,
+  systems,
+  bandwidth,
+  threads,
 ):
   """One optimizer on one model: every system round-robin on the same
   fresh ids. Returns ``{"ms": {system: ms}, ...}``."""
+  t0 = time.perf_counter()
   opt = OPTIMIZERS[opt_name]
   tables = len(rows)
   data = make_data(rows, batch, sched.steps, dist)
@@ -469,33 +514,37 @@ def run_group(
   ids = [jnp.asarray(s) for s in data.ids]
   labels = [jnp.asarray(y) for y in data.labels]
   fns, first, keep = {}, {}, []
+  # the optimizer part barely depends on the head: timed with the linear one
+  opt_only = "opt only" in systems and head == "linear"
   for name, loss, p, stacked_rows in [
     ("gtx", per_table_loss(tables), params, False),
     ("gtx stacked", stacked_loss(rows), stacked(params, tables), True),
   ]:
-    grads = _opt_grads(p, rows, data.ids, stacked_rows)
-    run, run_opt, first[name], box = _gtx_variant(
-      loss, p, opt.gtx(), ids, labels, grads
-    )
+    grads = _opt_grads(p, rows, data.ids, stacked_rows) if opt_only else None
+    jitted = _jitted((name, head, opt_name), loss, opt.gtx)
+    run, run_opt, first[name], box = _gtx_variant(jitted, p, ids, labels, grads)
     fns[name] = run
-    if "opt only" in systems:
+    if opt_only:
       fns[f"{name} opt only"] = run_opt
     keep.append((box, grads))
   twin = f"torch {opt.torch}"
-  if "torch" in systems:
-    run, first[twin], objs = _torch_variant(params, rows, opt.torch, data)
-    fns[twin] = run
-    keep.append(objs)
   fb = f"FBGEMM {opt.fbgemm}" if opt.fbgemm else None
-  if "fbgemm" in systems and fb:
-    run, first[fb], objs = _fbgemm_variant(params, rows, opt.fbgemm, data)
-    fns[fb] = run
+  for n in threads if "torch" in systems else []:
+    label = _threads_label(twin, n, threads)
+    run, first[label], objs = _torch_variant(params, rows, opt.torch, data)
+    fns[label] = _with_threads(n, run)
     keep.append(objs)
+    if "fbgemm" in systems and fb:
+      label = _threads_label(fb, n, threads)
+      run, first[label], objs = _fbgemm_variant(params, rows, opt.fbgemm, data)
+      fns[label] = _with_threads(n, run)
+      keep.append(objs)
   layout = _state_layout(opt.gtx(), dim)
   floor_run, floor_lib = _random_rows_floor(
     layout, sum(rows), dim, data, _offsets(rows)
   )
-  fns["floor: random rows"] = floor_run
+  fns["floor: random rows"] = _with_threads(max(threads), floor_run)
+  print(f"  set up in {time.perf_counter() - t0:.0f} s", flush=True)
   del params
   gc.collect()
   samples: dict[str, list[float]] = {}
@@ -624,9 +673,11 @@ STEP_HEADERS = [
   "torch ms",
   "torch / gtx",
   "torch / gtx, p10",
+  "torch, other threads: ms (/ gtx)",
   "stacked / gtx",
   "FBGEMM ms",
   "FBGEMM / gtx",
+  "FBGEMM, other threads: ms (/ gtx)",
   "gtx opt only ms",
   "stacked opt only ms",
   "random-rows floor ms",
@@ -647,6 +698,14 @@ def _step_row(dist, head, opt_name, r) -> list:
   def opt(x, fmt="{:.2f}"):
     return fmt.format(x) if x is not None else "-"
 
+  def others(system):
+    cells = [
+      f"{k.rsplit(', ', 1)[1]}: {v:.2f} ({v / g:.2f}x)"
+      for k, v in ms.items()
+      if system and k.startswith(f"{system}, ")
+    ]
+    return "; ".join(cells) or "-"
+
   return [
     dist,
     head,
@@ -657,9 +716,11 @@ def _step_row(dist, head, opt_name, r) -> list:
     opt(t),
     opt(t / g if t else None, "{:.2f}x"),
     opt(t10 / p10["gtx"] if t10 else None, "{:.2f}x"),
+    others(r["twin"]),
     f"{ms['gtx stacked'] / g:.2f}x",
     opt(fb),
     opt(fb / g if fb else None, "{:.2f}x"),
+    others(r["fbgemm"]),
     opt(ms.get("gtx opt only")),
     opt(ms.get("gtx stacked opt only")),
     f"{ms['floor: random rows']:.2f}",
@@ -798,7 +859,26 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   parser.add_argument("--heads", nargs="+", default=["linear", "mlp"])
+  parser.add_argument(
+    "--mlp-optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=OPTIMIZERS,
+    help="the optimizers also run with the mlp head",
+  )
+  parser.add_argument(
+    "--torch-threads",
+    type=int,
+    nargs="+",
+    default=[2, 1],
+    help="torch.set_num_threads for torch and FBGEMM, each its own system "
+    "(the first is the twin of the ratios; one thread is immune to an "
+    "oversubscribed machine, where a two-thread OpenMP barrier waits for a "
+    "preempted thread at every op)",
+  )
   add_schedule_args(parser)
+  # the whole step of 26 tables is slow beside torch's: shorter rounds
+  parser.set_defaults(rounds=5, burst=5, settle=2)
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument("--no-fbgemm", action="store_true")
   parser.add_argument("--no-opt-only", action="store_true")
@@ -816,6 +896,9 @@ def main(argv: list[str] | None = None) -> None:
     default=["lazy_adam", "rowwise_adagrad"],
     choices=OPTIMIZERS,
   )
+  parser.add_argument(
+    "--label", default="", help="added to the title, e.g. which code this is"
+  )
   parser.add_argument("--small-pages", action="store_true")
   parser.add_argument("--quick", "--smoke", action="store_true")
   args = parser.parse_args(argv)
@@ -830,7 +913,7 @@ def main(argv: list[str] | None = None) -> None:
       32,
     )
     args.rounds, args.burst, args.settle = 2, 2, 1
-    args.optimizers = args.optimizers[:2]
+    args.optimizers = args.mlp_optimizers = args.optimizers[:2]
     args.compile_tables, args.compile_cap = [4, 8], 500
     args.compile_dim, args.compile_batch = 8, 64
   systems = set()
@@ -850,6 +933,9 @@ def main(argv: list[str] | None = None) -> None:
     for head in args.heads:
       for dist in args.dists:
         for opt_name in args.optimizers:
+          if head == "mlp" and opt_name not in args.mlp_optimizers:
+            continue
+          print(f"{opt_name}, {dist} ids, {head} head", flush=True)
           r = run_group(
             opt_name,
             dist,
@@ -861,6 +947,7 @@ def main(argv: list[str] | None = None) -> None:
             sched,
             systems,
             bandwidth,
+            args.torch_threads,
           )
           raw.append({"ids": dist, "head": head, "optimizer": opt_name, **r})
           steps.append(_step_row(dist, head, opt_name, r))
@@ -943,7 +1030,12 @@ def main(argv: list[str] | None = None) -> None:
     "rounds. torch twin: SparseAdam (head on Adam) for lazy_adam, sparse "
     "Adagrad for rowwise_adagrad and adagrad, SGD for lazy_sgd. FBGEMM: one "
     "table-batched module for all tables, SUM bags of one id, the head on "
-    "torch's Adagrad/SGD. Random-rows floor: "
+    "torch's Adagrad/SGD. torch and FBGEMM run at "
+    f"{args.torch_threads[0]} intra-op threads (the ratios' twins) and also "
+    f"at {', '.join(map(str, args.torch_threads[1:])) or '-'} (the 'other "
+    "threads' columns), each its own system in the same rounds. gtx opt "
+    "only: `update` + `apply_updates` on pre-built gradients of the same "
+    "ids, linear-head rows only. Random-rows floor: "
     f"{raw[0]['floor_library'] if raw else '-'} of each step's unique rows "
     "in one buffer per state kind (params included), measured in the same "
     "rounds; sequential floor: those bytes read + written and the gradient "
@@ -971,7 +1063,8 @@ def main(argv: list[str] | None = None) -> None:
   notes += f"\n\nPlot: {png.name}."
   write_results(
     "recsys",
-    "Recommender scale: 26 tables, per-table vs stacked vs torch vs FBGEMM",
+    f"Recommender scale: {len(rows)} tables, per-table vs stacked vs torch vs "
+    "FBGEMM" + (f" ({args.label})" if args.label else ""),
     STEP_HEADERS,
     steps,
     notes=notes,
