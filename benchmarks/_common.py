@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -129,6 +130,7 @@ def time_interleaved(
   rounds: int = 15,
   burst: int = 1,
   settle: int = 0,
+  samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
   """Median seconds per call of each function, measured round-robin so that
   machine noise hits every variant alike.
@@ -140,12 +142,15 @@ def time_interleaved(
   first steps after another system's turn pay for that system's leftovers
   (torch's OpenMP workers spin on the cores for tens of milliseconds after
   each step), and ``settle`` keeps those out of the sample, for every
-  system alike.
+  system alike. ``samples``, when given, receives every timed call's
+  seconds per function.
   """
   for fn in fns.values():
     for _ in range(warmup):
       fn()
   times: dict[str, list[float]] = {k: [] for k in fns}
+  if samples is not None:
+    samples.update(times)
   for _ in range(rounds):
     for k, fn in fns.items():
       for _ in range(settle):
@@ -287,6 +292,18 @@ def hlo_table_copies(
   )
 
 
+def oversubscribed(consequence: str) -> str:
+  """A caution for a results note, empty unless the load average exceeded
+  the core count (the machine is shared): ``consequence`` says what that
+  does to the figures."""
+  if max(os.getloadavg()) <= (os.cpu_count() or 1):
+    return ""
+  return (
+    " OVERSUBSCRIBED: the load average exceeded the core count during the "
+    f"run, {consequence}"
+  )
+
+
 def load_note() -> str:
   """The 1/5/15-minute load averages (the machine may be shared)."""
   try:
@@ -355,3 +372,100 @@ def ratio_rows(
     [name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"]
     for variant, t in times.items()
   ]
+
+
+# ----------------------------------------------------------------------------
+# what a compiled program launches
+
+# Opcodes that launch no kernel: values, views and bookkeeping.
+_NO_KERNEL = {
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "bitcast",
+  "after-all",
+  "partition-id",
+  "replica-id",
+}
+_CONTROL = {"while", "conditional", "call"}
+
+
+def _hlo_computations(text: str) -> tuple[str, dict[str, list[tuple]]]:
+  """``(entry name, {computation: [(opcode, line)]})`` of HLO text."""
+  comps: dict[str, list[tuple]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    head = re.match(r"(ENTRY )?%(\S+) .*\{$", line)
+    if current is None and head:
+      current = head.group(2)
+      comps[current] = []
+      if head.group(1):
+        entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = re.match(r"\s*(?:ROOT )?%\S+ = (.*)$", line)
+    if current is None or not m:
+      continue
+    rest = m.group(1)
+    if rest.startswith("("):  # a tuple-shaped result: skip to its end
+      depth, end = 0, 0
+      while end == 0 or depth:
+        depth += (rest[end] == "(") - (rest[end] == ")")
+        end += 1
+      rest = rest[end:].strip()
+    else:
+      rest = rest.split(" ", 1)[-1]
+    comps[current].append((rest.split("(", 1)[0], line))
+  return entry, comps
+
+
+def hlo_op_counts(text: str) -> dict[str, int]:
+  """Static op counts of a compiled program (``compiled.as_text()``): what
+  it launches, not how often (a while body counts once).
+
+  ``kernels`` counts the ops of the entry computation and of the bodies it
+  runs through control flow (while, conditional, call), except values and
+  views (parameters, constants, tuples, bitcasts) and the control-flow ops
+  themselves: one launch each (a fusion is one kernel). ``while``,
+  ``conditional``, ``sort`` and ``fusion`` count those ops; ``scatter`` and
+  ``gather`` count them also inside fusions.
+  """
+  entry, comps = _hlo_computations(text)
+  counts = dict.fromkeys(
+    ["kernels", "while", "conditional", "sort", "scatter", "gather", "fusion"],
+    0,
+  )
+
+  def fused(name: str) -> None:
+    for op, line in comps.get(name, []):
+      if op in ("scatter", "gather"):
+        counts[op] += 1
+      for sub in re.findall(r"calls=%([\w.\-]+)", line):
+        fused(sub)
+
+  def launch(name: str) -> None:
+    for op, line in comps.get(name, []):
+      if op in counts and op != "kernels":
+        counts[op] += 1
+      if op not in _NO_KERNEL and op not in _CONTROL:
+        counts["kernels"] += 1
+      if op == "fusion":
+        for sub in re.findall(r"calls=%([\w.\-]+)", line):
+          fused(sub)
+      if op in _CONTROL:
+        refs = re.findall(
+          r"(?:condition|body|to_apply|true_computation|false_computation)"
+          r"=%([\w.\-]+)",
+          line,
+        )
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if branches:
+          refs += re.findall(r"%([\w.\-]+)", branches.group(1))
+        for sub in refs:
+          launch(sub)
+
+  launch(entry)
+  return counts

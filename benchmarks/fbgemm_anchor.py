@@ -33,6 +33,8 @@ from benchmarks._common import RESULTS, cpu_name, markdown_table
 
 
 def _tbe(rows, dim, optim, pooling, lr):
+  """FBGEMM's table-batched module on CPU: one table of ``rows`` rows, or
+  one table per entry of a list (every table ``dim`` wide)."""
   from fbgemm_gpu.split_embedding_configs import EmbOptimType
   from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     EmbeddingLocation,
@@ -43,8 +45,9 @@ def _tbe(rows, dim, optim, pooling, lr):
     SplitTableBatchedEmbeddingBagsCodegen,
   )
 
+  tables = rows if isinstance(rows, list) else [rows]
   return SplitTableBatchedEmbeddingBagsCodegen(
-    [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+    [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in tables],
     optimizer=getattr(EmbOptimType, optim),
     pooling_mode=getattr(PoolingMode, pooling),
     learning_rate=lr,

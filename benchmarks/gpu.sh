@@ -28,4 +28,8 @@ timeout 200 $PY -m benchmarks.sparse_grad --rows 1000000 10000000 --dim 128 \
 if [ "$($PY -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
   timeout 300 $PY -m benchmarks.sharded --rows 1000000 8000000 --dim 128
 fi
+# Recommender scale (issue 29): 26 tables one leaf each vs stacked by hand,
+# and the compiled step's ops (the kernels a GPU launches) at 26-104 tables.
+timeout 500 $PY -m benchmarks.recsys --optimizers lazy_adam rowwise_adagrad \
+  --heads linear --no-torch
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*_gpu.* "$OUT"/; fi

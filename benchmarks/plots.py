@@ -171,6 +171,7 @@ SECTIONS = [
     None,
   ),
   ("low_precision", "Low precision: the whole step's time", None),
+  ("recsys", "Recommender scale: many tables", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
   ("mirrored", "Mirrored replication", plot_mirrored),

@@ -46,6 +46,7 @@ from benchmarks._common import (
   add_schedule_args,
   hlo_table_copies,
   load_note,
+  oversubscribed,
   time_interleaved,
   warm_copy_bandwidth,
   write_results,
@@ -425,14 +426,11 @@ def main(argv: list[str] | None = None) -> None:
     if HUGE_PAGES[0]
     else "Tables on the OS's default 4 KiB pages (`--small-pages`)."
   )
-  caution = ""
-  if max(os.getloadavg()) > (os.cpu_count() or 1):
-    caution = (
-      " OVERSUBSCRIBED: the load average exceeded the core count during "
-      "the run, so every figure is inflated (compare with a quiet run) and "
-      "torch's worker threads suffer more from it than XLA's: the torch / "
-      "gtx ratio here overstates the quiet-machine ratio."
-    )
+  caution = oversubscribed(
+    "so every figure is inflated (compare with a quiet run) and torch's "
+    "worker threads suffer more from it than XLA's: the torch / gtx ratio "
+    "here overstates the quiet-machine ratio."
+  )
   headline = []
   for r in results:
     if isinstance(r[9], float):

@@ -376,3 +376,18 @@ def to_ref(grads):
     else np.asarray(g, np.float64)
     for k, g in grads.items()
   }
+
+
+def run_with_reference(tx, make_ref, steps=12):
+  """``steps`` jitted updates of ``tx`` from ``make_params()`` on
+  ``make_grads(i)``, and the same gradients on the numpy reference
+  ``make_ref(params)``: ``(params, state, reference)`` at the end."""
+  params = make_params()
+  state = tx.init(params)
+  step = jax.jit(step_fn(tx))
+  r = make_ref({k: np.asarray(v) for k, v in params.items()})
+  for i in range(steps):
+    g = make_grads(i)
+    params, state = step(params, state, g)
+    r.step(to_ref(g))
+  return params, state, r

@@ -16,6 +16,7 @@ from conformance import (
   Case,
   make_grads,
   make_params,
+  run_with_reference,
   step_fn,
   to_ref,
   touched_rows,
@@ -26,6 +27,16 @@ from jax.sharding import PartitionSpec as P
 import gradtx as gtx
 
 SCHEDULE = optax.linear_schedule(0.1, 0.01, 30)
+# gtx.partial_rowwise_adam (issue 29) joins the shared checks below once it
+# exists; its own tests are in test_partial_rowwise_adam.py.
+needs_partial_rowwise_adam = pytest.mark.skipif(
+  not hasattr(gtx, "partial_rowwise_adam"),
+  reason="gtx.partial_rowwise_adam is not implemented yet (issue 29, item 4)",
+)
+
+
+def _partial_rowwise_adam(learning_rate, weight_decay=0.0):
+  return gtx.partial_rowwise_adam(learning_rate, weight_decay=weight_decay)
 
 
 def _lr(lr):
@@ -150,15 +161,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_matches_numpy_reference(config):
   make_tx, make_ref, states = CONFIGS[config]
-  params = make_params()
-  tx = make_tx()
-  state = tx.init(params)
-  step = jax.jit(step_fn(tx))
-  r = make_ref({k: np.asarray(v) for k, v in params.items()})
-  for i in range(12):
-    g = make_grads(i)
-    params, state = step(params, state, g)
-    r.step(to_ref(g))
+  params, state, r = run_with_reference(make_tx(), make_ref)
   for k in SHAPES:
     np.testing.assert_allclose(params[k], r.p[k], rtol=1e-5, atol=1e-5)
     for name, (ours, theirs) in states(state, r).items():
@@ -526,6 +529,10 @@ def test_bf16_table_with_float32_accumulators():
     lambda: gtx.adagrad(0.1, accumulator_dtype="int8"),
     lambda: gtx.lazy_sgd(0.1, momentum=0.9, accumulator_dtype="int8"),
     lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
+    pytest.param(
+      lambda: _partial_rowwise_adam(0.05, weight_decay=0.1),
+      marks=needs_partial_rowwise_adam,
+    ),
   ],
   ids=[
     "adagrad",
@@ -537,6 +544,7 @@ def test_bf16_table_with_float32_accumulators():
     "adagrad_int8",
     "lazy_sgd_momentum_int8",
     "lazy_adam_int8",
+    "partial_rowwise_adam",
   ],
 )
 def test_untouched_and_padding_rows_unchanged_bit_for_bit(make_tx):
@@ -590,6 +598,11 @@ def test_deterministic_with_many_duplicates():
     # adagrad and lazy_sgd chain gtx.scale_by_learning_rate as lazy_adam
     # does (tested there); these two use the rate differently.
     (gtx.rowwise_adagrad, {"weight_decay": 0.01}),
+    pytest.param(
+      _partial_rowwise_adam,
+      {"weight_decay": 0.01},
+      marks=needs_partial_rowwise_adam,
+    ),
     (gtx.ftrl, {"l1_regularization_strength": 0.01}),
     (
       gtx.ftrl,
@@ -599,7 +612,7 @@ def test_deterministic_with_many_duplicates():
       },
     ),
   ],
-  ids=["rowwise_adagrad", "ftrl", "ftrl_l2_shrinkage"],
+  ids=["rowwise_adagrad", "partial_rowwise_adam", "ftrl", "ftrl_l2_shrinkage"],
 )
 def test_inject_hyperparams(factory, kwargs):
   params = make_params()
@@ -742,8 +755,12 @@ def test_mirrored_rowwise_adagrad_equals_single_device():
     lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.01),
     lambda: gtx.ftrl(0.2, l1_regularization_strength=1e-3),
     lambda: gtx.lazy_sgd(0.1),
+    pytest.param(
+      lambda: _partial_rowwise_adam(0.1, weight_decay=0.01),
+      marks=needs_partial_rowwise_adam,
+    ),
   ],
-  ids=["rowwise_adagrad", "ftrl", "lazy_sgd"],
+  ids=["rowwise_adagrad", "ftrl", "lazy_sgd", "partial_rowwise_adam"],
 )
 def test_row_sharded_table_equals_single_device(make_tx):
   """A table split by rows over 8 devices (Explicit mesh): the step equals
@@ -811,8 +828,20 @@ def test_row_sharded_table_equals_single_device(make_tx):
     (lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.1), 1),
     (lambda: gtx.lazy_sgd(0.1, momentum=0.9), 2),
     (lambda: gtx.ftrl(0.1, l1_regularization_strength=0.1), 3),
+    # the table and mu ([V, D]); nu is [V]
+    pytest.param(
+      lambda: _partial_rowwise_adam(0.1, weight_decay=0.1),
+      2,
+      marks=needs_partial_rowwise_adam,
+    ),
   ],
-  ids=["adagrad", "rowwise_adagrad", "lazy_sgd", "ftrl"],
+  ids=[
+    "adagrad",
+    "rowwise_adagrad",
+    "lazy_sgd",
+    "ftrl",
+    "partial_rowwise_adam",
+  ],
 )
 def test_compiled_step_updates_tables_in_place(make_tx, tables):
   num_rows, dim, n = 50_021, 8, 64

@@ -1,0 +1,1083 @@
+"""Recommender scale: a DLRM-shaped model with one table per feature.
+
+The model as users write it, on Criteo Kaggle's 26 categorical features
+(DLRM's cardinalities, capped at ``--cap`` rows: 840,543 rows in all at
+100k), every table ``--dim`` wide: one leaf per table ``p[f"t{i}"]``, read
+``p[f"t{i}"][ids[:, i]]``, a head over the 26 embeddings (``linear``: one
+logit weight vector per feature; ``mlp``: one tanh layer over the
+concatenated embeddings), binary cross-entropy returned. Fresh ids every
+step (pre-generated; uniform or Zipf s = 1.05 per table, as
+``benchmarks.train_step``). Timed round-robin in one process, per
+optimizer:
+
+* ``gtx``: ``gtx.sparse_value_and_grad`` + ``tx.update`` +
+  ``gtx.apply_updates`` in one jitted step, params and state donated; one
+  optimizer for every leaf.
+* ``gtx stacked``: the same tables stacked by hand into one leaf, read as
+  ``p["emb"][ids + offsets]``.
+* ``gtx opt only`` / ``gtx stacked opt only``: ``update`` + ``apply_updates``
+  alone on pre-built gradients of the step's ids, on the same buffers.
+* ``torch``: 26 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (the head on
+  ``Adam``), sparse ``Adagrad`` or ``SGD``, the same head and loss,
+  ``torch.set_num_threads(2)``, ``loss.item()`` returned.
+* ``FBGEMM``: one ``SplitTableBatchedEmbeddingBagsCodegen`` holding all 26
+  tables (SUM bags of one id; EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD /
+  EXACT_SGD fused in the backward), the head on torch's Adagrad or SGD.
+  Only where ``fbgemm_gpu`` imports (see ``benchmarks.fbgemm_anchor``:
+  its wheel needs torch 2.14; run this module in that environment with
+  jax and optax installed there).
+* ``floor: random rows``: gather + scatter (torch ``index_select`` +
+  ``index_copy_``, numpy without torch) of the step's unique rows of the
+  params and of every state buffer, one buffer per state kind, on the same
+  ids. Beside it the sequential floor: the same bytes (read + write, plus
+  the gradient rows read) over the bandwidth of a copy into a pre-faulted
+  buffer.
+
+Then the compile time of the whole gtx step (trace, lower and compile
+apart) at ``--compile-tables`` tables (Criteo's cardinalities repeated,
+capped at 20k rows, 32 wide, batch 1024, linear head), per-table vs stacked
+by hand, and the ops of each compiled step against the number of tables
+(while loops, sorts, scatters, gathers, fusions, kernels: what a GPU would
+launch).
+
+Writes ``benchmarks/results/recsys.{md,json,png}`` (with
+``GRADTX_BENCH_SUFFIX`` appended, as every benchmark).
+
+  python -m benchmarks.recsys [--quick] [--optimizers ...] [--dists ...]
+      [--heads ...] [--cap 100000] [--dim 64] [--batch 2048]
+      [--compile-tables 26 52 104] [--no-steps] [--no-compile]
+      [--rounds 10] [--burst 10] [--settle 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import (
+  RESULTS,
+  Schedule,
+  add_schedule_args,
+  hlo_op_counts,
+  load_note,
+  markdown_table,
+  oversubscribed,
+  time_interleaved,
+  warm_copy_bandwidth,
+  write_results,
+)
+from benchmarks.fbgemm_anchor import _tbe
+from benchmarks.optimizers import _available, _Counter, _version
+from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
+
+# Criteo Kaggle's 26 categorical cardinalities (DLRM, dlrm_s_criteo_kaggle).
+CRITEO_KAGGLE = [
+  1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
+  8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15,
+  286181, 105, 142572,
+]  # fmt: skip
+SEED = 0
+
+
+class Opt(NamedTuple):
+  """One optimizer and its twins."""
+
+  gtx: Callable[[], Any]
+  torch: str  # torch's twin, see _torch_optimizers
+  fbgemm: str | None  # FBGEMM's fused twin
+
+
+OPTIMIZERS = {
+  "lazy_adam": Opt(lambda: gtx.lazy_adam(1e-3), "SparseAdam", None),
+  "rowwise_adagrad": Opt(
+    lambda: gtx.rowwise_adagrad(1e-2), "Adagrad", "EXACT_ROWWISE_ADAGRAD"
+  ),
+  "adagrad": Opt(lambda: gtx.adagrad(1e-2), "Adagrad", "EXACT_ADAGRAD"),
+  "lazy_sgd": Opt(lambda: gtx.lazy_sgd(1e-2), "SGD", "EXACT_SGD"),
+}
+LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
+
+
+def table_rows(tables: int, cap: int) -> list[int]:
+  """Rows of ``tables`` tables: Criteo's cardinalities, repeated past 26,
+  capped at ``cap``."""
+  return [min(CRITEO_KAGGLE[i % 26], cap) for i in range(tables)]
+
+
+def _offsets(rows: list[int]) -> np.ndarray:
+  return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
+
+
+class Data(NamedTuple):
+  ids: list[np.ndarray]  # per step, [batch, tables] int32, table-local ids
+  labels: list[np.ndarray]  # per step, [batch] float32
+
+
+def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
+  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
+  ids = [np.stack([c[s] for c in cols], axis=1) for s in range(steps)]
+  rng = np.random.default_rng(SEED + 1)
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
+  return Data(ids, labels)
+
+
+def init_params(
+  rows: list[int], dim: int, head: str, hidden: int
+) -> dict[str, np.ndarray]:
+  """Tables ``t0 ... t{T-1}`` and the head's dense leaves (numpy)."""
+  rng = np.random.default_rng(SEED + 2)
+  p = {
+    f"t{i}": (0.05 * rng.standard_normal((v, dim))).astype(np.float32)
+    for i, v in enumerate(rows)
+  }
+  tables = len(rows)
+  if head == "linear":
+    p["w"] = (0.1 * rng.standard_normal((tables, dim))).astype(np.float32)
+    p["b"] = np.zeros((), np.float32)
+  else:
+    fan_in = tables * dim
+    p["w1"] = (rng.standard_normal((fan_in, hidden)) / fan_in**0.5).astype(
+      np.float32
+    )
+    p["b1"] = np.zeros(hidden, np.float32)
+    p["w2"] = (rng.standard_normal(hidden) / hidden**0.5).astype(np.float32)
+    p["b2"] = np.zeros((), np.float32)
+  return p
+
+
+def stacked(params: dict[str, np.ndarray], tables: int) -> dict:
+  """The same params with the tables stacked into one leaf ``emb``."""
+  out = {"emb": np.concatenate([params[f"t{i}"] for i in range(tables)])}
+  out.update({k: v for k, v in params.items() if not k.startswith("t")})
+  return out
+
+
+# ----------------------------------------------------------------------------
+# gtx
+
+
+def _logit(p: Any, x: jax.Array) -> jax.Array:
+  """The head on the embeddings ``x`` ``[batch, tables, dim]``."""
+  if "w" in p:
+    return jnp.sum(x * p["w"], axis=(1, 2)) + p["b"]
+  h = jnp.tanh(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
+  return h @ p["w2"] + p["b2"]
+
+
+def _bce(logit: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.mean(jax.nn.softplus(logit) - y * logit)
+
+
+def per_table_loss(tables: int) -> Callable[..., jax.Array]:
+  def loss(p, ids, y):
+    x = jnp.stack([p[f"t{i}"][ids[:, i]] for i in range(tables)], axis=1)
+    return _bce(_logit(p, x), y)
+
+  return loss
+
+
+def stacked_loss(rows: list[int]) -> Callable[..., jax.Array]:
+  offsets = _offsets(rows)
+
+  def loss(p, ids, y):
+    return _bce(_logit(p, p["emb"][ids + offsets]), y)
+
+  return loss
+
+
+def _step_fn(loss: Callable[..., Any], tx: Any) -> Callable[..., Any]:
+  def step(p, s, ids, y):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  return step
+
+
+def _opt_step_fn(tx: Any) -> Callable[..., Any]:
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  return step
+
+
+# (variant, head, optimizer) -> (tx, jitted step, jitted opt-only step):
+# the runs on uniform and on Zipf ids share one compiled step
+_JITTED: dict[tuple, tuple] = {}
+
+
+def _jitted(key: tuple, loss: Callable[..., Any], make_tx: Callable) -> tuple:
+  if key not in _JITTED:
+    tx = make_tx()
+    _JITTED[key] = (
+      tx,
+      jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1)),
+      jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1)),
+    )
+  return _JITTED[key]
+
+
+def _gtx_variant(jitted, params_np, ids, labels, grads):
+  """``(run, run_opt, first loss, buffers)``: the whole step and the
+  optimizer alone (None without ``grads``), on the same donated params
+  and state."""
+  tx, jstep, jopt = jitted
+  params = {k: jnp.array(v) for k, v in params_np.items()}
+  box = [params, tx.init(params)]
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
+
+  def run(i):
+    k = i % len(ids)
+    box[0], box[1], value = jstep(box[0], box[1], ids[k], labels[k])
+    jax.block_until_ready((box[0], value))
+    return float(value)
+
+  def run_opt(i):
+    box[0], box[1] = jopt(box[0], box[1], grads[i % len(grads)])
+    jax.block_until_ready(box[0])
+
+  first = run(0)
+  if grads is None:
+    return run, None, first, box
+  run_opt(0)
+  return run, run_opt, first, box
+
+
+def _opt_grads(params_np, rows, ids, stacked_rows: bool):
+  """Per step: the gradient tree of the step's ids (fixed values)."""
+  rng = np.random.default_rng(SEED + 3)
+  batch, tables = ids[0].shape
+  dim = params_np["emb" if stacked_rows else "t0"].shape[1]
+  vals = jnp.asarray(rng.standard_normal((batch, tables, dim)), jnp.float32)
+  dense = {
+    k: jnp.asarray(rng.standard_normal(np.shape(v)), jnp.float32)
+    for k, v in params_np.items()
+    if k != "emb" and not k.startswith("t")
+  }
+  offsets = _offsets(rows)
+  out = []
+  for step_ids in ids:
+    g = dict(dense)
+    if stacked_rows:
+      flat = jnp.asarray((step_ids + offsets).reshape(-1))
+      g["emb"] = gtx.SparseRows(flat, vals.reshape(-1, dim), sum(rows))
+    else:
+      for i, v in enumerate(rows):
+        col = jnp.asarray(np.ascontiguousarray(step_ids[:, i]))
+        g[f"t{i}"] = gtx.SparseRows(col, vals[:, i], v)
+    out.append(g)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# torch and FBGEMM
+
+
+def _torch_optimizers(name: str, tables: list, dense: list) -> list:
+  import torch
+
+  lr = LR[name]
+  if name == "SparseAdam":  # SparseAdam refuses dense gradients
+    return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr)]
+  make = {"Adagrad": torch.optim.Adagrad, "SGD": torch.optim.SGD}[name]
+  return [make(tables + dense, lr=lr)]
+
+
+def _torch_head(params_np: dict[str, np.ndarray]) -> dict[str, Any]:
+  import torch
+
+  return {
+    k: torch.nn.Parameter(torch.from_numpy(v.copy()))
+    for k, v in params_np.items()
+    if not k.startswith("t")
+  }
+
+
+def _torch_logit(d: dict[str, Any], x: Any) -> Any:
+  import torch
+
+  if "w" in d:
+    return (x * d["w"]).sum(dim=(1, 2)) + d["b"]
+  h = torch.tanh(x.reshape(x.shape[0], -1) @ d["w1"] + d["b1"])
+  return h @ d["w2"] + d["b2"]
+
+
+def _torch_variant(params_np, rows, opt_name, data):
+  """26 ``nn.Embedding(sparse=True)`` and the head: ``(run, first loss,
+  objects)``."""
+  import torch
+  import torch.nn.functional as F
+
+  dim = params_np["t0"].shape[1]
+  embs = []
+  for i, v in enumerate(rows):
+    e = torch.nn.Embedding(v, dim, sparse=True)
+    with torch.no_grad():
+      e.weight.copy_(torch.from_numpy(params_np[f"t{i}"]))
+    embs.append(e)
+  head = _torch_head(params_np)
+  opts = _torch_optimizers(
+    opt_name, [e.weight for e in embs], list(head.values())
+  )
+  ids = [
+    [torch.from_numpy(s[:, i].astype(np.int64)) for i in range(len(rows))]
+    for s in data.ids
+  ]
+  labels = [torch.from_numpy(y) for y in data.labels]
+
+  def run(i):
+    k = i % len(ids)
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    x = torch.stack([e(c) for e, c in zip(embs, ids[k], strict=True)], dim=1)
+    loss = F.binary_cross_entropy_with_logits(_torch_logit(head, x), labels[k])
+    loss.backward()
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  first = run(0)  # torch makes its optimizer state on the first step
+  if HUGE_PAGES[0]:
+    states = [t for o in opts for st in o.state.values() for t in st.values()]
+    _torch_huge_pages(
+      [e.weight for e in embs] + [t for t in states if torch.is_tensor(t)]
+    )
+  return run, first, (embs, head, opts)
+
+
+def _fbgemm_variant(params_np, rows, optim, data):
+  """FBGEMM's one module for all tables (SUM bags of one id), the head on
+  torch's twin of ``optim``: ``(run, first loss, objects)``."""
+  import torch
+  import torch.nn.functional as F
+
+  dim = params_np["t0"].shape[1]
+  lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
+  tbe = _tbe(list(rows), dim, optim, "SUM", lr)
+  for i, w in enumerate(tbe.split_embedding_weights()):
+    w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
+  head = _torch_head(params_np)
+  opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
+    list(head.values()), lr=lr
+  )
+  batch, tables = data.ids[0].shape
+  # table-major: table t's ids for the whole batch, then table t + 1's
+  ids = [torch.from_numpy(s.T.reshape(-1).astype(np.int64)) for s in data.ids]
+  offsets = torch.arange(batch * tables + 1, dtype=torch.int64)
+  labels = [torch.from_numpy(y) for y in data.labels]
+
+  def run(i):
+    k = i % len(ids)
+    opt.zero_grad(set_to_none=True)
+    x = tbe(ids[k], offsets).view(batch, tables, dim)
+    loss = F.binary_cross_entropy_with_logits(_torch_logit(head, x), labels[k])
+    loss.backward()  # the tables' optimizer runs fused in the backward
+    opt.step()
+    return loss.item()
+
+  first = run(0)
+  if HUGE_PAGES[0]:
+    _torch_huge_pages([p for _, p in tbe.named_parameters()])
+  return run, first, (tbe, head, opt)
+
+
+# ----------------------------------------------------------------------------
+# floors
+
+
+def _state_layout(tx: Any, dim: int) -> tuple[int, int]:
+  """``(row buffers, per-row scalars)`` that ``tx`` keeps for a ``[V, dim]``
+  float32 table, the param included."""
+  v = 1009  # any row count that is no other dimension
+  state = jax.eval_shape(tx.init, {"t": jax.ShapeDtypeStruct((v, dim), "f4")})
+  shapes = [x.shape for x in jax.tree.leaves(state)]
+  return 1 + shapes.count((v, dim)), shapes.count((v,))
+
+
+def _random_rows_floor(layout, total: int, dim: int, data, offsets):
+  """Gather + scatter of each step's unique rows in ``layout``'s buffers
+  (``total`` rows each): ``(run, name of the library)``."""
+  wide, narrow = layout
+  uniq = [np.unique(s + offsets) for s in data.ids]
+  if jax.default_backend() != "cpu":
+    return _device_rows_floor(
+      layout, total, dim, uniq
+    ), "jitted jnp gather + scatter"
+  if _available("torch"):
+    import torch
+
+    bufs = [torch.ones(total, dim) for _ in range(wide)]
+    bufs += [torch.ones(total) for _ in range(narrow)]
+    if HUGE_PAGES[0]:
+      _torch_huge_pages(bufs)
+    idx = [torch.from_numpy(u.astype(np.int64)) for u in uniq]
+
+    def run(i):
+      u = idx[i % len(idx)]
+      for b in bufs:
+        b.index_copy_(0, u, b.index_select(0, u))
+
+    return run, "torch index_select + index_copy_"
+  bufs = [np.ones((total, dim), np.float32) for _ in range(wide)]
+  bufs += [np.ones(total, np.float32) for _ in range(narrow)]
+
+  def run_np(i):
+    u = uniq[i % len(uniq)]
+    for b in bufs:
+      b[u] = np.take(b, u, axis=0)
+
+  return run_np, "numpy take + fancy-index store"
+
+
+def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
+  """On an accelerator: the same rows gathered, moved by one and scattered
+  back in place (donated), in one jitted call; ids padded to one length
+  with an out-of-range id that the scatter drops."""
+  wide, narrow = layout
+  n = max(len(u) for u in uniq)
+  idx = [
+    jnp.asarray(np.pad(u, (0, n - len(u)), constant_values=total)) for u in uniq
+  ]
+  box = [[jnp.ones((total, dim)) for _ in range(wide)]]
+  box[0] += [jnp.ones(total) for _ in range(narrow)]
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def move(bufs, u):
+    return [
+      b.at[u].set(b.at[u].get(mode="fill", fill_value=0) + 1, mode="drop")
+      for b in bufs
+    ]
+
+  def run(i):
+    box[0] = move(box[0], idx[i % len(idx)])
+    jax.block_until_ready(box[0])
+
+  return run
+
+
+# ----------------------------------------------------------------------------
+# the step's time
+
+
+def _threads_label(system: str, n: int, threads: list[int]) -> str:
+  """The first thread count is the system's plain name."""
+  return system if n == threads[0] else f"{system}, {n} thread{'s' * (n > 1)}"
+
+
+def _with_threads(n: int, run: Callable[[int], Any]) -> Callable[[int], Any]:
+  """``run`` with torch's intra-op threads set to ``n`` for each call (a
+  process-wide setting; systems of other thread counts run between)."""
+  if not _available("torch"):
+    return run
+  import torch
+
+  def call(i):
+    torch.set_num_threads(n)
+    return run(i)
+
+  return call
+
+
+def run_group(
+  opt_name,
+  dist,
+  head,
+  rows,
+  dim,
+  batch,
+  hidden,
+  sched,
+  systems,
+  bandwidth,
+  threads,
+):
+  """One optimizer on one model: every system round-robin on the same
+  fresh ids. Returns ``{"ms": {system: ms}, ...}``."""
+  t0 = time.perf_counter()
+  opt = OPTIMIZERS[opt_name]
+  tables = len(rows)
+  data = make_data(rows, batch, sched.steps, dist)
+  params = init_params(rows, dim, head, hidden)
+  ids = [jnp.asarray(s) for s in data.ids]
+  labels = [jnp.asarray(y) for y in data.labels]
+  fns, first, keep = {}, {}, []
+  # the optimizer part barely depends on the head: timed with the linear one
+  opt_only = "opt only" in systems and head == "linear"
+  for name, loss, p, stacked_rows in [
+    ("gtx", per_table_loss(tables), params, False),
+    ("gtx stacked", stacked_loss(rows), stacked(params, tables), True),
+  ]:
+    grads = _opt_grads(p, rows, data.ids, stacked_rows) if opt_only else None
+    jitted = _jitted((name, head, opt_name), loss, opt.gtx)
+    run, run_opt, first[name], box = _gtx_variant(jitted, p, ids, labels, grads)
+    fns[name] = run
+    if opt_only:
+      fns[f"{name} opt only"] = run_opt
+    keep.append((box, grads))
+  twin = f"torch {opt.torch}"
+  fb = f"FBGEMM {opt.fbgemm}" if opt.fbgemm else None
+  for n in threads if "torch" in systems else []:
+    label = _threads_label(twin, n, threads)
+    run, first[label], objs = _torch_variant(params, rows, opt.torch, data)
+    fns[label] = _with_threads(n, run)
+    keep.append(objs)
+    if "fbgemm" in systems and fb:
+      label = _threads_label(fb, n, threads)
+      run, first[label], objs = _fbgemm_variant(params, rows, opt.fbgemm, data)
+      fns[label] = _with_threads(n, run)
+      keep.append(objs)
+  layout = _state_layout(opt.gtx(), dim)
+  floor_run, floor_lib = _random_rows_floor(
+    layout, sum(rows), dim, data, _offsets(rows)
+  )
+  fns["floor: random rows"] = _with_threads(max(threads), floor_run)
+  print(f"  set up in {time.perf_counter() - t0:.0f} s", flush=True)
+  del params
+  gc.collect()
+  samples: dict[str, list[float]] = {}
+  times = time_interleaved(
+    {k: _Counter(f) for k, f in fns.items()},
+    warmup=2,
+    samples=samples,
+    **sched._asdict(),
+  )
+  unique = float(
+    np.mean([len(np.unique(s + _offsets(rows))) for s in data.ids])
+  )
+  wide, narrow = layout
+  floor_bytes = unique * (wide * dim + narrow) * 4 * 2
+  floor_bytes += batch * tables * (dim + 1) * 4  # the gradient rows read
+  del keep, fns
+  gc.collect()
+  return {
+    "ms": {k: t * 1e3 for k, t in times.items()},
+    "p10_ms": {
+      k: float(np.percentile(v, 10)) * 1e3 for k, v in samples.items()
+    },
+    "first_loss": first,
+    "unique_rows": unique,
+    "floor_sequential_ms": floor_bytes / bandwidth * 1e3,
+    "floor_library": floor_lib,
+    "twin": twin,
+    "fbgemm": fb,
+  }
+
+
+# ----------------------------------------------------------------------------
+# compile time and ops
+
+
+def compile_point(
+  tables: int, cap: int, dim: int, batch: int, opt_name: str, variant: str
+) -> dict[str, Any]:
+  """Trace, lower and compile the whole step once on abstract inputs."""
+  rows = table_rows(tables, cap)
+  f32 = jnp.float32
+  if variant == "per-table":
+    params = {
+      f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)
+    }
+    loss = per_table_loss(tables)
+  else:
+    params = {"emb": jax.ShapeDtypeStruct((sum(rows), dim), f32)}
+    loss = stacked_loss(rows)
+  params["w"] = jax.ShapeDtypeStruct((tables, dim), f32)
+  params["b"] = jax.ShapeDtypeStruct((), f32)
+  tx = OPTIMIZERS[opt_name].gtx()
+  state = jax.eval_shape(tx.init, params)
+  ids = jax.ShapeDtypeStruct((batch, tables), jnp.int32)
+  y = jax.ShapeDtypeStruct((batch,), f32)
+  # a fresh step function each time: nothing comes from jit's caches
+  jitted = jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1))
+  t0 = time.perf_counter()
+  traced = jitted.trace(params, state, ids, y)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  compiled = lowered.compile()
+  t3 = time.perf_counter()
+  text = compiled.as_text()
+  return {
+    "tables": tables,
+    "variant": variant,
+    "optimizer": opt_name,
+    "trace_s": t1 - t0,
+    "lower_s": t2 - t1,
+    "compile_s": t3 - t2,
+    "total_s": t3 - t0,
+    "hlo_lines": text.count("\n"),
+    **hlo_op_counts(text),
+  }
+
+
+def compile_sweep(counts, cap, dim, batch, optimizers) -> list[dict]:
+  compile_point(2, cap, dim, batch, optimizers[0], "per-table")  # warm up
+  out = []
+  for opt_name in optimizers:
+    for tables in counts:
+      for variant in ("per-table", "stacked"):
+        r = compile_point(tables, cap, dim, batch, opt_name, variant)
+        print(
+          f"compile {opt_name} {tables} tables {variant}: trace "
+          f"{r['trace_s']:.2f} s, compile {r['compile_s']:.2f} s, "
+          f"{r['kernels']} kernels",
+          flush=True,
+        )
+        out.append(r)
+        gc.collect()
+  return out
+
+
+# ----------------------------------------------------------------------------
+# report
+
+
+def _commit() -> str:
+  """The last commit that changed ``gradtx/`` (and whether it has
+  uncommitted changes): the code the numbers measure."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def git(*cmd: str) -> str:
+    return subprocess.run(
+      ["git", "-C", root, *cmd], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+  try:
+    last = git("log", "-1", "--format=%h", "--", "gradtx")
+    dirty = git("status", "--porcelain", "--", "gradtx")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return last + (" with uncommitted changes" if dirty else "")
+
+
+STEP_HEADERS = [
+  "ids",
+  "head",
+  "optimizer",
+  "gtx ms",
+  "gtx stacked ms",
+  "torch twin",
+  "torch ms",
+  "torch / gtx",
+  "torch / gtx, p10",
+  "torch, other threads: ms (/ gtx)",
+  "stacked / gtx",
+  "FBGEMM ms",
+  "FBGEMM / gtx",
+  "FBGEMM, other threads: ms (/ gtx)",
+  "gtx opt only ms",
+  "stacked opt only ms",
+  "random-rows floor ms",
+  "sequential floor ms",
+  "unique rows",
+  "first losses agree",
+]
+
+
+def _step_row(dist, head, opt_name, r) -> list:
+  ms, p10 = r["ms"], r["p10_ms"]
+  g, t = ms["gtx"], ms.get(r["twin"])
+  t10 = p10.get(r["twin"])
+  fb = ms.get(r["fbgemm"]) if r["fbgemm"] else None
+  losses = list(r["first_loss"].values())
+  agree = bool(np.allclose(losses, losses[0], rtol=1e-4, atol=1e-6))
+
+  def opt(x, fmt="{:.2f}"):
+    return fmt.format(x) if x is not None else "-"
+
+  def others(system):
+    cells = [
+      f"{k.rsplit(', ', 1)[1]}: {v:.2f} ({v / g:.2f}x)"
+      for k, v in ms.items()
+      if system and k.startswith(f"{system}, ")
+    ]
+    return "; ".join(cells) or "-"
+
+  return [
+    dist,
+    head,
+    opt_name,
+    f"{g:.2f}",
+    f"{ms['gtx stacked']:.2f}",
+    r["twin"].removeprefix("torch "),
+    opt(t),
+    opt(t / g if t else None, "{:.2f}x"),
+    opt(t10 / p10["gtx"] if t10 else None, "{:.2f}x"),
+    others(r["twin"]),
+    f"{ms['gtx stacked'] / g:.2f}x",
+    opt(fb),
+    opt(fb / g if fb else None, "{:.2f}x"),
+    others(r["fbgemm"]),
+    opt(ms.get("gtx opt only")),
+    opt(ms.get("gtx stacked opt only")),
+    f"{ms['floor: random rows']:.2f}",
+    f"{r['floor_sequential_ms']:.2f}",
+    round(r["unique_rows"]),
+    "yes" if agree else "NO: " + ", ".join(f"{x:.6g}" for x in losses),
+  ]
+
+
+def _compile_headers(fewest: int) -> list[str]:
+  return [
+    "optimizer",
+    "tables",
+    "variant",
+    "trace s",
+    "lower s",
+    "compile s",
+    "total s",
+    f"total / {fewest} tables",
+    "per-table / stacked",
+  ]
+
+
+# compile_point's op counts, in the order of OPS_HEADERS
+OPS_KEYS = [
+  "kernels",
+  "fusion",
+  "while",
+  "sort",
+  "scatter",
+  "gather",
+  "hlo_lines",
+]
+OPS_HEADERS = ["optimizer", "tables", "variant", *OPS_KEYS[:-1], "HLO lines"]
+
+
+def _compile_tables(points: list[dict]) -> tuple[list, list]:
+  by = {(p["optimizer"], p["tables"], p["variant"]): p for p in points}
+  base_tables = min(p["tables"] for p in points)
+  rows, ops = [], []
+  for p in points:
+    key = (p["optimizer"], base_tables, p["variant"])
+    other = by.get((p["optimizer"], p["tables"], "stacked"))
+    rows.append(
+      [
+        p["optimizer"],
+        p["tables"],
+        p["variant"],
+        f"{p['trace_s']:.2f}",
+        f"{p['lower_s']:.2f}",
+        f"{p['compile_s']:.2f}",
+        f"{p['total_s']:.2f}",
+        f"{p['total_s'] / by[key]['total_s']:.2f}x",
+        f"{p['total_s'] / other['total_s']:.2f}x"
+        if p["variant"] == "per-table" and other
+        else "-",
+      ]
+    )
+    ops.append(
+      [p["optimizer"], p["tables"], p["variant"]] + [p[k] for k in OPS_KEYS]
+    )
+  return rows, ops
+
+
+def _plot(steps: list[list], points: list[dict], tables: int, path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  panels = (1 if steps else 0) + (1 if points else 0)
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+  axes = list(axes[0])
+  if steps:
+    ax = axes.pop(0)
+    h = STEP_HEADERS
+    series = [
+      ("gtx ms", "gtx per-table"),
+      ("gtx stacked ms", "gtx stacked"),
+      ("torch ms", "torch twin"),
+      ("FBGEMM ms", "FBGEMM"),
+      ("random-rows floor ms", "floor: random rows"),
+    ]
+    width = 0.8 / len(series)
+    for k, (col, label) in enumerate(series):
+      vals = [
+        float(r[h.index(col)]) if r[h.index(col)] != "-" else float("nan")
+        for r in steps
+      ]
+      ax.bar(
+        [i + (k - len(series) / 2 + 0.5) * width for i in range(len(steps))],
+        vals,
+        width,
+        label=label,
+      )
+    ax.set_xticks(
+      range(len(steps)),
+      [f"{r[2]}\n{r[0]}, {r[1]}" for r in steps],
+      fontsize=6,
+      rotation=90,
+    )
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per training step (log)")
+    ax.set_title(f"DLRM-shaped step, {tables} tables (optimizer, ids, head)")
+    ax.legend(fontsize=7)
+  if points:
+    ax = axes.pop(0)
+    for opt_name in dict.fromkeys(p["optimizer"] for p in points):
+      for variant, style in (("per-table", "o-"), ("stacked", "s--")):
+        pts = [
+          (p["tables"], p["total_s"])
+          for p in points
+          if p["optimizer"] == opt_name and p["variant"] == variant
+        ]
+        ax.plot(*zip(*pts, strict=True), style, label=f"{opt_name} {variant}")
+    ax.set_xlabel("tables")
+    ax.set_ylabel("trace + lower + compile, s")
+    ax.set_title("Compile time of the whole step")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--tables", type=int, default=26)
+  parser.add_argument("--cap", type=int, default=100_000)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--batch", type=int, default=2048)
+  parser.add_argument("--hidden", type=int, default=256)
+  parser.add_argument(
+    "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
+  )
+  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  parser.add_argument("--heads", nargs="+", default=["linear", "mlp"])
+  parser.add_argument(
+    "--mlp-optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=OPTIMIZERS,
+    help="the optimizers also run with the mlp head",
+  )
+  parser.add_argument(
+    "--torch-threads",
+    type=int,
+    nargs="+",
+    default=[2, 1],
+    help="torch.set_num_threads for torch and FBGEMM, each its own system "
+    "(the first is the twin of the ratios; one thread is immune to an "
+    "oversubscribed machine, where a two-thread OpenMP barrier waits for a "
+    "preempted thread at every op)",
+  )
+  add_schedule_args(parser)
+  # the whole step of 26 tables is slow beside torch's: shorter rounds
+  parser.set_defaults(rounds=5, burst=5, settle=2)
+  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--no-fbgemm", action="store_true")
+  parser.add_argument("--no-opt-only", action="store_true")
+  parser.add_argument("--no-steps", action="store_true")
+  parser.add_argument("--no-compile", action="store_true")
+  parser.add_argument(
+    "--compile-tables", type=int, nargs="+", default=[26, 52, 104]
+  )
+  parser.add_argument("--compile-cap", type=int, default=20_000)
+  parser.add_argument("--compile-dim", type=int, default=32)
+  parser.add_argument("--compile-batch", type=int, default=1024)
+  parser.add_argument(
+    "--compile-optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=OPTIMIZERS,
+  )
+  parser.add_argument(
+    "--label", default="", help="added to the title, e.g. which code this is"
+  )
+  parser.add_argument("--small-pages", action="store_true")
+  parser.add_argument("--quick", "--smoke", action="store_true")
+  args = parser.parse_args(argv)
+  HUGE_PAGES[0] = not args.small_pages
+  if args.quick:
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
+    args.tables, args.cap, args.dim, args.batch, args.hidden = (
+      8,
+      2000,
+      16,
+      256,
+      32,
+    )
+    args.rounds, args.burst, args.settle = 2, 2, 1
+    args.optimizers = args.mlp_optimizers = args.optimizers[:2]
+    args.compile_tables, args.compile_cap = [4, 8], 500
+    args.compile_dim, args.compile_batch = 8, 64
+  systems = set()
+  if not args.no_torch and _available("torch"):
+    systems.add("torch")
+  if "torch" in systems and not args.no_fbgemm and _available("fbgemm_gpu"):
+    systems.add("fbgemm")
+  if not args.no_opt_only:
+    systems.add("opt only")
+  sched = Schedule.from_args(args)
+  rows = table_rows(args.tables, args.cap)
+  commit = _commit()
+  load_before = load_note()
+  bandwidth = warm_copy_bandwidth()
+  steps, raw = [], []
+  if not args.no_steps:
+    for head in args.heads:
+      for dist in args.dists:
+        for opt_name in args.optimizers:
+          if head == "mlp" and opt_name not in args.mlp_optimizers:
+            continue
+          print(f"{opt_name}, {dist} ids, {head} head", flush=True)
+          r = run_group(
+            opt_name,
+            dist,
+            head,
+            rows,
+            args.dim,
+            args.batch,
+            args.hidden,
+            sched,
+            systems,
+            bandwidth,
+            args.torch_threads,
+          )
+          raw.append({"ids": dist, "head": head, "optimizer": opt_name, **r})
+          steps.append(_step_row(dist, head, opt_name, r))
+          print(dict(zip(STEP_HEADERS, steps[-1], strict=True)), flush=True)
+  points = []
+  if not args.no_compile:
+    points = compile_sweep(
+      args.compile_tables,
+      args.compile_cap,
+      args.compile_dim,
+      args.compile_batch,
+      args.compile_optimizers,
+    )
+  compile_rows, ops_rows = _compile_tables(points) if points else ([], [])
+  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
+  png = RESULTS / f"recsys{suffix}.png"
+  RESULTS.mkdir(exist_ok=True)
+  _plot(steps, points, len(rows), png)
+  headline = []
+  for r in steps:
+    c = dict(zip(STEP_HEADERS, r, strict=True))
+    if c["head"] == "linear" and c["torch / gtx"] != "-":
+      if c["optimizer"] in ("lazy_adam", "rowwise_adagrad"):
+        headline.append(
+          {
+            "metric": f"{c['optimizer']} step vs torch {c['torch twin']} "
+            f"(linear head, {c['ids']})",
+            "value": float(c["torch / gtx"].rstrip("x")),
+            "target": ">= 2x" if c["optimizer"] == "lazy_adam" else ">= 4x",
+          }
+        )
+    headline.append(
+      {
+        "metric": f"{c['optimizer']} stacked / per-table step ({c['head']}, "
+        f"{c['ids']})",
+        "value": float(c["stacked / gtx"].rstrip("x")),
+        "target": ">= 1x",
+      }
+    )
+  by = {(p["optimizer"], p["tables"], p["variant"]): p for p in points}
+  lo, hi = min(args.compile_tables), max(args.compile_tables)
+  for opt_name in args.compile_optimizers if points else []:
+    a, b = by[(opt_name, lo, "per-table")], by[(opt_name, hi, "per-table")]
+    s = by[(opt_name, hi, "stacked")]
+    headline.append(
+      {
+        "metric": f"{opt_name} compile, {hi} / {lo} tables",
+        "value": round(b["total_s"] / a["total_s"], 2),
+        "target": "<= 1.5x",
+      }
+    )
+    headline.append(
+      {
+        "metric": f"{opt_name} compile at {hi} tables, per-table / stacked",
+        "value": round(b["total_s"] / s["total_s"], 2),
+        "target": "<= 2x",
+      }
+    )
+  versions = f"jax {jax.__version__}, gradtx/ as of commit {commit}"
+  if "torch" in systems:
+    versions += f", torch {_version('torch')} (2 threads)"
+  versions += (
+    f", fbgemm_gpu {_version('fbgemm_gpu')}"
+    if "fbgemm" in systems
+    else ", FBGEMM not installed (see benchmarks/fbgemm_anchor.py)"
+  )
+  caution = oversubscribed(
+    "so every figure is inflated and torch's and FBGEMM's worker threads "
+    "(an OpenMP barrier per op) suffer more from it than XLA's: the torch / "
+    "gtx ratios overstate the quiet-machine ratios (the p10 column is less "
+    "exposed)."
+  )
+  notes = (
+    f"{len(rows)} tables (Criteo Kaggle's cardinalities capped at "
+    f"{args.cap:,}: {sum(rows):,} rows) x {args.dim} float32, batch "
+    f"{args.batch:,}, one id per table per example, fresh ids every step; "
+    f"heads: linear (a logit weight vector per feature), mlp (tanh layer of "
+    f"{args.hidden} over the concatenated embeddings); binary cross-entropy "
+    f"returned. {sched.describe()}, every system of a row in the same "
+    "rounds. torch twin: SparseAdam (head on Adam) for lazy_adam, sparse "
+    "Adagrad for rowwise_adagrad and adagrad, SGD for lazy_sgd. FBGEMM: one "
+    "table-batched module for all tables, SUM bags of one id, the head on "
+    "torch's Adagrad/SGD. torch and FBGEMM run at "
+    f"{args.torch_threads[0]} intra-op threads (the ratios' twins) and also "
+    f"at {', '.join(map(str, args.torch_threads[1:])) or '-'} (the 'other "
+    "threads' columns), each its own system in the same rounds. gtx opt "
+    "only: `update` + `apply_updates` on pre-built gradients of the same "
+    "ids, linear-head rows only. Random-rows floor: "
+    f"{raw[0]['floor_library'] if raw else '-'} of each step's unique rows "
+    "in one buffer per state kind (params included), measured in the same "
+    "rounds; sequential floor: those bytes read + written and the gradient "
+    f"rows read, over the warm copy bandwidth ({bandwidth / 1e9:.1f} GB/s). "
+    "'first losses agree': every system's first-step loss on the same "
+    f"params and ids. {versions}. Load average (1/5/15 min) before: "
+    f"{load_before}, after: {load_note()}: the machine is shared with other "
+    f"engineers' jobs.{caution}"
+  )
+  if points:
+    notes += (
+      "\n\n### Compile time of the whole step\n\n"
+      f"Tables capped at {args.compile_cap:,} rows, {args.compile_dim} wide, "
+      f"batch {args.compile_batch:,}, linear head; one measurement each, "
+      "on abstract inputs (`jax.jit(step).trace(...)`, `.lower()`, "
+      "`.compile()`), a fresh step function each time.\n\n"
+      + markdown_table(_compile_headers(lo), compile_rows)
+      + "\n\n### Ops in the compiled step\n\n"
+      f"Static counts in the {jax.default_backend()} program (a while body "
+      "counts once): kernels = ops of the entry computation and of the "
+      "bodies it runs through control flow, except parameters, constants, "
+      "tuples and bitcasts (a fusion is one kernel); scatter and gather "
+      "also inside fusions.\n\n" + markdown_table(OPS_HEADERS, ops_rows)
+    )
+  notes += f"\n\nPlot: {png.name}."
+  write_results(
+    "recsys",
+    f"Recommender scale: {len(rows)} tables, per-table vs stacked vs torch vs "
+    "FBGEMM" + (f" ({args.label})" if args.label else ""),
+    STEP_HEADERS,
+    steps,
+    notes=notes,
+    extra={
+      "headline": headline,
+      "commit": commit,
+      "groups": raw,
+      "compile": points,
+      "warm_copy_bandwidth": bandwidth,
+      "quick": args.quick,
+    },
+  )
+
+
+if __name__ == "__main__":
+  main()
