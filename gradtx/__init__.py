@@ -18,9 +18,16 @@ from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
 )
 from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
+from gradtx._lazy_adam import (
+  ScaleByPartialRowwiseAdamState as ScaleByPartialRowwiseAdamState,
+)
 from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
+from gradtx._lazy_adam import partial_rowwise_adam as partial_rowwise_adam
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
+from gradtx._lazy_adam import (
+  scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
+)
 from gradtx._memory import bytes_per_row as bytes_per_row
 from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import Mirrored as Mirrored
@@ -63,6 +70,7 @@ __all__ = [
   "RowTransformationState",
   "ScaleByLazyAdamCatchUpState",
   "ScaleByLazyAdamState",
+  "ScaleByPartialRowwiseAdamState",
   "ScaleByRowwiseRssState",
   "ScaleByRssState",
   "SparseRows",
@@ -84,11 +92,13 @@ __all__ = [
   "lazy_sgd",
   "lazy_trace",
   "lookup",
+  "partial_rowwise_adam",
   "row_transformation",
   "rowwise_adagrad",
   "scale",
   "scale_by_lazy_adam",
   "scale_by_learning_rate",
+  "scale_by_partial_rowwise_adam",
   "scale_by_rowwise_rss",
   "scale_by_rss",
   "sharded_init",

@@ -23,7 +23,12 @@ from gradtx._precision import (
   state_dtype,
   state_full,
 )
-from gradtx._rows import concrete_float, per_row, row_optimizer
+from gradtx._rows import (
+  check_nonnegative,
+  concrete_float,
+  per_row,
+  row_optimizer,
+)
 from gradtx._sharded import per_row_full
 from gradtx._transforms import scale_by_learning_rate
 
@@ -37,15 +42,6 @@ def _float_dtype(dtype: Any, what: str, why: str) -> Any:
       "jnp.float32 (or jnp.bfloat16 to halve it)."
     )
   return parsed
-
-
-def _check_nonnegative(what: str, **values: Any) -> None:
-  for name, value in values.items():
-    v = concrete_float(value)
-    if v is not None and not v >= 0:
-      raise ValueError(
-        f"{what}: `{name}` must be >= 0; got {v}. Pass a non-negative value."
-      )
 
 
 # ----------------------------------------------------------------------------
@@ -125,7 +121,7 @@ def scale_by_rss(
     <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.
   """
   what = "gradtx.scale_by_rss"
-  _check_nonnegative(what, initial_accumulator_value=initial_accumulator_value)
+  check_nonnegative(what, initial_accumulator_value=initial_accumulator_value)
   acc_dtype = state_dtype(
     accumulator_dtype, "scale_by_rss", "accumulator_dtype"
   )
@@ -298,7 +294,7 @@ def scale_by_rowwise_rss(
     <https://github.com/pytorch/FBGEMM/tree/main/fbgemm_gpu>`_, 2021.
   """
   what = "gradtx.scale_by_rowwise_rss"
-  _check_nonnegative(
+  check_nonnegative(
     what,
     eps=eps,
     initial_accumulator_value=initial_accumulator_value,
@@ -660,7 +656,7 @@ def ftrl(
     <https://www.tensorflow.org/api_docs/python/tf/raw_ops/ApplyFtrlV2>`_.
   """
   what = "gradtx.ftrl"
-  _check_nonnegative(
+  check_nonnegative(
     what,
     initial_accumulator_value=initial_accumulator_value,
     l1_regularization_strength=l1_regularization_strength,

@@ -63,7 +63,13 @@ from gradtx._rowio import (
 )
 from gradtx._sharded import is_split, row_axes
 
-__all__ = ["concrete_float", "per_row", "row_optimizer", "update_rows"]
+__all__ = [
+  "check_nonnegative",
+  "concrete_float",
+  "per_row",
+  "row_optimizer",
+  "update_rows",
+]
 
 # rule(g, p, *states) -> (new_states, update), update(*new_states) -> u
 Rule = Callable[..., tuple[Sequence[Any], Callable[..., Any]]]
@@ -75,6 +81,15 @@ _MAX_GROUP_ROWS = 2**31 - 1
 def concrete_float(x: Any) -> float | None:
   """``float(x)``, or None for a traced value (under inject_hyperparams)."""
   return concrete(x, float)
+
+
+def check_nonnegative(what: str, **values: Any) -> None:
+  for name, value in values.items():
+    v = concrete_float(value)
+    if v is not None and not v >= 0:
+      raise ValueError(
+        f"{what}: `{name}` must be >= 0; got {v}. Pass a non-negative value."
+      )
 
 
 def per_row(x: jax.Array, ndim: int) -> jax.Array:
