@@ -8,6 +8,7 @@ and differentiates the rewritten loss.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -56,14 +57,37 @@ def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
     )
 
 
-def _bounds_check(ids: jax.Array, num_rows: int) -> None:
-  bad = (ids < 0) | (ids >= num_rows)
+def _checked_zeros(bad: np.ndarray, num_rows: int) -> np.ndarray:
+  _raise_bad_ids(np.asarray(bad), num_rows)
+  return np.zeros(np.shape(bad), np.int32)
+
+
+def _bounds_check(ids: Any, checked: jax.Array, num_rows: int) -> jax.Array:
+  """``checked`` (``ids`` as int32), after a check that raises for ids
+  outside ``[0, num_rows)``: at once for concrete ids (also where a trace
+  closes over them), in the computation for traced ones."""
   try:
-    concrete = np.asarray(bad)
+    concrete = np.asarray(ids)
   except jax.errors.TracerArrayConversionError:
-    jax.debug.callback(_raise_bad_ids, bad, num_rows)
+    pass
   else:
-    _raise_bad_ids(concrete, num_rows)
+    wide = concrete.astype(np.int64)
+    _raise_bad_ids((wide < 0) | (wide >= num_rows), num_rows)
+    return checked
+  # Traced ids: a host check whose zeros the read adds to its ids, so it
+  # runs before the read and is never dropped. A pure callback, not
+  # jax.debug.callback: an effect inside a differentiated loop (lax.map,
+  # vmap under remat) makes JAX's partial evaluation keep its trace in a
+  # reference cycle (trace -> effect handle -> tracers -> trace), which
+  # jax.checking_leaks reports as a leaked trace.
+  bad = (checked < 0) | (checked >= num_rows)
+  zeros = jax.pure_callback(
+    functools.partial(_checked_zeros, num_rows=num_rows),
+    jax.ShapeDtypeStruct(bad.shape, jnp.int32),
+    bad,
+    vmap_method="expand_dims",
+  )
+  return checked + zeros
 
 
 def gtx_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -98,8 +122,8 @@ def lookup(
     table: ``[num_rows, *row_shape]`` array.
     ids: integer ids of any shape.
     bounds_check: raise a ValueError for ids outside ``[0, num_rows)``.
-      With concrete ids it raises at once; under ``jit`` the check runs on
-      the device through ``jax.debug.callback`` and fails the computation.
+      With concrete ids it raises at once; under ``jit`` a host callback
+      checks them before the read and fails the computation.
 
   Returns:
     ``ids.shape + table.shape[1:]`` rows.
@@ -119,10 +143,10 @@ def lookup(
     raise ValueError(
       "gradtx.lookup `table` must have at least one axis (rows); got a scalar."
     )
-  ids = _check_ids(ids, table.shape[0])
+  checked = _check_ids(ids, table.shape[0])
   if bounds_check:
-    _bounds_check(ids, table.shape[0])
-  return _lookup_rows(table, ids)
+    checked = _bounds_check(ids, checked, table.shape[0])
+  return _lookup_rows(table, checked)
 
 
 # ----------------------------------------------------------------------------
@@ -487,8 +511,10 @@ def sparse_value_and_grad(
   so a lazy optimizer behaves as the dense one. The shapes are static, so
   this is decided at trace time; ``require_sparse`` keeps it sparse,
   ``dense`` makes other tables dense. A table read only through
-  ``lax.stop_gradient`` (a frozen table) gets an empty SparseRows: no
-  gradient, and no row for a lazy optimizer to touch.
+  ``lax.stop_gradient`` (a frozen table: every use of its ``stop_gradient``
+  value a whole-row read) gets an empty SparseRows: no gradient, and no
+  row for a lazy optimizer to touch. A frozen kernel or bias is no table:
+  it gets ``jax.grad``'s dense zeros.
 
   The SparseRows of a table holds the ids of its reads in program order
   (depth-first through nested jit/checkpoint/scan bodies), each read's ids

@@ -219,10 +219,20 @@ class DenseUse:
 @dataclasses.dataclass(frozen=True)
 class Group:
   """What a jaxpr does with one table (and its casts): reads, or a dense use;
-  ``frozen``: some use goes through ``stop_gradient`` (no gradient there)."""
+  ``frozen``: some whole-row read goes through ``stop_gradient`` (no
+  gradient there)."""
 
   reads: tuple[Read, ...]
   dense: DenseUse | None
+  frozen: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+  """How a value derives from a table: the float casts applied to it, in
+  order, and whether a ``stop_gradient`` came first (``frozen``)."""
+
+  casts: tuple = ()
   frozen: bool = False
 
 
@@ -423,12 +433,13 @@ class Analysis:
   def __init__(self):
     self._memo: dict[Any, tuple[Any, Group]] = {}
 
-  def group(self, jaxpr: Any, members: dict[int, Any]) -> Group:
+  def group(self, jaxpr: Any, members: dict[int, View]) -> Group:
     """What ``jaxpr`` does with the table at invars ``members`` (index ->
-    casts applied to the table before it gets there, in order): its reads
-    in program order, or the first
-    use that keeps it dense."""
-    key = (id(jaxpr), tuple(sorted((i, str(d)) for i, d in members.items())))
+    how the value there derives from the table): its reads in program
+    order, or the first use that keeps it dense. A value read through
+    ``stop_gradient`` must be read as whole rows too: a frozen kernel or
+    bias is no table."""
+    key = (id(jaxpr), tuple(sorted((i, str(v)) for i, v in members.items())))
     hit = self._memo.get(key)
     if hit is not None and hit[0] is jaxpr:
       return hit[1]
@@ -436,8 +447,8 @@ class Analysis:
     self._memo[key] = (jaxpr, result)
     return result
 
-  def _walk(self, jaxpr: Any, members: dict[int, Any]) -> Group:
-    alias = {jaxpr.invars[i]: d for i, d in members.items()}
+  def _walk(self, jaxpr: Any, members: dict[int, View]) -> Group:
+    alias = {jaxpr.invars[i]: v for i, v in members.items()}
     reads: list[Read] = []
     frozen = False
     for eqn in jaxpr.eqns:
@@ -446,13 +457,19 @@ class Analysis:
         continue
       m = _match(eqn, pos)
       if isinstance(m, DenseUse):
+        if any(alias[eqn.invars[p]].frozen for p in pos):
+          m = dataclasses.replace(m, what=f"{m.what} after `stop_gradient`")
         return Group(tuple(reads), m, frozen)
+      view = alias[eqn.invars[pos[0]]]
       if isinstance(m, _Frozen):
-        frozen = True  # its output is a constant: no use of the table
+        alias[eqn.outvars[0]] = View(view.casts, True)
       elif isinstance(m, _RowRead):
-        reads.append(Read(m.ids_shape, m.vma))
+        if view.frozen:
+          frozen = True  # a constant for autodiff: no sink
+        else:
+          reads.append(Read(m.ids_shape, m.vma))
       elif isinstance(m, _Cast):
-        alias[eqn.outvars[0]] = alias[eqn.invars[pos[0]]] + (m.dtype,)
+        alias[eqn.outvars[0]] = View((*view.casts, m.dtype), view.frozen)
       elif isinstance(m, _Pvary):
         for p in pos:
           alias[eqn.outvars[p]] = alias[eqn.invars[p]]
@@ -494,7 +511,8 @@ def analyze(
   if len(candidates) != len(jaxpr.invars):
     raise ValueError(f"{len(candidates)} flags for {len(jaxpr.invars)} inputs")
   out = [
-    an.group(jaxpr, {i: ()}) if c else None for i, c in enumerate(candidates)
+    an.group(jaxpr, {i: View()}) if c else None
+    for i, c in enumerate(candidates)
   ]
   return an, out
 
@@ -741,7 +759,7 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
   raws, sinks = [], []
   for ps in members:
     q = invals[ps[0]].queue
-    sub = an.group(m.jaxpr, {p: invals[p].casts for p in ps})
+    sub = an.group(m.jaxpr, {p: View(invals[p].casts) for p in ps})
     raws.append(invals[ps[0]].value)
     sinks.append([q.sinks.popleft() for _ in sub.reads])
   spec = tuple(

@@ -11,6 +11,7 @@ import references as ref
 from flax import nnx
 from flax.training import train_state
 from hlo import whole_table_ops
+from jax import lax
 from references_lazy_adam import LazyAdam
 
 import gradtx as gtx
@@ -278,16 +279,127 @@ def test_train_state_and_nnx_steps_donated_update_in_place():
 
   model = NnxModel(make_params())  # the first params were donated
   optimizer = nnx.Optimizer(model, gtx.lazy_adam(lr), wrt=nnx.Param)
+  nnx_steps(model, optimizer, nnx.jit(donate_argnums=(0, 1)))
+  np.testing.assert_allclose(model.emb[...], want["emb"], rtol=2e-5, atol=1e-6)
 
-  @nnx.jit(donate_argnums=(0, 1))
-  def nnx_step(model, optimizer, ids):
+
+def nnx_steps(model, optimizer, jit=nnx.jit):
+  """``BATCHES`` through an nnx step: split, sparse_grad, update."""
+
+  @jit
+  def step(model, optimizer, ids):
     graphdef, st = nnx.split(model)
     grads = gtx.sparse_grad(lambda s: nnx.merge(graphdef, s)(ids))(st)
     optimizer.update(model, grads)
 
   for ids in BATCHES:
-    nnx_step(model, optimizer, jnp.asarray(ids))
-  np.testing.assert_allclose(model.emb[...], want["emb"], rtol=2e-5, atol=1e-6)
+    step(model, optimizer, jnp.asarray(ids))
+
+
+# ----------------------------------------------------------------------------
+# A frozen dense layer beside a table (issue 27): optax.adam on the frozen
+# kernel and bias through multi_transform gets jax's zeros, as without gtx
+
+
+def frozen_layer_loss(params, ids):
+  h = params["emb"][ids] @ lax.stop_gradient(params["frozen_w"])
+  h = h + lax.stop_gradient(params["frozen_b"])[None]
+  return jnp.sum((jnp.tanh(h) @ params["w"]) * jnp.arange(1.0, 1 + ids.size))
+
+
+def frozen_layer_params():
+  rng = np.random.RandomState(1)
+  return {
+    **make_params(),
+    "frozen_w": jnp.asarray(rng.normal(size=(D, D)), jnp.float32),
+    "frozen_b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+  }
+
+
+def _label(path, _):
+  return "t" if "emb" in jax.tree_util.keystr(path) else "d"
+
+
+def frozen_layer_tx(lr, params):
+  # labels by path, as a user writes them: the table "t", the layers "d"
+  labels = jax.tree_util.tree_map_with_path(_label, params)
+  return optax.multi_transform(
+    {"t": gtx.lazy_adam(lr), "d": optax.adam(lr)}, labels
+  )
+
+
+def frozen_layer_reference(params, lr):
+  """Lazy Adam on the table, Adam on the rest (one formula, float64), on
+  jax.grad's dense gradients."""
+  opt = LazyAdam({k: np.asarray(v) for k, v in params.items()}, lambda t: lr)
+  for ids in BATCHES:
+    now = {k: jnp.asarray(v, jnp.float32) for k, v in opt.p.items()}
+    g = jax.grad(frozen_layer_loss)(now, jnp.asarray(ids))
+    rows = np.unique(ids)
+    g = {k: np.asarray(v) for k, v in g.items()}
+    opt.step({**g, "emb": (rows, g["emb"][rows], V)})
+  return opt.p
+
+
+def _check_frozen_layer(got, params, lr):
+  want = frozen_layer_reference(params, lr)
+  for k in params:
+    np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6)
+  for k in ("frozen_w", "frozen_b"):
+    np.testing.assert_array_equal(got[k], params[k])
+
+
+def test_optax_adam_on_a_frozen_layer_through_multi_transform():
+  lr = 0.05
+  params = frozen_layer_params()
+  labels = gtx.sparse_labels(
+    frozen_layer_loss, sparse_label="t", dense_label="d"
+  )(params, jnp.asarray(BATCHES[0]))
+  assert labels == jax.tree_util.tree_map_with_path(_label, params)
+  for tx in (frozen_layer_tx(lr, params), frozen_layer_tx(lr, labels)):
+
+    @jax.jit
+    def step(p, s, ids, tx=tx):
+      g = gtx.sparse_grad(frozen_layer_loss)(p, ids)
+      for k in ("frozen_w", "frozen_b"):
+        assert not isinstance(g[k], gtx.SparseRows)
+      u, s = tx.update(g, s, p)
+      return gtx.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    for ids in BATCHES:
+      p, s = step(p, s, jnp.asarray(ids))
+    _check_frozen_layer(p, params, lr)
+
+
+def test_a_frozen_layer_in_train_state_and_nnx_optimizer():
+  lr = 0.05
+  params = frozen_layer_params()
+  state = train_state.TrainState.create(
+    apply_fn=frozen_layer_loss, params=params, tx=frozen_layer_tx(lr, params)
+  )
+
+  @jax.jit
+  def step(state, ids):
+    grads = gtx.sparse_grad(state.apply_fn)(state.params, ids)
+    return state.apply_gradients(grads=grads)
+
+  for ids in BATCHES:
+    state = step(state, jnp.asarray(ids))
+  _check_frozen_layer(state.params, params, lr)
+
+  class Model(nnx.Module):
+    def __init__(self, params):
+      for k, v in params.items():
+        setattr(self, k, nnx.Param(v))
+
+    def __call__(self, ids):
+      return frozen_layer_loss({k: getattr(self, k)[...] for k in params}, ids)
+
+  model = Model(params)
+  tx = frozen_layer_tx(lr, nnx.as_pure(nnx.state(model, nnx.Param)))
+  nnx_steps(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+  _check_frozen_layer({k: getattr(model, k)[...] for k in params}, params, lr)
 
 
 # ----------------------------------------------------------------------------

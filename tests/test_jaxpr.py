@@ -207,6 +207,57 @@ def test_lookup_padding_and_bounds_check_kept():
     )
 
 
+def _checked_lookups_in_a_loop(x0, P, X):
+  # issue 27, from a fuzzer: remat over vmap over lax.map, a bounds-checked
+  # lookup of a float16 cast of the table beside a plain table[j]
+  w, t0 = P[1] * x0[0], P[0][0]
+
+  def f3(i):
+    def f5(i, ta6):
+      def g8(j):
+        cast = lax.convert_element_type(ta6, jnp.float16)
+        k = j.astype(jnp.int32) % 50 + X  # X: 0, or 50 for bad ids
+        r10 = gtx.lookup(cast, k, bounds_check=True)
+        r10 = r10.astype(jnp.float32).reshape(-1, 2) * w[None, :2] + 0.933
+        f14 = ta6[j].astype(jnp.float32)
+        return jnp.sum(jax.nn.relu(r10)) + jnp.sum(jnp.sin(f14) * (f14 + 0.9))
+
+      return jnp.sum(lax.map(g8, i))
+
+    return jnp.sum(jax.vmap(f5, in_axes=(0, None))(i, t0))
+
+  ids = jnp.asarray(np.array([[[24, 32, 27]], [[38, 11, 45]]], np.int32))
+  policy = jax.checkpoint_policies.nothing_saveable
+  return jax.checkpoint(f3, policy=policy, prevent_cse=True)(ids)
+
+
+def test_a_bounds_checked_lookup_in_a_differentiated_loop_leaks_no_trace():
+  # The lookup's bounds check was a jax.debug.callback: an effect, which
+  # JAX's partial evaluation of the loop keeps in its trace's effect
+  # handles, whose tracers point back at the trace (a reference cycle that
+  # checking_leaks reported; jax.value_and_grad of this loss did too).
+  rng = np.random.RandomState(8)
+  x0 = jnp.asarray([1.25])
+  P = (
+    {0: jnp.asarray(rng.normal(size=(50, 2)), jnp.float32)},
+    jnp.asarray(rng.normal(size=(2,)), jnp.float32),
+  )
+  loss = _checked_lookups_in_a_loop
+  with jax.checking_leaks():  # jitted: one compilation, not one per op
+    jvg = jax.value_and_grad(loss, argnums=(0, 1))
+    want_v, want = jax.jit(jvg)(x0, P, 0)
+    gvg = gtx.sparse_value_and_grad(loss, argnums=(0, -2))
+    got_v, got = jax.jit(gvg)(x0, P, 0)
+  np.testing.assert_allclose(got_v, want_v, rtol=1e-6)
+  assert _is_sparse(got[1][0][0])
+  for g, w in zip(_leaves(got), jax.tree.leaves(want), strict=True):
+    g = g.to_dense() if _is_sparse(g) else g
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  # the check still fails the computation on an id out of range
+  with pytest.raises(jax.errors.JaxRuntimeError, match=r"outside \[0, 50\)"):
+    jax.block_until_ready(jax.jit(gtx.sparse_grad(loss, 1))(x0, P, 50))
+
+
 def test_lookup_is_rebound_by_name_not_inlined():
   def loss(t, i):
     return _mlp(gtx.lookup(t, i), W)
@@ -885,6 +936,124 @@ def test_a_frozen_table_gets_no_gradient_and_no_update():
     TABLE, IDS
   )
   assert g.nnz == IDS.size
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: gtx.lazy_adam(0.1),
+    lambda: gtx.lazy_adamw(0.1, weight_decay=0.5),
+    lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.5),
+    lambda: gtx.adagrad(0.1),
+    lambda: gtx.ftrl(0.1, l1_regularization_strength=0.1),
+    lambda: gtx.lazy_sgd(0.1, momentum=0.9),
+    lambda: gtx.accumulate(
+      gtx.lazy_adam(0.1), 2, rows_per_step={"emb": 1, "w": None}
+    ),
+  ],
+  ids=[
+    "lazy_adam",
+    "lazy_adamw",
+    "rowwise_adagrad",
+    "adagrad",
+    "ftrl",
+    "sgd",
+    "accumulate",
+  ],
+)
+def test_a_frozen_table_keeps_every_row_under_gtx_optimizers(make):
+  def loss(p, ids):
+    return _mlp(lax.stop_gradient(p["emb"])[ids], p["w"])
+
+  tx = make()
+
+  def step(p, s, ids):
+    u, s = tx.update(gtx.sparse_grad(loss)(p, ids), s, p)
+    return gtx.apply_updates(p, u), s
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  p = {"emb": TABLE + 0.0, "w": W + 0.0}
+  s = tx.init(p)
+  # the table's state rows: the state leaves shaped like the table's rows
+  rows_of = lambda s: [x for x in jax.tree.leaves(s) if x.shape[:1] == (V,)]  # noqa: E731
+  init_rows = [np.asarray(x) for x in rows_of(s)]
+  assert init_rows
+  for _ in range(4):
+    p, s = step(p, s, IDS)
+  np.testing.assert_array_equal(p["emb"], TABLE)
+  assert not np.array_equal(p["w"], W)
+  for got, want in zip(rows_of(s), init_rows, strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def _frozen_layer_loss(p, ids):
+  # issue 27: a frozen dense layer (kernel and bias) on top of a table
+  h = p["emb"][ids].mean(0) @ lax.stop_gradient(p["frozen_w"])
+  h = h + lax.stop_gradient(p["frozen_b"])
+  return jnp.sum(jnp.tanh(h) * p["w"])
+
+
+def _frozen_layer_params():
+  rng = np.random.RandomState(7)
+  return {
+    "emb": TABLE,
+    "frozen_w": jnp.asarray(rng.normal(size=(D, D)), jnp.float32),
+    "frozen_b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+    "w": W,
+  }
+
+
+def test_a_frozen_kernel_or_bias_gets_jax_zeros_not_sparse_rows():
+  p = _frozen_layer_params()
+  g = _check(_frozen_layer_loss, p, IDS)
+  for k in ("frozen_w", "frozen_b"):
+    assert not _is_sparse(g[k]) and g[k].shape == p[k].shape
+    np.testing.assert_array_equal(g[k], 0.0)
+  report = gtx.sparsity_report(_frozen_layer_loss)(p, IDS)
+  assert [r.path for r in report.tables] == ["['emb']"]
+  by = {r.path: r for r in report}
+  assert not by["['frozen_w']"].frozen and not by["['frozen_w']"].sparse
+  assert "after `stop_gradient`" in by["['frozen_w']"].reason
+  assert str(report).startswith("1 table(s): 1 sparse, 0 dense, 0 frozen")
+  labels = gtx.sparse_labels(_frozen_layer_loss)(p, IDS)
+  assert labels == {
+    "emb": "sparse",
+    "frozen_w": "dense",
+    "frozen_b": "dense",
+    "w": "dense",
+  }
+
+
+def test_only_whole_row_reads_after_stop_gradient_make_a_frozen_table():
+  def rows_then_matmul(t, i):  # frozen rows, and the frozen table as kernel
+    f = lax.stop_gradient(t)
+    return _mlp(f[i], W) + jnp.sum(f.T @ jnp.ones(V))
+
+  def jitted_rows(t, i):  # frozen outside a jit, read as rows inside it
+    f = lax.stop_gradient(t).astype(jnp.bfloat16)
+    return jax.jit(lambda f: _mlp(f[i].astype(jnp.float32), W))(f)
+
+  def row_bias(t, i):  # a per-id bias table, frozen: read as rows
+    return _mlp(TABLE[i] + lax.stop_gradient(t)[i][:, None], W)
+
+  def returned(t, i):  # the frozen value leaves the loss
+    return _mlp(t[i], W), lax.stop_gradient(t)
+
+  cases = [
+    (rows_then_matmul, TABLE, False),
+    (jitted_rows, TABLE, True),
+    (row_bias, jnp.arange(V, dtype=jnp.float32), True),
+  ]
+  for loss, t, table in cases:
+    (r,) = gtx.sparsity_report(loss)(t, IDS)
+    assert r.frozen == table and r.is_table == table, (loss, r)
+    g = _check(loss, t, IDS, sparse=int(table))
+    if table:
+      assert g.nnz == 0
+    else:
+      np.testing.assert_array_equal(g, 0.0)
+  (r,) = gtx.sparsity_report(returned, has_aux=True)(TABLE, IDS)
+  assert not r.sparse and "returned" in r.reason
 
 
 def test_report_summary_first_then_details():
