@@ -18,7 +18,7 @@ define venv_rule
 $(1)/.installed: pyproject.toml $(3)
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[dev]'
+	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[dev,ray]'
 	touch $$@
 endef
 $(eval $(call venv_rule,$(VENV),$(PYTHON_OLDEST),constraints/oldest.txt))

@@ -118,28 +118,51 @@ grad_fn = jax.jit(gtx.sparse_value_and_grad(loss_fn))
 eval_fn = jax.jit(loss_fn)
 
 
+# The inner optimizers a run can use: sparse SGD (no state) and two with
+# per-row state, whose checkpoint a restarted parameter server must restore.
+OPTIMIZERS: dict[str, Callable[[float], optax.GradientTransformation]] = {
+  "sgd": gtx.scale_by_learning_rate,
+  "adagrad": gtx.adagrad,
+  "lazy_adam": gtx.lazy_adam,
+}
+
+
 def make_optimizer(
   max_staleness: int | None,
   *,
   learning_rate: float = 0.5,
   rescale: bool = False,
+  optimizer: str = "sgd",
 ) -> optax.GradientTransformationExtraArgs:
-  """``drop_stale`` around sparse SGD."""
+  """``drop_stale`` around sparse SGD (or another of :data:`OPTIMIZERS`)."""
+  if optimizer not in OPTIMIZERS:
+    raise ValueError(
+      f"`optimizer` must be one of {sorted(OPTIMIZERS)}; got {optimizer!r}."
+    )
   return gtx.drop_stale(
-    gtx.scale_by_learning_rate(learning_rate), max_staleness, rescale=rescale
+    OPTIMIZERS[optimizer](learning_rate), max_staleness, rescale=rescale
   )
 
 
 _APPLY_CACHE: dict[tuple[Any, ...], Any] = {}
 
 
-def _apply_step(
-  max_staleness: int | None, learning_rate: float, rescale: bool
+def make_apply_step(
+  max_staleness: int | None,
+  learning_rate: float,
+  rescale: bool,
+  optimizer: str = "sgd",
 ) -> tuple[optax.GradientTransformationExtraArgs, Callable[..., Any]]:
-  key = (max_staleness, learning_rate, rescale)
+  """The optimizer and the parameter server's jitted
+  ``step(params, state, grads, grad_step) -> (params, state)``, built once
+  per setting (jit caches are shared by every run and every thread)."""
+  key = (max_staleness, learning_rate, rescale, optimizer)
   if key not in _APPLY_CACHE:
     tx = make_optimizer(
-      max_staleness, learning_rate=learning_rate, rescale=rescale
+      max_staleness,
+      learning_rate=learning_rate,
+      rescale=rescale,
+      optimizer=optimizer,
     )
 
     @jax.jit
@@ -149,6 +172,19 @@ def _apply_step(
 
     _APPLY_CACHE[key] = (tx, step)
   return _APPLY_CACHE[key]
+
+
+def worker_delays(workers: int, delay: float | Sequence[float]) -> list[float]:
+  """One delay per worker (see :func:`run_async`), checked."""
+  if workers < 1:
+    raise ValueError(f"`workers` must be >= 1; got {workers}.")
+  delays = [delay] * workers if np.ndim(delay) == 0 else list(delay)
+  if len(delays) != workers or min(delays) < 0:
+    raise ValueError(
+      f"`delay` must be a number >= 0 or one per worker ({workers}); got "
+      f"{delay!r}."
+    )
+  return [float(d) for d in delays]
 
 
 @dataclasses.dataclass
@@ -227,17 +263,10 @@ def run_async(
     the applier are stopped and joined first), or RuntimeError when a
     thread does not stop within ``join_timeout``.
   """
-  if workers < 1:
-    raise ValueError(f"`workers` must be >= 1; got {workers}.")
   if num_steps < 1:
     raise ValueError(f"`num_steps` must be >= 1; got {num_steps}.")
-  delays = [delay] * workers if np.ndim(delay) == 0 else list(delay)
-  if len(delays) != workers or min(delays) < 0:
-    raise ValueError(
-      f"`delay` must be a number >= 0 or one per worker ({workers}); got "
-      f"{delay!r}."
-    )
-  tx, apply_step = _apply_step(max_staleness, learning_rate, rescale)
+  delays = worker_delays(workers, delay)
+  tx, apply_step = make_apply_step(max_staleness, learning_rate, rescale)
   params = init_params(task, seed=seed)
   state = tx.init(params)
   eval_ids = jnp.asarray(task.eval_ids)
@@ -361,8 +390,9 @@ def run_async(
   )
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+  """The command-line options of both trainers (this one and
+  ``examples/ray_trainer.py``); :func:`run_arguments` reads them."""
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument(
     "--max-staleness",
@@ -376,19 +406,28 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rescale", action="store_true")
   parser.add_argument("--delay", type=float, default=0.0)
   parser.add_argument("--seed", type=int, default=0)
+
+
+def run_arguments(args: argparse.Namespace) -> dict[str, Any]:
+  """The keyword arguments of :func:`run_async` that
+  :func:`add_run_arguments` added."""
+  return {
+    "workers": args.workers,
+    "max_staleness": args.max_staleness,
+    "num_steps": args.steps,
+    "time_limit": args.time_limit,
+    "learning_rate": args.learning_rate,
+    "rescale": args.rescale,
+    "delay": args.delay,
+    "seed": args.seed,
+  }
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_run_arguments(parser)
   args = parser.parse_args(argv)
-  task = make_task(seed=args.seed)
-  r = run_async(
-    task,
-    workers=args.workers,
-    max_staleness=args.max_staleness,
-    num_steps=args.steps,
-    time_limit=args.time_limit,
-    learning_rate=args.learning_rate,
-    rescale=args.rescale,
-    delay=args.delay,
-    seed=args.seed,
-  )
+  r = run_async(make_task(seed=args.seed), **run_arguments(args))
   print(
     f"workers={r.workers} max_staleness={r.max_staleness} "
     f"applied={r.applied} received={r.received} dropped={r.dropped} "
