@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -471,6 +472,33 @@ def _segment_sum_scan(
   )
 
 
+def _unique_by_hash(idx: jax.Array, values: jax.Array, num_rows: int):
+  """:func:`unique_rows` on CPU and TPU: hashing, no sort."""
+  n = idx.shape[0]
+  first = _first_positions(idx, num_rows)
+  pos = lax.iota(jnp.int32, n)
+  is_first = first == pos
+  uniq = jnp.where(is_first, idx, num_rows)
+  return uniq, _add_duplicates(values, first, (~is_first) & (idx < num_rows))
+
+
+def _unique_by_sort(idx: jax.Array, values: jax.Array, num_rows: int):
+  """:func:`unique_rows` on GPUs: coalesce's fixed-order sums (a stable sort
+  and a segmented scan), each placed at its id's first position, the layout
+  of :func:`_unique_by_hash` (a group's tables keep their ids' slices)."""
+  n = idx.shape[0]
+  order = jnp.argsort(idx, stable=True)
+  sidx = idx[order]
+  first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
+  seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
+  sums = _segment_sum_scan(values, idx, sidx, seg)  # segment k's sum at k
+  start = jnp.where(first, seg, n)
+  at = jnp.full([n], n, jnp.int32).at[start].set(order, mode="drop")
+  ids = jnp.full([n], num_rows, jnp.int32).at[start].set(sidx, mode="drop")
+  uniq = jnp.full([n], num_rows, jnp.int32).at[at].set(ids, mode="drop")
+  return uniq, values.at[at].set(sums.astype(values.dtype), mode="drop")
+
+
 def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   """``x`` deduplicated for the row engine: ``(indices, values)``, each id
   once with its duplicates summed, static length ``n``.
@@ -482,7 +510,8 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   position by hashing into a ``4n`` scratch, and :func:`_add_duplicates`
   adds the later duplicates into it in input order, the same additions as
   :meth:`SparseRows.coalesce` (sequential scatter). On GPUs, whose
-  scatter-add is atomic, it is ``coalesce()`` (sorted, fixed order).
+  scatter-add is atomic, the sums are ``coalesce()``'s (a stable sort and a
+  segmented scan, fixed order), placed in the same layout.
   """
   n = x.nnz
   idx = x.valid_indices()
@@ -491,17 +520,8 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
   idx, values = _sharded.unsplit(idx), _sharded.unsplit(x.values)
   num_rows = x.num_rows
 
-  def by_hash(idx, values):
-    first = _first_positions(idx, num_rows)
-    pos = lax.iota(jnp.int32, n)
-    is_first = first == pos
-    uniq = jnp.where(is_first, idx, num_rows)
-    return uniq, _add_duplicates(values, first, (~is_first) & (idx < num_rows))
-
-  def by_sort(idx, values):
-    c = SparseRows(idx, values, num_rows).coalesce()
-    return c.indices, c.values
-
+  by_hash = functools.partial(_unique_by_hash, num_rows=num_rows)
+  by_sort = functools.partial(_unique_by_sort, num_rows=num_rows)
   return lax.platform_dependent(
     idx, values, cuda=by_sort, rocm=by_sort, default=by_hash
   )

@@ -369,3 +369,33 @@ def test_int8_state_refuses_complex_params():
 def test_complex_accumulators_refused_where_optax_has_none(make):
   with pytest.raises(TypeError, match="floating-point dtype"):
     make()
+
+
+# ----------------------------------------------------------------------------
+# the GPU deduplication keeps the CPU one's layout (a group's slices)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gpu_dedup_has_the_cpu_layout(seed):
+  from gradtx._base import _unique_by_hash, _unique_by_sort
+
+  rng = np.random.RandomState(seed)
+  n, num_rows = 64, 20
+  idx = rng.randint(0, num_rows + 3, size=n).astype(np.int32)
+  idx = np.where(idx >= num_rows, num_rows, idx)  # padding, normalized
+  vals = rng.normal(size=(n, 3)).astype(np.float32)
+  u_hash, v_hash = jax.jit(_unique_by_hash, static_argnums=2)(
+    jnp.asarray(idx), jnp.asarray(vals), num_rows
+  )
+  u_sort, v_sort = jax.jit(_unique_by_sort, static_argnums=2)(
+    jnp.asarray(idx), jnp.asarray(vals), num_rows
+  )
+  np.testing.assert_array_equal(np.asarray(u_sort), np.asarray(u_hash))
+  keep = np.asarray(u_hash) < num_rows
+  np.testing.assert_allclose(
+    np.asarray(v_sort)[keep], np.asarray(v_hash)[keep], rtol=1e-6
+  )
+  # each id's sum at its first position, as numpy sums it
+  for pos in np.flatnonzero(keep):
+    want = vals[idx == idx[pos]].astype(np.float64).sum(0)
+    np.testing.assert_allclose(np.asarray(v_hash)[pos], want, rtol=1e-5)
