@@ -71,6 +71,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument(
+    "--tables",
+    type=int,
+    default=26,
+    help="also the DLRM-shaped step of benchmarks.recsys on this many "
+    "tables (linear head, Zipf ids); 0 to skip",
+  )
   add_schedule_args(parser)
   args = parser.parse_args(argv)
   sched = Schedule.from_args(args)
@@ -85,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     "lazy_adamw": lambda g: g.lazy_adamw(1e-3, weight_decay=1e-4),
     "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
     "adagrad": lambda g: g.adagrad(1e-2),
+    "ftrl": lambda g: g.ftrl(0.05, l1_regularization_strength=1e-4),
+    "lazy_sgd_momentum": lambda g: g.lazy_sgd(1e-2, momentum=0.9),
+    "lazy_adam_catch_up": lambda g: g.lazy_adam(1e-3, catch_up=True),
   }
   rows = []
   for name, make in makers.items():
@@ -94,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
       fns[label] = table_runner(table_step(gtx, tx), tx, table, batches)
     rows += ratio_rows(name, fns, sched)
+  if args.tables:
+    rows += _many_tables(versions, args, sched)
   write_results(
     "ab_versions",
     f"Whole step, this checkout vs {args.before}: {args.rows:,} x "
@@ -102,6 +114,48 @@ def main(argv: list[str] | None = None) -> None:
     rows,
     notes=sched.describe() + "; both versions in one process.",
   )
+
+
+def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
+  """The recsys step (one leaf per table, Criteo's cardinalities capped at
+  100k, 64 wide, batch 2048, Zipf ids, linear head) for each version."""
+  import jax
+
+  from benchmarks import recsys
+
+  table_rows = recsys.table_rows(args.tables, 100_000)
+  data = recsys.make_data(table_rows, 2048, 8, "zipf")
+  params_np = recsys.init_params(table_rows, 64, "linear", 0)
+  loss = recsys.per_table_loss(args.tables)
+  rows = []
+  for name, make in (
+    ("lazy_adam", lambda g: g.lazy_adam(1e-3)),
+    ("rowwise_adagrad", lambda g: g.rowwise_adagrad(1e-2)),
+  ):
+    fns = {}
+    for label, gtx in versions.items():
+      tx = make(gtx)
+
+      def step(p, s, ids, y, gtx=gtx, tx=tx):
+        value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
+        u, s = tx.update(g, s, p)
+        return gtx.apply_updates(p, u), s, value
+
+      jitted = jax.jit(step, donate_argnums=(0, 1))
+      box = {"p": jax.tree.map(jnp.asarray, params_np), "k": 0}
+      box["s"] = tx.init(box["p"])
+
+      def run(box=box, jitted=jitted):
+        box["k"] = (box["k"] + 1) % len(data.ids)
+        k = box["k"]
+        box["p"], box["s"], v = jitted(
+          box["p"], box["s"], data.ids[k], data.labels[k]
+        )
+        v.block_until_ready()
+
+      fns[label] = run
+    rows += ratio_rows(f"{name}, {args.tables} tables", fns, sched)
+  return rows
 
 
 if __name__ == "__main__":
