@@ -173,6 +173,11 @@ SECTIONS = [
   ("low_precision", "Low precision: the whole step's time", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
+  (
+    "async_staleness_ray",
+    "Asynchronous training: Ray processes vs threads",
+    None,
+  ),
   ("mirrored", "Mirrored replication", plot_mirrored),
   (
     "dense_threshold",
