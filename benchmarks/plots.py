@@ -174,6 +174,11 @@ SECTIONS = [
   ("recsys", "Recommender scale: many tables", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
+  (
+    "async_staleness_ray",
+    "Asynchronous training: Ray processes vs threads",
+    None,
+  ),
   ("mirrored", "Mirrored replication", plot_mirrored),
   (
     "dense_threshold",

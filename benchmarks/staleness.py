@@ -7,18 +7,27 @@ records the final eval loss, the dropped fraction, the staleness histogram
 and the wall time. Writes ``results/async_staleness.{md,json}`` and a plot
 of eval loss versus applied steps, ``results/async_staleness.png``.
 
-``python -m benchmarks.staleness [--quick]``
+With ``--ray`` it runs instead the trainer across processes of
+``examples/ray_trainer.py`` (needs the ``ray`` extra) side by side with the
+threaded one, on the same task, initial parameters, shards and batches:
+1, 2, 4 and 8 workers x max_staleness in {no limit, N - 1, 1} x rescale
+off and on, and records the held-out loss against wall time and the
+gradients applied per second of both. Writes
+``results/async_staleness_ray.{md,json,png}``.
+
+``python -m benchmarks.staleness [--ray] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 
 import numpy as np
 
-from benchmarks._common import RESULTS, write_results
+from benchmarks._common import RESULTS, load_note, write_results
 from examples import async_trainer as at
 
 
@@ -103,13 +112,33 @@ def _median_curve(curves: list[list[tuple[int, float]]]):
   ]
 
 
+def _threads(task, workers, limit, rescale, seed, steps, time_limit, lr):
+  """One run of the threaded trainer."""
+  return at.run_async(
+    task,
+    workers=workers,
+    max_staleness=limit,
+    num_steps=steps,
+    time_limit=time_limit,
+    learning_rate=lr,
+    rescale=rescale,
+    seed=seed,
+  )
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a smoke run")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--learning-rate", type=float, default=0.5)
+  parser.add_argument(
+    "--ray", action="store_true", help="Ray processes vs threads"
+  )
   args = parser.parse_args(argv)
+  if args.ray:
+    ray_main(args)
+    return
   steps = args.steps or (60 if args.quick else 600)
   repeats = args.repeats or (1 if args.quick else 3)
   time_limit = 10.0 if args.quick else 30.0
@@ -120,17 +149,9 @@ def main(argv: list[str] | None = None) -> None:
   rows, curves, raw = [], {}, []
   initial_loss = float("nan")
   for workers, limit, rescale in settings:
+    grid = (steps, time_limit, args.learning_rate)
     runs = [
-      at.run_async(
-        task,
-        workers=workers,
-        max_staleness=limit,
-        num_steps=steps,
-        time_limit=time_limit,
-        learning_rate=args.learning_rate,
-        rescale=rescale,
-        seed=seed,
-      )
+      _threads(task, workers, limit, rescale, seed, *grid)
       for seed in range(repeats)
     ]
     initial_loss = runs[0].curve[0][1]
@@ -184,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     print(label, rows[-1], flush=True)
 
   RESULTS.mkdir(exist_ok=True)
-  png = RESULTS / "async_staleness.png"
+  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
+  png = RESULTS / f"async_staleness{suffix}.png"
   _plot(curves, initial_loss, png)
   headers = [
     "workers",
@@ -229,19 +251,289 @@ def main(argv: list[str] | None = None) -> None:
       ),
     },
   ]
-  write_results(
+  _write(
     "async_staleness",
     "Asynchronous training: drop_stale vs workers",
     headers,
     rows,
-    notes=notes,
-    extra={
-      "headline": headline,
-      "steps": steps,
-      "repeats": repeats,
-      "curves": {k: [(x, _finite(y)) for x, y in c] for k, c in curves.items()},
-      "settings": raw,
+    notes,
+    headline=headline,
+    steps=steps,
+    repeats=repeats,
+    curves=curves,
+    settings=raw,
+  )
+
+
+def _write(name, title, headers, rows, notes, *, curves, **extra) -> None:
+  """The result files, with every curve's losses JSON-safe."""
+  safe = {k: [(x, _finite(y)) for x, y in c] for k, c in curves.items()}
+  write_results(
+    name, title, headers, rows, notes=notes, extra={**extra, "curves": safe}
+  )
+
+
+# ----------------------------------------------------------------------------
+# Ray processes side by side with threads
+
+
+def _ray_settings(workers: int) -> list[tuple[int | None, bool]]:
+  """max_staleness in {none, N - 1, 1} (without repeats) x rescale."""
+  limits = list(dict.fromkeys([None, workers - 1, 1]))
+  return [(s, r) for r in (False, True) for s in limits]
+
+
+def _cell(losses: list[float], initial: float) -> str:
+  return _fmt_losses(losses, initial)[0]
+
+
+def _summary(runs: list, initial: float) -> dict:
+  """What a table row shows of one engine's runs of one setting."""
+  hist: collections.Counter = collections.Counter()
+  for r in runs:
+    hist.update(r.staleness_hist)
+  applied = sum(r.applied for r in runs)
+  dropped = sum(r.dropped for r in runs)
+  wall = sum(r.wall_time for r in runs)
+  return {
+    "loss": _cell([r.final_loss for r in runs], initial),
+    "dropped": f"{dropped / max(applied + dropped, 1):.1%}",
+    "mean_staleness": round(
+      sum(k * v for k, v in hist.items()) / max(sum(hist.values()), 1), 2
+    ),
+    "rate": applied / wall,
+    "wall": statistics.median(r.wall_time for r in runs),
+  }
+
+
+def _role(workers: int, limit: int | None, rescale: bool) -> str:
+  """A setting's name across worker counts: none, N-1 or 1."""
+  if limit is None:
+    name = "none"
+  elif limit == workers - 1:
+    name = "N-1" if limit != 1 else "1 = N-1"
+  else:
+    name = str(limit)
+  return name + (" + rescale" if rescale else "")
+
+
+def _plot_ray(curves: dict, initial: float, path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  finite = [y for c in curves.values() for _, y in c if np.isfinite(y)]
+  fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), sharey=True)
+  styles = {
+    "none": "C3",
+    "N-1": "C0",
+    "1 = N-1": "C2",
+    "1": "C2",
+  }
+  for row, engine in enumerate(("threads", "ray")):
+    for ax, workers in zip(axes[row], (1, 2, 4, 8), strict=True):
+      for (e, w, limit, rescale), curve in curves.items():
+        if e != engine or w != workers or not curve:
+          continue
+        name = _role(workers, limit, rescale)
+        x, y = zip(*curve, strict=True)
+        ax.plot(
+          x,
+          y,
+          color=styles[name.split(" + ")[0]],
+          linestyle="--" if rescale else "-",
+          label=name,
+        )
+      ax.set_ylim(0.9 * min(finite), 1.15 * initial)
+      where = (
+        "threads in 1 process"
+        if engine == "threads"
+        else f"Ray: {workers + 1} processes on 2 cores"
+      )
+      ax.set_title(f"{workers} worker{'s' if workers > 1 else ''}, {where}")
+      ax.set_xlabel("wall seconds")
+      ax.grid(True, alpha=0.3)
+      ax.legend(fontsize=8, title="max_staleness")
+    axes[row][0].set_ylabel("held-out loss (first seed)")
+  fig.suptitle(
+    "Asynchronous sparse SGD with gtx.drop_stale: threads (top) and Ray "
+    "processes (bottom); note the different time axes"
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def ray_main(args) -> None:
+  import ray
+
+  from examples import ray_trainer as rt
+
+  if args.quick:  # a smoke run never overwrites the reference results
+    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
+  steps = args.steps or (60 if args.quick else 600)
+  repeats = args.repeats or (1 if args.quick else 2)
+  time_limit = 10.0 if args.quick else 30.0
+  lr = args.learning_rate
+  task_args = {"seed": 0}
+  task = at.make_task(**task_args)
+  rows, curves, raw = [], {}, []
+  initial = float("nan")
+  rt.init_ray()
+  try:
+    for workers in (1, 2, 4, 8):
+      ps, ws = rt.start_actors(
+        task_args, rt.ServerConfig(max_staleness=None), workers
+      )
+      try:
+        for limit, rescale in _ray_settings(workers):
+          runs: dict[str, list] = {"threads": [], "ray": []}
+          for seed in range(repeats):
+            config = rt.ServerConfig(
+              max_staleness=limit, rescale=rescale, learning_rate=lr, seed=seed
+            )
+            ray.get(ps.reset.remote(config))
+            ray.get([w.reset.remote(seed) for w in ws])
+            runs["ray"].append(
+              rt.train(ps, ws, num_steps=steps, time_limit=time_limit)
+            )
+            runs["threads"].append(
+              _threads(
+                task, workers, limit, rescale, seed, steps, time_limit, lr
+              )
+            )
+          initial = runs["threads"][0].curve[0][1]
+          label = _label(workers, limit, rescale)
+          t, r = runs["threads"][0], runs["ray"][0]
+          curves[("threads", workers, limit, rescale)] = [
+            (sec, loss)
+            for sec, (_, loss) in zip(t.curve_seconds, t.curve, strict=True)
+          ]
+          curves[("ray", workers, limit, rescale)] = [
+            (sec, loss) for _, loss, sec in r.curve
+          ]
+          a = _summary(runs["threads"], initial)
+          b = _summary(runs["ray"], initial)
+          rows.append(
+            [
+              workers,
+              "none" if limit is None else limit,
+              "yes" if rescale else "no",
+              a["loss"],
+              b["loss"],
+              a["dropped"],
+              b["dropped"],
+              a["mean_staleness"],
+              b["mean_staleness"],
+              round(a["rate"]),
+              round(b["rate"]),
+              f"{b['rate'] / a['rate']:.3f}",
+              a["wall"],
+              b["wall"],
+            ]
+          )
+          raw.append(
+            {
+              "workers": workers,
+              "max_staleness": limit,
+              "rescale": rescale,
+              **{
+                engine: [
+                  {
+                    "seed": seed,
+                    "final_loss": _finite(x.final_loss),
+                    "applied": x.applied,
+                    "dropped": x.dropped,
+                    "staleness_hist": {
+                      str(k): v for k, v in x.staleness_hist.items()
+                    },
+                    "wall_time": x.wall_time,
+                    "stopped_by": x.stopped_by,
+                  }
+                  for seed, x in enumerate(xs)
+                ]
+                for engine, xs in runs.items()
+              },
+            }
+          )
+          print(label, rows[-1], flush=True)
+      finally:
+        rt.stop_actors([ps, *ws])
+  finally:
+    ray.shutdown()
+
+  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
+  png = RESULTS / f"async_staleness_ray{suffix}.png"
+  RESULTS.mkdir(exist_ok=True)
+  _plot_ray(curves, initial, png)
+  headers = [
+    "workers",
+    "max_staleness",
+    "rescale",
+    "held-out loss, threads",
+    "held-out loss, Ray",
+    "dropped, threads",
+    "dropped, Ray",
+    "mean staleness, threads",
+    "mean staleness, Ray",
+    "grads applied/s, threads",
+    "grads applied/s, Ray",
+    "Ray / threads",
+    "wall s, threads",
+    "wall s, Ray",
+  ]
+  notes = (
+    "The same task, initial parameters, data shards and batch sequences "
+    "on two engines, run back to back for each setting: threads in one "
+    "process (examples/async_trainer.py) and one process per worker plus "
+    "a parameter-server process on a local Ray cluster "
+    f"(examples/ray_trainer.py, Ray {ray.__version__}). Each run trains "
+    f"until {steps} gradients have been applied (or {time_limit:.0f} s "
+    f"pass), {repeats} seed(s) per setting; sparse SGD, learning rate {lr}, "
+    "batch 32, a 2000-row table (SparseRows gradients); held-out loss on "
+    f"2048 examples (initial {initial:.3f}); 'diverged' when it ends above "
+    "the initial loss. Grads applied/s = accepted gradients / wall time "
+    "(wall time from the first step to the last answer, compilation and "
+    "process start excluded). The machine has 2 cores: 4 and 8 Ray workers "
+    "are 5 and 9 processes sharing them (oversubscribed), and every Ray "
+    "step pays a pull, an object-store read and a push between processes, "
+    "where a thread reads a Python reference. Staleness is the global step "
+    "at arrival - the step read; timing on a shared machine is not "
+    "deterministic (load averages 1/5/15 min at the end of the run: "
+    f"{load_note()}). Plot: {png.name} (first seed)."
+  )
+  cells = {(r[0], r[1], r[2]): r for r in rows}
+  headline = [
+    {
+      "metric": "grads applied/s, Ray / threads, 4 workers, no limit",
+      "value": cells[(4, "none", "no")][11],
     },
+    {
+      "metric": "held-out loss on Ray, 4 workers: no limit / max_staleness=3"
+      " / max_staleness=1 / no limit + rescale",
+      "value": " / ".join(
+        str(cells[k][4])
+        for k in [
+          (4, "none", "no"),
+          (4, 3, "no"),
+          (4, 1, "no"),
+          (4, "none", "yes"),
+        ]
+      ),
+    },
+  ]
+  _write(
+    "async_staleness_ray",
+    "Asynchronous training: Ray processes vs threads",
+    headers,
+    rows,
+    notes,
+    headline=headline,
+    steps=steps,
+    repeats=repeats,
+    curves={f"{e} {_label(*k)}": c for (e, *k), c in curves.items()},
+    settings=raw,
   )
 
 

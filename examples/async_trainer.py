@@ -201,6 +201,7 @@ class RunResult:
   wall_time: float  # seconds from starting the workers to joining them
   final_loss: float  # eval loss of the final parameters
   curve: list[tuple[int, float]]  # (applied steps, eval loss)
+  curve_seconds: list[float]  # seconds since the start at each curve point
   stopped_by: str  # "steps" or "time"
   params: Any  # the final parameters
   received_by_worker: dict[int, int]  # worker -> gradients received
@@ -320,6 +321,7 @@ def run_async(
   by_worker: collections.Counter = collections.Counter()
   dropped_by: collections.Counter = collections.Counter()
   curve = [(0, float(eval_fn(params, eval_ids, eval_labels)))]
+  seconds = [0.0]
   step = received = 0
   stopped_by = "time"
   t0 = time.perf_counter()
@@ -343,6 +345,7 @@ def run_async(
       handled.set()
       if new_step != step and new_step % eval_every == 0:
         curve.append((new_step, float(eval_fn(params, eval_ids, eval_labels))))
+        seconds.append(time.perf_counter() - t0)
       step = new_step
       if step >= num_steps:
         stopped_by = "steps"
@@ -371,6 +374,7 @@ def run_async(
   final_loss = float(eval_fn(params, eval_ids, eval_labels))
   if curve[-1][0] != step:
     curve.append((step, final_loss))
+    seconds.append(wall)
   stats = gtx.staleness_stats(state)
   return RunResult(
     workers=workers,
@@ -383,6 +387,7 @@ def run_async(
     wall_time=wall,
     final_loss=final_loss,
     curve=curve,
+    curve_seconds=seconds,
     stopped_by=stopped_by,
     params=params,
     received_by_worker=dict(sorted(by_worker.items())),

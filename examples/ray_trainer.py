@@ -553,6 +553,7 @@ def start_actors(
   *,
   delay: float | list[float] = 0.0,
   max_restarts: int = 3,
+  gpus_per_worker: float = 0.0,
   start_timeout: float = 300.0,
 ) -> tuple[Any, list[Any]]:
   """The server actor and ``workers`` worker actors, started and compiled.
@@ -569,6 +570,11 @@ def start_actors(
   task is retried (at-most-once pushes); an actor that dies is restarted
   up to ``max_restarts`` times -- the server only when it has a checkpoint
   directory to restore from.
+
+  ``gpus_per_worker > 0`` asks Ray for that many GPUs per worker (a
+  fraction: workers share one) and runs their JAX on CUDA, without
+  preallocating GPU memory when they share; the server stays on the CPU,
+  where the object store is.
   """
   delays = at.worker_delays(workers, delay)
   cpus = ray.available_resources().get("CPU", 0.0)
@@ -579,8 +585,17 @@ def start_actors(
     .options(num_cpus=per_actor, max_restarts=ps_restarts, max_task_retries=0)
     .remote(task, config)
   )
+  options: dict[str, Any] = {}
+  if gpus_per_worker:
+    env = {"JAX_PLATFORMS": "cuda"}
+    if gpus_per_worker < 1:  # JAX would take 75% of the GPU per process
+      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    options = {"num_gpus": gpus_per_worker, "runtime_env": {"env_vars": env}}
   worker_cls = ray.remote(Worker).options(
-    num_cpus=per_actor, max_restarts=max_restarts, max_task_retries=0
+    num_cpus=per_actor,
+    max_restarts=max_restarts,
+    max_task_retries=0,
+    **options,
   )
   ws = [
     worker_cls.remote(
@@ -630,7 +645,7 @@ class RayRunResult:
   dropped_fraction: float
   staleness_hist: dict[int, int]  # staleness -> gradients through drop_stale
   by_worker: dict[int, dict[str, int]]  # accepted/dropped/rolled_back/lost
-  wall_time: float  # seconds from the first step handed out to the last
+  wall_time: float  # seconds from the first step handed out to the last reply
   final_loss: float  # held-out loss of the final parameters
   curve: list[tuple[int, float, float]]  # (step, held-out loss, seconds)
   stopped_by: str  # "steps" or "time"
@@ -662,6 +677,7 @@ def run(
   kill_worker_after: int | None = None,
   kill_ps_after: int | None = None,
   max_restarts: int = 3,
+  gpus_per_worker: float = 0.0,
   drain_timeout: float = 30.0,
 ) -> RayRunResult:
   """Trains on the Ray cluster this process is connected to until
@@ -690,6 +706,7 @@ def run(
       after handing it a step, once the global step has reached this.
     kill_ps_after: kill the server once the global step has reached this.
     max_restarts: restarts each actor may use.
+    gpus_per_worker: GPUs each worker asks for (see :func:`start_actors`).
     drain_timeout: seconds to wait for the steps in flight at the end.
 
   Raises:
@@ -707,7 +724,12 @@ def run(
     checkpoint_every=checkpoint_every,
   )
   ps, ws = start_actors(
-    task, config, workers, delay=delay, max_restarts=max_restarts
+    task,
+    config,
+    workers,
+    delay=delay,
+    max_restarts=max_restarts,
+    gpus_per_worker=gpus_per_worker,
   )
   try:
     return train(
@@ -794,7 +816,9 @@ def train(
       return None
 
   def on_step(w: int, ref: Any) -> StepResult | None:
+    nonlocal last_answer
     r = answer(w, ref)
+    last_answer = time.perf_counter()
     if r is None:
       lost[w] += 1  # the worker died with this step
       retry[w] = time.monotonic()
@@ -809,19 +833,31 @@ def train(
   def global_step() -> int:
     return next(reversed(servers.values())) if servers else 0
 
-  t0 = time.perf_counter()
+  t0 = last_answer = time.perf_counter()
   wall0 = time.time()
   try:
     evals = [ps.evaluate.remote()]
     next_eval = eval_every
     steps.update({w.step.remote(): i for i, w in enumerate(ws)})
-    while (left := time_limit - (time.perf_counter() - t0)) > 0:
+    # Training hands out steps; then the drain lets the steps in flight
+    # finish (their gradients are in the counts) and waits for workers
+    # still restarting (to see them back), handing out nothing.
+    training, drain_until = True, 0.0
+    while True:
       now = time.monotonic()
+      if training and time.perf_counter() - t0 >= time_limit:
+        training = False
+      if not training:
+        drain_until = drain_until or now + drain_timeout
+        if not (steps or pings or retry) or now > drain_until:
+          break
       for w, when in list(retry.items()):
         if when <= now:
           del retry[w]
           pings[ws[w].ready.remote()] = w
-      wait = min([left, *(when - now for when in retry.values())])
+      left = time_limit - (time.perf_counter() - t0)
+      wait = min([left if training else drain_until - now, 0.5])
+      wait = min([wait, *(when - now for when in retry.values())])
       refs = [*steps, *pings]
       if not refs:
         time.sleep(max(wait, 0))
@@ -837,17 +873,20 @@ def train(
           retry[w] = time.monotonic() + 0.2
         else:
           seen(w, sender)
-          steps[ws[w].step.remote()] = w
+          if training:
+            steps[ws[w].step.remote()] = w
         continue
       w = steps.pop(ref)
       r = on_step(w, ref)
+      if not training:
+        continue
       step = global_step()
       if step >= next_eval:
         evals.append(ps.evaluate.remote())
         next_eval = (step // eval_every + 1) * eval_every
       if step >= num_steps:
-        stopped_by = "steps"
-        break
+        stopped_by, training = "steps", False
+        continue
       if r is None:
         continue
       steps[ws[w].step.remote()] = w
@@ -866,13 +905,7 @@ def train(
       ):
         ray.kill(ps, no_restart=False)
         ps_killed_at = step
-    wall = time.perf_counter() - t0
-    # Let the steps in flight finish: their gradients are in the counts.
-    done, _ = ray.wait(
-      list(steps), num_returns=len(steps), timeout=drain_timeout
-    )
-    for ref in done:
-      on_step(steps[ref], ref)
+    wall = last_answer - t0
     stats = _ask(ps.stats)
     received = _ask(ps.received)
     final = _ask(ps.evaluate)
@@ -887,7 +920,7 @@ def train(
     except ray.exceptions.RayActorError:
       continue  # asked of a server process that died before answering
     curve.append((s, loss, when - wall0))
-  curve.append((final[0], final[1], final[2] - wall0))
+  curve.append((final[0], final[1], wall))  # the params at the end
   by_worker = {}
   for w in range(len(ws)):
     c = {"accepted": 0, "dropped": 0, "rolled_back": 0}
@@ -931,6 +964,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--kill-worker-after", type=int, default=None)
   parser.add_argument("--kill-ps-after", type=int, default=None)
   parser.add_argument(
+    "--gpus-per-worker",
+    type=float,
+    default=0.0,
+    help="GPUs per worker actor (a fraction shares one); 0: CPU",
+  )
+  parser.add_argument(
     "--num-cpus",
     type=int,
     default=None,
@@ -948,6 +987,7 @@ def main(argv: list[str] | None = None) -> None:
       checkpoint_every=args.checkpoint_every,
       kill_worker_after=args.kill_worker_after,
       kill_ps_after=args.kill_ps_after,
+      gpus_per_worker=args.gpus_per_worker,
     )
   finally:
     ray.shutdown()
