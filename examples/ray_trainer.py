@@ -28,8 +28,9 @@ Faults (``--kill-worker-after K``, ``--kill-ps-after K``):
   reaches the server and is lost. Pushes are at most once: no actor task is
   ever retried (``max_task_retries=0``), so a push that did reach the server
   is applied once, and one that did not is not sent again. Ray restarts the
-  worker (``max_restarts``) with the same shard; the driver hands it the
-  next step and training finishes.
+  worker (``max_restarts``), which makes its shard again; the driver pings
+  it (``ready``) until it answers, then hands it steps again, and the end
+  of a run waits for a worker still restarting.
 - **The parameter server dies** (``ray.kill`` once the global step reaches
   K): with ``--checkpoint-dir`` it saves an orbax checkpoint every
   ``--checkpoint-every`` accepted gradients (params, the whole optimizer
