@@ -389,13 +389,12 @@ class SparseRows:
     uniq = uniq.at[jnp.where(first, seg, n)].set(
       sidx, mode="drop", unique_indices=True
     )
-    summed = lax.platform_dependent(
+    summed = _jaxpr.platform_dependent(
       values,
       idx,
       sidx,
       seg,
-      cuda=_segment_sum_scan,
-      rocm=_segment_sum_scan,
+      gpu=_segment_sum_scan,
       default=_segment_sum_scatter,
     )
     keep = (uniq < self._num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
@@ -500,9 +499,7 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
     c = SparseRows(idx, values, num_rows).coalesce()
     return c.indices, c.values
 
-  return lax.platform_dependent(
-    idx, values, cuda=by_sort, rocm=by_sort, default=by_hash
-  )
+  return _jaxpr.platform_dependent(idx, values, gpu=by_sort, default=by_hash)
 
 
 def _add_duplicates(
@@ -806,8 +803,8 @@ def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   def unique(p, idx, vals):
     return add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
 
-  return lax.platform_dependent(
-    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
+  return _jaxpr.platform_dependent(
+    p, u.valid_indices(), u.values, gpu=unique, default=direct
   )
 
 
