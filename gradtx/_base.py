@@ -392,13 +392,12 @@ class SparseRows:
     uniq = uniq.at[jnp.where(first, seg, n)].set(
       sidx, mode="drop", unique_indices=True
     )
-    summed = lax.platform_dependent(
+    summed = _jaxpr.platform_dependent(
       values,
       idx,
       sidx,
       seg,
-      cuda=_segment_sum_scan,
-      rocm=_segment_sum_scan,
+      gpu=_segment_sum_scan,
       default=_segment_sum_scatter,
     )
     keep = (uniq < self._num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
@@ -522,9 +521,7 @@ def unique_rows(x: SparseRows) -> tuple[jax.Array, jax.Array]:
 
   by_hash = functools.partial(_unique_by_hash, num_rows=num_rows)
   by_sort = functools.partial(_unique_by_sort, num_rows=num_rows)
-  return lax.platform_dependent(
-    idx, values, cuda=by_sort, rocm=by_sort, default=by_hash
-  )
+  return _jaxpr.platform_dependent(idx, values, gpu=by_sort, default=by_hash)
 
 
 def _add_duplicates(

@@ -23,12 +23,13 @@ does too, with a :class:`SparsityWarning`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -193,6 +194,50 @@ def flatten_hazard() -> tuple[str, str] | str | None:
     f = f.f_back
   where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else ""
   return name.lstrip("_"), where
+
+
+# ----------------------------------------------------------------------------
+# platform branches
+
+# Set only by the tests, through gpu_branches_on_cpu.
+_GPU_BRANCHES_ON_CPU = False
+
+
+def platform_dependent(
+  *args: Any, gpu: Callable[..., Any], default: Callable[..., Any]
+) -> Any:
+  """``gpu(*args)`` on CUDA and ROCm, ``default(*args)`` elsewhere (CPU,
+  TPU): ``lax.platform_dependent``, both branches staged out.
+
+  Inside :func:`gpu_branches_on_cpu` CPU takes ``gpu`` too. The flag is read
+  while tracing, so a program keeps the branch it was traced with.
+  """
+  if _GPU_BRANCHES_ON_CPU:
+    return lax.platform_dependent(
+      *args, cpu=gpu, cuda=gpu, rocm=gpu, default=default
+    )
+  return lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=default)
+
+
+@contextlib.contextmanager
+def gpu_branches_on_cpu() -> Iterator[None]:
+  """Tests only: every :func:`platform_dependent` traced inside takes its
+  CUDA/ROCm branch on CPU, so the GPU code paths run without a GPU.
+
+  Inside, ``jax.default_device`` is set to the device JAX uses anyway: it is
+  part of every jit cache key, so a jitted function called on both sides of
+  the switch is traced on each side, never served the other side's program
+  (tests/test_conformance.py checks this on each supported JAX).
+  """
+  global _GPU_BRANCHES_ON_CPU
+  if _GPU_BRANCHES_ON_CPU:
+    raise RuntimeError("gpu_branches_on_cpu() is already active")
+  _GPU_BRANCHES_ON_CPU = True
+  try:
+    with jax.default_device(jax.devices()[0]):
+      yield
+  finally:
+    _GPU_BRANCHES_ON_CPU = False
 
 
 # ----------------------------------------------------------------------------

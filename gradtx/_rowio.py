@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradtx import _jaxpr
 from gradtx._base import SparseRows, unique_rows
 from gradtx._precision import QuantizedRows, dequantize_rows, quantize_rows
 from gradtx._sharded import (
@@ -357,8 +358,8 @@ def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   def unique(p, idx, vals):
     return add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
 
-  return lax.platform_dependent(
-    p, u.valid_indices(), u.values, cuda=unique, rocm=unique, default=direct
+  return _jaxpr.platform_dependent(
+    p, u.valid_indices(), u.values, gpu=unique, default=direct
   )
 
 

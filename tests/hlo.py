@@ -20,22 +20,16 @@ def whole_table_ops(compiled: Any, rows: int, dim: int | None = None) -> list:
   ]
 
 
-def assert_tables_updated_in_place(
-  compiled: Any, rows: int, dim: int, tables: int
-) -> None:
-  """Every whole-table op is an in-place scatter; temporaries stay small.
-
-  ``tables`` ``[rows, dim]`` buffers (params and state) must alias their
-  donated inputs.
-  """
-  whole = whole_table_ops(compiled, rows, dim)
-  assert whole, "the check can fail: the table updates must show up"
-  for line in whole:
-    assert re.search(r"scatter", line), line
-  mem = compiled.memory_analysis()
-  table_bytes = rows * dim * 4
-  assert mem.temp_size_in_bytes < table_bytes / 20
-  assert mem.alias_size_in_bytes >= tables * table_bytes
+def row_ops(compiled: Any, rows: int) -> list:
+  """Entry-computation ops (not parameters) producing a value of ``rows``
+  leading rows, of any rank (``[rows]``, ``[rows, ...]``)."""
+  entry = compiled.as_text().split("ENTRY", 1)[1]
+  return [
+    line.strip()
+    for line in entry.splitlines()
+    if re.search(rf"= [a-z0-9]+\[{rows}[,\]]", line)
+    and "parameter(" not in line
+  ]
 
 
 def dedups(compiled: Any) -> tuple[int, int]:

@@ -7,7 +7,6 @@ import optax
 import pytest
 import references as ref
 import references_accumulate as ref_acc
-from conformance import CHECKS, Case, standard_grads, standard_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -627,49 +626,3 @@ def test_rows_per_step_on_a_scalar_leaf():
   tx = gtx.accumulate(optax.sgd(1.0), 2, rows_per_step=3)
   with pytest.raises(ValueError, match="scalar"):
     tx.init({"s": jnp.zeros(())})
-
-
-# ----------------------------------------------------------------------------
-# conformance
-
-
-def _dense_standard_grads(step, dtype=jnp.float32):
-  g = standard_grads(step, dtype)
-  return {**g, "emb": g["emb"].to_dense()}
-
-
-STANDARD_ROWS = {"emb": 6, "w": None, "b": None}
-
-
-CASES = [
-  # Sparse table + dense leaves, a schedule for k (1, then 2) with its
-  # static bound, and a stateful sparse inner (its learning rate schedule
-  # counts). lazy_adam as the inner: test_sparse_equals_inner_on_concatenation.
-  Case(
-    "sparse_schedule",
-    lambda: gtx.accumulate(
-      gtx.scale_by_learning_rate(optax.linear_schedule(0.1, 0.01, 4)),
-      lambda n: jnp.where(n < 1, 1, 2).astype(jnp.int32),
-      rows_per_step=STANDARD_ROWS,
-      max_every_k=2,
-    ),
-  ),
-  # Dense only, bf16 params and gradients, float32 accumulator, Adam, k=2.
-  Case(
-    "dense_adam_bf16_f32_accumulator",
-    lambda: gtx.accumulate(optax.adam(0.1), 2, accumulator_dtype=jnp.float32),
-    params=lambda dtype=None: standard_params(jnp.bfloat16),
-    grads=lambda step, dtype=None: _dense_standard_grads(step, jnp.bfloat16),
-    rtol=1e-2,
-  ),
-  Case(
-    "sparse_k1",
-    lambda: gtx.accumulate(gtx.scale_by_learning_rate(0.1), 1),
-  ),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)

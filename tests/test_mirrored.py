@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import procs
 import pytest
-from conformance import CHECKS, Case
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
@@ -225,33 +224,7 @@ def test_all_reduce_bad_inputs():
     )
 
 
-def _bound_to_unit_axis(tx):
-  """``tx`` with its axis "r" bound by a vmap of size 1, where the
-  reduction is the identity: lets the conformance suite run all_reduce
-  outside a mapped step."""
-
-  def update_fn(updates, state, params=None, **extra):
-    def one(u):
-      return tx.update(u, state, params, **extra)
-
-    return jax.vmap(one, axis_name="r", axis_size=1, in_axes=None,
-                    out_axes=None)(updates)  # fmt: skip
-
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
-
-
 # all_reduce alone; its chains with optimizers run in the Mirrored tests.
-CASES = [
-  Case("all_reduce_mean", lambda: _bound_to_unit_axis(gtx.all_reduce("r"))),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)
-
-
 # ----------------------------------------------------------------------------
 # Mirrored: construction, placement, reductions
 

@@ -10,33 +10,18 @@ import optax
 import pytest
 import references_optimizers as ref
 from conformance import (
-  CHECKS,
   SHAPES,
   SPARSE,
-  Case,
   make_grads,
   make_params,
   run_with_reference,
   step_fn,
   to_ref,
-  touched_rows,
 )
-from hlo import assert_tables_updated_in_place
-from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
 
 SCHEDULE = optax.linear_schedule(0.1, 0.01, 30)
-# gtx.partial_rowwise_adam (issue 29) joins the shared checks below once it
-# exists; its own tests are in test_partial_rowwise_adam.py.
-needs_partial_rowwise_adam = pytest.mark.skipif(
-  not hasattr(gtx, "partial_rowwise_adam"),
-  reason="gtx.partial_rowwise_adam is not implemented yet (issue 29, item 4)",
-)
-
-
-def _partial_rowwise_adam(learning_rate, weight_decay=0.0):
-  return gtx.partial_rowwise_adam(learning_rate, weight_decay=weight_decay)
 
 
 def _lr(lr):
@@ -510,65 +495,8 @@ def test_bf16_table_with_float32_accumulators():
 
 
 # ----------------------------------------------------------------------------
-# Untouched rows, padding, determinism
-
-
-@pytest.mark.parametrize(
-  "make_tx",
-  [
-    lambda: gtx.adagrad(0.1),
-    lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True),
-    lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.1),
-    lambda: gtx.lazy_sgd(0.1, momentum=0.9),
-    lambda: gtx.ftrl(0.1, l1_regularization_strength=0.01),
-    lambda: gtx.ftrl(
-      0.1,
-      l1_regularization_strength=0.01,
-      l2_shrinkage_regularization_strength=0.1,
-    ),
-    lambda: gtx.adagrad(0.1, accumulator_dtype="int8"),
-    lambda: gtx.lazy_sgd(0.1, momentum=0.9, accumulator_dtype="int8"),
-    lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
-    pytest.param(
-      lambda: _partial_rowwise_adam(0.05, weight_decay=0.1),
-      marks=needs_partial_rowwise_adam,
-    ),
-  ],
-  ids=[
-    "adagrad",
-    "adagrad_eps_outside_sqrt",
-    "rowwise_adagrad",
-    "lazy_sgd_momentum",
-    "ftrl",
-    "ftrl_l2_shrinkage",
-    "adagrad_int8",
-    "lazy_sgd_momentum_int8",
-    "lazy_adam_int8",
-    "partial_rowwise_adam",
-  ],
-)
-def test_untouched_and_padding_rows_unchanged_bit_for_bit(make_tx):
-  tx = make_tx()
-  params = make_params()
-  state = tx.init(params)
-  step = jax.jit(step_fn(tx))
-  for i in range(3):
-    params, state = step(params, state, make_grads(i))
-  g = make_grads(7)
-  new_params, new_state = step(params, state, g)
-  for k in SPARSE:
-    touched = touched_rows(g[k])
-    assert 0 < touched.sum() < len(touched)
-    olds = [params[k]] + [
-      x for x in jax.tree.leaves(state) if jnp.shape(x)[:1] == SHAPES[k][:1]
-    ]
-    news = [new_params[k]] + [
-      x for x in jax.tree.leaves(new_state) if jnp.shape(x)[:1] == SHAPES[k][:1]
-    ]
-    for a, b in zip(olds, news, strict=True):
-      a, b = np.asarray(a), np.asarray(b)
-      assert a[~touched].tobytes() == b[~touched].tobytes()
-      assert not np.array_equal(a[touched], b[touched])
+# Determinism (untouched rows, in place, Mirrored, row-sharded tables,
+# drop_stale, inject_hyperparams: the conformance suite)
 
 
 def test_deterministic_with_many_duplicates():
@@ -589,50 +517,7 @@ def test_deterministic_with_many_duplicates():
 
 
 # ----------------------------------------------------------------------------
-# inject_hyperparams, schedules, composition
-
-
-@pytest.mark.parametrize(
-  "factory, kwargs",
-  [
-    # adagrad and lazy_sgd chain gtx.scale_by_learning_rate as lazy_adam
-    # does (tested there); these two use the rate differently.
-    (gtx.rowwise_adagrad, {"weight_decay": 0.01}),
-    pytest.param(
-      _partial_rowwise_adam,
-      {"weight_decay": 0.01},
-      marks=needs_partial_rowwise_adam,
-    ),
-    (gtx.ftrl, {"l1_regularization_strength": 0.01}),
-    (
-      gtx.ftrl,
-      {
-        "l1_regularization_strength": 0.01,
-        "l2_shrinkage_regularization_strength": 0.1,
-      },
-    ),
-  ],
-  ids=["rowwise_adagrad", "partial_rowwise_adam", "ftrl", "ftrl_l2_shrinkage"],
-)
-def test_inject_hyperparams(factory, kwargs):
-  params = make_params()
-  injected = optax.inject_hyperparams(factory)(learning_rate=0.05, **kwargs)
-  plain = factory(0.05, **kwargs)
-  s, sp = injected.init(params), plain.init(params)
-  step, step_plain = jax.jit(step_fn(injected)), jax.jit(step_fn(plain))
-  p = pp = params
-  for i in range(3):
-    p, s = step(p, s, make_grads(i))
-    pp, sp = step_plain(pp, sp, make_grads(i))
-  for k in SHAPES:  # injected hyperparameters are float32 arrays
-    np.testing.assert_allclose(p[k], pp[k], rtol=1e-5, atol=1e-6)
-  # the injected rate is used: a larger one moves the params further
-  g = make_grads(9)
-  s.hyperparams["learning_rate"] = jnp.asarray(0.5)
-  big = step(p, s, g)[0]["emb"]
-  s.hyperparams["learning_rate"] = jnp.asarray(0.05)
-  small = step(p, s, g)[0]["emb"]
-  assert np.abs(big - small).max() > 1e-2
+# Schedules, composition
 
 
 def test_schedule_count_saturates():
@@ -680,190 +565,6 @@ def test_accumulate_equals_inner_on_concatenated_window(make_tx):
       np.testing.assert_allclose(p[key], rp[key], rtol=1e-5, atol=1e-6)
 
 
-def test_drop_stale_leaves_state_untouched_on_a_stale_gradient():
-  tx = gtx.drop_stale(gtx.rowwise_adagrad(0.1), 1)
-  params = make_params()
-  state = tx.init(params)
-  step = jax.jit(
-    lambda p, s, g, gs: (lambda u_s: (gtx.apply_updates(p, u_s[0]), u_s[1]))(
-      tx.update(g, s, p, grad_step=gs)
-    )
-  )
-  params, state = step(params, state, make_grads(0), jnp.int32(0))
-  params, state = step(params, state, make_grads(1), jnp.int32(1))
-  before = (params, state.inner_state)
-  params, state = step(params, state, make_grads(2), jnp.int32(0))  # stale 2
-  assert int(state.num_dropped) == 1
-  jax.tree.map(
-    np.testing.assert_array_equal, (params, state.inner_state), before
-  )
-
-
-def test_mirrored_rowwise_adagrad_equals_single_device():
-  m = gtx.Mirrored()
-  num_rows, dim = 40, 3
-  rng = np.random.RandomState(3)
-  p0 = {
-    "emb": rng.normal(size=(num_rows, dim)).astype(np.float32),
-    "w": rng.normal(size=(dim,)).astype(np.float32),
-  }
-  batches = [
-    {
-      "ids": rng.randint(0, num_rows, size=(16, 2)).astype(np.int32),
-      "y": rng.normal(size=(16,)).astype(np.float32),
-    }
-    for _ in range(3)
-  ]
-
-  def loss(p, b):
-    return jnp.mean(
-      (jnp.tanh(gtx.lookup(p["emb"], b["ids"]).sum(1)) @ p["w"] - b["y"]) ** 2
-    )
-
-  def make(tx, reduce):
-    def train_step(params, state, batch):
-      grads = gtx.sparse_grad(loss)(params, batch)
-      u, state = tx.update(grads, state, params)
-      return gtx.apply_updates(params, u), state
-
-    return train_step
-
-  tx_m = optax.chain(gtx.all_reduce(m.axis_name), gtx.rowwise_adagrad(0.1))
-  step = m.step(make(tx_m, True), donate_argnums=(0, 1))
-  params, state = m.replicate(p0), m.replicate(tx_m.init(p0))
-  tx_1 = gtx.rowwise_adagrad(0.1)
-  step_1 = jax.jit(make(tx_1, False))
-  params_1 = jax.tree.map(jnp.asarray, p0)
-  state_1 = tx_1.init(params_1)
-  for b in batches:
-    params, state = step(params, state, m.shard_batch(b))
-    params_1, state_1 = step_1(params_1, state_1, b)
-  for k in p0:
-    np.testing.assert_allclose(params[k], params_1[k], rtol=2e-5, atol=2e-6)
-  np.testing.assert_allclose(
-    state[1][0].sum_of_squares["emb"],
-    state_1[0].sum_of_squares["emb"],
-    rtol=2e-5,
-    atol=1e-7,
-  )
-  assert np.abs(np.asarray(params["emb"]) - p0["emb"]).max() > 0.05
-
-
-@pytest.mark.parametrize(
-  "make_tx",
-  [
-    lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.01),
-    lambda: gtx.ftrl(0.2, l1_regularization_strength=1e-3),
-    lambda: gtx.lazy_sgd(0.1),
-    pytest.param(
-      lambda: _partial_rowwise_adam(0.1, weight_decay=0.01),
-      marks=needs_partial_rowwise_adam,
-    ),
-  ],
-  ids=["rowwise_adagrad", "ftrl", "lazy_sgd", "partial_rowwise_adam"],
-)
-def test_row_sharded_table_equals_single_device(make_tx):
-  """A table split by rows over 8 devices (Explicit mesh): the step equals
-  the single-device one and the table and its [V] / [V, D] state stay
-  row-sharded (the engine reads and writes through the owner-local
-  helpers)."""
-  mesh = jax.make_mesh((8,), ("d",))
-  rng = np.random.RandomState(4)
-  p0 = {
-    "emb": rng.normal(size=(64, 3)).astype(np.float32),
-    "w": rng.normal(size=(3,)).astype(np.float32),
-  }
-  batches = [rng.randint(0, 64, size=(12,)).astype(np.int32) for _ in range(3)]
-
-  def loss(p, ids):
-    return jnp.sum(jnp.tanh(gtx.lookup(p["emb"], ids)) @ p["w"])
-
-  def train(params, state, place):
-    tx = make_tx()
-
-    @jax.jit
-    def step(params, state, ids):
-      u, state = tx.update(gtx.sparse_grad(loss)(params, ids), state, params)
-      return gtx.apply_updates(params, u), state
-
-    for ids in batches:
-      params, state = step(params, state, place(ids))
-    return params, state
-
-  tx = make_tx()
-  single = train(jax.tree.map(jnp.asarray, p0), tx.init(p0), jnp.asarray)
-  rows = jax.sharding.NamedSharding(mesh, P("d", None))
-  rep = jax.sharding.NamedSharding(mesh, P())
-  with jax.set_mesh(mesh):
-    params = {
-      "emb": jax.device_put(p0["emb"], rows),
-      "w": jax.device_put(p0["w"], rep),
-    }
-    state = gtx.sharded_init(tx, params)
-    params, state = train(params, state, lambda x: jax.device_put(x, rep))
-  for got, want in zip(
-    jax.tree.leaves((params, state)), jax.tree.leaves(single), strict=True
-  ):
-    np.testing.assert_allclose(
-      np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6
-    )
-  table_like = [
-    x for x in jax.tree.leaves((params, state)) if x.shape[:1] == (64,)
-  ]
-  # the table, and its [V] / [V, D] state unless the optimizer has none
-  assert len(table_like) >= 1 + bool(jax.tree.leaves(state)), table_like
-  for x in table_like:
-    assert x.sharding.spec[0] == "d", x.sharding
-  assert np.abs(np.asarray(params["emb"]) - p0["emb"]).max() > 1e-2
-
-
-# ----------------------------------------------------------------------------
-# Cost: only the touched rows (read the compiled step)
-
-
-@pytest.mark.parametrize(
-  "make_tx, tables",
-  [
-    (lambda: gtx.adagrad(0.1), 2),
-    (lambda: gtx.rowwise_adagrad(0.1, weight_decay=0.1), 1),
-    (lambda: gtx.lazy_sgd(0.1, momentum=0.9), 2),
-    (lambda: gtx.ftrl(0.1, l1_regularization_strength=0.1), 3),
-    # the table and mu ([V, D]); nu is [V]
-    pytest.param(
-      lambda: _partial_rowwise_adam(0.1, weight_decay=0.1),
-      2,
-      marks=needs_partial_rowwise_adam,
-    ),
-  ],
-  ids=[
-    "adagrad",
-    "rowwise_adagrad",
-    "lazy_sgd",
-    "ftrl",
-    "partial_rowwise_adam",
-  ],
-)
-def test_compiled_step_updates_tables_in_place(make_tx, tables):
-  num_rows, dim, n = 50_021, 8, 64
-  tx = make_tx()
-  params = {"emb": jnp.zeros((num_rows, dim)), "w": jnp.zeros(3)}
-  state = tx.init(params)
-  g = {
-    "emb": gtx.SparseRows(
-      jnp.arange(n, dtype=jnp.int32) * 7, jnp.ones((n, dim)), num_rows
-    ),
-    "w": jnp.ones(3),
-  }
-  compiled = (
-    jax.jit(step_fn(tx), donate_argnums=(0, 1))
-    .lower(params, state, g)
-    .compile()
-  )
-  # Every op that produces a whole-table ([V, D] or [V]) value is an
-  # in-place scatter: no copy, no dense temporary.
-  assert_tables_updated_in_place(compiled, num_rows, dim, tables)
-
-
 # ----------------------------------------------------------------------------
 # Bad input
 
@@ -909,49 +610,3 @@ def test_mismatched_sparse_rows_and_state_raise():
   with pytest.raises(ValueError, match=r"shape \(3, 1\).*shape \(3,\)"):
     p = jnp.ones(3)
     gtx.adagrad(0.1).update(jnp.ones((3, 1)), gtx.adagrad(0.1).init(p), p)
-
-
-# ----------------------------------------------------------------------------
-# Conformance
-
-CASES = [
-  Case("adagrad", lambda: gtx.adagrad(0.1)),
-  Case(
-    "adagrad_eps_outside_sqrt",
-    lambda: gtx.adagrad(0.1, eps=1e-3, eps_outside_sqrt=True),
-  ),
-  Case(
-    "rowwise_adagrad_decay_schedule",
-    lambda: gtx.rowwise_adagrad(
-      optax.cosine_decay_schedule(0.1, 10), weight_decay=0.01
-    ),
-  ),
-  Case("lazy_sgd", lambda: gtx.lazy_sgd(0.1)),
-  Case("lazy_sgd_nesterov", lambda: gtx.lazy_sgd(0.05, 0.9, nesterov=True)),
-  Case("adagrad_int8", lambda: gtx.adagrad(0.1, accumulator_dtype="int8")),
-  Case(
-    "lazy_sgd_int8",
-    lambda: gtx.lazy_sgd(0.05, 0.9, accumulator_dtype="int8", block_size=3),
-  ),
-  Case(
-    "ftrl",
-    lambda: gtx.ftrl(
-      0.1, l1_regularization_strength=0.01, accumulator_dtype=jnp.float32
-    ),
-  ),
-  Case(
-    "ftrl_l2_shrinkage",
-    lambda: gtx.ftrl(
-      0.1,
-      l1_regularization_strength=0.01,
-      l2_shrinkage_regularization_strength=0.05,
-      accumulator_dtype=jnp.float32,
-    ),
-  ),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)

@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 import references as ref
-from conformance import CHECKS, Case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -567,25 +566,6 @@ def test_add_decayed_weights_touches_only_gradient_rows():
 def test_clip_counts_duplicates_once_per_row():
   g = gtx.SparseRows(jnp.array([0, 0]), jnp.full((2, 1), 3.0), 2)
   assert float(gtx.global_norm(g)) == 6.0  # |3 + 3|, not sqrt(9 + 9)
-
-
-CASES = [
-  Case("scale", lambda: gtx.scale(-0.1)),
-  Case("scale_by_learning_rate", lambda: gtx.scale_by_learning_rate(0.1)),
-  Case(
-    "scale_by_learning_rate_schedule",
-    lambda: gtx.scale_by_learning_rate(optax.cosine_decay_schedule(0.1, 5)),
-  ),
-  Case("clip_by_global_norm", lambda: gtx.clip_by_global_norm(0.5)),
-  Case("add_decayed_weights", lambda: gtx.add_decayed_weights(0.01)),
-  Case("densify", lambda: optax.chain(gtx.densify(), optax.sgd(0.1))),
-]
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

@@ -10,10 +10,10 @@ import pytest
 import references as ref
 import references_staleness as rs
 from conformance import (
-  CHECKS,
+  CASES,
   IDS_PER_STEP,
   NUM_ROWS,
-  Case,
+  lagging,
   standard_grads,
   standard_params,
 )
@@ -569,7 +569,7 @@ def _ref_grads(grads):
 
 
 def test_nested_accumulate_lazy_adam_sparse_under_jit():
-  # rescale=True is covered by the conformance case below.
+  # rescale=True: the conformance case drop_stale_accumulate_sgd_rescale.
   rescale = False
   lr, k = 0.1, 2
   tx = optax.chain(
@@ -606,55 +606,20 @@ def test_nested_accumulate_lazy_adam_sparse_under_jit():
 
 
 # ----------------------------------------------------------------------------
-# Conformance
-
-
-def _lagging(i):
-  # With max_staleness=1: accept, accept, drop (staleness 2), accept, ...
-  return {"grad_step": max(0, i - 2)}
-
-
-CASES = [
-  # Sparse updates through accumulate's SparseRows buffers. (lazy_adam as
-  # the inner costs three times as much here; that nesting is checked under
-  # jit against the reference above, and lazy_adam has its own conformance.)
-  Case(
-    "drop_stale_accumulate_sgd_rescale",
-    lambda: gtx.drop_stale(
-      gtx.accumulate(
-        gtx.scale_by_learning_rate(0.1), 2, rows_per_step=ROWS_PER_STEP
-      ),
-      1,
-      rescale=True,
-    ),
-    extra_args=_lagging,
-  ),
-  # optax.inject_hyperparams makes max_staleness a traced int32 array.
-  Case(
-    "inject_drop_stale_densify_adam",
-    lambda: optax.inject_hyperparams(gtx.drop_stale)(
-      inner=optax.chain(gtx.densify(), optax.adam(0.1)), max_staleness=1
-    ),
-    extra_args=_lagging,
-  ),
-]
+# The conformance suite's drop_stale cases (tests/conformance.py)
 
 
 def test_cases_mix_accepts_and_drops():
   # The conformance cases (max_staleness=1) must exercise both branches.
-  for case in CASES:
+  cases = [c for c in CASES if c.extra_args is lagging]
+  assert cases
+  for case in cases:
     r = rs.DropStaleReference(rs.NumpySGD(0.1), max_staleness=1)
     outcomes = [
       r.receive({}, case.extra_args(i)["grad_step"])[0]
       for i in range(case.steps)
     ]
     assert outcomes == [True, True, False], case.name
-
-
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)
 
 
 # ----------------------------------------------------------------------------

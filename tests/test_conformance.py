@@ -1,0 +1,53 @@
+"""Every gradtx transformation through the conformance suite
+(tests/conformance.py): each case's checks (every transformation's, and a
+row optimizer's), and each case again with the GPU branches taken on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conformance import (
+  CASES,
+  OPTIMIZERS,
+  check_gpu_branches,
+  checks_of,
+  gpu_branches,
+)
+
+import gradtx as gtx
+
+# Case-major: a case's checks run one after another (mostly in one xdist
+# worker), sharing its reference run.
+PAIRS = [
+  (case, check) for case in CASES + OPTIMIZERS for check in checks_of(case)
+]
+
+
+@pytest.mark.parametrize(
+  "case, check", PAIRS, ids=[f"{c.name}-{k.__name__}" for c, k in PAIRS]
+)
+def test_conformance(case, check):
+  check(case)
+
+
+@pytest.mark.parametrize("case", CASES + OPTIMIZERS, ids=str)
+def test_gpu_branches(case):
+  check_gpu_branches(case)
+
+
+def test_gpu_branches_switch_is_part_of_the_trace():
+  # deduplicated() keeps first positions on CPU and sorts on GPUs: the same
+  # jitted function, called outside, inside and outside the switch, runs
+  # the branch of each side (never a program traced on the other side).
+  g = gtx.SparseRows(jnp.array([5, 2, 5, -1, 9, 2, 0]), jnp.ones((7, 2)), 9)
+  dedup = jax.jit(lambda g: g.deduplicated().indices)
+  cpu, gpu = [5, 2, 9, 9, 9, 9, 0], [0, 2, 5, 9, 9, 9, 9]
+  np.testing.assert_array_equal(dedup(g), cpu)
+  with gpu_branches():
+    np.testing.assert_array_equal(dedup(g), gpu)
+    np.testing.assert_array_equal(g.deduplicated().indices, gpu)  # eager
+    with pytest.raises(RuntimeError, match="already active"):
+      with gpu_branches():
+        pass
+  np.testing.assert_array_equal(dedup(g), cpu)
+  np.testing.assert_array_equal(g.deduplicated().indices, cpu)
