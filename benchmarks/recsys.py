@@ -54,10 +54,12 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import os
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -785,49 +787,61 @@ def _compile_tables(points: list[dict]) -> tuple[list, list]:
   return rows, ops
 
 
-def _plot(steps: list[list], points: list[dict], tables: int, path) -> None:
+def _plot(groups: list[dict], points: list[dict], tables: int, path) -> None:
+  """Step times per group (``run_group`` results with their ids, head and
+  optimizer) and compile time against tables (``compile_point`` results)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  panels = (1 if steps else 0) + (1 if points else 0)
+  panels = (1 if groups else 0) + (1 if points else 0)
   if not panels:
     return
-  fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4), squeeze=False)
+  fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
   axes = list(axes[0])
-  if steps:
+  if groups:
     ax = axes.pop(0)
-    h = STEP_HEADERS
-    series = [
-      ("gtx ms", "gtx per-table"),
-      ("gtx stacked ms", "gtx stacked"),
-      ("torch ms", "torch twin"),
-      ("FBGEMM ms", "FBGEMM"),
-      ("random-rows floor ms", "floor: random rows"),
-    ]
+    # every system's name: the twins by thread count, as run_group names them
+    names = list(dict.fromkeys(k for g in groups for k in g["ms"]))
+    twins = {g["twin"] for g in groups} | {g["fbgemm"] for g in groups}
+
+    def series_of(k):
+      if k in ("gtx", "gtx stacked", "floor: random rows"):
+        return k
+      for t in twins:
+        if t and k.startswith(t):
+          return ("torch twin" if t.startswith("torch") else "FBGEMM") + k[
+            len(t) :
+          ]
+      return None  # the opt-only parts: in the table
+
+    series = list(dict.fromkeys(x for x in map(series_of, names) if x))
     width = 0.8 / len(series)
-    for k, (col, label) in enumerate(series):
+    for j, label in enumerate(series):
       vals = [
-        float(r[h.index(col)]) if r[h.index(col)] != "-" else float("nan")
-        for r in steps
+        next(
+          (v for k, v in g["ms"].items() if series_of(k) == label),
+          float("nan"),
+        )
+        for g in groups
       ]
       ax.bar(
-        [i + (k - len(series) / 2 + 0.5) * width for i in range(len(steps))],
+        [i + (j - len(series) / 2 + 0.5) * width for i in range(len(groups))],
         vals,
         width,
         label=label,
       )
     ax.set_xticks(
-      range(len(steps)),
-      [f"{r[2]}\n{r[0]}, {r[1]}" for r in steps],
+      range(len(groups)),
+      [f"{g['optimizer']}\n{g['ids']}, {g['head']}" for g in groups],
       fontsize=6,
       rotation=90,
     )
     ax.set_yscale("log")
     ax.set_ylabel("ms per training step (log)")
     ax.set_title(f"DLRM-shaped step, {tables} tables (optimizer, ids, head)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
   if points:
     ax = axes.pop(0)
     for opt_name in dict.fromkeys(p["optimizer"] for p in points):
@@ -901,7 +915,18 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--small-pages", action="store_true")
   parser.add_argument("--quick", "--smoke", action="store_true")
+  parser.add_argument(
+    "--replot",
+    metavar="JSON",
+    help="only redraw the plot of a results file (next to it, as .png)",
+  )
   args = parser.parse_args(argv)
+  if args.replot:
+    data = json.loads(Path(args.replot).read_text())
+    tables = int(data["notes"].split(" ", 1)[0])  # "26 tables (..."
+    path = Path(args.replot).with_suffix(".png")
+    _plot(data["groups"], data["compile"], tables, path)
+    return
   HUGE_PAGES[0] = not args.small_pages
   if args.quick:
     os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
@@ -965,7 +990,7 @@ def main(argv: list[str] | None = None) -> None:
   suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
   png = RESULTS / f"recsys{suffix}.png"
   RESULTS.mkdir(exist_ok=True)
-  _plot(steps, points, len(rows), png)
+  _plot(raw, points, len(rows), png)
   headline = []
   for r in steps:
     c = dict(zip(STEP_HEADERS, r, strict=True))
