@@ -2,6 +2,7 @@
 (tests/conformance.py): each case's checks (every transformation's, and a
 row optimizer's), and each case again with the GPU branches taken on CPU."""
 
+import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,18 +37,23 @@ def test_gpu_branches(case):
 
 
 def test_gpu_branches_switch_is_part_of_the_trace():
-  # deduplicated() keeps first positions on CPU and sorts on GPUs: the same
-  # jitted function, called outside, inside and outside the switch, runs
-  # the branch of each side (never a program traced on the other side).
+  # deduplicated() hashes on CPU and sorts on GPUs, into the same layout:
+  # the same jitted function, called outside, inside and outside the
+  # switch, runs the branch of each side (never a program traced on the
+  # other side), and both give the same ids.
   g = gtx.SparseRows(jnp.array([5, 2, 5, -1, 9, 2, 0]), jnp.ones((7, 2)), 9)
   dedup = jax.jit(lambda g: g.deduplicated().indices)
-  cpu, gpu = [5, 2, 9, 9, 9, 9, 0], [0, 2, 5, 9, 9, 9, 9]
-  np.testing.assert_array_equal(dedup(g), cpu)
+  want = [5, 2, 9, 9, 9, 9, 0]
+  np.testing.assert_array_equal(dedup(g), want)
+  assert hlo.dedups(dedup.lower(g).compile()) == (1, 0)
   with gpu_branches():
-    np.testing.assert_array_equal(dedup(g), gpu)
-    np.testing.assert_array_equal(g.deduplicated().indices, gpu)  # eager
+    np.testing.assert_array_equal(dedup(g), want)
+    loops, sorts = hlo.dedups(dedup.lower(g).compile())
+    assert loops == 0 and sorts >= 1
+    np.testing.assert_array_equal(g.deduplicated().indices, want)  # eager
     with pytest.raises(RuntimeError, match="already active"):
       with gpu_branches():
         pass
-  np.testing.assert_array_equal(dedup(g), cpu)
-  np.testing.assert_array_equal(g.deduplicated().indices, cpu)
+  np.testing.assert_array_equal(dedup(g), want)
+  np.testing.assert_array_equal(g.deduplicated().indices, want)
+  assert hlo.dedups(dedup.lower(g).compile()) == (1, 0)
