@@ -31,6 +31,7 @@ BENCHMARKS = [
   "row_reader",
   "convergence",
   "low_precision",
+  "compile_tables",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
