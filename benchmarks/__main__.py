@@ -32,6 +32,7 @@ BENCHMARKS = [
   "convergence",
   "low_precision",
   "recsys",
+  "compile_tables",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 

@@ -591,17 +591,21 @@ def sparse_value_and_grad(
     dense_slots = [
       i for i in range(len(leaves)) if i not in sparse and i not in frozen
     ]
-    sinks = {}
+    sinks: dict[int, list[jax.Array]] = {}
+    made: dict[Any, jax.Array] = {}  # reads of one shape share one sink array
     for s in sparse:
       t = leaves[s]
       sinks[s] = []
       for r in plan.groups[s].reads:
-        # -0.0: adding it leaves every row as it is, -0.0 rows included
-        sink = jnp.full(r.ids_shape + tuple(t.shape[1:]), -0.0, t.dtype)
         # Under shard_map's type checks the sink must vary over the same
         # mesh axes as the rows it is added to.
         vma = tuple(sorted(r.vma))
-        sinks[s].append(lax.pcast(sink, vma, to="varying") if vma else sink)
+        key = (r.ids_shape + tuple(t.shape[1:]), jnp.dtype(t.dtype), vma)
+        if key not in made:
+          # -0.0: adding it leaves every row as it is, -0.0 rows included
+          sink = jnp.full(key[0], -0.0, t.dtype)
+          made[key] = lax.pcast(sink, vma, to="varying") if vma else sink
+        sinks[s].append(made[key])
 
     def inner(dense_leaves, sinks_):
       full = list(leaves)
@@ -621,8 +625,13 @@ def sparse_value_and_grad(
     for s in sparse:
       t = leaves[s]
       row = tuple(t.shape[1:])
-      idx = jnp.concatenate([i.reshape(-1) for i in ids[s]])
-      vals = jnp.concatenate([g.reshape((-1,) + row) for g in g_sinks[s]])
+      idx = _concat(
+        [
+          _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
+          for r, i in zip(plan.groups[s].reads, ids[s], strict=True)
+        ]
+      )
+      vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
       # As jax.grad: under shard_map's type checks the gradient of a
       # replicated table is the sum over the axes its ids vary along, which
       # for rows is the gather of every replica's rows.
@@ -796,6 +805,10 @@ def sparse_labels(
   return labels_fn
 
 
+def _concat(parts: list[jax.Array]) -> jax.Array:
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 def _order_after(tree: Any, value: jax.Array) -> Any:
   """``tree`` unchanged, with a data dependency on ``value`` XLA keeps.
 
@@ -808,7 +821,7 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
   matters) orders all reads before all writes, and the update stays in
   place. The dependency is ``x - zero`` with ``zero = 0 * (value != value)``:
   exactly ``x`` for every float (``-0.0``, inf and NaN included), a product
-  XLA does not fold (``0 * x`` is not 0 for NaN), one scalar per leaf.
+  XLA does not fold (``0 * x`` is not 0 for NaN), one scalar per dtype.
   A leaf that does not vary over all the mesh axes ``value`` varies over
   (inside ``shard_map``) is left alone: tying it would change its type.
   """
@@ -817,10 +830,13 @@ def _order_after(tree: Any, value: jax.Array) -> Any:
     return tree
   flag = jnp.any(value != value)
   axes = varying_axes(flag)
+  zeros: dict[Any, jax.Array] = {}  # one scalar per dtype, not per leaf
 
   def tie(x):
     if not jnp.issubdtype(x.dtype, jnp.inexact) or axes - varying_axes(x):
       return x
-    return x - flag.astype(x.dtype) * jnp.zeros([], x.dtype)
+    if x.dtype not in zeros:
+      zeros[x.dtype] = flag.astype(x.dtype) * jnp.zeros([], x.dtype)
+    return x - zeros[x.dtype]
 
   return map_updates(tie, tree)

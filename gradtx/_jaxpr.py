@@ -250,6 +250,7 @@ class Read:
 
   ids_shape: tuple[int, ...]
   vma: frozenset  # mesh axes the rows read vary along (shard_map)
+  how: tuple = ()  # how its row ids follow from its raw ids (row_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +287,7 @@ class _RowRead:
   kind: str  # "gather" | "dynamic_slice" | "lookup"
   ids_shape: tuple[int, ...]
   vma: frozenset
+  how: tuple = ()  # Read.how
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,13 +390,15 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
       sorted(offsets)
     ):
       raise ValueError(f"gather output {out_shape} with offset_dims {offsets}")
-    return _RowRead("gather", ids_shape, vma_of(eqn.outvars[0].aval))
+    how = ("gather", tuple(dn.start_index_map), params["mode"].name)
+    return _RowRead("gather", ids_shape, vma_of(eqn.outvars[0].aval), how)
   if name == "dynamic_slice":
     if pos != [0] or len(eqn.invars) != 1 + len(shape):
       return _dense(eqn, "`dynamic_slice` with the table as a start index")
     if tuple(params["slice_sizes"]) != (1, *row_shape):
       return _dense(eqn, "`dynamic_slice` that does not read one whole row")
-    return _RowRead("dynamic_slice", (1,), vma_of(eqn.outvars[0].aval))
+    vma = vma_of(eqn.outvars[0].aval)
+    return _RowRead("dynamic_slice", (1,), vma, ("clamp",))
   if name == "convert_element_type":
     new = params["new_dtype"]
     if params.get("sharding") is None and _is_float(new):
@@ -416,7 +420,8 @@ def _match_known(eqn: Any, pos: list[int], name: str) -> Any:
       if len(eqn.invars) == 2 and tuple(out.shape) == (
         tuple(ids_aval.shape) + row_shape
       ):
-        return _RowRead("lookup", tuple(ids_aval.shape), vma_of(out))
+        ids_shape = tuple(ids_aval.shape)
+        return _RowRead("lookup", ids_shape, vma_of(out), ("as_is",))
     jaxpr, consts = open_jaxpr(closed)
     _check_aligned(jaxpr, eqn)
     return _Sub("jit", jaxpr, consts, ())
@@ -473,18 +478,22 @@ def _check_aligned(
 
 
 class Analysis:
-  """Finds the row reads of tables in jaxprs; memoised per (jaxpr, tables)."""
+  """Finds the row reads of tables in jaxprs, every table in one walk;
+  memoised per (jaxpr, tables)."""
 
   def __init__(self):
-    self._memo: dict[Any, tuple[Any, Group]] = {}
+    self._memo: dict[Any, tuple[Any, dict[int, Group]]] = {}
 
-  def group(self, jaxpr: Any, members: dict[int, View]) -> Group:
-    """What ``jaxpr`` does with the table at invars ``members`` (index ->
-    how the value there derives from the table): its reads in program
-    order, or the first use that keeps it dense. A value read through
+  def groups(
+    self, jaxpr: Any, members: dict[int, tuple[int, View]]
+  ) -> dict[int, Group]:
+    """What ``jaxpr`` does with each table: ``members`` maps an invar index
+    to ``(table, view)`` (which table is there, and how the value derives
+    from it); the result maps each table to its reads in program order, or
+    the first use that keeps it dense. A value read through
     ``stop_gradient`` must be read as whole rows too: a frozen kernel or
     bias is no table."""
-    key = (id(jaxpr), tuple(sorted((i, str(v)) for i, v in members.items())))
+    key = (id(jaxpr), tuple(sorted(members.items())))
     hit = self._memo.get(key)
     if hit is not None and hit[0] is jaxpr:
       return hit[1]
@@ -492,45 +501,64 @@ class Analysis:
     self._memo[key] = (jaxpr, result)
     return result
 
-  def _walk(self, jaxpr: Any, members: dict[int, View]) -> Group:
-    alias = {jaxpr.invars[i]: v for i, v in members.items()}
-    reads: list[Read] = []
-    frozen = False
+  def _walk(
+    self, jaxpr: Any, members: dict[int, tuple[int, View]]
+  ) -> dict[int, Group]:
+    alias = {jaxpr.invars[i]: tv for i, tv in members.items()}
+    tables = sorted({t for t, _ in members.values()})
+    reads: dict[int, list[Read]] = {t: [] for t in tables}
+    frozen = dict.fromkeys(tables, False)
+    dense: dict[int, DenseUse] = {}
     for eqn in jaxpr.eqns:
-      pos = [k for k, v in enumerate(eqn.invars) if _is_var(v) and v in alias]
-      if not pos:
-        continue
-      m = _match(eqn, pos)
-      if isinstance(m, DenseUse):
-        if any(alias[eqn.invars[p]].frozen for p in pos):
-          m = dataclasses.replace(m, what=f"{m.what} after `stop_gradient`")
-        return Group(tuple(reads), m, frozen)
-      view = alias[eqn.invars[pos[0]]]
-      if isinstance(m, _Frozen):
-        alias[eqn.outvars[0]] = View(view.casts, True)
-      elif isinstance(m, _RowRead):
-        if view.frozen:
-          frozen = True  # a constant for autodiff: no sink
+      uses: dict[int, list[int]] = {}
+      for k, v in enumerate(eqn.invars):
+        if _is_var(v) and v in alias and alias[v][0] not in dense:
+          uses.setdefault(alias[v][0], []).append(k)
+      subs: dict[int, tuple[_Sub, list[int]]] = {}
+      for t, pos in uses.items():
+        m = _match(eqn, pos)
+        view = alias[eqn.invars[pos[0]]][1]
+        if isinstance(m, DenseUse):
+          if any(alias[eqn.invars[p]][1].frozen for p in pos):
+            m = dataclasses.replace(m, what=f"{m.what} after `stop_gradient`")
+          dense[t] = m
+        elif isinstance(m, _Frozen):
+          alias[eqn.outvars[0]] = (t, View(view.casts, True))
+        elif isinstance(m, _RowRead):
+          if view.frozen:
+            frozen[t] = True  # a constant for autodiff: no sink
+          else:
+            reads[t].append(Read(m.ids_shape, m.vma, m.how))
+        elif isinstance(m, _Cast):
+          alias[eqn.outvars[0]] = (t, View((*view.casts, m.dtype), view.frozen))
+        elif isinstance(m, _Pvary):
+          for p in pos:
+            alias[eqn.outvars[p]] = alias[eqn.invars[p]]
         else:
-          reads.append(Read(m.ids_shape, m.vma))
-      elif isinstance(m, _Cast):
-        alias[eqn.outvars[0]] = View((*view.casts, m.dtype), view.frozen)
-      elif isinstance(m, _Pvary):
-        for p in pos:
-          alias[eqn.outvars[p]] = alias[eqn.invars[p]]
-      else:
-        sub = self.group(m.jaxpr, {p: alias[eqn.invars[p]] for p in pos})
-        reads.extend(Read(m.prefix + r.ids_shape, r.vma) for r in sub.reads)
-        frozen = frozen or sub.frozen
-        if sub.dense is not None:
-          return Group(tuple(reads), sub.dense, frozen)
-    if any(_is_var(v) and v in alias for v in jaxpr.outvars):
-      return Group(
-        tuple(reads),
-        DenseUse("returned by the loss or a nested jit/checkpoint/scan"),
-        frozen,
-      )
-    return Group(tuple(reads), None, frozen)
+          subs[t] = (m, pos)
+      if subs:  # every table the body gets, in one walk of it
+        m = next(iter(subs.values()))[0]
+        inner = {
+          p: (j, alias[eqn.invars[p]][1])
+          for j, (_, pos) in enumerate(subs.values())
+          for p in pos
+        }
+        found = self.groups(m.jaxpr, inner)
+        for j, t in enumerate(subs):
+          g = found[j]
+          reads[t].extend(
+            dataclasses.replace(r, ids_shape=m.prefix + r.ids_shape)
+            for r in g.reads
+          )
+          frozen[t] = frozen[t] or g.frozen
+          if g.dense is not None:
+            dense[t] = g.dense
+    for v in jaxpr.outvars:
+      if _is_var(v) and v in alias and alias[v][0] not in dense:
+        dense[alias[v][0]] = DenseUse(
+          "returned by the loss or a nested jit/checkpoint/scan"
+        )
+    return {t: Group(tuple(reads[t]), dense.get(t), frozen[t]) for t in tables}
 
 
 def trace(fun: Callable[..., Any], leaves: Sequence[Any]) -> tuple[Any, Any]:
@@ -555,11 +583,10 @@ def analyze(
   jaxpr, _ = open_jaxpr(closed)
   if len(candidates) != len(jaxpr.invars):
     raise ValueError(f"{len(candidates)} flags for {len(jaxpr.invars)} inputs")
-  out = [
-    an.group(jaxpr, {i: View()}) if c else None
-    for i, c in enumerate(candidates)
-  ]
-  return an, out
+  found = an.groups(
+    jaxpr, {i: (i, View()) for i, c in enumerate(candidates) if c}
+  )
+  return an, [found.get(i) for i in range(len(candidates))]
 
 
 # ----------------------------------------------------------------------------
@@ -596,8 +623,8 @@ def evaluate(
 ) -> tuple[list[Any], dict[int, list[Any]]]:
   """Evaluates ``closed`` on ``args`` with a sink at each read of the
   tables ``sinks`` names (invar index -> one sink per read, in the order of
-  the analysis). Returns the outputs and, per table, the row ids of each
-  read (``ids_shape`` int32; padding outside ``[0, num_rows)``)."""
+  the analysis). Returns the outputs and, per table, the raw ids of each
+  read (:func:`row_ids` makes its row ids)."""
   args = list(args)
   queues = {}
   for i, s in sinks.items():
@@ -674,22 +701,21 @@ def _rewrite(an: Analysis, eqn: Any, pos: list[int], invals: list[Any]):
 
 def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
   t = invals[0]
-  num_rows = t.value.shape[0]
   params = eqn.primitive.get_bind_params(eqn.params)
+  # The raw ids come out as they are: row_ids makes row ids of them outside
+  # the differentiated function, where integer ops trace cheaper.
   if m.kind == "gather":
-    idx = invals[1]
-    rows = eqn.primitive.bind(t.value, idx, **params)
-    ids = _gather_row_ids(idx, params, num_rows)
+    ids = invals[1]
+    rows = eqn.primitive.bind(t.value, ids, **params)
   elif m.kind == "dynamic_slice":
     rows = eqn.primitive.bind(t.value, *invals[1:], **params)
-    ids = _clamp_ids(jnp.asarray(invals[1]), num_rows)[None]
+    ids = jnp.asarray(invals[1])
   else:  # the gtx_lookup jit: re-bound as is (it may dispatch on the table)
-    idx = invals[1]
+    ids = invals[1]
     if not t.casts:
-      rows = eqn.primitive.bind(t.value, idx, **params)[0]
+      rows = eqn.primitive.bind(t.value, ids, **params)[0]
     else:
-      rows = _lookup_reader[0](t.value, idx)
-    ids = jnp.asarray(idx).astype(jnp.int32)
+      rows = _lookup_reader[0](t.value, ids)
   sink = t.queue.sinks.popleft()
   t.queue.ids.append(ids)
   if m.kind == "gather":
@@ -705,20 +731,27 @@ def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
   return out
 
 
-def _gather_row_ids(idx: Any, params: dict, num_rows: int) -> Any:
-  """The row each gathered slice read; padding where the gradient of the
-  gather (a scatter-add in the same mode) gives it nothing."""
-  dn = params["dimension_numbers"]
-  row = idx[..., dn.start_index_map.index(0)]
-  if params["mode"].name == "CLIP":
+def row_ids(read: Read, raw: Any, num_rows: int) -> jax.Array:
+  """The int32 row ids of ``read`` from the raw ids :func:`evaluate` gave
+  (a gather's indices, a dynamic_slice's start, a lookup's ids; stacked
+  over enclosing scans): the row each id read, or padding
+  (``num_rows``) where the read's gradient gives that id nothing."""
+  how = read.how
+  if how[0] == "as_is":
+    return jnp.asarray(raw).astype(jnp.int32)
+  if how[0] == "clamp":
+    return _clamp_ids(jnp.asarray(raw), num_rows)
+  _, start_index_map, mode = how
+  row = raw[..., start_index_map.index(0)]
+  if mode == "CLIP":
     # Full-width dimensions clamp their start to 0 whatever it is.
     return _clamp_ids(row, num_rows)
   # FILL_OR_DROP reads (and PROMISE_IN_BOUNDS scatters back) only in-bounds
   # windows: the row in [0, num_rows), every full-width start exactly 0.
   ok = _in_range(row, num_rows)
-  for j, d in enumerate(dn.start_index_map):
+  for j, d in enumerate(start_index_map):
     if d != 0:
-      ok = ok & (idx[..., j] == 0)
+      ok = ok & (raw[..., j] == 0)
   return jnp.where(ok, row.astype(jnp.int32), num_rows)
 
 
@@ -801,12 +834,15 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
   for p in sorted(i for i, x in enumerate(invals) if isinstance(x, _Table)):
     groups.setdefault(id(invals[p].queue), []).append(p)
   members = list(groups.values())
+  found = an.groups(
+    m.jaxpr,
+    {p: (g, View(invals[p].casts)) for g, ps in enumerate(members) for p in ps},
+  )
   raws, sinks = [], []
-  for ps in members:
+  for g, ps in enumerate(members):
     q = invals[ps[0]].queue
-    sub = an.group(m.jaxpr, {p: View(invals[p].casts) for p in ps})
     raws.append(invals[ps[0]].value)
-    sinks.append([q.sinks.popleft() for _ in sub.reads])
+    sinks.append([q.sinks.popleft() for _ in found[g].reads])
   spec = tuple(
     (p, g, invals[p].casts) for g, ps in enumerate(members) for p in ps
   )
