@@ -258,28 +258,37 @@ def _gtx_variant(jitted, params_np, ids, labels, grads):
   return run, run_opt, first, box
 
 
-def _opt_grads(params_np, rows, ids, stacked_rows: bool):
-  """Per step: the gradient tree of the step's ids (fixed values)."""
+def _opt_grads(loss, params_np, rows, data, stacked_rows: bool):
+  """Per step: a gradient tree of the form the step's own gradient has
+  (``gtx.sparse_grad`` of ``loss``: SparseRows of the step's ids, dense
+  where it gives dense, as for the smallest tables), fixed values."""
   rng = np.random.default_rng(SEED + 3)
-  batch, tables = ids[0].shape
+  batch, tables = data.ids[0].shape
+  form = jax.eval_shape(
+    gtx.sparse_grad(loss),
+    {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params_np.items()},
+    data.ids[0],
+    data.labels[0],
+  )
   dim = params_np["emb" if stacked_rows else "t0"].shape[1]
   vals = jnp.asarray(rng.standard_normal((batch, tables, dim)), jnp.float32)
   dense = {
     k: jnp.asarray(rng.standard_normal(np.shape(v)), jnp.float32)
     for k, v in params_np.items()
-    if k != "emb" and not k.startswith("t")
+    if not isinstance(form[k], gtx.SparseRows)
   }
   offsets = _offsets(rows)
   out = []
-  for step_ids in ids:
+  for step_ids in data.ids:
     g = dict(dense)
     if stacked_rows:
       flat = jnp.asarray((step_ids + offsets).reshape(-1))
       g["emb"] = gtx.SparseRows(flat, vals.reshape(-1, dim), sum(rows))
     else:
       for i, v in enumerate(rows):
-        col = jnp.asarray(np.ascontiguousarray(step_ids[:, i]))
-        g[f"t{i}"] = gtx.SparseRows(col, vals[:, i], v)
+        if f"t{i}" not in dense:
+          col = jnp.asarray(np.ascontiguousarray(step_ids[:, i]))
+          g[f"t{i}"] = gtx.SparseRows(col, vals[:, i], v)
     out.append(g)
   return out
 
@@ -522,7 +531,7 @@ def run_group(
     ("gtx", per_table_loss(tables), params, False),
     ("gtx stacked", stacked_loss(rows), stacked(params, tables), True),
   ]:
-    grads = _opt_grads(p, rows, data.ids, stacked_rows) if opt_only else None
+    grads = _opt_grads(loss, p, rows, data, stacked_rows) if opt_only else None
     jitted = _jitted((name, head, opt_name), loss, opt.gtx)
     run, run_opt, first[name], box = _gtx_variant(jitted, p, ids, labels, grads)
     fns[name] = run
