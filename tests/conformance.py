@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hlo import row_ops
+from hlo import dedups, row_ops
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -111,6 +111,10 @@ class Case:
     rtol: tolerance for comparing jit / shard_map / pmap results.
     inject: how to build it with ``optax.inject_hyperparams`` (row
       optimizers).
+    pmap: whether :func:`check_pmap` runs. pmap runs the code
+      :func:`check_shard_map` runs, on another mapping: row optimizers
+      without collectives run it once per engine path (the fast path, 8-bit
+      state with catch-up, a per-row ``[V]`` state, a user's rule).
   """
 
   name: str
@@ -121,6 +125,7 @@ class Case:
   steps: int = 3
   rtol: float = 1e-5
   inject: Inject | None = None
+  pmap: bool = True
 
   def __str__(self) -> str:
     return self.name
@@ -133,6 +138,7 @@ def optimizer(
   static_args: tuple[str, ...] = (),
   vary: str = "learning_rate",
   rtol: float = 1e-5,
+  pmap: bool = False,
   **kwargs: Any,
 ) -> Case:
   """A row optimizer's case: ``factory(**kwargs)``, for every check."""
@@ -141,6 +147,7 @@ def optimizer(
     lambda: factory(**kwargs),
     rtol=rtol,
     inject=Inject(factory, kwargs, static_args, vary),
+    pmap=pmap,
   )
 
 
@@ -445,8 +452,10 @@ def check_in_place(case: Case) -> None:
   """The compiled step on a 50,021-row table, donating params and state,
   writes the table and every per-row state leaf in place: each op making a
   whole-table value is a scatter, temporaries stay below a twentieth of
-  the table, and every ``[V, ...]`` buffer aliases its donated input. Read
-  from the compiled program (nothing runs)."""
+  the table, and every ``[V, ...]`` buffer aliases its donated input; the
+  ids are deduplicated once (the update says they are unique, so
+  apply_updates does not again). Read from the compiled program (nothing
+  runs)."""
   v, d, n = IN_PLACE_ROWS, IN_PLACE_DIM, IN_PLACE_IDS
   tx = case.make_tx()
   params = {
@@ -468,6 +477,7 @@ def check_in_place(case: Case) -> None:
     .compile()
   )
   per_row = _row_leaves((params, state), v)
+  assert dedups(compiled) == (1, 0), dedups(compiled)
   if any(x.dtype == jnp.bfloat16 for x in per_row) and _bf16_scatter_upcast():
     pytest.skip(
       "this jaxlib's XLA:CPU computes a bfloat16 scatter in float32 (a "
@@ -526,9 +536,10 @@ def check_inject_and_drop_stale(case: Case) -> None:
 def checks_of(case: Case) -> list[Callable[[Case], None]]:
   """The checks ``case`` runs: :data:`CHECKS`, and :data:`ROW_CHECKS` for a
   row optimizer (whose chain check is :func:`check_inject_and_drop_stale`)."""
+  checks = CHECKS if case.pmap else [c for c in CHECKS if c is not check_pmap]
   if case.inject is None:
-    return CHECKS
-  return [c for c in CHECKS if c is not check_chain_extra_args] + ROW_CHECKS
+    return checks
+  return [c for c in checks if c is not check_chain_extra_args] + ROW_CHECKS
 
 
 def _per_replica(case: Case, i: int, replicas: int) -> list[np.ndarray]:
@@ -671,7 +682,7 @@ _INT8 = {"mu_dtype": "int8", "nu_dtype": "int8"}
 # schedules), once; and a user's rule. Options that only change the formula
 # are checked against the numpy references in the optimizers' own modules.
 OPTIMIZERS = [
-  optimizer("lazy_adam", gtx.lazy_adam, learning_rate=0.05),
+  optimizer("lazy_adam", gtx.lazy_adam, pmap=True, learning_rate=0.05),
   optimizer(
     "lazy_adamw_schedule_catch_up",
     gtx.lazy_adamw,
@@ -697,6 +708,7 @@ OPTIMIZERS = [
     "lazy_adamw_int8_catch_up",
     gtx.lazy_adamw,
     static_args=("block_size", "catch_up"),
+    pmap=True,
     learning_rate=0.05,
     block_size=2,
     catch_up=True,
@@ -714,6 +726,7 @@ OPTIMIZERS = [
     "rowwise_adagrad_schedule",
     gtx.rowwise_adagrad,
     vary="weight_decay",
+    pmap=True,
     learning_rate=optax.cosine_decay_schedule(0.1, 10),
     weight_decay=0.01,
   ),
@@ -734,7 +747,9 @@ OPTIMIZERS = [
     momentum=0.9,
     nesterov=True,
   ),
-  optimizer("user_rule", user_rule, learning_rate=0.05, weight_decay=0.1),
+  optimizer(
+    "user_rule", user_rule, pmap=True, learning_rate=0.05, weight_decay=0.1
+  ),
   optimizer(
     "partial_rowwise_adam",
     gtx.partial_rowwise_adam,

@@ -178,31 +178,25 @@ def test_output_keys_are_param_paths(uninterrupted):
   assert 0 < moved.sum() < multihost.NUM_ROWS
 
 
-def test_kill_mid_training_fails_fast_and_resumes_exactly(
+def test_a_lost_process_fails_fast_and_a_restart_resumes_exactly(
   tmp_path, uninterrupted
 ):
-  # Process 1 is SIGKILLed after step 4 (a checkpoint exists at step 3).
-  job = Job(tmp_path, "got.npz")
+  # One run, restarted twice (as a scheduler restarts every process with
+  # the same arguments), each restart from the last committed checkpoint:
+  # 1. process 1 is SIGKILLed after step 4 (a checkpoint exists at step 3);
+  job = Job(tmp_path, "killed.npz")
   try:
     job.wait_for(1, "step 4\n")
     job.procs[1].send_signal(signal.SIGKILL)
     _assert_failed_fast(job, survivor=0, killed_at=time.monotonic())
   finally:
     job.kill()
-  assert not (tmp_path / "got.npz").exists()
-  # The scheduler restarts every process with the same arguments.
-  got = _run_to_end(tmp_path, "got.npz")
-  assert "resumed from step " in (tmp_path / "got.npz_0.log").read_text()
-  _assert_bit_identical(got, uninterrupted)
-
-
-def test_kill_inside_a_save_fails_fast_and_resumes_exactly(
-  tmp_path, uninterrupted
-):
-  # Process 0 (the coordinator, which commits checkpoints) dies while
-  # saving step 6: its part is written, the checkpoint not committed.
+  assert not (tmp_path / "killed.npz").exists()
+  # 2. restarted, process 0 (the coordinator, which commits checkpoints)
+  # dies while saving step 6: its part is written, the checkpoint not
+  # committed;
   env = {multihost.DIE_IN_SAVE_ENV: "6:0"}
-  job = Job(tmp_path, "got.npz", env)
+  job = Job(tmp_path, "died_in_save.npz", env)
   try:
     job.wait_for(0, "dying in save 6")
     killed_at = time.monotonic()
@@ -210,8 +204,11 @@ def test_kill_inside_a_save_fails_fast_and_resumes_exactly(
     _assert_failed_fast(job, survivor=1, killed_at=killed_at)
   finally:
     job.kill()
+  assert "resumed from step 3" in job.log(0)
   steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
   assert "3" in steps and "6" not in steps, steps
+  # 3. restarted again, it ends bit for bit where the uninterrupted run
+  # ends.
   got = _run_to_end(tmp_path, "got.npz")
   assert "resumed from step 3" in (tmp_path / "got.npz_0.log").read_text()
   _assert_bit_identical(got, uninterrupted)

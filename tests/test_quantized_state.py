@@ -34,6 +34,11 @@ from gradtx._precision import dequantize_rows, num_blocks, quantize_rows
 
 INT8_ADAM = dict(mu_dtype="int8", nu_dtype="int8")
 
+# Compiled once per shape (eager, every op of the code compiles for each new
+# shape); eager agrees with jit: test_quantize_under_jit_vmap_and_sharding.
+_quantize = jax.jit(quantize_rows, static_argnums=1, static_argnames="signed")
+_dequantize = jax.jit(dequantize_rows, static_argnums=1)
+
 # ----------------------------------------------------------------------------
 # The code, against a numpy code book
 
@@ -111,7 +116,7 @@ def _data(shape, seed):
 )
 def test_codes_equal_the_numpy_code_book(shape, block_size, signed):
   x = _data(shape, 1)
-  q = quantize_rows(jnp.asarray(x), block_size, signed=signed)
+  q = _quantize(jnp.asarray(x), block_size, signed=signed)
   want_codes, want_scales = _np_quantize(x, block_size, signed, q.scales)
   assert q.codes.dtype == (jnp.int8 if signed else jnp.uint8)
   assert q.codes.shape == shape and q.shape == shape
@@ -119,7 +124,7 @@ def test_codes_equal_the_numpy_code_book(shape, block_size, signed):
   assert q.scales.dtype == jnp.float32 and q.scales.shape == (shape[0], nb)
   np.testing.assert_array_equal(np.asarray(q.codes), want_codes)
   np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
-  y = np.asarray(q.dequantize())
+  y = np.asarray(_dequantize(q))
   np.testing.assert_allclose(
     y, _np_dequantize(want_codes, want_scales), rtol=1e-6
   )
@@ -132,8 +137,8 @@ def test_round_trip_error_bound(signed):
   x[::3, 5] *= 1e-12  # below the lowest binade of any code
   if not signed:
     x = np.abs(x)
-  q = quantize_rows(jnp.asarray(x), 16, signed=signed)
-  y = np.asarray(q.dequantize(), np.float64)
+  q = _quantize(jnp.asarray(x), 16, signed=signed)
+  y = np.asarray(_dequantize(q), np.float64)
   x64 = x.astype(np.float64)
   lowest = 2.0 ** -(15 if signed else 31)
   scale = np.repeat(np.asarray(q.scales, np.float64), 16, axis=1)
@@ -159,25 +164,25 @@ def test_zeros_and_signed_zeros_are_exact():
   x[1, :4] = [0.5, -2.0, 0.0, 1.0]
   x[2, 5] = -0.0
   for signed in (True, False):
-    q = quantize_rows(jnp.asarray(x), 4, signed=signed)
-    y = np.asarray(q.dequantize())
+    q = _quantize(jnp.asarray(x), 4, signed=signed)
+    y = np.asarray(_dequantize(q))
     np.testing.assert_array_equal(np.asarray(q.scales)[0], 0.0)
     np.testing.assert_array_equal(y[0], 0.0)
     np.testing.assert_array_equal(y[1, 4:], 0.0)
     np.testing.assert_array_equal(y[2], 0.0)
     assert np.all(np.isfinite(y))
   # unsigned codes store negative values as 0
-  y = np.asarray(quantize_rows(jnp.asarray(x), 4, signed=False).dequantize())
+  y = np.asarray(_dequantize(_quantize(jnp.asarray(x), 4, signed=False)))
   np.testing.assert_array_equal(y[1, :4], [0.5, 0.0, 0.0, 1.0])
 
 
 def test_blocks_never_cross_rows():
   x = _data((4, 5), 3)
-  q = quantize_rows(jnp.asarray(x), 4)  # blocks of 3 and 2 (balanced)
+  q = _quantize(jnp.asarray(x), 4)  # blocks of 3 and 2 (balanced)
   assert q.block_size == 3
   x2 = x.copy()
   x2[1, -1] = 1e6  # with blocks over the flat array, shares row 2's block
-  q2 = quantize_rows(jnp.asarray(x2), 4)
+  q2 = _quantize(jnp.asarray(x2), 4)
   others = [0, 2, 3]
   np.testing.assert_array_equal(
     np.asarray(q2.codes)[others], np.asarray(q.codes)[others]
@@ -215,8 +220,8 @@ def test_num_blocks_and_bfloat16_input():
   with pytest.raises(TypeError, match="`block_size` must be a Python int"):
     num_blocks(7, 4.0)
   x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 12)
-  q = quantize_rows(jnp.asarray(x, jnp.bfloat16), 5)
-  y = dequantize_rows(q, jnp.bfloat16)
+  q = _quantize(jnp.asarray(x, jnp.bfloat16), 5)
+  y = _dequantize(q, jnp.bfloat16)
   assert y.dtype == jnp.bfloat16 and y.shape == (2, 12)
   x16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
   np.testing.assert_array_equal(
@@ -250,7 +255,7 @@ def test_quantize_bad_arguments():
 
 def _dense(state_leaf):
   if isinstance(state_leaf, gtx.QuantizedRows):
-    return np.asarray(state_leaf.dequantize(), np.float64)
+    return np.asarray(_dequantize(state_leaf), np.float64)
   return np.asarray(state_leaf, np.float64)
 
 
@@ -372,20 +377,24 @@ def test_matches_numpy_reference(make_tx, states_of, rule, counted):
   assert all(
     not isinstance(s["b"], gtx.QuantizedRows) for s in states_of(state)
   )
-  update = jax.jit(tx.update)
+
+  @jax.jit
+  def update(grads, state, params):
+    u, state = tx.update(grads, state, params)
+    dense = {k: u[k].to_dense() if k in SPARSE else u[k] for k in u}
+    return dense, state, gtx.apply_updates(params, u)
+
   for step in range(4):
     grads = make_grads(step)
     step_rule = functools.partial(rule, t=step + 1) if counted else rule
     want_u, want_states = _reference_step(
       step_rule, grads, states_of(state), lr
     )
-    u, state = update(grads, state, params)
+    u, state, params = update(grads, state, params)
     for k in grads:
-      got = np.asarray(u[k].to_dense() if k in SPARSE else u[k])
-      np.testing.assert_allclose(got, want_u[k], rtol=2e-5, atol=1e-7)
+      np.testing.assert_allclose(u[k], want_u[k], rtol=2e-5, atol=1e-7)
       for name, s, w in zip("abc", states_of(state), want_states, strict=False):
         _check_stored(s[k], w[k], f"{k} state {name}")
-    params = gtx.apply_updates(params, u)
 
 
 def test_sparse_equals_dense_on_touched_rows():
@@ -457,7 +466,7 @@ def test_nonzero_second_moment_never_rounds_to_zero():
   state = tx.init(params)
   g = jnp.array([[1e4, 1e-4, 0.0, -1.0]], jnp.float32)
   u, state = tx.update(g, state)
-  nu = np.asarray(state.nu.dequantize())
+  nu = np.asarray(_dequantize(state.nu))
   assert np.all(nu[0, [0, 1, 3]] > 0) and nu[0, 2] == 0
   assert np.all(np.abs(np.asarray(u)) <= 1.01)  # Adam's first step: sign(g)
 

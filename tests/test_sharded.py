@@ -191,10 +191,9 @@ def _check_run(run, reference, axis, mesh):
   assert temp < shard_bytes, (temp, shard_bytes)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-  """The hybrid Mirrored run on 8 devices, saved with orbax at SAVE_AT
-  (inside an accumulation window) and continued to STEPS."""
+def _hybrid(ckpt):
+  """The hybrid Mirrored run on 8 devices, saved with orbax to ``ckpt`` at
+  SAVE_AT (inside an accumulation window) and continued to STEPS."""
   m = gtx.Mirrored(shard_rows="emb")
   tx = worker.make_tx(m.axis_name)
   start = worker.fresh(m, tx)
@@ -206,14 +205,13 @@ def hybrid(tmp_path_factory):
     SAVE_AT,
   )
   saved = {"params": params, "opt_state": state}
-  ckpt = tmp_path_factory.mktemp("hybrid") / "ckpt"
   checkpoint_worker.save_orbax(ckpt, saved)
   host = jax.tree.map(np.asarray, saved)
   params, state, more = worker.train(
     params, state, SAVE_AT, STEPS, compiled, m.shard_batch
   )
   run = (params, state, losses + more, compiled, before)
-  return {"m": m, "run": run, "ckpt": ckpt, "saved": host}
+  return {"m": m, "run": run, "saved": host}
 
 
 # ----------------------------------------------------------------------------
@@ -229,19 +227,25 @@ def _close(got, want, rtol=2e-5):
       np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
 
 
-def test_two_processes_and_eight_to_four_device_restore(request, tmp_path):
-  # 2 processes x 2 devices: a hybrid run from scratch, and the 8-device
-  # run's checkpoint (mid accumulation window) restored row-sharded onto
-  # the 4 devices and continued. The workers start first and train from
-  # scratch while this process runs on 8 devices (the ``hybrid`` fixture,
-  # requested after they start, unless an earlier test built it).
+def test_hybrid_mirrored_and_two_processes(tmp_path):
+  # On 8 devices: the hybrid Mirrored run (dense params mirrored, the batch
+  # split over the 8 replicas, the table and its state row-sharded over the
+  # same devices) equals the single-device run of the chain with the
+  # cross-replica reduction in front; it is saved mid accumulation window.
+  # Meanwhile 2 processes x 2 devices run it from scratch, then restore the
+  # 8-device checkpoint row-sharded onto their 4 devices and continue. (One
+  # test: the 8-device run, its checkpoint and the reference are computed
+  # once.)
   args = ["--ready", str(tmp_path / "ready"), "--out", str(tmp_path)]
   with procs.launched("sharded_worker.py", args, tmp_path, timeout=180):
-    hybrid = request.getfixturevalue("hybrid")
+    ckpt = tmp_path / "hybrid_ckpt"
+    hybrid = _hybrid(ckpt)
     # Written whole, then renamed: a worker never reads half a path.
-    (tmp_path / "ready.tmp").write_text(str(hybrid["ckpt"]))
+    (tmp_path / "ready.tmp").write_text(str(ckpt))
     (tmp_path / "ready.tmp").rename(tmp_path / "ready")
-    params, state, want_losses, _, _ = _reference(CHAIN)  # while they run
+    reference = _reference(CHAIN)  # while they run
+    _check_hybrid(hybrid, reference)
+    params, state, want_losses, _, _ = reference
 
   want = {"params": params, "opt_state": (optax.EmptyState(), state)}
   count = len(jax.tree.leaves(want))
@@ -289,12 +293,9 @@ def test_row_sharded_step_equals_single_device(chain, layout_name, loss):
   _check_run(run, _reference(chain, loss), "d", layout.mesh)
 
 
-def test_hybrid_mirrored_equals_single_device(hybrid):
-  # Dense params mirrored, the batch split over the 8 replicas, the table
-  # and its state row-sharded over the same devices; the chain of the
-  # single-device run with the cross-replica reduction in front.
+def _check_hybrid(hybrid, reference):
   m, run = hybrid["m"], hybrid["run"]
-  _check_run(run, _reference(CHAIN), m.axis_name, m.mesh)
+  _check_run(run, reference, m.axis_name, m.mesh)
   params, state = run[:2]
   assert params["emb"].addressable_shards[0].data.shape == (V // 8, D)
   # Everything but the table's [V, ...] / [V] leaves stays mirrored.
