@@ -789,8 +789,8 @@ STANDARD_ROWS = {"emb": IDS_PER_STEP, "w": None, "b": None}
 
 CASES = [
   # The sparse-aware transforms.
+  # (scale_by_learning_rate with a constant rate is this scale.)
   Case("scale", lambda: gtx.scale(-0.1)),
-  Case("scale_by_learning_rate", lambda: gtx.scale_by_learning_rate(0.1)),
   Case(
     "scale_by_learning_rate_schedule",
     lambda: gtx.scale_by_learning_rate(optax.cosine_decay_schedule(0.1, 5)),
