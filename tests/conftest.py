@@ -29,3 +29,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "standard")
 
 assert jax.device_count() == 8, "conftest must run before jax is imported"
+
+if os.environ.get("GRADTX_TEST_PROFILE"):  # tests/profile_tests.py
+  from profile_tests import (  # noqa: E402, F401
+    pytest_configure,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+  )

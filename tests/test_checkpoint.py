@@ -157,7 +157,7 @@ def test_state_round_trips_and_continues_exactly(name, tmp_path):
   tx = make_tx()
   step = _step_fn(tx)
   params = _params()
-  params, state = _run(step, params, tx.init(params), before)
+  params, state = _run(step, params, jax.jit(tx.init)(params), before)
   if name.endswith("accumulate") or name in (
     "accumulate_mid_window",
     "nested_chain",

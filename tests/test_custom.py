@@ -419,13 +419,13 @@ def test_an_8_bit_state_from_init_runs_dequantized_through_the_rule():
 
   params = make_params()
   exact, quantized = lion(False), lion(True)
-  s8 = quantized.init(params)
+  s8 = jax.jit(quantized.init)(params)
   assert isinstance(s8.states[0]["emb"], gtx.QuantizedRows)
   assert not isinstance(s8.states[0]["b"], gtx.QuantizedRows)
   s32 = exact.init(params)
   for i in range(3):
     g = make_grads(i)
-    u32, s32 = exact.update(g, s32)
+    u32, s32 = jax.jit(exact.update)(g, s32)
     u8, s8 = jax.jit(quantized.update)(g, s8)
     m32 = np.asarray(s32.states[0]["emb"])
     m8 = np.asarray(s8.states[0]["emb"].dequantize())

@@ -112,7 +112,7 @@ def test_unique_rows_sums_bit_for_bit_like_coalesce(case):
   idx2, val2 = jax.jit(lambda g: unique_rows(g))(g)
   np.testing.assert_array_equal(idx, idx2)
   np.testing.assert_array_equal(val, val2)
-  c = g.coalesce()
+  c = jax.jit(lambda g: g.coalesce())(g)
   idx, val = np.asarray(idx), np.asarray(val)
   valid = idx < num_rows
   assert len(set(idx[valid])) == valid.sum()

@@ -1,0 +1,101 @@
+"""Where the suite's time goes: per test, CPU seconds (the test's process
+and the subprocesses it waited for), wall seconds and XLA compiles.
+
+Opt in with ``GRADTX_TEST_PROFILE=PREFIX`` (conftest.py then registers
+these hooks); each pytest process writes ``PREFIX.<worker>.json``. Then::
+
+  python tests/profile_tests.py PREFIX [N]
+
+prints the per-file table and the N costliest tests. Compare runs by CPU
+seconds and compiles: on a shared machine wall time is noise. For a cold
+run give it an empty compilation cache
+(``JAX_COMPILATION_CACHE_DIR=$(mktemp -d)``). Not a test module: pytest
+collects ``test_*.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import resource
+import sys
+import time
+
+import pytest
+
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+_RECORDS: dict[str, dict[str, float]] = {}
+_COMPILES = [0]
+
+
+def _cpu() -> float:
+  own = resource.getrusage(resource.RUSAGE_SELF)
+  kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _count(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event == _COMPILE:
+    _COMPILES[0] += 1
+
+
+def pytest_configure(config):
+  import jax
+
+  jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  cpu, wall, compiles = _cpu(), time.perf_counter(), _COMPILES[0]
+  yield
+  _RECORDS[item.nodeid] = {
+    "cpu": _cpu() - cpu,
+    "wall": time.perf_counter() - wall,
+    "compiles": _COMPILES[0] - compiles,
+  }
+
+
+def pytest_sessionfinish(session):
+  if _RECORDS:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    prefix = os.environ["GRADTX_TEST_PROFILE"]
+    with open(f"{prefix}.{worker}.json", "w") as f:
+      json.dump(_RECORDS, f)
+
+
+def report(prefix: str, top: int = 30) -> None:
+  records = {}
+  for path in glob.glob(f"{prefix}.*.json"):
+    with open(path) as f:
+      records.update(json.load(f))
+  files = collections.defaultdict(collections.Counter)
+  for nodeid, r in records.items():
+    f = files[nodeid.split("::")[0]]
+    f.update(r)
+    f["tests"] += 1
+  total = collections.Counter()
+  for f in files.values():
+    total.update(f)
+  print(f"{'file':40} {'tests':>5} {'cpu s':>7} {'share':>6} {'compiles':>8}")
+  for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
+    share = f["cpu"] / total["cpu"]
+    print(
+      f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} {share:6.1%} "
+      f"{f['compiles']:8d}"
+    )
+  print(
+    f"{'total':40} {total['tests']:5d} {total['cpu']:7.1f} {1:6.0%} "
+    f"{total['compiles']:8d}"
+  )
+  print(f"\nthe {top} costliest tests (cpu s, compiles)")
+  ranked = sorted(records.items(), key=lambda kv: -kv[1]["cpu"])
+  for nodeid, r in ranked[:top]:
+    print(f"{r['cpu']:7.1f} {r['compiles']:5d}  {nodeid}")
+
+
+if __name__ == "__main__":
+  report(sys.argv[1], *map(int, sys.argv[2:3]))
