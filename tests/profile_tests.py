@@ -25,9 +25,13 @@ import time
 
 import pytest
 
-_COMPILE = "/jax/core/compile/backend_compile_duration"
+_EVENTS = {  # jax.monitoring's duration events, by the column they add to
+  "/jax/core/compile/backend_compile_duration": "compile s",
+  "/jax/core/compile/jaxpr_trace_duration": "trace s",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower s",
+}
 _RECORDS: dict[str, dict[str, float]] = {}
-_COMPILES = [0]
+_TOTALS: collections.Counter = collections.Counter()
 
 
 def _cpu() -> float:
@@ -37,9 +41,11 @@ def _cpu() -> float:
 
 
 def _count(event: str, duration: float, **kwargs) -> None:
-  del duration, kwargs
-  if event == _COMPILE:
-    _COMPILES[0] += 1
+  del kwargs
+  column = _EVENTS.get(event)
+  if column is not None:
+    _TOTALS[column] += duration
+    _TOTALS["compiles"] += column == "compile s"
 
 
 def pytest_configure(config):
@@ -50,13 +56,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  cpu, wall, compiles = _cpu(), time.perf_counter(), _COMPILES[0]
+  cpu, wall, before = _cpu(), time.perf_counter(), _TOTALS.copy()
   yield
-  _RECORDS[item.nodeid] = {
-    "cpu": _cpu() - cpu,
-    "wall": time.perf_counter() - wall,
-    "compiles": _COMPILES[0] - compiles,
-  }
+  record = {"cpu": _cpu() - cpu, "wall": time.perf_counter() - wall}
+  for column in ("compiles", *_EVENTS.values()):
+    record[column] = _TOTALS[column] - before[column]
+  _RECORDS[item.nodeid] = record
 
 
 def pytest_sessionfinish(session):
@@ -80,21 +85,29 @@ def report(prefix: str, top: int = 30) -> None:
   total = collections.Counter()
   for f in files.values():
     total.update(f)
-  print(f"{'file':40} {'tests':>5} {'cpu s':>7} {'share':>6} {'compiles':>8}")
-  for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
-    share = f["cpu"] / total["cpu"]
-    print(
-      f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} {share:6.1%} "
-      f"{f['compiles']:8d}"
-    )
+  times = ("trace s", "lower s", "compile s")
   print(
-    f"{'total':40} {total['tests']:5d} {total['cpu']:7.1f} {1:6.0%} "
-    f"{total['compiles']:8d}"
+    f"{'file':40} {'tests':>5} {'cpu s':>7} {'share':>6} {'compiles':>8}"
+    + "".join(f"{t:>10}" for t in times)
   )
-  print(f"\nthe {top} costliest tests (cpu s, compiles)")
+
+  def row(name: str, f: collections.Counter) -> str:
+    return (
+      f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} "
+      f"{f['cpu'] / total['cpu']:6.1%} {f['compiles']:8.0f}"
+      + "".join(f"{f[t]:10.1f}" for t in times)
+    )
+
+  for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
+    print(row(name, f))
+  print(row("total", total))
+  print(f"\nthe {top} costliest tests (cpu s, compiles, compile s)")
   ranked = sorted(records.items(), key=lambda kv: -kv[1]["cpu"])
   for nodeid, r in ranked[:top]:
-    print(f"{r['cpu']:7.1f} {r['compiles']:5d}  {nodeid}")
+    print(
+      f"{r['cpu']:7.1f} {r['compiles']:5.0f} {r.get('compile s', 0):6.1f}"
+      f"  {nodeid}"
+    )
 
 
 if __name__ == "__main__":
