@@ -345,6 +345,7 @@ def scale_by_lazy_adam(
     what="gradtx.scale_by_lazy_adam",
     state_names=["first moment", "second moment"]
     + ["catch-up state"] * (2 * catch_up),
+    materialize=not catch_up,
   )
 
 

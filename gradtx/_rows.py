@@ -200,6 +200,24 @@ class _Slice(NamedTuple):
   num_rows: int
 
 
+def _join_rows(parts: list[jax.Array]) -> jax.Array:
+  """``jnp.concatenate(parts)``, written as in-place updates of one buffer:
+  XLA:CPU fuses each part's producer (a gradient's cotangent) into its
+  update, where a concatenate copies every part once more (26 tables of
+  2048 x 64 rows: 0.6 ms of a 9 ms row-wise Adagrad step). Parts split
+  over mesh axes are concatenated (their layouts may differ)."""
+  if any(is_split(x) for x in parts):
+    return jnp.concatenate(parts)
+  rest = sum(x.shape[0] for x in parts[1:])
+  pads = [(0, rest, 0)] + [(0, 0, 0)] * (parts[0].ndim - 1)
+  out = lax.pad(parts[0], jnp.zeros([], parts[0].dtype), pads)
+  start = parts[0].shape[0]
+  for x in parts[1:]:
+    out = lax.dynamic_update_slice_in_dim(out, x, start, axis=0)
+    start += x.shape[0]
+  return out
+
+
 def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
   """The group's ids (offset per table, padding = total rows) deduplicated
   in one pass, each id at its first position: ``(ids, values)``."""
@@ -213,7 +231,7 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
     offset += g.num_rows
   joined = SparseRows(
     jnp.concatenate(ids),
-    jnp.concatenate([g.values for g in grads]),
+    _join_rows([g.values for g in grads]),
     total,
     unique=all(g.unique for g in grads),
     normalized=True,
@@ -221,7 +239,9 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
   return unique_rows(joined)
 
 
-def _update_group(rule, group, g_list, p_list, leaf_states, needs_params):
+def _update_group(
+  rule, group, g_list, p_list, leaf_states, needs_params, materialize
+):
   """One pass over a group of SparseRows leaves: returns, per leaf, its
   update (SparseRows) and its new state leaves."""
   grads = [g_list[i] for i in group]
@@ -248,7 +268,8 @@ def _update_group(rule, group, g_list, p_list, leaf_states, needs_params):
     p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
     old = [read_state_rows(x, ids) for x in states]
     new, update = rule(values[s.start : s.stop], p, *old)
-    new = [_materialize(r) for r in new]
+    if materialize:
+      new = [_materialize(r) for r in new]
     u = update(*new)
     valid = per_row(ids < s.num_rows, u.ndim)
     upd = SparseRows(
@@ -274,6 +295,7 @@ def update_rows(
   what: str,
   state_names: Sequence[str] | None = None,
   needs_params: bool = False,
+  materialize: bool = True,
 ) -> tuple[Any, list[Any]]:
   """Applies a per-row ``rule`` to every leaf; SparseRows only on its rows.
 
@@ -299,6 +321,12 @@ def update_rows(
     what: the transformation's name, for error messages.
     state_names: names of the states, for error messages.
     needs_params: pass parameter rows to the rule.
+    materialize: compute the new state rows of a SparseRows leaf into a
+      buffer of their own before ``update`` and the writes read them
+      (:func:`_materialize`). False for a rule whose new rows are cheap
+      next to what else reads the old ones (lazy Adam's catch-up reads
+      them again for the drift): there the copy is one more pass (its
+      whole step at 1M x 64 with 8,192 ids: 3-10% slower with it).
 
   Returns:
     ``(updates, new_states)``.
@@ -357,7 +385,9 @@ Array([1, 0, 0, 1], dtype=int32))
       )
   for group in _groups(keys, sizes):
     results.update(
-      _update_group(rule, group, g_list, p_list, leaf_states, needs_params)
+      _update_group(
+        rule, group, g_list, p_list, leaf_states, needs_params, materialize
+      )
     )
   out_u, out_s = [], [[] for _ in states]
   for i in range(len(g_list)):
@@ -378,6 +408,7 @@ def row_optimizer(
   needs_params: bool = False,
   pack: Callable[[Any, list[Any]], Any] | None = None,
   unpack: Callable[[Any], tuple[Any, list[Any]]] | None = None,
+  materialize: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """A transformation from a per-row ``rule`` and a per-leaf ``init``.
 
@@ -401,6 +432,8 @@ def row_optimizer(
     needs_params: pass parameter rows to the rule.
     pack: ``pack(count, trees) -> state`` for a state_type of another form.
     unpack: ``unpack(state) -> (count, trees)``, pack's inverse.
+    materialize: see :func:`update_rows` (a speed hint; results are the
+      same either way).
   """
   custom = pack is not None
   counted = not custom and state_type._fields[:1] == ("count",)
@@ -450,6 +483,7 @@ def row_optimizer(
       what=what,
       state_names=names,
       needs_params=needs_params,
+      materialize=materialize,
     )
     return u, pack(optax.safe_increment(count) if counted else None, new)
 
