@@ -1,5 +1,7 @@
 """Where the suite's time goes: per test, CPU seconds (the test's process
-and the subprocesses it waited for), wall seconds and XLA compiles.
+and the subprocesses it waited for), wall seconds, compilations (jax's
+backend-compile event, which persistent-cache hits fire too) and seconds
+of tracing, lowering and compiling.
 
 Opt in with ``GRADTX_TEST_PROFILE=PREFIX`` (conftest.py then registers
 these hooks); each pytest process writes ``PREFIX.<worker>.json``. Then::
