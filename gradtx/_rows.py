@@ -11,7 +11,8 @@ optimizer needs them) and the old state rows, the new state rows, and a
 function ``update(*new_states)`` that computes the update from the new
 state rows. The engine materialises the new state rows once, writes them
 back, and calls ``update`` on them, so every optimizer writes its update
-once and gets the fast form (:func:`_materialize`).
+once and gets the fast form (:func:`_materialize`; ``materialize=False``
+skips its copy where it is one more pass, as in lazy Adam's catch-up).
 
 **Groups of tables.** A model with a table per feature holds tens to
 hundreds of SparseRows leaves of one row shape. Leaves whose rows are read
