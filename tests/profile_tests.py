@@ -34,6 +34,7 @@ _EVENTS = {  # jax.monitoring's duration events, by the column they add to
 }
 _RECORDS: dict[str, dict[str, float]] = {}
 _TOTALS: collections.Counter = collections.Counter()
+_PROGRAMS: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
 
 def _cpu() -> float:
@@ -42,12 +43,16 @@ def _cpu() -> float:
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _count(event: str, duration: float, **kwargs) -> None:
+def _count(event: str, duration: float, fun_name: str = "?", **kwargs) -> None:
   del kwargs
   column = _EVENTS.get(event)
   if column is not None:
     _TOTALS[column] += duration
     _TOTALS["compiles"] += column == "compile s"
+  if column == "compile s":
+    program = _PROGRAMS[fun_name]
+    program[0] += 1
+    program[1] += duration
 
 
 def pytest_configure(config):
@@ -72,13 +77,21 @@ def pytest_sessionfinish(session):
     prefix = os.environ["GRADTX_TEST_PROFILE"]
     with open(f"{prefix}.{worker}.json", "w") as f:
       json.dump(_RECORDS, f)
+    with open(f"{prefix}.{worker}.programs", "w") as f:
+      json.dump(_PROGRAMS, f)
 
 
 def report(prefix: str, top: int = 30) -> None:
   records = {}
+  programs = collections.defaultdict(lambda: [0, 0.0])
   for path in glob.glob(f"{prefix}.*.json"):
     with open(path) as f:
       records.update(json.load(f))
+  for path in glob.glob(f"{prefix}.*.programs"):
+    with open(path) as f:
+      for name, (count, seconds) in json.load(f).items():
+        programs[name][0] += count
+        programs[name][1] += seconds
   files = collections.defaultdict(collections.Counter)
   for nodeid, r in records.items():
     f = files[nodeid.split("::")[0]]
@@ -110,6 +123,10 @@ def report(prefix: str, top: int = 30) -> None:
       f"{r['cpu']:7.1f} {r['compiles']:5.0f} {r.get('compile s', 0):6.1f}"
       f"  {nodeid}"
     )
+  print(f"\nthe {top} costliest programs by name (compiles, compile s)")
+  ranked = sorted(programs.items(), key=lambda kv: -kv[1][1])
+  for name, (count, seconds) in ranked[:top]:
+    print(f"{count:6.0f} {seconds:7.1f}  {name}")
 
 
 if __name__ == "__main__":
