@@ -3,8 +3,10 @@
 # constraints file: .venv (Python 3.11, jax 0.10.2) and .venv-newest
 # (Python 3.13, the newest jax). `make test` builds both at once, lints
 # once and runs the whole suite on both; test-oldest / test-newest run one.
-# pip skips byte-compiling the installed packages (--no-compile): Python
-# compiles what the tests import, a fraction of it, on first import.
+# pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set
+# (as on the reference machine) nothing else would, and every Python
+# process the tests start would compile its imports again (7.1 s against
+# 2.9 s for the newest environment's).
 PYTHON_OLDEST ?= python3.11
 PYTHON_NEWEST ?= env PYENV_VERSION=3.13.0 python3.13
 VENV := .venv
@@ -19,8 +21,8 @@ PYTEST := -m pytest -q -n 2 --dist worksteal
 define venv_rule
 $(1)/.installed: pyproject.toml $(3)
 	test -x $(1)/bin/python || $(2) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(1)/bin/python -m pip install --quiet --no-compile -c $(3) -e '.[dev,ray]'
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[dev,ray]'
 	touch $$@
 endef
 $(eval $(call venv_rule,$(VENV),$(PYTHON_OLDEST),constraints/oldest.txt))
