@@ -46,10 +46,11 @@ def _cpu() -> float:
 def _count(event: str, duration: float, fun_name: str = "?", **kwargs) -> None:
   del kwargs
   column = _EVENTS.get(event)
-  if column is not None:
-    _TOTALS[column] += duration
-    _TOTALS["compiles"] += column == "compile s"
+  if column is None:
+    return
+  _TOTALS[column] += duration
   if column == "compile s":
+    _TOTALS["compiles"] += 1
     program = _PROGRAMS[fun_name]
     program[0] += 1
     program[1] += duration
