@@ -25,8 +25,13 @@ tests/test_conformance.py runs it, once for every transformation:
   segment sum, the deduplicating scatter-add), taken on CPU, give the CPU
   branch's results.
 
-Most checks compare with one jitted run of the case (:func:`reference`),
-computed once per case and process.
+A check takes the list of cases that run it and runs them all in one
+jitted program (:func:`together`; XLA compiles a kernel once per program,
+so this compiles in about half the time of a program per case), asserting
+case by case and naming every case that fails (:func:`each`);
+:func:`check_in_place`, which reads one case's compiled program, takes one
+case. Most checks compare with the jitted run of the case's group
+(:func:`reference`), computed once per group and process.
 """
 
 from __future__ import annotations
@@ -234,112 +239,206 @@ def _row_leaves(tree: Any, num_rows: int) -> list[Any]:
   return [x for x in jax.tree.leaves(tree) if jnp.shape(x)[:1] == (num_rows,)]
 
 
-_REFERENCE: dict[tuple[int, str], Any] = {}
+# ----------------------------------------------------------------------------
+# Many cases, one program
+
+# XLA compiles a kernel once per program however often the program holds
+# it, so the cases' steps compile as one program (about half the time of
+# one program per case); each check still asserts case by case.
 
 
-def reference(case: Case) -> tuple[Callable[..., Any], Any, Any]:
-  """``(step, params, state)``: ``case``'s steps under ``jax.jit``, run once
-  per case and process (the reference of several checks), on the CPU
+def together(cases: list[Case], steps: list[Callable[..., Any]]):
+  """``(carries, inputs) -> carries``: ``steps[i](*carries[i],
+  *inputs[i])`` for every case, as one function (jit it once). An error
+  raised tracing a case's step names the case."""
+
+  def step(carries, inputs):
+    out = []
+    for case, f, c, i in zip(cases, steps, carries, inputs, strict=True):
+      try:
+        out.append(f(*c, *i))
+      except Exception as e:
+        e.add_note(f"conformance case: {case.name}")
+        raise
+    return out
+
+  return step
+
+
+def num_steps(cases: list[Case]) -> int:
+  (steps,) = {case.steps for case in cases}
+  return steps
+
+
+def inputs(cases: list[Case], i: int, dtype: Any = jnp.float32) -> list[Any]:
+  """Step ``i``'s ``(grads, extra)`` of every case."""
+  return [(case.grads(i, dtype), _extra(case, i)) for case in cases]
+
+
+def each(cases: list[Case], assertion: Callable[[int, Case], None]) -> None:
+  """``assertion(k, cases[k])`` for every case; fails naming every case
+  that failed, with its message."""
+  failed = []
+  for k, case in enumerate(cases):
+    try:
+      assertion(k, case)
+    except AssertionError as e:
+      failed.append(f"{case.name}: {e}")
+  if failed:
+    raise AssertionError(
+      f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed)
+    )
+
+
+_REFERENCE: dict[tuple[int, ...], Any] = {}
+
+
+def _group(case: Case) -> list[Case]:
+  for group in (CASES, OPTIMIZERS):
+    if any(c is case for c in group):
+      return group
+  return [case]
+
+
+def _reference_run(group: list[Case]) -> tuple[Callable[..., Any], list[Any]]:
+  """``(step, carries)``: the group's steps as one jitted program, run once
+  per group and process (the reference of several checks), on the CPU
   branch."""
-  key = (id(case), case.name)
+  key = tuple(id(c) for c in group)
   if key not in _REFERENCE:
     assert not _jaxpr._GPU_BRANCHES_ON_CPU, "the reference is the CPU branch"
-    tx = case.make_tx()
-    step = jax.jit(step_fn(tx))
-    params = case.params()
-    state = tx.init(params)
-    types = _types(state)
-    for i in range(case.steps):
-      params, state = step(params, state, case.grads(i), _extra(case, i))
-      assert _types(state) == types, "update changed the state's types"
-    _REFERENCE[key] = (step, params, state)
+    txs = [case.make_tx() for case in group]
+    step = jax.jit(together(group, [step_fn(tx) for tx in txs]))
+    params = [case.params() for case in group]
+    carries = [(p, tx.init(p)) for p, tx in zip(params, txs, strict=True)]
+    types = _types(carries)
+    for i in range(num_steps(group)):
+      carries = step(carries, inputs(group, i))
+      assert _types(carries) == types, "update changed the state's types"
+    _REFERENCE[key] = (step, carries)
   return _REFERENCE[key]
 
 
-def _jitted_run(case: Case) -> Any:
-  return reference(case)[1:]
+def reference(case: Case) -> tuple[Any, Any]:
+  """``(params, state)`` after ``case``'s steps under ``jax.jit``: computed
+  with the other cases of its group (:data:`CASES` or :data:`OPTIMIZERS`),
+  once per process."""
+  group = _group(case)
+  return _reference_run(group)[1][[c is case for c in group].index(True)]
 
 
 # ----------------------------------------------------------------------------
 # Every transformation
 
 
-def check_jit(case: Case) -> None:
+def check_jit(cases: list[Case]) -> None:
   """A jitted update gives the eager result."""
-  eager = _run(case, step_fn(case.make_tx()))
-  _assert_close(eager, _jitted_run(case), case.rtol)
+
+  def check(_, case):
+    _assert_close(
+      _run(case, step_fn(case.make_tx())), reference(case), case.rtol
+    )
+
+  each(cases, check)
 
 
-def check_init_abstract(case: Case) -> None:
+def check_init_abstract(cases: list[Case]) -> None:
   """init works on ShapeDtypeStruct leaves and agrees with concrete init."""
-  tx = case.make_tx()
-  params = case.params()
-  abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
-  )
-  shapes = jax.eval_shape(tx.init, abstract)
-  assert _abstract(shapes) == _abstract(tx.init(params))
+
+  def check(_, case):
+    tx = case.make_tx()
+    params = case.params()
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
+    shapes = jax.eval_shape(tx.init, abstract)
+    assert _abstract(shapes) == _abstract(tx.init(params))
+
+  each(cases, check)
 
 
-def check_state_stable(case: Case) -> None:
+def check_state_stable(cases: list[Case]) -> None:
   """bf16 params, replicated on a mesh of 8 devices: no state leaf aliases
   params or another state leaf; a jitted step donating params and state
   runs in a loop from ``init``, keeps the state's structure, shapes, dtypes
   and shardings, and the params bf16 and finite. (The float32 reference
   run keeps the state's types too.)"""
-  tx = case.make_tx()
-  params = case.params(jnp.bfloat16)
-  state = tx.init(params)
-  bufs = [
-    x.unsafe_buffer_pointer()
-    for x in jax.tree.leaves((params, state))
-    if isinstance(x, jax.Array) and x.size > 0
-  ]
-  assert len(bufs) == len(set(bufs)), "state leaves share buffers"
+  txs = [case.make_tx() for case in cases]
+  carries = []
+  for case, tx in zip(cases, txs, strict=True):
+    params = case.params(jnp.bfloat16)
+    carries.append((params, tx.init(params)))
+
+  def no_alias(k, _):
+    bufs = [
+      x.unsafe_buffer_pointer()
+      for x in jax.tree.leaves(carries[k])
+      if isinstance(x, jax.Array) and x.size > 0
+    ]
+    assert len(bufs) == len(set(bufs)), "state leaves share buffers"
+
+  each(cases, no_alias)
   rep = NamedSharding(jax.make_mesh((8,), ("d",)), P())
-  params, state = jax.device_put((params, state), rep)
-  step = jax.jit(step_fn(tx), donate_argnums=(0, 1))
-  before = _types(state)
-  sharding_before = jax.tree.map(lambda x: x.sharding, state)
-  for i in range(case.steps):
-    g = case.grads(i, jnp.bfloat16)
-    params, state = step(params, state, g, _extra(case, i))
-    assert _types(state) == before
+  carries = jax.device_put(carries, rep)
+  step = jax.jit(together(cases, [step_fn(tx) for tx in txs]), donate_argnums=0)
+  types = [_types(state) for _, state in carries]
+  shardings = [jax.tree.map(lambda x: x.sharding, s) for _, s in carries]
+
+  def stable(k, _):
+    state = carries[k][1]
+    assert _types(state) == types[k]
     after = jax.tree.map(lambda x: x.sharding, state)
     assert jax.tree.all(
-      jax.tree.map(
-        lambda a, b: a.is_equivalent_to(b, 0), sharding_before, after
-      )
+      jax.tree.map(lambda a, b: a.is_equivalent_to(b, 0), shardings[k], after)
     )
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
-  assert all(
-    np.isfinite(np.asarray(x, np.float32)).all()
-    for x in jax.tree.leaves(params)
-  )
+
+  for i in range(num_steps(cases)):
+    carries = step(carries, inputs(cases, i, jnp.bfloat16))
+    each(cases, stable)
+
+  def bf16_and_finite(k, _):
+    params = jax.tree.leaves(carries[k][0])
+    assert all(x.dtype == jnp.bfloat16 for x in params)
+    assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in params)
+
+  each(cases, bf16_and_finite)
 
 
-def check_no_recompile(case: Case) -> None:
+def check_no_recompile(cases: list[Case]) -> None:
   """Updates after the first, with the same shapes, reuse the compiled
   step (the reference's)."""
-  assert case.steps >= 2
-  assert reference(case)[0]._cache_size() == 1, "update recompiled"
+  assert num_steps(cases) >= 2
+  for case in cases:
+    step = _reference_run(_group(case))[0]
+    assert step._cache_size() == 1, f"{case.name}: update recompiled"
 
 
-def check_chain_extra_args(case: Case) -> None:
+def check_chain_extra_args(cases: list[Case]) -> None:
   """Inside optax.chain, with the case's extra args plus an unknown one."""
-  tx = case.make_tx()
-  chained = optax.chain(gtx.scale(1.0), tx, optax.identity())
-  alone = _jitted_run(case)
-  params = case.params()
-  state = chained.init(params)
-  step = jax.jit(
-    lambda p, s, g, e: (lambda u_s: (gtx.apply_updates(p, u_s[0]), u_s[1]))(
-      chained.update(g, s, p, unrelated_arg=1.0, **e)
-    )
+
+  def chained_step(case):
+    chained = optax.chain(gtx.scale(1.0), case.make_tx(), optax.identity())
+
+    def step(params, state, grads, extra):
+      updates, state = chained.update(
+        grads, state, params, unrelated_arg=1.0, **extra
+      )
+      return gtx.apply_updates(params, updates), state
+
+    return chained, step
+
+  chains, steps = zip(*[chained_step(case) for case in cases], strict=True)
+  step = jax.jit(together(cases, steps))
+  carries = []
+  for case, chained in zip(cases, chains, strict=True):
+    params = case.params()
+    carries.append((params, chained.init(params)))
+  for i in range(num_steps(cases)):
+    carries = step(carries, inputs(cases, i))
+  each(
+    cases,
+    lambda k, case: _assert_close(reference(case)[0], carries[k][0], case.rtol),
   )
-  for i in range(case.steps):
-    params, state = step(params, state, case.grads(i), _extra(case, i))
-  _assert_close(alone[0], params, case.rtol)
 
 
 def _stacked(trees: list[Any]) -> Any:
@@ -347,24 +446,30 @@ def _stacked(trees: list[Any]) -> Any:
   return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
 
 
-def _replicated_run(case: Case, mapper: Callable[..., Any]) -> Any:
-  tx = case.make_tx()
-  step = step_fn(tx)
+def _replicated_run(cases: list[Case], mapper: Callable[..., Any]) -> Any:
+  """Every case's params after its steps, run by ``mapper(body, params,
+  grads, extras)`` (``body``: init, then the steps in a scan, as in a
+  training loop; one step compiled)."""
+  txs = [case.make_tx() for case in cases]
 
-  def body(params, grads_seq, extras):
-    # The steps in a scan, as in a training loop (one step compiled).
-    def one(carry, ge):
-      return step(*carry, *ge), None
+  def body(params, grads_seqs, extras):
+    out = []
+    for tx, p, gs, es in zip(txs, params, grads_seqs, extras, strict=True):
+      step = step_fn(tx)
 
-    carry = (params, tx.init(params))
-    return jax.lax.scan(one, carry, (grads_seq, extras))[0][0]
+      def one(carry, ge, step=step):
+        return step(*carry, *ge), None
 
-  grads_seq = _stacked([case.grads(i) for i in range(case.steps)])
-  extras = _stacked([_extra(case, i) for i in range(case.steps)])
-  return mapper(body, case.params(), grads_seq, extras)
+      out.append(jax.lax.scan(one, (p, tx.init(p)), (gs, es))[0][0])
+    return out
+
+  n = num_steps(cases)
+  grads = [_stacked([c.grads(i) for i in range(n)]) for c in cases]
+  extras = [_stacked([_extra(c, i) for i in range(n)]) for c in cases]
+  return mapper(body, [c.params() for c in cases], grads, extras)
 
 
-def check_shard_map(case: Case) -> None:
+def check_shard_map(cases: list[Case]) -> None:
   """init and update inside jax.shard_map on 8 devices."""
   mesh = jax.make_mesh((8,), ("d",))
 
@@ -374,19 +479,25 @@ def check_shard_map(case: Case) -> None:
     )
     return jax.jit(f)(*args)
 
-  expected = _jitted_run(case)[0]
-  _assert_close(expected, _replicated_run(case, mapper), case.rtol)
+  got = _replicated_run(cases, mapper)
+  each(
+    cases,
+    lambda k, case: _assert_close(reference(case)[0], got[k], case.rtol),
+  )
 
 
-def check_pmap(case: Case) -> None:
+def check_pmap(cases: list[Case]) -> None:
   """init and update inside legacy jax.pmap on 8 devices."""
 
   def mapper(body, *args):
     out = jax.pmap(body, axis_name="d")(*_stacked([args] * 8))
     return jax.tree.map(lambda x: np.asarray(x)[0], out)
 
-  expected = _jitted_run(case)[0]
-  _assert_close(expected, _replicated_run(case, mapper), case.rtol)
+  got = _replicated_run(cases, mapper)
+  each(
+    cases,
+    lambda k, case: _assert_close(reference(case)[0], got[k], case.rtol),
+  )
 
 
 CHECKS = [
@@ -404,34 +515,43 @@ CHECKS = [
 # Every row optimizer
 
 
-def check_untouched_rows(case: Case) -> None:
+def check_untouched_rows(cases: list[Case]) -> None:
   """One more step after the reference's: the rows its gradient does not
   touch (padding ids included) keep their bits in the table and in every
   per-row state leaf; the touched rows change in each."""
-  step, params, state = reference(case)
-  g = case.grads(case.steps)
-  new_params, new_state = step(params, state, g, _extra(case, case.steps))
-  tables = 0
-  for gl, old, new in zip(
-    jax.tree.leaves(g, is_leaf=_is_rows),
-    jax.tree.leaves(params),
-    jax.tree.leaves(new_params),
-    strict=True,
-  ):
-    if not _is_rows(gl):
-      continue
-    tables += 1
-    touched = touched_rows(gl)
-    assert 0 < touched.sum() < len(touched)
-    n = gl.num_rows
-    pairs = [(old, new)] + list(
-      zip(_row_leaves(state, n), _row_leaves(new_state, n), strict=True)
-    )
-    for a, b in pairs:
-      a, b = np.asarray(a), np.asarray(b)
-      assert a[~touched].tobytes() == b[~touched].tobytes()
-      assert not np.array_equal(a[touched], b[touched])
-  assert tables, "the check can fail: a SparseRows gradient is needed"
+  for group in {id(g): g for g in map(_group, cases)}.values():
+    step, carries = _reference_run(group)
+    n = num_steps(group)
+    new = step(carries, inputs(group, n))
+    in_cases = [c for c in group if any(c is x for x in cases)]
+
+    def check(_, case, group=group, carries=carries, new=new, n=n):
+      k = [c is case for c in group].index(True)
+      (params, state), (new_params, new_state) = carries[k], new[k]
+      g = case.grads(n)
+      tables = 0
+      for gl, old, updated in zip(
+        jax.tree.leaves(g, is_leaf=_is_rows),
+        jax.tree.leaves(params),
+        jax.tree.leaves(new_params),
+        strict=True,
+      ):
+        if not _is_rows(gl):
+          continue
+        tables += 1
+        touched = touched_rows(gl)
+        assert 0 < touched.sum() < len(touched)
+        v = gl.num_rows
+        pairs = [(old, updated)] + list(
+          zip(_row_leaves(state, v), _row_leaves(new_state, v), strict=True)
+        )
+        for a, b in pairs:
+          a, b = np.asarray(a), np.asarray(b)
+          assert a[~touched].tobytes() == b[~touched].tobytes()
+          assert not np.array_equal(a[touched], b[touched])
+      assert tables, "the check can fail: a SparseRows gradient is needed"
+
+    each(in_cases, check)
 
 
 IN_PLACE_ROWS, IN_PLACE_DIM, IN_PLACE_IDS = 50_021, 8, 64
@@ -448,14 +568,15 @@ def _bf16_scatter_upcast() -> bool:
   return any("convert" in x for x in row_ops(add.lower(t, i, u).compile(), 64))
 
 
-def check_in_place(case: Case) -> None:
+def check_in_place(cases: list[Case]) -> None:
   """The compiled step on a 50,021-row table, donating params and state,
   writes the table and every per-row state leaf in place: each op making a
   whole-table value is a scatter, temporaries stay below a twentieth of
   the table, and every ``[V, ...]`` buffer aliases its donated input; the
   ids are deduplicated once (the update says they are unique, so
   apply_updates does not again). Read from the compiled program (nothing
-  runs)."""
+  runs). One case: the program is the case's alone."""
+  (case,) = cases
   v, d, n = IN_PLACE_ROWS, IN_PLACE_DIM, IN_PLACE_IDS
   tx = case.make_tx()
   params = {
@@ -493,7 +614,7 @@ def check_in_place(case: Case) -> None:
   assert mem.alias_size_in_bytes >= row_bytes, (mem, row_bytes)
 
 
-def check_inject_and_drop_stale(case: Case) -> None:
+def check_inject_and_drop_stale(cases: list[Case]) -> None:
   """``optax.inject_hyperparams`` of the factory, inside ``gtx.drop_stale(.,
   1)``, inside ``optax.chain`` with an unknown extra arg: fresh gradients
   give the plain steps (to float32 accuracy: injected hyperparameters are
@@ -501,49 +622,58 @@ def check_inject_and_drop_stale(case: Case) -> None:
   inner state bit for bit; changing an injected hyperparameter in the state
   changes the next step without recompiling. (The row optimizers' chain
   check.)"""
-  inj = case.inject
-  injected = optax.inject_hyperparams(inj.factory, static_args=inj.static_args)(
-    **inj.kwargs
-  )
-  tx = optax.chain(
-    gtx.scale(1.0), gtx.drop_stale(injected, 1), optax.identity()
-  )
-  step = jax.jit(step_fn(tx))
 
-  def extra(grad_step):
-    return {"grad_step": jnp.int32(grad_step), "unrelated_arg": 1.0}
+  def make(case):
+    inj = case.inject
+    injected = optax.inject_hyperparams(
+      inj.factory, static_args=inj.static_args
+    )(**inj.kwargs)
+    return optax.chain(
+      gtx.scale(1.0), gtx.drop_stale(injected, 1), optax.identity()
+    )
 
-  params = case.params()
-  state = tx.init(params)
-  for i in range(case.steps):
-    params, state = step(params, state, case.grads(i), extra(i))
-  _assert_close(params, _jitted_run(case)[0], max(case.rtol, 1e-5))
-  g, n = case.grads(case.steps), case.steps
-  dropped = step(params, state, g, extra(n - 2))  # stale by 2
-  assert int(gtx.staleness_stats(dropped[1])["num_dropped"]) == 1
-  _assert_identical(
-    (dropped[0], dropped[1][1].inner_state), (params, state[1].inner_state)
+  txs = [make(case) for case in cases]
+  step = jax.jit(together(cases, [step_fn(tx) for tx in txs]))
+  n = num_steps(cases)
+
+  def at(i, grad_step):
+    extra = {"grad_step": jnp.int32(grad_step), "unrelated_arg": 1.0}
+    return [(case.grads(i), extra) for case in cases]
+
+  carries = []
+  for case, tx in zip(cases, txs, strict=True):
+    params = case.params()
+    carries.append((params, tx.init(params)))
+  for i in range(n):
+    carries = step(carries, at(i, i))
+  each(
+    cases,
+    lambda k, case: _assert_close(
+      carries[k][0], reference(case)[0], max(case.rtol, 1e-5)
+    ),
   )
-  base = step(params, state, g, extra(n))[0]
-  hyperparams = state[1].inner_state.hyperparams
-  hyperparams[inj.vary] = hyperparams[inj.vary] * 10
-  changed = step(params, state, g, extra(n))[0]
-  assert _max_diff(base, changed) > 1e-3, inj.vary
-  assert _max_diff(base, params) > 1e-3
+  dropped = step(carries, at(n, n - 2))  # stale by 2
+
+  def kept(k, _):
+    (params, state), (new_params, new_state) = carries[k], dropped[k]
+    assert int(gtx.staleness_stats(new_state)["num_dropped"]) == 1
+    _assert_identical(
+      (new_params, new_state[1].inner_state), (params, state[1].inner_state)
+    )
+
+  each(cases, kept)
+  base = step(carries, at(n, n))
+  for case, (_, state) in zip(cases, carries, strict=True):
+    hyperparams = state[1].inner_state.hyperparams
+    hyperparams[case.inject.vary] = hyperparams[case.inject.vary] * 10
+  changed = step(carries, at(n, n))
+
+  def changes(k, case):
+    assert _max_diff(base[k][0], changed[k][0]) > 1e-3, case.inject.vary
+    assert _max_diff(base[k][0], carries[k][0]) > 1e-3
+
+  each(cases, changes)
   assert step._cache_size() == 1, "update recompiled"
-
-
-def checks_of(case: Case) -> list[Callable[[Case], None]]:
-  """The checks ``case`` runs: :data:`CHECKS`, and :data:`ROW_CHECKS` for a
-  row optimizer. A row optimizer's chain check is
-  :func:`check_inject_and_drop_stale`, and its shard_map check
-  :func:`check_mirrored` (update inside Mirrored's shard_map on 8 devices,
-  with a real reduction; init inside a mapped function: check_pmap)."""
-  checks = CHECKS if case.pmap else [c for c in CHECKS if c is not check_pmap]
-  if case.inject is None:
-    return checks
-  covered = (check_chain_extra_args, check_shard_map)
-  return [c for c in checks if c not in covered] + ROW_CHECKS
 
 
 def _per_replica(case: Case, i: int, replicas: int) -> list[np.ndarray]:
@@ -567,59 +697,90 @@ def _per_replica(case: Case, i: int, replicas: int) -> list[np.ndarray]:
   return out
 
 
-def check_mirrored(case: Case) -> None:
+def check_mirrored(cases: list[Case]) -> None:
   """``gtx.Mirrored`` on 8 replicas, all_reduce first in the chain, each
   step's gradient on one replica (scaled by 8) and zeros on the others:
   params and state equal the single-device run."""
   m = gtx.Mirrored()
-  tx = optax.chain(gtx.all_reduce(m.axis_name), case.make_tx())
-  treedef = jax.tree.structure(case.grads(0))
+  txs = [optax.chain(gtx.all_reduce(m.axis_name), c.make_tx()) for c in cases]
 
-  def train_step(params, state, batch):
-    grads = jax.tree.unflatten(treedef, [x[0] for x in batch])
-    updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state
+  def train_step(tx, treedef):
+    def step(params, state, batch):
+      grads = jax.tree.unflatten(treedef, [x[0] for x in batch])
+      updates, state = tx.update(grads, state, params)
+      return gtx.apply_updates(params, updates), state
 
-  step = m.step(train_step, donate_argnums=(0, 1))
-  params = m.replicate(case.params())
-  state = m.replicate(tx.init(case.params()))
-  for i in range(case.steps):
-    batch = m.shard_batch(_per_replica(case, i, m.num_replicas))
-    params, state = step(params, state, batch)
-  want_params, want_state = _jitted_run(case)
-  rtol = max(case.rtol, 2e-5)
-  _assert_close(params, want_params, rtol, codes=True)
-  _assert_close(state[1], want_state, rtol, codes=True)
+    return step
+
+  together_ = together(
+    cases,
+    [
+      train_step(tx, jax.tree.structure(case.grads(0)))
+      for case, tx in zip(cases, txs, strict=True)
+    ],
+  )
+
+  def step(params, states, batches):  # Mirrored's (params, state, batch)
+    out = together_(
+      list(zip(params, states, strict=True)), [(b,) for b in batches]
+    )
+    return [p for p, _ in out], [s for _, s in out]
+
+  step = m.step(step, donate_argnums=(0, 1))
+  params = m.replicate([c.params() for c in cases])
+  states = m.replicate(
+    [tx.init(c.params()) for c, tx in zip(cases, txs, strict=True)]
+  )
+  for i in range(num_steps(cases)):
+    batch = [_per_replica(c, i, m.num_replicas) for c in cases]
+    params, states = step(params, states, m.shard_batch(batch))
+  carries = list(zip(params, states, strict=True))
+
+  def equal(k, case):
+    params, state = carries[k]
+    want_params, want_state = reference(case)
+    rtol = max(case.rtol, 2e-5)
+    _assert_close(params, want_params, rtol, codes=True)
+    _assert_close(state[1], want_state, rtol, codes=True)
+
+  each(cases, equal)
 
 
-def check_row_sharded(case: Case) -> None:
+def check_row_sharded(cases: list[Case]) -> None:
   """Each table (a leaf with a SparseRows gradient) split by rows over 8
   devices of an Explicit mesh, state from ``gtx.sharded_init``: the jitted
   steps equal the single-device run, and the table and every per-row state
   leaf stay split by rows."""
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
   rep = NamedSharding(mesh, P())
-  tx = case.make_tx()
+  txs = [case.make_tx() for case in cases]
 
   def place(p, g):
     spec = P("d") if _is_rows(g) else P()
     return jax.device_put(p, NamedSharding(mesh, spec))
 
   with jax.set_mesh(mesh):
-    params = jax.tree.map(place, case.params(), case.grads(0), is_leaf=_is_rows)
-    state = gtx.sharded_init(tx, params)
-    step = jax.jit(step_fn(tx))
-    for i in range(case.steps):
-      g = jax.device_put(case.grads(i), rep)
-      params, state = step(params, state, g, _extra(case, i))
-  want = _jitted_run(case)
-  _assert_close((params, state), want, max(case.rtol, 2e-5), codes=True)
-  for g in jax.tree.leaves(case.grads(0), is_leaf=_is_rows):
-    if _is_rows(g):
-      per_row = _row_leaves((params, state), g.num_rows)
-      assert len(per_row) >= 1 + bool(_row_leaves(state, g.num_rows))
-      for x in per_row:
-        assert x.sharding.spec[0] == "d", x.sharding
+    carries = []
+    for case, tx in zip(cases, txs, strict=True):
+      params = jax.tree.map(
+        place, case.params(), case.grads(0), is_leaf=_is_rows
+      )
+      carries.append((params, gtx.sharded_init(tx, params)))
+    step = jax.jit(together(cases, [step_fn(tx) for tx in txs]))
+    for i in range(num_steps(cases)):
+      carries = step(carries, jax.device_put(inputs(cases, i), rep))
+
+  def split(k, case):
+    want = reference(case)
+    _assert_close(carries[k], want, max(case.rtol, 2e-5), codes=True)
+    for g in jax.tree.leaves(case.grads(0), is_leaf=_is_rows):
+      if _is_rows(g):
+        per_row = _row_leaves(carries[k], g.num_rows)
+        assert len(per_row) >= 1 + bool(_row_leaves(want[1], g.num_rows))
+        for x in per_row:
+          assert x.sharding.spec[0] == "d", x.sharding
+
+  each(cases, split)
 
 
 ROW_CHECKS = [
@@ -630,16 +791,49 @@ ROW_CHECKS = [
   check_row_sharded,
 ]
 
+# Checks that read each case's compiled program on its own: one test per
+# case (the others run all their cases in one program).
+PER_CASE = (check_in_place,)
+
+
+def checks_of(case: Case) -> list[Callable[[list[Case]], None]]:
+  """The checks ``case`` runs: :data:`CHECKS`, and :data:`ROW_CHECKS` for a
+  row optimizer. A row optimizer's chain check is
+  :func:`check_inject_and_drop_stale`, and its shard_map check
+  :func:`check_mirrored` (update inside Mirrored's shard_map on 8 devices,
+  with a real reduction; init inside a mapped function: check_pmap)."""
+  checks = CHECKS if case.pmap else [c for c in CHECKS if c is not check_pmap]
+  if case.inject is None:
+    return checks
+  covered = (check_chain_extra_args, check_shard_map)
+  return [c for c in checks if c not in covered] + ROW_CHECKS
+
+
+def runs(groups: dict[str, list[Case]]) -> list[tuple[str, Any, list[Case]]]:
+  """``(id, check, cases)`` for every check a case of ``groups`` runs: the
+  group's cases that run it together, or one case alone for a check of
+  :data:`PER_CASE`."""
+  out = []
+  for check in CHECKS + ROW_CHECKS:
+    for name, group in groups.items():
+      cases = [c for c in group if check in checks_of(c)]
+      if check in PER_CASE:
+        out += [(f"{check.__name__}-{c.name}", check, [c]) for c in cases]
+      elif cases:
+        out.append((f"{check.__name__}-{name}", check, cases))
+  return out
+
 
 # ----------------------------------------------------------------------------
 # The GPU branches, on CPU
 
 
-def check_gpu_branches(case: Case) -> None:
+def check_gpu_branches(cases: list[Case]) -> None:
   """Traced inside :data:`gpu_branches` (each platform-dependent call takes
   its CUDA/ROCm code: dedup by sorting, the segment sum by a segmented
   scan, the scatter-add of duplicate ids deduplicated first), the jitted
-  steps give the CPU branch's params and state.
+  steps give the CPU branch's params and state, for every case whose step
+  has platform-dependent code (one at least).
 
   A row optimizer's are the same bits: it deduplicates once and its update
   has each id once, and a two-term sum (``standard_grads`` repeats an id
@@ -647,20 +841,35 @@ def check_gpu_branches(case: Case) -> None:
   duplicate ids is added to the param one row at a time on CPU (each add
   rounded), its duplicates summed first and added once on GPUs.
   """
-  tx = case.make_tx()
-  params = case.params()
-  jaxpr = jax.make_jaxpr(step_fn(tx))(
-    params, tx.init(params), case.grads(0), _extra(case, 0)
-  )
-  if "platform_index" not in str(jaxpr):
-    pytest.skip("no platform-dependent code in this step")
-  want = _jitted_run(case)  # the CPU branch, before the switch
+
+  def branches(case):
+    tx = case.make_tx()
+    params = case.params()
+    jaxpr = jax.make_jaxpr(step_fn(tx))(
+      params, tx.init(params), case.grads(0), _extra(case, 0)
+    )
+    return "platform_index" in str(jaxpr)
+
+  cases = [case for case in cases if branches(case)]
+  assert cases, "the check can fail: a step with platform-dependent code"
+  want = [reference(case) for case in cases]  # the CPU branch
   with gpu_branches():
-    got = _run(case, jax.jit(step_fn(case.make_tx())))
-  if case.inject is not None:  # a row optimizer
-    _assert_identical(got, want)
-  else:
-    _assert_close(got, want, case.rtol)
+    txs = [case.make_tx() for case in cases]
+    step = jax.jit(together(cases, [step_fn(tx) for tx in txs]))
+    got = [
+      (c.params(), tx.init(c.params()))
+      for c, tx in zip(cases, txs, strict=True)
+    ]
+    for i in range(num_steps(cases)):
+      got = step(got, inputs(cases, i))
+
+  def same(k, case):
+    if case.inject is not None:  # a row optimizer
+      _assert_identical(got[k], want[k])
+    else:
+      _assert_close(got[k], want[k], case.rtol)
+
+  each(cases, same)
 
 
 # ----------------------------------------------------------------------------
@@ -762,9 +971,11 @@ OPTIMIZERS = [
     "user_rule", user_rule, pmap=True, learning_rate=0.05, weight_decay=0.1
   ),
   optimizer(
-    "partial_rowwise_adam",
+    "partial_rowwise_adam_schedule",
     gtx.partial_rowwise_adam,
-    learning_rate=0.05,
+    vary="weight_decay",
+    learning_rate=optax.cosine_decay_schedule(0.1, 10),
+    b2=0.99,
     weight_decay=0.01,
   ),
 ]

@@ -1,6 +1,7 @@
 """Every gradtx transformation through the conformance suite
-(tests/conformance.py): each case's checks (every transformation's, and a
-row optimizer's), and each case again with the GPU branches taken on CPU."""
+(tests/conformance.py): each check on every case that runs it (the
+transformations together, the row optimizers together), and the cases
+again with the GPU branches taken on CPU."""
 
 import hlo
 import jax
@@ -11,29 +12,26 @@ from conformance import (
   CASES,
   OPTIMIZERS,
   check_gpu_branches,
-  checks_of,
   gpu_branches,
+  runs,
 )
 
 import gradtx as gtx
 
-# Case-major: a case's checks run one after another (mostly in one xdist
-# worker), sharing its reference run.
-PAIRS = [
-  (case, check) for case in CASES + OPTIMIZERS for check in checks_of(case)
-]
+GROUPS = {"transforms": CASES, "optimizers": OPTIMIZERS}
+RUNS = runs(GROUPS)
 
 
 @pytest.mark.parametrize(
-  "case, check", PAIRS, ids=[f"{c.name}-{k.__name__}" for c, k in PAIRS]
+  "check, cases", [r[1:] for r in RUNS], ids=[r[0] for r in RUNS]
 )
-def test_conformance(case, check):
-  check(case)
+def test_conformance(check, cases):
+  check(cases)
 
 
-@pytest.mark.parametrize("case", CASES + OPTIMIZERS, ids=str)
-def test_gpu_branches(case):
-  check_gpu_branches(case)
+@pytest.mark.parametrize("cases", GROUPS.values(), ids=GROUPS)
+def test_gpu_branches(cases):
+  check_gpu_branches(cases)
 
 
 def test_gpu_branches_switch_is_part_of_the_trace():

@@ -31,9 +31,7 @@ import optax
 import pytest
 import references_partial_rowwise_adam as ref
 from conformance import (
-  CHECKS,
   SHAPES,
-  Case,
   make_grads,
   make_params,
   run_with_reference,
@@ -378,22 +376,3 @@ def test_bad_input_raises():
   tx = _tx(0.1, wd=0.1)
   with pytest.raises(ValueError, match="needs `params`"):
     jax.eval_shape(tx.update, make_grads(0), tx.init(params))
-
-
-# ----------------------------------------------------------------------------
-# Conformance
-
-CASES = [
-  Case("partial_rowwise_adam", lambda: _tx(0.05)),
-  Case(
-    "partial_rowwise_adam_decay_schedule",
-    lambda: _tx(optax.cosine_decay_schedule(0.1, 10), b2=0.99, wd=0.01),
-  ),
-]
-
-
-@needs_impl
-@pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("check", CHECKS)
-def test_conformance(case, check):
-  check(case)
