@@ -247,18 +247,18 @@ def _row_leaves(tree: Any, num_rows: int) -> list[Any]:
 # one program per case); each check still asserts case by case.
 
 
-def together(cases: list[Case], steps: list[Callable[..., Any]]):
+def together(names: list[Any], steps: list[Callable[..., Any]]):
   """``(carries, inputs) -> carries``: ``steps[i](*carries[i],
-  *inputs[i])`` for every case, as one function (jit it once). An error
-  raised tracing a case's step names the case."""
+  *inputs[i])`` for every step, as one function (jit it once). An error
+  raised tracing a step names its ``names[i]`` (a case, or a string)."""
 
   def step(carries, inputs):
     out = []
-    for case, f, c, i in zip(cases, steps, carries, inputs, strict=True):
+    for name, f, c, i in zip(names, steps, carries, inputs, strict=True):
       try:
         out.append(f(*c, *i))
       except Exception as e:
-        e.add_note(f"conformance case: {case.name}")
+        e.add_note(f"conformance case: {name}")
         raise
     return out
 
@@ -275,15 +275,15 @@ def inputs(cases: list[Case], i: int, dtype: Any = jnp.float32) -> list[Any]:
   return [(case.grads(i, dtype), _extra(case, i)) for case in cases]
 
 
-def each(cases: list[Case], assertion: Callable[[int, Case], None]) -> None:
-  """``assertion(k, cases[k])`` for every case; fails naming every case
-  that failed, with its message."""
+def each(cases: list[Any], assertion: Callable[[int, Any], None]) -> None:
+  """``assertion(k, cases[k])`` for every case (a :class:`Case`, or a
+  name); fails naming every case that failed, with its message."""
   failed = []
   for k, case in enumerate(cases):
     try:
       assertion(k, case)
     except AssertionError as e:
-      failed.append(f"{case.name}: {e}")
+      failed.append(f"{case}: {e}")
   if failed:
     raise AssertionError(
       f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed)
@@ -1135,16 +1135,23 @@ def to_ref(grads):
   }
 
 
-def run_with_reference(tx, make_ref, steps=12):
-  """``steps`` jitted updates of ``tx`` from ``make_params()`` on
-  ``make_grads(i)``, and the same gradients on the numpy reference
-  ``make_ref(params)``: ``(params, state, reference)`` at the end."""
+def run_with_references(configs, steps=12):
+  """For each ``name: (make_tx, make_ref)`` of ``configs``: ``steps``
+  updates of ``make_tx()`` from ``make_params()`` on ``make_grads(i)``
+  (every config's in one jitted program), and the same gradients on the
+  numpy reference ``make_ref(params)``. ``{name: (params, state,
+  reference)}`` at the end."""
+  names = list(configs)
+  txs = [configs[n][0]() for n in names]
   params = make_params()
-  state = tx.init(params)
-  step = jax.jit(step_fn(tx))
-  r = make_ref({k: np.asarray(v) for k, v in params.items()})
+  carries = [(params, tx.init(params)) for tx in txs]
+  step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
+  refs = [
+    configs[n][1]({k: np.asarray(v) for k, v in params.items()}) for n in names
+  ]
   for i in range(steps):
     g = make_grads(i)
-    params, state = step(params, state, g)
-    r.step(to_ref(g))
-  return params, state, r
+    carries = step(carries, [(g,)] * len(names))
+    for r in refs:
+      r.step(to_ref(g))
+  return {n: (*c, r) for n, c, r in zip(names, carries, refs, strict=True)}

@@ -9,10 +9,11 @@ import references_lazy_adam as ref
 from conformance import (
   SHAPES,
   SPARSE,
+  each,
   make_grads,
   make_params,
+  run_with_references,
   step_fn,
-  to_ref,
 )
 
 import gradtx as gtx
@@ -55,35 +56,36 @@ CONFIGS = {
 # Against the numpy reference
 
 
-@pytest.mark.parametrize("catch_up", [False, True], ids=["lazy", "catch_up"])
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_matches_numpy_reference(config, catch_up):
-  make_tx, kw = CONFIGS[config]
+def _with_reference(make_tx, kw, catch_up):
   kw = dict(kw)
   lr = kw.pop("lr")
   lr_fn = lr if callable(lr) else (lambda _: lr)
-  params = make_params()
-  tx = make_tx(catch_up)
-  state = tx.init(params)
-  step = jax.jit(step_fn(tx))
-  r = ref.LazyAdam(
-    {k: np.asarray(v) for k, v in params.items()},
-    lr_fn,
-    catch_up=catch_up,
-    **kw,
+  return (
+    lambda: make_tx(catch_up),
+    lambda p: ref.LazyAdam(p, lr_fn, catch_up=catch_up, **kw),
   )
-  for i in range(20):
-    g = make_grads(i)
-    params, state = step(params, state, g)
-    r.step(to_ref(g))
-  s = lazy_state(state)
-  for k in SHAPES:
-    np.testing.assert_allclose(params[k], r.p[k], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(s.mu[k], r.m[k], rtol=2e-5, atol=1e-7)
-    np.testing.assert_allclose(s.nu[k], r.v[k], rtol=2e-5, atol=1e-9)
-    if catch_up:
-      np.testing.assert_array_equal(s.last_step[k], r.last[k])
-  assert int(s.count) == 20
+
+
+def test_matches_numpy_reference():
+  configs = {
+    (name, catch_up): _with_reference(*CONFIGS[name], catch_up)
+    for name in CONFIGS
+    for catch_up in (False, True)
+  }
+  runs = run_with_references(configs, steps=20)
+
+  def check(_, config):
+    params, state, r = runs[config]
+    s = lazy_state(state)
+    for k in SHAPES:
+      np.testing.assert_allclose(params[k], r.p[k], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(s.mu[k], r.m[k], rtol=2e-5, atol=1e-7)
+      np.testing.assert_allclose(s.nu[k], r.v[k], rtol=2e-5, atol=1e-9)
+      if config[1]:  # catch_up
+        np.testing.assert_array_equal(s.last_step[k], r.last[k])
+    assert int(s.count) == 20
+
+  each(list(configs), check)
 
 
 # ----------------------------------------------------------------------------
