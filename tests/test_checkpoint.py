@@ -107,23 +107,33 @@ STATES = {
 }
 
 
-def _step_fn(tx):
+def _steps(txs):
+  """One jitted step of every transformation of ``txs``:
+  ``(carries, inputs) -> carries``, a ``(params, state)`` and a ``(grads,
+  grad_step)`` per transformation."""
+
   @jax.jit
-  def step(params, state, grads, grad_step):
-    u, state = tx.update(grads, state, params, grad_step=grad_step)
-    return gtx.apply_updates(params, u), state
+  def step(carries, inputs):
+    out = []
+    for tx, (params, state), (grads, grad_step) in zip(
+      txs, carries, inputs, strict=True
+    ):
+      u, state = tx.update(grads, state, params, grad_step=grad_step)
+      out.append((gtx.apply_updates(params, u), state))
+    return out
 
   return step
 
 
-def _run(step, params, state, steps, start=0):
-  """``steps`` calls of the jitted ``step`` from call ``start``."""
-  for t in range(start, start + steps):
-    stats = _stale_step(state)
-    read = READ_AT[t % len(READ_AT)]
-    grad_step = stats if read is None else read
-    params, state = step(params, state, _grads(t), jnp.int32(grad_step))
-  return params, state
+def _inputs(carries, starts, t):
+  """Call ``t`` after each run's start: its gradient and the step it read
+  its params at (see READ_AT)."""
+  out = []
+  for (_, state), start in zip(carries, starts, strict=True):
+    read = READ_AT[(start + t) % len(READ_AT)]
+    grad_step = _stale_step(state) if read is None else read
+    out.append((_grads(start + t), jnp.int32(grad_step)))
+  return out
 
 
 def _stale_step(state):
@@ -143,21 +153,15 @@ def assert_trees_identical(got, want):
     np.testing.assert_array_equal(g, w)
 
 
-def _save_restore(fmt, tree, abstract, tmp_path):
+def _save_restore(fmt, tree, abstract, path):
   if fmt == "orbax":
-    worker.save_orbax(tmp_path / "ckpt", tree)
-    return worker.restore_orbax(tmp_path / "ckpt", abstract)
-  worker.save_npz(tmp_path / "ckpt.npz", tree)
-  return worker.restore_npz(tmp_path / "ckpt.npz", abstract)
+    worker.save_orbax(path / "ckpt", tree)
+    return worker.restore_orbax(path / "ckpt", abstract)
+  worker.save_npz(path / "ckpt.npz", tree)
+  return worker.restore_npz(path / "ckpt.npz", abstract)
 
 
-@pytest.mark.parametrize("name", list(STATES))
-def test_state_round_trips_and_continues_exactly(name, tmp_path):
-  make_tx, before = STATES[name]
-  tx = make_tx()
-  step = _step_fn(tx)
-  params = _params()
-  params, state = _run(step, params, jax.jit(tx.init)(params), before)
+def _saved_inside_a_window(name, state):
   if name.endswith("accumulate") or name in (
     "accumulate_mid_window",
     "nested_chain",
@@ -174,15 +178,54 @@ def test_state_round_trips_and_continues_exactly(name, tmp_path):
   if name == "nested_chain":
     assert int(gtx.staleness_stats(state)["num_dropped"]) > 0
 
-  tree = {"params": params, "opt_state": state}
-  abstract = worker.abstract_tree(tx, _params())
-  want = _run(step, params, state, 3, start=before)
+
+def test_state_round_trips_and_continues_exactly(tmp_path):
+  # Every state in one run of one jitted program: each saved after its own
+  # number of updates, then 3 more (want); restored, the 3 updates again
+  # from each one's own step (got), in the same program.
+  names = list(STATES)
+  txs = [STATES[n][0]() for n in names]
+  before = [STATES[n][1] for n in names]
+  step = _steps(txs)
+  carries = jax.jit(lambda p: [(p, tx.init(p)) for tx in txs])(_params())
+  saved, want = [None] * len(names), [None] * len(names)
+  for t in range(max(before) + 3):
+    for k, b in enumerate(before):
+      if t == b:
+        saved[k] = carries[k]
+      elif t == b + 3:
+        want[k] = carries[k]
+    carries = step(carries, _inputs(carries, [0] * len(names), t))
+  want = [w if w is not None else c for w, c in zip(want, carries, strict=True)]
+
+  failed = []
+  for k, name in enumerate(names):
+    try:
+      _saved_inside_a_window(name, saved[k][1])
+    except AssertionError as e:
+      failed.append(f"{name}: {e}")
   for fmt in ("orbax", "npz"):
-    restored = _save_restore(fmt, tree, abstract, tmp_path)
-    assert_trees_identical(restored, tree)
-    # Continue from the restored state: the same updates, bit for bit.
-    got = _run(step, restored["params"], restored["opt_state"], 3, before)
-    assert_trees_identical(got, want)
+    restored = []
+    for k, name in enumerate(names):
+      tree = {"params": saved[k][0], "opt_state": saved[k][1]}
+      path = tmp_path / fmt / name
+      path.mkdir(parents=True)
+      abstract = worker.abstract_tree(txs[k], _params())
+      r = _save_restore(fmt, tree, abstract, path)
+      restored.append((r["params"], r["opt_state"]))
+      try:
+        assert_trees_identical(r, tree)
+      except AssertionError as e:
+        failed.append(f"{name} ({fmt}): {e}")
+    # Continue from the restored states: the same updates, bit for bit.
+    for t in range(3):
+      restored = step(restored, _inputs(restored, before, t))
+    for k, name in enumerate(names):
+      try:
+        assert_trees_identical(restored[k], want[k])
+      except AssertionError as e:
+        failed.append(f"{name} ({fmt}, continued): {e}")
+  assert not failed, "\n".join(failed)
 
 
 def test_npz_restore_rejects_a_checkpoint_of_another_state(tmp_path):
