@@ -263,10 +263,15 @@ def test_fbgemm_backward_optimizers_case(case):
 
   params = {f"t{t}": jnp.asarray(w) for t, w in enumerate(weights)}
   tx = _tx(**FBGEMM_HP)
-  grads = gtx.sparse_grad(loss)(params, xs, xws, gos)
+
+  @jax.jit  # one program: op by op, every op would compile on its own
+  def step(params, xs, xws, gos):
+    grads = gtx.sparse_grad(loss)(params, xs, xws, gos)
+    u, state = tx.update(grads, tx.init(params), params)
+    return grads, state, gtx.apply_updates(params, u)
+
+  grads, state, new = step(params, xs, xws, gos)
   assert all(isinstance(grads[k], gtx.SparseRows) for k in params)
-  u, state = jax.jit(tx.update)(grads, tx.init(params), params)
-  new = gtx.apply_updates(params, u)
   mu, nu = _moments(state)
   for t in range(T):
     # the dense gradient, as FBGEMM's test takes it from torch's EmbeddingBag
