@@ -36,3 +36,12 @@ if os.environ.get("GRADTX_TEST_PROFILE"):  # tests/profile_tests.py
     pytest_runtest_protocol,
     pytest_sessionfinish,
   )
+
+
+def pytest_collection_modifyitems(items):
+  # jax.checking_leaks runs gc.collect and gc.get_referrers at the end of
+  # every trace: a walk of every object the process holds. Late in a run
+  # (JAX's caches full) the same test costs several times what it costs
+  # early (2.4 s alone, 5.3 s after two conformance tests, 15 s at the end
+  # of a worker's share), so those tests run first.
+  items.sort(key=lambda item: item.get_closest_marker("leak_check") is None)

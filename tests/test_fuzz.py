@@ -388,6 +388,7 @@ def _call(f, prog, params, ids):
   return (jax.jit(f) if prog.jit else f)(params, ids)
 
 
+@pytest.mark.leak_check
 @SETTINGS
 @given(programs())
 def test_random_losses_match_jax(prog):

@@ -231,6 +231,7 @@ def _checked_lookups_in_a_loop(x0, P, X):
   return jax.checkpoint(f3, policy=policy, prevent_cse=True)(ids)
 
 
+@pytest.mark.leak_check
 def test_a_bounds_checked_lookup_in_a_differentiated_loop_leaks_no_trace():
   # The lookup's bounds check was a jax.debug.callback: an effect, which
   # JAX's partial evaluation of the loop keeps in its trace's effect
