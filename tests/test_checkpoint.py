@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import procs
 import pytest
+from conformance import each
 
 import gradtx as gtx
 
@@ -198,34 +199,27 @@ def test_state_round_trips_and_continues_exactly(tmp_path):
     carries = step(carries, _inputs(carries, [0] * len(names), t))
   want = [w if w is not None else c for w, c in zip(want, carries, strict=True)]
 
-  failed = []
-  for k, name in enumerate(names):
-    try:
-      _saved_inside_a_window(name, saved[k][1])
-    except AssertionError as e:
-      failed.append(f"{name}: {e}")
+  each(names, lambda k, name: _saved_inside_a_window(name, saved[k][1]))
   for fmt in ("orbax", "npz"):
     restored = []
     for k, name in enumerate(names):
-      tree = {"params": saved[k][0], "opt_state": saved[k][1]}
       path = tmp_path / fmt / name
       path.mkdir(parents=True)
       abstract = worker.abstract_tree(txs[k], _params())
+      tree = {"params": saved[k][0], "opt_state": saved[k][1]}
       r = _save_restore(fmt, tree, abstract, path)
       restored.append((r["params"], r["opt_state"]))
-      try:
-        assert_trees_identical(r, tree)
-      except AssertionError as e:
-        failed.append(f"{name} ({fmt}): {e}")
+    each(
+      [f"{n} ({fmt})" for n in names],
+      lambda k, _, r=restored: assert_trees_identical(r[k], saved[k]),
+    )
     # Continue from the restored states: the same updates, bit for bit.
     for t in range(3):
       restored = step(restored, _inputs(restored, before, t))
-    for k, name in enumerate(names):
-      try:
-        assert_trees_identical(restored[k], want[k])
-      except AssertionError as e:
-        failed.append(f"{name} ({fmt}, continued): {e}")
-  assert not failed, "\n".join(failed)
+    each(
+      [f"{n} ({fmt}, continued)" for n in names],
+      lambda k, _, r=restored: assert_trees_identical(r[k], want[k]),
+    )
 
 
 def test_npz_restore_rejects_a_checkpoint_of_another_state(tmp_path):

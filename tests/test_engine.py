@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import sparse_rows
+from conformance import each, sparse_rows
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -143,28 +143,22 @@ def test_grouped_tables_equal_each_table_alone():
       for n in names
     ]
   )
-  failed = []
-  for name, (together, s_together), (single, s_single) in zip(
-    names, grouped, alone, strict=True
-  ):
-    try:
-      for k in TABLES:
+
+  def equal(k, _):
+    (together, s_together), (single, s_single) = grouped[k], alone[k]
+    for t in TABLES:
+      np.testing.assert_allclose(
+        np.asarray(together[t]), np.asarray(single[t]), rtol=1e-6, atol=1e-7
+      )
+      # and the table's state leaves, whatever the optimizer's state type
+      a_leaves, b_leaves = _leaves_of(s_together, t), _leaves_of(s_single[t], t)
+      assert len(a_leaves) == len(b_leaves) > 0
+      for a, b in zip(a_leaves, b_leaves, strict=True):
         np.testing.assert_allclose(
-          np.asarray(together[k]), np.asarray(single[k]), rtol=1e-6, atol=1e-7
+          np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6
         )
-        # and the table's state leaves, whatever the optimizer's state type
-        a_leaves, b_leaves = (
-          _leaves_of(s_together, k),
-          _leaves_of(s_single[k], k),
-        )
-        assert len(a_leaves) == len(b_leaves) > 0
-        for a, b in zip(a_leaves, b_leaves, strict=True):
-          np.testing.assert_allclose(
-            np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6
-          )
-    except AssertionError as e:
-      failed.append(f"{name}: {e}")
-  assert not failed, "\n".join(failed)
+
+  each(names, equal)
 
 
 def test_grouped_lazy_adam_matches_numpy():
