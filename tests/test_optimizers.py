@@ -18,6 +18,7 @@ from conformance import (
   run_with_references,
   step_fn,
   to_ref,
+  together,
 )
 
 import gradtx as gtx
@@ -535,26 +536,36 @@ def test_schedule_count_saturates():
 ROWS = {"emb": 9, "tab": 9, "w": None, "b": None}
 
 
-@pytest.mark.parametrize(
-  "make_tx",
-  [
-    lambda: gtx.ftrl(0.2),
-    lambda: gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"),
-  ],
-  ids=["ftrl", "lazy_adam_int8"],
-)
-def test_accumulate_equals_inner_on_concatenated_window(make_tx):
-  k = 2
-  tx = gtx.accumulate(make_tx(), k, mean=False, rows_per_step=ROWS)
-  inner = make_tx()
+WINDOW_INNERS = {
+  "ftrl": lambda: gtx.ftrl(0.2),
+  "lazy_adam_int8": lambda: gtx.lazy_adam(
+    0.05, mu_dtype="int8", nu_dtype="int8"
+  ),
+}
+
+
+def test_accumulate_equals_inner_on_concatenated_window():
+  # every inner at once: one program for the inits, one for the
+  # accumulated steps, one for the inner's
+  k, names = 2, list(WINDOW_INNERS)
+  txs = [
+    gtx.accumulate(WINDOW_INNERS[n](), k, mean=False, rows_per_step=ROWS)
+    for n in names
+  ]
+  inners = [WINDOW_INNERS[n]() for n in names]
   params = make_params()
-  p, s = params, jax.jit(tx.init)(params)
-  rp, rs = params, jax.jit(inner.init)(params)
-  step, inner_step = jax.jit(step_fn(tx)), jax.jit(step_fn(inner))
+  carries, ref = jax.jit(
+    lambda p: (
+      [(p, tx.init(p)) for tx in txs],
+      [(p, tx.init(p)) for tx in inners],
+    )
+  )(params)
+  step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
+  inner_step = jax.jit(together(names, [step_fn(tx) for tx in inners]))
   for w in range(2):
     window = [make_grads(k * w + j) for j in range(k)]
     for g in window:
-      p, s = step(p, s, g)
+      carries = step(carries, [(g,)] * len(names))
     # built in numpy: eagerly each op would compile for its shapes
     cat = {
       key: gtx.SparseRows(
@@ -566,9 +577,15 @@ def test_accumulate_equals_inner_on_concatenated_window(make_tx):
       else sum(np.asarray(g[key]) for g in window)
       for key in SHAPES
     }
-    rp, rs = inner_step(rp, rs, cat)
-    for key in SHAPES:
-      np.testing.assert_allclose(p[key], rp[key], rtol=1e-5, atol=1e-6)
+    ref = inner_step(ref, [(cat,)] * len(names))
+
+    def equal(i, _, carries=carries, ref=ref):
+      for key in SHAPES:
+        np.testing.assert_allclose(
+          carries[i][0][key], ref[i][0][key], rtol=1e-5, atol=1e-6
+        )
+
+    each(names, equal)
 
 
 # ----------------------------------------------------------------------------
