@@ -240,11 +240,7 @@ def _row_leaves(tree: Any, num_rows: int) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------
-# Many cases, one program
-
-# XLA compiles a kernel once per program however often the program holds
-# it, so the cases' steps compile as one program (about half the time of
-# one program per case); each check still asserts case by case.
+# Many cases, one program (see the module's docstring)
 
 
 def together(names: list[Any], steps: list[Callable[..., Any]]):
@@ -275,6 +271,19 @@ def inputs(cases: list[Case], i: int, dtype: Any = jnp.float32) -> list[Any]:
   return [(case.grads(i, dtype), _extra(case, i)) for case in cases]
 
 
+def initial(
+  cases: list[Case], txs: list[Any], dtype: Any = jnp.float32
+) -> list[Any]:
+  """``(params, tx.init(params))`` of every case. Eager: an init's ops are
+  shared by every case of the same shapes (a jitted init per check is a
+  new program each time, and was slower)."""
+  out = []
+  for case, tx in zip(cases, txs, strict=True):
+    params = case.params(dtype)
+    out.append((params, tx.init(params)))
+  return out
+
+
 def each(cases: list[Any], assertion: Callable[[int, Any], None]) -> None:
   """``assertion(k, cases[k])`` for every case (a :class:`Case`, or a
   name); fails naming every case that failed, with its message."""
@@ -300,6 +309,10 @@ def _group(case: Case) -> list[Case]:
   return [case]
 
 
+def _position(group: list[Case], case: Case) -> int:
+  return [c is case for c in group].index(True)
+
+
 def _reference_run(group: list[Case]) -> tuple[Callable[..., Any], list[Any]]:
   """``(step, carries)``: the group's steps as one jitted program, run once
   per group and process (the reference of several checks), on the CPU
@@ -309,8 +322,7 @@ def _reference_run(group: list[Case]) -> tuple[Callable[..., Any], list[Any]]:
     assert not _jaxpr._GPU_BRANCHES_ON_CPU, "the reference is the CPU branch"
     txs = [case.make_tx() for case in group]
     step = jax.jit(together(group, [step_fn(tx) for tx in txs]))
-    params = [case.params() for case in group]
-    carries = [(p, tx.init(p)) for p, tx in zip(params, txs, strict=True)]
+    carries = initial(group, txs)
     types = _types(carries)
     for i in range(num_steps(group)):
       carries = step(carries, inputs(group, i))
@@ -324,7 +336,7 @@ def reference(case: Case) -> tuple[Any, Any]:
   with the other cases of its group (:data:`CASES` or :data:`OPTIMIZERS`),
   once per process."""
   group = _group(case)
-  return _reference_run(group)[1][[c is case for c in group].index(True)]
+  return _reference_run(group)[1][_position(group, case)]
 
 
 # ----------------------------------------------------------------------------
@@ -364,10 +376,7 @@ def check_state_stable(cases: list[Case]) -> None:
   and shardings, and the params bf16 and finite. (The float32 reference
   run keeps the state's types too.)"""
   txs = [case.make_tx() for case in cases]
-  carries = []
-  for case, tx in zip(cases, txs, strict=True):
-    params = case.params(jnp.bfloat16)
-    carries.append((params, tx.init(params)))
+  carries = initial(cases, txs, jnp.bfloat16)
 
   def no_alias(k, _):
     bufs = [
@@ -429,10 +438,7 @@ def check_chain_extra_args(cases: list[Case]) -> None:
 
   chains, steps = zip(*[chained_step(case) for case in cases], strict=True)
   step = jax.jit(together(cases, steps))
-  carries = []
-  for case, chained in zip(cases, chains, strict=True):
-    params = case.params()
-    carries.append((params, chained.init(params)))
+  carries = initial(cases, chains)
   for i in range(num_steps(cases)):
     carries = step(carries, inputs(cases, i))
   each(
@@ -519,39 +525,39 @@ def check_untouched_rows(cases: list[Case]) -> None:
   """One more step after the reference's: the rows its gradient does not
   touch (padding ids included) keep their bits in the table and in every
   per-row state leaf; the touched rows change in each."""
-  for group in {id(g): g for g in map(_group, cases)}.values():
-    step, carries = _reference_run(group)
-    n = num_steps(group)
-    new = step(carries, inputs(group, n))
-    in_cases = [c for c in group if any(c is x for x in cases)]
+  group = _group(cases[0])
+  assert all(_group(c) is group for c in cases), "cases of one group"
+  step, carries = _reference_run(group)
+  n = num_steps(group)
+  new = step(carries, inputs(group, n))
 
-    def check(_, case, group=group, carries=carries, new=new, n=n):
-      k = [c is case for c in group].index(True)
-      (params, state), (new_params, new_state) = carries[k], new[k]
-      g = case.grads(n)
-      tables = 0
-      for gl, old, updated in zip(
-        jax.tree.leaves(g, is_leaf=_is_rows),
-        jax.tree.leaves(params),
-        jax.tree.leaves(new_params),
-        strict=True,
-      ):
-        if not _is_rows(gl):
-          continue
-        tables += 1
-        touched = touched_rows(gl)
-        assert 0 < touched.sum() < len(touched)
-        v = gl.num_rows
-        pairs = [(old, updated)] + list(
-          zip(_row_leaves(state, v), _row_leaves(new_state, v), strict=True)
-        )
-        for a, b in pairs:
-          a, b = np.asarray(a), np.asarray(b)
-          assert a[~touched].tobytes() == b[~touched].tobytes()
-          assert not np.array_equal(a[touched], b[touched])
-      assert tables, "the check can fail: a SparseRows gradient is needed"
+  def check(_, case):
+    k = _position(group, case)
+    (params, state), (new_params, new_state) = carries[k], new[k]
+    g = case.grads(n)
+    tables = 0
+    for gl, old, updated in zip(
+      jax.tree.leaves(g, is_leaf=_is_rows),
+      jax.tree.leaves(params),
+      jax.tree.leaves(new_params),
+      strict=True,
+    ):
+      if not _is_rows(gl):
+        continue
+      tables += 1
+      touched = touched_rows(gl)
+      assert 0 < touched.sum() < len(touched)
+      v = gl.num_rows
+      pairs = [(old, updated)] + list(
+        zip(_row_leaves(state, v), _row_leaves(new_state, v), strict=True)
+      )
+      for a, b in pairs:
+        a, b = np.asarray(a), np.asarray(b)
+        assert a[~touched].tobytes() == b[~touched].tobytes()
+        assert not np.array_equal(a[touched], b[touched])
+    assert tables, "the check can fail: a SparseRows gradient is needed"
 
-    each(in_cases, check)
+  each(cases, check)
 
 
 IN_PLACE_ROWS, IN_PLACE_DIM, IN_PLACE_IDS = 50_021, 8, 64
@@ -640,10 +646,7 @@ def check_inject_and_drop_stale(cases: list[Case]) -> None:
     extra = {"grad_step": jnp.int32(grad_step), "unrelated_arg": 1.0}
     return [(case.grads(i), extra) for case in cases]
 
-  carries = []
-  for case, tx in zip(cases, txs, strict=True):
-    params = case.params()
-    carries.append((params, tx.init(params)))
+  carries = initial(cases, txs)
   for i in range(n):
     carries = step(carries, at(i, i))
   each(
@@ -727,10 +730,8 @@ def check_mirrored(cases: list[Case]) -> None:
     return [p for p, _ in out], [s for _, s in out]
 
   step = m.step(step, donate_argnums=(0, 1))
-  params = m.replicate([c.params() for c in cases])
-  states = m.replicate(
-    [tx.init(c.params()) for c, tx in zip(cases, txs, strict=True)]
-  )
+  params, states = zip(*initial(cases, txs), strict=True)
+  params, states = m.replicate(list(params)), m.replicate(list(states))
   for i in range(num_steps(cases)):
     batch = [_per_replica(c, i, m.num_replicas) for c in cases]
     params, states = step(params, states, m.shard_batch(batch))
@@ -856,10 +857,7 @@ def check_gpu_branches(cases: list[Case]) -> None:
   with gpu_branches():
     txs = [case.make_tx() for case in cases]
     step = jax.jit(together(cases, [step_fn(tx) for tx in txs]))
-    got = [
-      (c.params(), tx.init(c.params()))
-      for c, tx in zip(cases, txs, strict=True)
-    ]
+    got = initial(cases, txs)
     for i in range(num_steps(cases)):
       got = step(got, inputs(cases, i))
 

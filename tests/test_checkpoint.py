@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import procs
 import pytest
-from conformance import each
+from conformance import each, step_fn, together
 
 import gradtx as gtx
 
@@ -108,24 +108,6 @@ STATES = {
 }
 
 
-def _steps(txs):
-  """One jitted step of every transformation of ``txs``:
-  ``(carries, inputs) -> carries``, a ``(params, state)`` and a ``(grads,
-  grad_step)`` per transformation."""
-
-  @jax.jit
-  def step(carries, inputs):
-    out = []
-    for tx, (params, state), (grads, grad_step) in zip(
-      txs, carries, inputs, strict=True
-    ):
-      u, state = tx.update(grads, state, params, grad_step=grad_step)
-      out.append((gtx.apply_updates(params, u), state))
-    return out
-
-  return step
-
-
 def _inputs(carries, starts, t):
   """Call ``t`` after each run's start: its gradient and the step it read
   its params at (see READ_AT)."""
@@ -133,7 +115,7 @@ def _inputs(carries, starts, t):
   for (_, state), start in zip(carries, starts, strict=True):
     read = READ_AT[(start + t) % len(READ_AT)]
     grad_step = _stale_step(state) if read is None else read
-    out.append((_grads(start + t), jnp.int32(grad_step)))
+    out.append((_grads(start + t), {"grad_step": jnp.int32(grad_step)}))
   return out
 
 
@@ -187,7 +169,7 @@ def test_state_round_trips_and_continues_exactly(tmp_path):
   names = list(STATES)
   txs = [STATES[n][0]() for n in names]
   before = [STATES[n][1] for n in names]
-  step = _steps(txs)
+  step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
   carries = jax.jit(lambda p: [(p, tx.init(p)) for tx in txs])(_params())
   saved, want = [None] * len(names), [None] * len(names)
   for t in range(max(before) + 3):

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import each, sparse_rows
+from conformance import each, sparse_rows, step_fn, together
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,17 +79,10 @@ def _train(txs, params, steps=4):
   """``steps`` updates of all of ``params`` by each of ``txs``, all in one
   jitted program: ``[(params, state)]``, one per transformation."""
   carries = [(params, tx.init(params)) for tx in txs]
-
-  @jax.jit
-  def step(carries, g):
-    out = []
-    for tx, (p, s) in zip(txs, carries, strict=True):
-      u, s = tx.update(g, s, p, grad_step=0)  # drop_stale's; others ignore it
-      out.append((gtx.apply_updates(p, u), s))
-    return out
-
+  step = jax.jit(together(txs, [step_fn(tx) for tx in txs]))
+  extra = {"grad_step": 0}  # drop_stale's; the others ignore it
   for i in range(steps):
-    carries = step(carries, _grads(i))
+    carries = step(carries, [(_grads(i), extra)] * len(txs))
   return carries
 
 
