@@ -1,7 +1,7 @@
 """Where the suite's time goes: per test, CPU seconds (the test's process
 and the subprocesses it waited for), wall seconds, compilations (jax's
 backend-compile event, which persistent-cache hits fire too) and seconds
-of tracing, lowering and compiling.
+of tracing, lowering, compiling and Python's garbage collection.
 
 Opt in with ``GRADTX_TEST_PROFILE=PREFIX`` (conftest.py then registers
 these hooks); each pytest process writes ``PREFIX.<worker>.json``. Then::
@@ -18,6 +18,7 @@ collects ``test_*.py``.
 from __future__ import annotations
 
 import collections
+import gc
 import glob
 import json
 import os
@@ -43,6 +44,17 @@ def _cpu() -> float:
   return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+_GC_START = [0.0]
+
+
+def _gc(phase: str, info: dict) -> None:
+  del info
+  if phase == "start":
+    _GC_START[0] = time.perf_counter()
+  else:
+    _TOTALS["gc s"] += time.perf_counter() - _GC_START[0]
+
+
 def _count(event: str, duration: float, fun_name: str = "?", **kwargs) -> None:
   del kwargs
   column = _EVENTS.get(event)
@@ -60,6 +72,7 @@ def pytest_configure(config):
   import jax
 
   jax.monitoring.register_event_duration_secs_listener(_count)
+  gc.callbacks.append(_gc)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,7 +80,7 @@ def pytest_runtest_protocol(item, nextitem):
   cpu, wall, before = _cpu(), time.perf_counter(), _TOTALS.copy()
   yield
   record = {"cpu": _cpu() - cpu, "wall": time.perf_counter() - wall}
-  for column in ("compiles", *_EVENTS.values()):
+  for column in ("compiles", *_EVENTS.values(), "gc s"):
     record[column] = _TOTALS[column] - before[column]
   _RECORDS[item.nodeid] = record
 
@@ -101,7 +114,7 @@ def report(prefix: str, top: int = 30) -> None:
   total = collections.Counter()
   for f in files.values():
     total.update(f)
-  times = ("trace s", "lower s", "compile s")
+  times = ("trace s", "lower s", "compile s", "gc s")
   print(
     f"{'file':40} {'tests':>5} {'cpu s':>7} {'share':>6} {'compiles':>8}"
     + "".join(f"{t:>10}" for t in times)
@@ -111,7 +124,7 @@ def report(prefix: str, top: int = 30) -> None:
     return (
       f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} "
       f"{f['cpu'] / total['cpu']:6.1%} {f['compiles']:8.0f}"
-      + "".join(f"{f[t]:10.1f}" for t in times)
+      + "".join(f"{f.get(t, 0):10.1f}" for t in times)
     )
 
   for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
