@@ -339,6 +339,33 @@ def reference(case: Case) -> tuple[Any, Any]:
   return _reference_run(group)[1][_position(group, case)]
 
 
+def _jitted_runs(
+  cases: list[Case],
+  txs: list[Any],
+  steps: list[Callable[..., Any]] | None = None,
+) -> list[Any]:
+  """Every case's ``(params, state)`` after its steps (default: ``txs``'
+  :func:`step_fn`), all in one jitted program, from :func:`initial`."""
+  step = jax.jit(together(cases, steps or [step_fn(tx) for tx in txs]))
+  carries = initial(cases, txs)
+  for i in range(num_steps(cases)):
+    carries = step(carries, inputs(cases, i))
+  return carries
+
+
+def _params_match_reference(
+  cases: list[Case], params: list[Any], rtol: float = 0.0
+) -> None:
+  """Every case's ``params`` equal its reference's, to ``max(case.rtol,
+  rtol)``."""
+  each(
+    cases,
+    lambda k, case: _assert_close(
+      params[k], reference(case)[0], max(case.rtol, rtol)
+    ),
+  )
+
+
 # ----------------------------------------------------------------------------
 # Every transformation
 
@@ -437,14 +464,8 @@ def check_chain_extra_args(cases: list[Case]) -> None:
     return chained, step
 
   chains, steps = zip(*[chained_step(case) for case in cases], strict=True)
-  step = jax.jit(together(cases, steps))
-  carries = initial(cases, chains)
-  for i in range(num_steps(cases)):
-    carries = step(carries, inputs(cases, i))
-  each(
-    cases,
-    lambda k, case: _assert_close(reference(case)[0], carries[k][0], case.rtol),
-  )
+  carries = _jitted_runs(cases, chains, steps)
+  _params_match_reference(cases, [p for p, _ in carries])
 
 
 def _stacked(trees: list[Any]) -> Any:
@@ -485,11 +506,7 @@ def check_shard_map(cases: list[Case]) -> None:
     )
     return jax.jit(f)(*args)
 
-  got = _replicated_run(cases, mapper)
-  each(
-    cases,
-    lambda k, case: _assert_close(reference(case)[0], got[k], case.rtol),
-  )
+  _params_match_reference(cases, _replicated_run(cases, mapper))
 
 
 def check_pmap(cases: list[Case]) -> None:
@@ -499,11 +516,7 @@ def check_pmap(cases: list[Case]) -> None:
     out = jax.pmap(body, axis_name="d")(*_stacked([args] * 8))
     return jax.tree.map(lambda x: np.asarray(x)[0], out)
 
-  got = _replicated_run(cases, mapper)
-  each(
-    cases,
-    lambda k, case: _assert_close(reference(case)[0], got[k], case.rtol),
-  )
+  _params_match_reference(cases, _replicated_run(cases, mapper))
 
 
 CHECKS = [
@@ -649,12 +662,7 @@ def check_inject_and_drop_stale(cases: list[Case]) -> None:
   carries = initial(cases, txs)
   for i in range(n):
     carries = step(carries, at(i, i))
-  each(
-    cases,
-    lambda k, case: _assert_close(
-      carries[k][0], reference(case)[0], max(case.rtol, 1e-5)
-    ),
-  )
+  _params_match_reference(cases, [p for p, _ in carries], 1e-5)
   dropped = step(carries, at(n, n - 2))  # stale by 2
 
   def kept(k, _):
@@ -855,11 +863,7 @@ def check_gpu_branches(cases: list[Case]) -> None:
   assert cases, "the check can fail: a step with platform-dependent code"
   want = [reference(case) for case in cases]  # the CPU branch
   with gpu_branches():
-    txs = [case.make_tx() for case in cases]
-    step = jax.jit(together(cases, [step_fn(tx) for tx in txs]))
-    got = initial(cases, txs)
-    for i in range(num_steps(cases)):
-      got = step(got, inputs(cases, i))
+    got = _jitted_runs(cases, [case.make_tx() for case in cases])
 
   def same(k, case):
     if case.inject is not None:  # a row optimizer

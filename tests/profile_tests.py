@@ -124,7 +124,7 @@ def report(prefix: str, top: int = 30) -> None:
     return (
       f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} "
       f"{f['cpu'] / total['cpu']:6.1%} {f['compiles']:8.0f}"
-      + "".join(f"{f.get(t, 0):10.1f}" for t in times)
+      + "".join(f"{f[t]:10.1f}" for t in times)
     )
 
   for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
