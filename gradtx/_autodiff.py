@@ -161,10 +161,11 @@ class LeafSparsity(NamedTuple):
   dtype: str
   sparse: bool  # the gradient is a SparseRows
   rows_per_step: int  # ids read per call: the SparseRows length (0: dense)
-  reason: str  # why the gradient is dense ("" when sparse)
+  reason: str  # why dense, or why a SparseRows holds every row ("" if not)
   where: str  # file:line of the use that kept it dense ("" if none)
   reads: int = 0  # whole-row reads per call, also where it stays dense
   frozen: bool = False  # read only through stop_gradient: no gradient
+  every_row: bool = False  # a SparseRows of every row, each summed once
 
   @property
   def is_table(self) -> bool:
@@ -204,7 +205,7 @@ class SparsityReport(tuple):
     lines = []
     sparse = [r for r in tables if r.sparse and not r.frozen]
     saved = 0.0
-    for r in sparse:
+    for r in (r for r in sparse if not r.every_row):
       item = np.dtype(r.dtype).itemsize
       row = int(np.prod(r.shape[1:])) * item
       dense_bytes = r.shape[0] * row
@@ -221,6 +222,8 @@ class SparsityReport(tuple):
     for r, (path, shape) in zip(tables, names, strict=True):
       if r.frozen:
         verdict = "frozen (stop_gradient): no gradient, no update"
+      elif r.every_row:
+        verdict = f"sparse, every row: {r.reason}"
       elif r.sparse:
         verdict = f"sparse, {r.rows_per_step:,} rows per step"
       else:
@@ -302,14 +305,12 @@ def _normalize_argnums(
   return argnums, False
 
 
-# A table read at least this many times per row in one step keeps its dense
-# gradient. On the whole lazy_adam step dense is faster from about 0.35 reads
-# per row (benchmarks/dense_threshold.py: sparse takes 0.87x dense's time at
-# 0.25, 1.02x at 0.35, 1.2x at 1, 1.6x at 4, 2.3x at 64), but a dense
-# gradient also changes what a lazy optimizer does to the rows a step
-# leaves untouched (dense Adam moves them); at 4 reads
-# per row a step touches all but e**-4 (1.8%) of the rows for uniform ids,
-# so the switch keeps the optimizer's behaviour. `dense=` switches earlier.
+# A table read at least this many times per row in one step gets one summed
+# gradient row per table row (every row) instead of a row per read. At 4
+# reads per row a step touches all but e**-4 (1.8%) of the rows for uniform
+# ids, so a lazy optimizer updating every row behaves almost as it would on
+# the touched ones (benchmarks/dense_threshold.py measures the sparse and
+# dense forms).
 DENSE_READS_PER_ROW = 4.0
 
 
@@ -338,10 +339,12 @@ def _leaf_record(
     return LeafSparsity(path, shape, dtype, False, 0, why, "", reads)
   if not force_sparse and reads >= DENSE_READS_PER_ROW * shape[0]:
     why = (
-      f"{shape[0]:,} rows, {reads:,} reads per step: dense is cheaper "
-      "(`require_sparse=` to keep it sparse)"
+      f"{shape[0]:,} rows, {reads:,} reads per step: one summed row per "
+      "table row is cheaper than a row per read"
     )
-    return LeafSparsity(path, shape, dtype, False, 0, why, "", reads)
+    return LeafSparsity(
+      path, shape, dtype, True, shape[0], why, "", reads, every_row=True
+    )
   return LeafSparsity(path, shape, dtype, True, reads, "", "", reads)
 
 
@@ -503,14 +506,15 @@ def sparse_value_and_grad(
   inside the loss) or parameter layout also keeps it dense, with a
   :class:`SparsityWarning`. :func:`sparsity_report` shows what happened.
 
-  Dense where dense is cheaper: a table read at least 4 times per row in
-  one call (``DENSE_READS_PER_ROW``) -- BERT's 2-row segment table read at
-  every position -- keeps its dense gradient: dense is faster there (1.6x
-  on the whole lazy_adam step at 4 reads per row, 2.3x at 64) and the step
-  touches nearly every row,
-  so a lazy optimizer behaves as the dense one. The shapes are static, so
-  this is decided at trace time; ``require_sparse`` keeps it sparse,
-  ``dense`` makes other tables dense. A table read only through
+  One row per table row where that is smaller: a table read at least 4
+  times per row in one call (BERT's 2-row segment table read at every
+  position) gets the SparseRows of all its rows, ids ``0..rows-1``, each
+  row its summed gradient; a table's gradient form is a property of the
+  model, never of the batch size, so a short last batch gives a gradient
+  tree of the same structure (and :func:`sparse_labels` the same labels).
+  The shapes are static, so this is decided at trace time;
+  ``require_sparse`` keeps a row per read,
+  ``dense`` makes a table dense. A table read only through
   ``lax.stop_gradient`` (a frozen table: every use of its ``stop_gradient``
   value a whole-row read) gets an empty SparseRows: no gradient, and no
   row for a lazy optimizer to touch. A frozen kernel or bias is no table:
@@ -534,8 +538,8 @@ def sparse_value_and_grad(
       prints it, e.g. ``"['emb']"``; an nnx ``.value`` suffix may be left
       off), a sequence of paths, or a predicate on the path. A ValueError
       names each such leaf that stays dense, the use that kept it dense and
-      its source line. A required leaf stays sparse even where dense would
-      be cheaper.
+      its source line. A required leaf gets a row per read even where it
+      is read many times per row.
     dense: leaves to keep dense although they are read only as whole rows
       (same forms as ``require_sparse``).
 
@@ -581,11 +585,19 @@ def sparse_value_and_grad(
     _warn_unknown(plan.report, plan.groups)
     leaves = plan.leaves
     frozen = [i for i, r in enumerate(plan.report) if r.frozen]
-    sparse = [i for i, r in enumerate(plan.report) if r.sparse and not r.frozen]
+    sparse = [
+      i
+      for i, r in enumerate(plan.report)
+      if r.sparse and not (r.frozen or r.every_row)
+    ]
     if not sparse and not frozen:  # nothing to do: exactly jax's gradients
       out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
         *args, **kwargs
       )
+      if any(r.every_row for r in plan.report):
+        flat = plan.treedef.flatten_up_to((grads,) if single else grads)
+        grads = jax.tree.unflatten(plan.treedef, _every_row(flat, plan))
+        grads = grads[0] if single else grads
       # As below: no table copy when a dense gradient skips the reads.
       return out, _order_after(grads, out[0] if has_aux else out)
     dense_slots = [
@@ -650,7 +662,7 @@ def sparse_value_and_grad(
         unique=True,
         normalized=True,
       )
-    grads = jax.tree.unflatten(plan.treedef, out)
+    grads = jax.tree.unflatten(plan.treedef, _every_row(out, plan))
     grads = grads[0] if single else grads
     # Every forward read of a table before any in-place write of its update:
     # else XLA copies a donated table when the gradient does not read the
@@ -803,6 +815,24 @@ def sparse_labels(
     return tree[0] if single else tree
 
   return labels_fn
+
+
+def _every_row(flat: list[Any], plan: _Plan) -> list[Any]:
+  """The flat gradients with each dense gradient of an ``every_row`` table
+  as the SparseRows of all its rows (ids ``0..rows-1``), so a table keeps
+  one gradient form whatever the batch size."""
+  return [
+    SparseRows(
+      jnp.arange(g.shape[0], dtype=jnp.int32),
+      g,
+      g.shape[0],
+      unique=True,
+      normalized=True,
+    )
+    if r.every_row
+    else g
+    for g, r in zip(flat, plan.report, strict=True)
+  ]
 
 
 def _concat(parts: list[jax.Array]) -> jax.Array:

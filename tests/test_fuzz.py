@@ -369,14 +369,19 @@ def _expected_sparse(prog: Program, k: int) -> tuple[bool, bool]:
       return False, warns
   if prog.dense_use[k] != "none":
     return False, False
-  # read this many times per row in one call: dense is cheaper (reads
-  # through stop_gradient have no gradient: they do not count)
+  return True, False
+
+
+def _every_row(prog: Program, k: int) -> bool:
+  """A sparse table k read this many times per row in one call gets one
+  summed row per table row (reads through stop_gradient have no gradient:
+  they do not count)."""
   reads = sum(
     len(r.ids) * (2 if r.wrapper == "fori" else 1)
     for r in prog.reads[k]
     if not r.freeze
   )
-  return reads < DENSE_READS_PER_ROW * prog.rows[k], False
+  return reads >= DENSE_READS_PER_ROW * prog.rows[k]
 
 
 def _tol(prog: Program):
@@ -431,6 +436,8 @@ def check(prog: Program, record=lambda _: None) -> None:
     sparse, warns = _expected_sparse(prog, k)
     record(f"table {'sparse' if sparse else 'dense'}")
     assert isinstance(g, gtx.SparseRows) == sparse, (k, prog)
+    if sparse and _every_row(prog, k):
+      np.testing.assert_array_equal(g.indices, np.arange(prog.rows[k]))
     assert any(f"['t{k}']" in m for m in warned) == warns, (k, warned)
     dense = g.to_dense() if sparse else g
     assert dense.dtype == want[f"t{k}"].dtype
@@ -444,9 +451,11 @@ def check(prog: Program, record=lambda _: None) -> None:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", gtx.SparsityWarning)
     report = gtx.sparsity_report(loss, has_aux=prog.aux)(params, ids)
-  verdict = {r.path: r.sparse for r in report}
+  verdict = {r.path: (r.sparse, r.every_row) for r in report}
   for k in range(len(prog.rows)):
-    assert verdict[f"['t{k}']"] == _expected_sparse(prog, k)[0]
+    sparse = _expected_sparse(prog, k)[0]
+    every_row = sparse and _every_row(prog, k)
+    assert verdict[f"['t{k}']"] == (sparse, every_row), (k, prog)
   by_path = {r.path: r for r in report}
   for k, kind in enumerate(prog.layers):
     r, table = by_path[f"['l{k}']"], LAYERS[kind][1]

@@ -858,24 +858,32 @@ _TOKENS = jnp.asarray(np.random.RandomState(4).randint(0, 500, (4, 16)))
 _SEGMENTS = jnp.asarray(np.random.RandomState(5).randint(0, 2, (4, 16)))
 
 
-def test_a_table_read_many_times_per_row_stays_dense_and_says_why():
+def test_a_table_read_many_times_per_row_gets_every_row_once_and_says_why():
   p = _bert_params()
   report = gtx.sparsity_report(_bert_like)(p, _TOKENS, _SEGMENTS)
   by = {r.path: r for r in report}
   assert by["['emb']"].sparse and by["['emb']"].rows_per_step == 64
+  assert not by["['emb']"].every_row
   seg = by["['seg']"]
-  assert not seg.sparse and seg.reads == 64 and seg.is_table
-  assert "2 rows, 64 reads per step: dense is cheaper" in seg.reason
+  assert seg.sparse and seg.every_row and seg.rows_per_step == 2
+  assert seg.reads == 64 and seg.is_table
+  assert "2 rows, 64 reads per step: one summed row per table row" in (
+    seg.reason
+  )
+  assert "sparse, every row: 2 rows, 64 reads" in str(report)
   (_, got), (_, want) = _vg(
     lambda p, i: _bert_like(p, i, _SEGMENTS), p, _TOKENS
   )
   assert isinstance(got["emb"], gtx.SparseRows)
-  np.testing.assert_allclose(got["seg"], want["seg"], rtol=1e-6)
-  # require_sparse keeps it sparse; dense= makes the big table dense
+  seg_g = got["seg"]
+  assert isinstance(seg_g, gtx.SparseRows)
+  np.testing.assert_array_equal(seg_g.indices, [0, 1])
+  np.testing.assert_allclose(seg_g.values, want["seg"], rtol=1e-6)
+  # require_sparse keeps a row per read; dense= makes the big table dense
   g = gtx.sparse_grad(_bert_like, require_sparse="['seg']")(
     p, _TOKENS, _SEGMENTS
   )
-  assert isinstance(g["seg"], gtx.SparseRows)
+  assert isinstance(g["seg"], gtx.SparseRows) and g["seg"].nnz == 64
   np.testing.assert_allclose(g["seg"].to_dense(), want["seg"], rtol=1e-5)
   g = gtx.sparse_grad(_bert_like, dense=lambda path: "emb" in path)(
     p, _TOKENS, _SEGMENTS
@@ -908,7 +916,7 @@ def test_the_threshold_is_reads_per_row():
     table = jnp.ones((rows, D))
     ids = jnp.arange(reads) % rows
     (r,) = gtx.sparsity_report(lambda t, i: _mlp(t[i], W))(table, ids)
-    assert r.sparse == sparse and r.reads == reads
+    assert r.sparse and r.every_row != sparse and r.reads == reads
 
 
 def test_a_frozen_table_gets_no_gradient_and_no_update():
@@ -1067,10 +1075,10 @@ def test_report_summary_first_then_details():
   report = gtx.sparsity_report(loss)(p, _TOKENS, _SEGMENTS)
   text = str(report)
   first = text.splitlines()[0]
-  assert first.startswith("2 table(s): 1 sparse, 1 dense, 0 frozen")
+  assert first.startswith("2 table(s): 2 sparse, 0 dense, 0 frozen")
   assert "gradient bytes saved per step" in first
   assert "['emb']" in text and "64 rows per step" in text
-  assert "['seg']" in text and "dense is cheaper" in text
+  assert "['seg']" in text and "sparse, every row" in text
   assert "2 other leaf(s)" in text and "['b']" not in text
   assert "['b']" in report.details() and "['w']" in report.details()
   assert [r.path for r in report.tables] == ["['emb']", "['seg']"]
