@@ -5,9 +5,14 @@ temporary folder as ``gradtx_before`` (its imports renamed), so both
 versions run side by side in one process: the whole training step users
 run (forward with the loss returned, sparse backward, optimizer, apply;
 jitted and donated; fresh uniform ids every step), alternating in rounds.
+``--after REV`` takes the later version from git too (``gradtx_after``),
+so that uncommitted work in the checkout stays out of the comparison.
 
-  python -m benchmarks.ab_versions --before REV [--rows 1000000] [--dim 64]
-      [--ids 8192]
+Every built-in optimizer runs, and a user-written one: the guide's lazy
+Lion (docs/guides/custom_optimizer.md) through ``gtx.row_transformation``.
+
+  python -m benchmarks.ab_versions --before REV [--after REV]
+      [--rows 1000000] [--dim 64] [--ids 8192]
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ from benchmarks._common import (
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def load_before(rev: str) -> Any:
-  """``gradtx`` as of ``rev``, imported as ``gradtx_before``."""
-  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx_before"
+def load_version(rev: str, name: str = "gradtx_before") -> Any:
+  """``gradtx`` as of ``rev``, imported as ``name``."""
+  out = pathlib.Path(tempfile.mkdtemp()) / name
   out.mkdir()
   names = subprocess.run(
     ["git", "ls-tree", "--name-only", rev, "gradtx/"],
@@ -59,15 +64,36 @@ def load_before(rev: str) -> Any:
       capture_output=True,
       text=True,
     ).stdout
-    text = re.sub(r"\bgradtx\b(?=[._ ])", "gradtx_before", text)
+    text = re.sub(r"\bgradtx\b(?=[._ ])", out.name, text)
     (out / pathlib.Path(name).name).write_text(text)
   sys.path.insert(0, str(out.parent))
-  return importlib.import_module("gradtx_before")
+  return importlib.import_module(out.name)
+
+
+def lazy_lion(
+  gtx: Any, learning_rate: float, b1=0.9, b2=0.99, weight_decay=0.0
+) -> Any:
+  """The guide's lazy Lion, a user's rule on ``gtx.row_transformation``."""
+
+  def init(p):
+    return (jnp.zeros_like(p),)
+
+  def rule(g, p, m):
+    c = b1 * m + (1 - b1) * g
+    update = -learning_rate * (jnp.sign(c) + weight_decay * p)
+    return update, (1 - b2) * g + b2 * m
+
+  return gtx.row_transformation(rule, init, needs_params=True)
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--before", required=True)
+  parser.add_argument(
+    "--after",
+    default=None,
+    help="the later version, a git revision (default: this checkout)",
+  )
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
@@ -81,10 +107,13 @@ def main(argv: list[str] | None = None) -> None:
   add_schedule_args(parser)
   args = parser.parse_args(argv)
   sched = Schedule.from_args(args)
-  versions = {
-    f"before ({args.before})": load_before(args.before),
-    "now": gradtx,
-  }
+  versions = {f"before ({args.before})": load_version(args.before)}
+  if args.after is None:
+    now = "this checkout"
+    versions["now"] = gradtx
+  else:
+    now = args.after
+    versions[f"after ({now})"] = load_version(now, "gradtx_after")
   rng = np.random.RandomState(0)
   batches = uniform_batches(rng, args.rows, args.ids)
   makers = {
@@ -95,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     "ftrl": lambda g: g.ftrl(0.05, l1_regularization_strength=1e-4),
     "lazy_sgd_momentum": lambda g: g.lazy_sgd(1e-2, momentum=0.9),
     "lazy_adam_catch_up": lambda g: g.lazy_adam(1e-3, catch_up=True),
+    "user lazy_lion (row_transformation)": lambda g: lazy_lion(
+      g, 1e-4, weight_decay=1e-4
+    ),
   }
   rows = []
   for name, make in makers.items():
@@ -108,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += _many_tables(versions, args, sched)
   write_results(
     "ab_versions",
-    f"Whole step, this checkout vs {args.before}: {args.rows:,} x "
+    f"Whole step, {now} vs {args.before}: {args.rows:,} x "
     f"{args.dim} table, {args.ids:,} fresh uniform ids per step",
     ["optimizer", "version", "step ms", "vs before"],
     rows,

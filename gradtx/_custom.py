@@ -230,9 +230,9 @@ def row_transformation(
           "came in (a per-row state stays [n]; broadcast it with "
           "`s[:, None]` inside the rule, not in its result)."
         )
-    # The rule computes its update with its new states: the engine's form,
-    # with an update that ignores the materialised rows.
-    return tuple(out[1:]), lambda *new: out[0]
+    # The update is computed already: the engine writes the new states and
+    # copies nothing for an update that does not read them.
+    return tuple(out[1:]), out[0]
 
   return row_optimizer(
     checked,

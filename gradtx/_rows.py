@@ -7,12 +7,15 @@ builds the transformation from them; the built-ins and
 
 **The rule form.** ``rule(g, p, *states) -> (new_states, update)``: from
 the gradient rows ``g``, the parameter rows ``p`` (None unless the
-optimizer needs them) and the old state rows, the new state rows, and a
-function ``update(*new_states)`` that computes the update from the new
-state rows. The engine materialises the new state rows once, writes them
-back, and calls ``update`` on them, so every optimizer writes its update
-once and gets the fast form (:func:`_materialize`; ``materialize=False``
-skips its copy where it is one more pass, as in lazy Adam's catch-up).
+optimizer needs them) and the old state rows, the new state rows, and
+either a function ``update(*new_states)`` that computes the update from
+the new state rows or the update itself (an array, for a rule that
+computed it already, as :func:`gradtx.row_transformation`'s do). The
+engine materialises the new state rows once, writes them back, and calls
+``update`` on them, so every optimizer writes its update once and gets the
+fast form (:func:`_materialize`; ``materialize=False`` skips its copy
+where it is one more pass, as in lazy Adam's catch-up). An update given
+as an array reads no new rows, and nothing is copied for it.
 
 **Groups of tables.** A model with a table per feature holds tens to
 hundreds of SparseRows leaves of one row shape. Leaves whose rows are read
@@ -74,8 +77,9 @@ __all__ = [
   "update_rows",
 ]
 
-# rule(g, p, *states) -> (new_states, update), update(*new_states) -> u
-Rule = Callable[..., tuple[Sequence[Any], Callable[..., Any]]]
+# rule(g, p, *states) -> (new_states, update), update(*new_states) -> u or
+# the update u itself
+Rule = Callable[..., tuple[Sequence[Any], Callable[..., Any] | Any]]
 
 # The ids of a group share one int32 id space.
 _MAX_GROUP_ROWS = 2**31 - 1
@@ -159,6 +163,17 @@ def _materialize(x: jax.Array) -> jax.Array:
     return x
   slots = lax.iota(jnp.int32, x.shape[0])
   return jnp.zeros_like(x).at[slots].set(x, mode="drop", unique_indices=True)
+
+
+def _update_of(update: Any, new: list[Any], materialize: bool) -> Any:
+  """The rule's update: ``update(*new)``, the new rows first copied into
+  buffers of their own when ``materialize``; an update the rule already
+  computed (an array) reads no new rows and is returned as it is."""
+  if not callable(update):
+    return update
+  if materialize:
+    new = [_materialize(r) for r in new]
+  return update(*new)
 
 
 def _dtype_key(x: Any) -> Any:
@@ -269,9 +284,7 @@ def _update_group(
     p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
     old = [read_state_rows(x, ids) for x in states]
     new, update = rule(values[s.start : s.stop], p, *old)
-    if materialize:
-      new = [_materialize(r) for r in new]
-    u = update(*new)
+    u = _update_of(update, new, materialize)
     valid = per_row(ids < s.num_rows, u.ndim)
     upd = SparseRows(
       ids,
@@ -309,7 +322,8 @@ def update_rows(
 
   Args:
     rule: ``rule(g, p, *states) -> (new_states, update)`` with
-      ``update(*new_states) -> u``; pure and elementwise along the leading
+      ``update(*new_states) -> u`` (or ``u`` itself, an array, when the
+      rule computed it already); pure and elementwise along the leading
       (row) axis. ``g`` is ``[n, *row]`` rows of a deduplicated SparseRows
       or a whole dense gradient (a padding row holds
       any value; what the rule makes of it is discarded); ``p`` the
@@ -381,7 +395,7 @@ Array([1, 0, 0, 1], dtype=int32))
         *[read_state(s) for s in leaf_states[i]],
       )
       results[i] = (
-        update(*new),
+        _update_of(update, new, False),
         [write_state(s, r) for s, r in zip(leaf_states[i], new, strict=True)],
       )
   for group in _groups(keys, sizes):
@@ -400,7 +414,7 @@ Array([1, 0, 0, 1], dtype=int32))
 
 
 def row_optimizer(
-  rule: Callable[..., tuple[Sequence[Any], Callable[..., Any]]],
+  rule: Callable[..., tuple[Sequence[Any], Callable[..., Any] | Any]],
   init: Callable[[Any], tuple[Any, ...]],
   state_type: type,
   *,
