@@ -14,6 +14,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from gradtx import _sharded
+from gradtx._autodiff import SparsityReport
 from gradtx._base import (
   SparseRows,
   apply_if,
@@ -78,8 +79,57 @@ def _check_rows(n: Any, path: str) -> int | None:
   return int(n)
 
 
+def _spellings(keys: tuple[Any, ...]) -> set[str]:
+  """The ways a report may spell a leaf's path: ``keystr`` of its keys, or
+  of their attribute form (an nnx module's ``.embed`` for its state's
+  ``['embed']``), each with and without nnx's trailing ``.value``."""
+  attr = tuple(
+    jax.tree_util.GetAttrKey(k.key)
+    if isinstance(k, jax.tree_util.DictKey)
+    and isinstance(k.key, str)
+    and k.key.isidentifier()
+    else k
+    for k in keys
+  )
+  out = set()
+  for path in (jax.tree_util.keystr(keys), jax.tree_util.keystr(attr)):
+    out |= {path, path.removesuffix(".value")}
+  return out
+
+
+def _rows_from_report(report: SparsityReport, params: Any) -> Any:
+  """``rows_per_step`` read off a :func:`gradtx.sparsity_report`: each
+  sparse leaf's rows per step (at least 1: a frozen table's gradient is an
+  empty SparseRows), None for each dense one."""
+  records = {r.path.removesuffix(".value"): r for r in report}
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(
+    params, is_leaf=lambda x: x is None
+  )
+  rows, missing = [], []
+  for keys, p in leaves:
+    found = [records[s] for s in sorted(_spellings(keys)) if s in records]
+    if p is None or not found:
+      rows.append(None)
+      if p is not None:
+        missing.append(jax.tree_util.keystr(keys))
+      continue
+    r = found[0]
+    rows.append(max(r.rows_per_step, 1) if r.sparse else None)
+  if missing:
+    raise ValueError(
+      "gradtx.accumulate `rows_per_step` is a SparsityReport with no record "
+      f"for the params leaves {', '.join(missing)} (its records: "
+      f"{', '.join(r.path for r in report)}). Make the report of the params "
+      "that init gets, `gtx.sparsity_report(loss)(params, batch)` with one "
+      "differentiated argument, or pass a tree of row counts."
+    )
+  return jax.tree.unflatten(treedef, rows)
+
+
 def _resolve_rows_per_step(rows_per_step: Any, params: Any) -> Any:
   """A tree like params with an int (sparse) or None (dense) per leaf."""
+  if isinstance(rows_per_step, SparsityReport):
+    return _rows_from_report(rows_per_step, params)
   if rows_per_step is None:
     return tree_map(lambda _: None, params)
   if isinstance(rows_per_step, (int, np.integer)) and not isinstance(
@@ -540,7 +590,8 @@ def accumulate(
   ``i`` of the window writes its rows at offset ``i * n`` and call ``k``
   gives the inner transformation one SparseRows of all ``k * n`` rows
   (duplicates not yet summed, as lazy optimizers expect). ``init`` sees only
-  params, so ``rows_per_step`` declares ``n`` per sparse leaf. A gradient
+  params, so ``rows_per_step`` declares ``n`` per sparse leaf, or hands over
+  the :func:`sparsity_report` of the loss, which knows it. A gradient
   with fewer rows than declared is padded up with padding rows; one with
   more, or a SparseRows at a leaf with no declared ``n``, raises at trace
   time.
@@ -575,9 +626,14 @@ def accumulate(
       dtype of the incoming gradient.
     rows_per_step: how many rows ``n`` one SparseRows gradient carries
       (after a mirrored all-gather: replicas x ids per replica). An int when
-      every parameter is a sparse table; otherwise a pytree prefix of params
-      with an int for each sparse leaf and None for dense ones. Not needed
-      with ``every_k=1``.
+      every parameter is a sparse table; a pytree prefix of params with an
+      int for each sparse leaf and None for dense ones; or the
+      :class:`SparsityReport` of ``gtx.sparsity_report(loss)(params,
+      batch)``, which gives each leaf it finds sparse its rows per step
+      (a frozen table 1) and every other leaf None, matched by path (nnx's
+      ``.value`` optional). A report counts the ids of the batch it traced:
+      in a mirrored step, where one gradient carries every replica's rows,
+      pass the counts instead. Not needed with ``every_k=1``.
     max_every_k: the largest value an ``every_k`` schedule returns; sizes
       the sparse buffers (``max_every_k * n`` rows). Required when
       ``every_k`` is a schedule and ``rows_per_step`` declares a sparse leaf;
@@ -597,6 +653,16 @@ def accumulate(
     >>> u, state = tx.update(jnp.array([3.0, 4.0]), state)
     >>> u, int(state.num_accumulated), int(state.num_updates)
     (Array([-2., -3.], dtype=float32), 0, 1)
+
+    The rows per step of a sparse table, from the loss's sparsity report:
+
+    >>> params = {"emb": jnp.zeros((100, 4)), "w": jnp.ones(4)}
+    >>> def loss(p, ids):
+    ...   return jnp.sum(p["emb"][ids] @ p["w"])
+    >>> report = gtx.sparsity_report(loss)(params, jnp.array([3, 7, 3]))
+    >>> tx = gtx.accumulate(gtx.lazy_adam(1e-2), 2, rows_per_step=report)
+    >>> tx.init(params).accumulator["emb"].nnz      # k slots of 3 rows
+    6
 
   References:
     Yuxin Wu and others, `Tensorpack <https://github.com/tensorpack/tensorpack>`_

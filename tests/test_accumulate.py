@@ -626,3 +626,107 @@ def test_rows_per_step_on_a_scalar_leaf():
   tx = gtx.accumulate(optax.sgd(1.0), 2, rows_per_step=3)
   with pytest.raises(ValueError, match="scalar"):
     tx.init({"s": jnp.zeros(())})
+
+
+# ----------------------------------------------------------------------------
+# rows_per_step from gtx.sparsity_report
+
+
+def _report_params():
+  rng = np.random.RandomState(3)
+  return {
+    "emb": jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)), jnp.float32),
+    "frozen": jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)), jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(DIM,)), jnp.float32),
+  }
+
+
+def _report_loss(p, ids):
+  h = p["emb"][ids] + jax.lax.stop_gradient(p["frozen"])[ids]
+  return jnp.sum(jnp.tanh(h @ p["w"]) * jnp.arange(1.0, 1 + ids.size))
+
+
+REPORT_BATCHES = [np.array([3, 7, 3, 0]), np.array([7, 19, 5, 5])]
+
+
+def test_rows_per_step_from_a_sparsity_report():
+  params, lr = _report_params(), 0.5
+  ids = jnp.asarray(REPORT_BATCHES[0])
+  report = gtx.sparsity_report(_report_loss)(params, ids)
+  tx = gtx.accumulate(gtx.lazy_sgd(lr), 2, rows_per_step=report)
+  state = tx.init(params)
+  acc = state.accumulator
+  # k slots of the report's rows: 4 ids, 1 for the frozen table's empty one
+  assert acc["emb"].indices.shape == (8,) and acc["frozen"].nnz == 2
+  assert not isinstance(acc["w"], gtx.SparseRows) and acc["w"].shape == (DIM,)
+
+  @jax.jit
+  def step(p, s, ids):
+    g = gtx.sparse_grad(_report_loss)(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  p, s = params, state
+  for batch in REPORT_BATCHES:
+    p, s = step(p, s, jnp.asarray(batch))
+  assert int(s.num_updates) == 1
+  # SGD on the mean of jax.grad's dense gradients at the same params
+  grads = [
+    jax.grad(_report_loss)(params, jnp.asarray(b)) for b in REPORT_BATCHES
+  ]
+  for k in params:
+    mean = (np.asarray(grads[0][k], np.float64) + np.asarray(grads[1][k])) / 2
+    want = np.asarray(params[k], np.float64) - lr * mean
+    np.testing.assert_allclose(p[k], want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(p["frozen"], params["frozen"])
+
+
+def test_rows_per_step_from_a_report_inside_multi_transform():
+  params = _report_params()
+  ids = jnp.asarray(REPORT_BATCHES[0])
+  report = gtx.sparsity_report(_report_loss)(params, ids)
+  labels = gtx.sparse_labels(_report_loss)(params, ids)
+  tx = optax.multi_transform(
+    {
+      "sparse": gtx.accumulate(gtx.lazy_adam(0.1), 2, rows_per_step=report),
+      "dense": gtx.accumulate(optax.adam(0.1), 2),
+    },
+    labels,
+  )
+
+  @jax.jit
+  def step(p, s, ids):
+    g = gtx.sparse_grad(_report_loss)(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  p, s = params, tx.init(params)
+  for batch in REPORT_BATCHES:
+    p, s = step(p, s, jnp.asarray(batch))
+  touched = np.unique(np.concatenate(REPORT_BATCHES))
+  moved = np.flatnonzero(np.any(np.asarray(p["emb"] != params["emb"]), 1))
+  np.testing.assert_array_equal(moved, touched)
+  assert np.all(np.asarray(p["w"] != params["w"]))
+
+
+def test_rows_per_step_report_of_other_params():
+  params = _report_params()
+  report = gtx.sparsity_report(_report_loss)(
+    params, jnp.asarray(REPORT_BATCHES[0])
+  )
+  tx = gtx.accumulate(gtx.lazy_sgd(0.1), 2, rows_per_step=report)
+  renamed = {"table": params["emb"], "frozen": params["frozen"], "w": 1.0}
+  with pytest.raises(
+    ValueError,
+    match=r"SparsityReport with no record for the params leaves \['table'\] "
+    r"\(its records: \['emb'\], \['frozen'\], \['w'\]\).*"
+    r"`gtx.sparsity_report\(loss\)\(params, batch\)`",
+  ):
+    tx.init(renamed)
+  # a report of two arguments names its leaves [0]..., [1]...
+  two = gtx.sparsity_report(lambda a, b, i: _report_loss(a, i), (0, 1))(
+    params, params, jnp.asarray(REPORT_BATCHES[0])
+  )
+  tx = gtx.accumulate(gtx.lazy_sgd(0.1), 2, rows_per_step=two)
+  with pytest.raises(ValueError, match="no record for the params leaves"):
+    tx.init(params)
