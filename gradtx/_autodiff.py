@@ -789,7 +789,12 @@ def sparse_labels(
   Returns:
     A function with ``fun``'s signature returning the labels, a tree shaped
     like the differentiated argument (a tuple of them for a tuple
-    ``argnums``).
+    ``argnums``). For an ``nnx.State`` or an nnx module the labels are in
+    the form ``nnx.Optimizer`` hands its transformation, the pure state
+    (``nnx.as_pure(nnx.state(...))``, no ``nnx.Param`` wrappers), so
+    ``nnx.Optimizer(model, optax.multi_transform(transforms, labels),
+    wrt=nnx.Param)`` takes them as they are when the differentiated
+    argument holds the ``wrt`` variables only.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -804,6 +809,8 @@ def sparse_labels(
     ...     {"sparse": gtx.rowwise_adagrad(0.1), "dense": optax.adam(1e-3)},
     ...     labels)
   """
+  import sys  # stdlib: for sys.modules, no cycle
+
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def labels_fn(*args, **kwargs):
@@ -812,6 +819,13 @@ def sparse_labels(
     )
     labels = [sparse_label if r.sparse else dense_label for r in plan.report]
     tree = jax.tree.unflatten(plan.treedef, labels)
+    # Whoever passed nnx objects imported flax: look it up, never import it.
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+      tree = tuple(
+        nnx.as_pure(nnx.state(t) if isinstance(t, nnx.Module) else t)
+        for t in tree
+      )
     return tree[0] if single else tree
 
   return labels_fn

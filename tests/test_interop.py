@@ -397,7 +397,11 @@ def test_a_frozen_layer_in_train_state_and_nnx_optimizer():
       return frozen_layer_loss({k: getattr(self, k)[...] for k in params}, ids)
 
   model = Model(params)
-  tx = frozen_layer_tx(lr, nnx.as_pure(nnx.state(model, nnx.Param)))
+  # sparse_labels on the module: labels nnx.Optimizer takes as they are
+  labels = gtx.sparse_labels(
+    lambda m, ids: m(ids), sparse_label="t", dense_label="d"
+  )(model, jnp.asarray(BATCHES[0]))
+  tx = frozen_layer_tx(lr, labels)
   nnx_steps(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
   _check_frozen_layer({k: getattr(model, k)[...] for k in params}, params, lr)
 
@@ -530,3 +534,210 @@ def test_sparse_labels_split_the_optimizer_and_its_state():
     np.testing.assert_allclose(
       got["mlp"][k], want["mlp"][k], rtol=1e-5, atol=1e-7
     )
+
+
+# ----------------------------------------------------------------------------
+# Flax NNX: labels for nnx.Optimizer, the module passed directly, and
+# gradients with respect to nnx.Param only (Dropout RNG, BatchNorm stats)
+
+
+def _sparse_to_dense(tree):
+  return jax.tree.map(
+    lambda x: x.to_dense() if isinstance(x, gtx.SparseRows) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, gtx.SparseRows),
+  )
+
+
+def _assert_states_close(got, want, rtol=1e-6, atol=1e-7):
+  got, want = nnx.as_pure(got), nnx.as_pure(want)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    if jnp.issubdtype(g.dtype, jax.dtypes.prng_key):
+      g, w = jax.random.key_data(g), jax.random.key_data(w)
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+
+
+class Bag(nnx.Module):
+  """A plain model: nnx.Param only."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.head = nnx.Linear(D, 1, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.head(jnp.tanh(self.embed(ids).mean(1)))[:, 0]
+
+
+class DropoutBatchNormBag(nnx.Module):
+  """nnx.Param beside Dropout's RNG state and BatchNorm's statistics."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.bn = nnx.BatchNorm(D, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.head = nnx.Linear(D, 1, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.head(self.drop(self.bn(self.embed(ids).mean(1))))[:, 0]
+
+
+def mse(model, ids, y):
+  return jnp.mean((model(ids) - y) ** 2)
+
+
+def param_loss(model, ids, y):
+  """docs/guides/bring_your_model.md's pattern: a loss of the nnx.Param
+  state alone, with the rest (RNG, batch statistics) merged back in
+  (copied: the loss updates it under its own trace) and returned as aux;
+  and the Param state to differentiate."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    return mse(m, ids, y), nnx.state(m, nnx.Not(nnx.Param))
+
+  return loss, params
+
+
+def param_only_value_and_grad(model, ids, y):
+  loss, params = param_loss(model, ids, y)
+  (value, rest), grads = gtx.sparse_value_and_grad(loss, has_aux=True)(params)
+  nnx.update(model, rest)
+  return value, grads
+
+
+BAGS = [
+  np.array([[3, 7], [3, 0], [9, 22]]),
+  np.array([[7, 22], [5, 5], [1, 2]]),
+]
+Y = np.array([1.0, -1.0, 0.5])
+
+
+def test_sparse_labels_of_nnx_state_and_module_fit_nnx_optimizer():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  model = Bag(nnx.Rngs(0))
+  _, params = nnx.split(model, nnx.Param)
+  from_state = gtx.sparse_labels(
+    lambda p, ids, y: mse(nnx.merge(nnx.graphdef(model), p), ids, y)
+  )(params, ids, y)
+  from_module = gtx.sparse_labels(mse)(model, ids, y)
+  for labels in (from_state, from_module):
+    # the pure state nnx.Optimizer hands its tx: no nnx.Param wrappers
+    assert isinstance(labels, nnx.State)
+    assert labels["embed"]["embedding"] == "sparse"
+    assert dict(labels["head"]) == {"bias": "dense", "kernel": "dense"}
+    assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(labels))
+
+  def run(labels):
+    model = Bag(nnx.Rngs(0))
+    tx = optax.multi_transform(
+      {"sparse": gtx.lazy_sgd(0.1), "dense": optax.sgd(0.1)}, labels
+    )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model, optimizer, ids, y):
+      grads = gtx.sparse_grad(mse)(model, ids, y)
+      optimizer.update(model, grads)
+
+    for bag in BAGS:
+      step(model, optimizer, jnp.asarray(bag), y)
+    return nnx.state(model, nnx.Param)
+
+  # reference: optax.sgd on nnx's dense gradients
+  want = Bag(nnx.Rngs(0))
+  reference = nnx.Optimizer(want, optax.sgd(0.1), wrt=nnx.Param)
+  for bag in BAGS:
+    reference.update(want, nnx.grad(mse)(want, jnp.asarray(bag), y))
+  for labels in (from_state, from_module):
+    _assert_states_close(run(labels), nnx.state(want, nnx.Param))
+
+
+def test_a_plain_nnx_module_passed_straight_in():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  model = Bag(nnx.Rngs(0))
+  value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
+  assert isinstance(grads.embed.embedding.get_value(), gtx.SparseRows)
+  want_value, want = nnx.value_and_grad(mse)(model, ids, y)
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  _assert_states_close(
+    nnx.state(_sparse_to_dense(grads)), nnx.state(want), atol=1e-7
+  )
+
+
+def test_param_only_gradients_with_dropout_and_batch_norm():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  ours, theirs = (
+    DropoutBatchNormBag(nnx.Rngs(0)),
+    DropoutBatchNormBag(nnx.Rngs(0)),
+  )
+  value, grads = nnx.jit(param_only_value_and_grad)(ours, ids, y)
+  assert isinstance(grads["embed"]["embedding"].get_value(), gtx.SparseRows)
+
+  @nnx.jit
+  def reference(model, ids, y):
+    diff = nnx.DiffState(0, nnx.Param)
+    return nnx.value_and_grad(mse, argnums=diff)(model, ids, y)
+
+  want_value, want = reference(theirs, ids, y)
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  _assert_states_close(_sparse_to_dense(grads), want)
+  # the same dropout mask was drawn, the same batch statistics kept
+  rest = nnx.Not(nnx.Param)
+  _assert_states_close(nnx.state(ours, rest), nnx.state(theirs, rest))
+  assert not np.allclose(ours.bn.mean[...], 0)  # the check can fail
+
+
+def test_param_only_training_step_under_jit_with_nnx_optimizer():
+  lr, y = 0.1, jnp.asarray(Y)
+  model = DropoutBatchNormBag(nnx.Rngs(1))
+  loss, params = param_loss(model, jnp.asarray(BAGS[0]), y)
+  labels = gtx.sparse_labels(loss, has_aux=True)(params)
+  assert labels["embed"]["embedding"] == "sparse"
+  assert labels["bn"]["scale"] == "dense" and "mean" not in labels["bn"]
+  np.testing.assert_array_equal(model.bn.mean[...], 0)  # traced a copy
+  tx = optax.multi_transform(
+    {"sparse": gtx.lazy_sgd(lr), "dense": optax.sgd(lr)}, labels
+  )
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def step(model, optimizer, ids, y):
+    value, grads = param_only_value_and_grad(model, ids, y)
+    optimizer.update(model, grads)
+    return value
+
+  want = DropoutBatchNormBag(nnx.Rngs(1))
+  reference = nnx.Optimizer(want, optax.sgd(lr), wrt=nnx.Param)
+
+  @nnx.jit
+  def reference_step(model, optimizer, ids, y):
+    diff = nnx.DiffState(0, nnx.Param)
+    value, grads = nnx.value_and_grad(mse, argnums=diff)(model, ids, y)
+    optimizer.update(model, grads)
+    return value
+
+  table = model.embed.embedding.get_value()
+  for bag in BAGS + BAGS:
+    got = step(model, optimizer, jnp.asarray(bag), y)
+    np.testing.assert_allclose(
+      got, reference_step(want, reference, jnp.asarray(bag), y), rtol=1e-5
+    )
+  assert table.is_deleted()  # donated: updated in place
+  assert int(optimizer.step[...]) == 2 * len(BAGS)
+  _assert_states_close(nnx.state(model), nnx.state(want), 1e-5, 1e-6)
+
+
+def test_rows_per_step_from_a_report_of_an_nnx_module():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  model = Bag(nnx.Rngs(0))
+  report = gtx.sparsity_report(mse)(model, ids, y)
+  assert report.sparse_paths == (".embed.embedding.value",)
+  tx = gtx.accumulate(gtx.lazy_sgd(0.1), 2, rows_per_step=report)
+  # the Param state (as nnx.Optimizer passes it) and its pure form
+  params = nnx.state(model, nnx.Param)
+  for p in (params, nnx.as_pure(params)):
+    acc = nnx.as_pure(tx.init(p).accumulator)
+    assert acc["embed"]["embedding"].nnz == 2 * ids.size
+    assert not isinstance(acc["head"]["kernel"], gtx.SparseRows)
