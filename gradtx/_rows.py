@@ -165,15 +165,18 @@ def _materialize(x: jax.Array) -> jax.Array:
   return jnp.zeros_like(x).at[slots].set(x, mode="drop", unique_indices=True)
 
 
-def _update_of(update: Any, new: list[Any], materialize: bool) -> Any:
-  """The rule's update: ``update(*new)``, the new rows first copied into
-  buffers of their own when ``materialize``; an update the rule already
-  computed (an array) reads no new rows and is returned as it is."""
+def _update_of(
+  update: Any, new: Sequence[Any], materialize: bool
+) -> tuple[Any, Sequence[Any]]:
+  """``(u, new)``: the rule's update ``update(*new)`` and the new rows to
+  write, both read from one copy of the new rows when ``materialize``
+  (:func:`_materialize`); an update the rule computed already (an array)
+  reads no new rows, and they are written as they are."""
   if not callable(update):
-    return update
+    return update, new
   if materialize:
     new = [_materialize(r) for r in new]
-  return update(*new)
+  return update(*new), new
 
 
 def _dtype_key(x: Any) -> Any:
@@ -284,7 +287,7 @@ def _update_group(
     p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
     old = [read_state_rows(x, ids) for x in states]
     new, update = rule(values[s.start : s.stop], p, *old)
-    u = _update_of(update, new, materialize)
+    u, new = _update_of(update, new, materialize)
     valid = per_row(ids < s.num_rows, u.ndim)
     upd = SparseRows(
       ids,
@@ -394,8 +397,9 @@ Array([1, 0, 0, 1], dtype=int32))
         p if needs_params else None,
         *[read_state(s) for s in leaf_states[i]],
       )
+      u, new = _update_of(update, new, False)
       results[i] = (
-        _update_of(update, new, False),
+        u,
         [write_state(s, r) for s, r in zip(leaf_states[i], new, strict=True)],
       )
   for group in _groups(keys, sizes):
