@@ -33,6 +33,7 @@ import gradtx
 from benchmarks._common import (
   Schedule,
   add_schedule_args,
+  hlo_op_counts,
   ratio_rows,
   table_runner,
   table_step,
@@ -98,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
   parser.add_argument(
+    "--only",
+    default="",
+    help="run only the optimizers whose name contains this text",
+  )
+  parser.add_argument(
     "--tables",
     type=int,
     default=26,
@@ -130,22 +136,44 @@ def main(argv: list[str] | None = None) -> None:
   }
   rows = []
   for name, make in makers.items():
-    fns = {}
+    if args.only not in name:
+      continue
+    fns, ops = {}, {}
     for label, gtx in versions.items():
       tx = make(gtx)
       table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
-      fns[label] = table_runner(table_step(gtx, tx), tx, table, batches)
-    rows += ratio_rows(name, fns, sched)
+      step = table_step(gtx, tx)
+      ops[label] = _ops(step, {"emb": table}, tx, batches[0])
+      fns[label] = table_runner(step, tx, table, batches)
+    rows += _with_ops(ratio_rows(name, fns, sched), ops)
   if args.tables:
     rows += _many_tables(versions, args, sched)
   write_results(
     "ab_versions",
     f"Whole step, {now} vs {args.before}: {args.rows:,} x "
     f"{args.dim} table, {args.ids:,} fresh uniform ids per step",
-    ["optimizer", "version", "step ms", "vs before"],
+    ["optimizer", "version", "step ms", "vs before", "kernels", "scatters"],
     rows,
-    notes=sched.describe() + "; both versions in one process.",
+    notes=sched.describe() + "; both versions in one process. kernels, "
+    "scatters: what the compiled step launches (benchmarks._common."
+    "hlo_op_counts), the same on every machine.",
   )
+
+
+def _ops(step: Any, params: Any, tx: Any, *args: Any) -> dict[str, int]:
+  """Static op counts of ``step``'s compiled program on these arguments."""
+  import jax
+
+  state = jax.eval_shape(tx.init, params)
+  return hlo_op_counts(step.lower(params, state, *args).compile().as_text())
+
+
+def _with_ops(rows: list, ops: dict[str, dict[str, int]]) -> list:
+  """``rows`` of :func:`ratio_rows` with each version's kernels and
+  scatters appended."""
+  return [
+    row + [ops[row[1]]["kernels"], ops[row[1]]["scatter"]] for row in rows
+  ]
 
 
 def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
@@ -155,16 +183,23 @@ def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
 
   from benchmarks import recsys
 
+  makers = [
+    (name, make)
+    for name, make in (
+      ("lazy_adam", lambda g: g.lazy_adam(1e-3)),
+      ("rowwise_adagrad", lambda g: g.rowwise_adagrad(1e-2)),
+    )
+    if args.only in name
+  ]
+  if not makers:
+    return []
   table_rows = recsys.table_rows(args.tables, 100_000)
   data = recsys.make_data(table_rows, 2048, 8, "zipf")
   params_np = recsys.init_params(table_rows, 64, "linear", 0)
   loss = recsys.per_table_loss(args.tables)
   rows = []
-  for name, make in (
-    ("lazy_adam", lambda g: g.lazy_adam(1e-3)),
-    ("rowwise_adagrad", lambda g: g.rowwise_adagrad(1e-2)),
-  ):
-    fns = {}
+  for name, make in makers:
+    fns, ops = {}, {}
     for label, gtx in versions.items():
       tx = make(gtx)
 
@@ -176,6 +211,7 @@ def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
       jitted = jax.jit(step, donate_argnums=(0, 1))
       box = {"p": jax.tree.map(jnp.asarray, params_np), "k": 0}
       box["s"] = tx.init(box["p"])
+      ops[label] = _ops(jitted, box["p"], tx, data.ids[0], data.labels[0])
 
       def run(box=box, jitted=jitted):
         box["k"] = (box["k"] + 1) % len(data.ids)
@@ -186,7 +222,9 @@ def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
         v.block_until_ready()
 
       fns[label] = run
-    rows += ratio_rows(f"{name}, {args.tables} tables", fns, sched)
+    rows += _with_ops(
+      ratio_rows(f"{name}, {args.tables} tables", fns, sched), ops
+    )
   return rows
 
 
