@@ -152,11 +152,20 @@ def make_apply_step(
   learning_rate: float,
   rescale: bool,
   optimizer: str = "sgd",
+  *,
+  donate_params: bool = False,
 ) -> tuple[optax.GradientTransformationExtraArgs, Callable[..., Any]]:
   """The optimizer and the parameter server's jitted
   ``step(params, state, grads, grad_step) -> (params, state)``, built once
-  per setting (jit caches are shared by every run and every thread)."""
-  key = (max_staleness, learning_rate, rescale, optimizer)
+  per setting (jit caches are shared by every run and every thread).
+
+  The step donates the optimizer state (updated in place, as every gradtx
+  step should be), and the params too with ``donate_params=True``. Only a
+  server that hands no one its params arrays may donate them: this file's
+  workers read the published params while the next step runs, and a
+  donated array is deleted by the call; ``examples/ray_trainer.py``'s
+  server sends copies and donates both."""
+  key = (max_staleness, learning_rate, rescale, optimizer, donate_params)
   if key not in _APPLY_CACHE:
     tx = make_optimizer(
       max_staleness,
@@ -165,10 +174,11 @@ def make_apply_step(
       optimizer=optimizer,
     )
 
-    @jax.jit
     def step(params, state, grads, grad_step):
       updates, state = tx.update(grads, state, params, grad_step=grad_step)
       return gtx.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1) if donate_params else 1)
 
     _APPLY_CACHE[key] = (tx, step)
   return _APPLY_CACHE[key]
@@ -280,7 +290,9 @@ def run_async(
   _, g0 = grad_fn(
     params, jnp.asarray(shards[0][0][:batch_size]), shards[0][1][:batch_size]
   )
-  jax.block_until_ready(apply_step(params, state, g0, 0))
+  jax.block_until_ready(
+    apply_step(params, jax.tree.map(jnp.copy, state), g0, 0)
+  )
   jax.block_until_ready(eval_fn(params, eval_ids, eval_labels))
 
   shared = _Shared(params, 0)
@@ -333,13 +345,13 @@ def run_async(
         wid, grads, step_read, handled = inbox.get(timeout=0.02)
       except queue.Empty:
         continue
-      dropped_before = state.num_dropped
+      dropped_before = int(state.num_dropped)  # the step donates `state`
       params, state = apply_step(params, state, grads, step_read)
       new_step = int(state.step)  # waits for the update
       hist[step - step_read] += 1
       received += 1
       by_worker[wid] += 1
-      dropped_by[wid] += int(state.num_dropped) - int(dropped_before)
+      dropped_by[wid] += int(state.num_dropped) - dropped_before
       with shared.lock:
         shared.params, shared.step = params, new_step
       handled.set()

@@ -237,11 +237,14 @@ class ParameterServer:
 
   def _start(self, config: ServerConfig) -> None:
     self.config = config
+    # The params leave this actor as copies (`pull`), so the step may
+    # donate them: params and state are updated in place.
     self.tx, self._step_fn = at.make_apply_step(
       config.max_staleness,
       config.learning_rate,
       config.rescale,
       config.optimizer,
+      donate_params=True,
     )
     self.server = uuid.uuid4().hex[:12]
     params = at.init_params(self._task, seed=config.seed)
@@ -251,7 +254,8 @@ class ParameterServer:
     batch = [x[: config.batch_size] for x in self._eval]
     shapes = jax.eval_shape(at.grad_fn, params, *batch)[1]
     zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
-    jax.block_until_ready(self._step_fn(params, state, zeros, 0))
+    copies = jax.tree.map(jnp.copy, (params, state))  # the step donates them
+    jax.block_until_ready(self._step_fn(*copies, zeros, 0))
     jax.block_until_ready(at.eval_fn(params, *self._eval))
     self._meta: dict[str, Any] = {
       "by_worker": {},  # worker -> {"accepted", "dropped", "rolled_back"}
