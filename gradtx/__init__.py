@@ -46,6 +46,9 @@ from gradtx._optimizers import scale_by_rss as scale_by_rss
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
+from gradtx._stack import Jagged as Jagged
+from gradtx._stack import TableSpec as TableSpec
+from gradtx._stack import TableStack as TableStack
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
@@ -63,6 +66,7 @@ __all__ = [
   "AccumulateState",
   "DropStaleState",
   "FtrlState",
+  "Jagged",
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",
@@ -76,6 +80,8 @@ __all__ = [
   "SparseRows",
   "SparsityReport",
   "SparsityWarning",
+  "TableSpec",
+  "TableStack",
   "accumulate",
   "adagrad",
   "add_decayed_weights",

@@ -1,0 +1,493 @@
+"""Table stacks: the whole training step of a recommender, per-table leaves
+against ``gtx.TableStack``, beside torch, on one-hot features and on
+multi-hot bags; then compile time and op counts against the number of
+features.
+
+Models (the loss returned, fresh ids every step, params and state donated):
+
+* ``criteo``: Criteo Kaggle's 26 cardinalities capped at ``--cap`` rows,
+  ``--dim`` wide, batch ``--batch``, one id per example and feature
+  (uniform or Zipf), a linear logit per feature.
+* ``bags``: ``--bag-tables`` tables of ``--bag-rows`` x ``--dim``, batch
+  ``--bag-batch``, a bag of 1-20 ids per example and feature (Zipf or
+  uniform) with per-id weights, summed: gtx per table as users write it
+  (``jax.ops.segment_sum`` over the flat ids padded to a static capacity),
+  gtx with the bags as ``gtx.Jagged`` features of one stack, torch
+  ``nn.EmbeddingBag(mode="sum", sparse=True, per_sample_weights)``.
+
+Systems: ``gtx per-table`` (a leaf per table, read ``p[t][ids]``), ``gtx
+stack`` (``stack.lookup``), ``torch`` (``nn.Embedding``/``nn.EmbeddingBag``
+``sparse=True`` with ``SparseAdam`` / sparse ``Adagrad``, 2 threads) where
+torch imports. Optimizers: ``lazy_adam`` (torch SparseAdam) and
+``rowwise_adagrad`` (torch Adagrad, which is element-wise: the anchor users
+would pick). Then ``trace + lower + compile`` of the criteo step at
+``--compile-features`` features (Criteo's cardinalities repeated, capped at
+20k rows, 32 wide, batch 1024) and the compiled step's op counts.
+
+Writes ``benchmarks/results/stacks.{md,json}``.
+
+  python -m benchmarks.stacks [--quick] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import (
+  hlo_op_counts,
+  markdown_table,
+  time_interleaved,
+  write_results,
+)
+from benchmarks.recsys import CRITEO_KAGGLE
+from benchmarks.train_step import make_ids
+
+SEED = 0
+OPTIMIZERS = {
+  "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3),
+  "rowwise_adagrad": (lambda: gtx.rowwise_adagrad(1e-2), "Adagrad", 1e-2),
+}
+
+
+def _bce(logit, y):
+  return jnp.mean(jax.nn.softplus(logit) - y * logit)
+
+
+def _head(emb: dict[str, jax.Array], w: jax.Array, names) -> jax.Array:
+  """A logit per feature, summed: ``[B, F, dim]`` against ``w [F, dim]``."""
+  x = jnp.stack([emb[n] for n in names], axis=1)
+  return jnp.sum(x * w, axis=(1, 2))
+
+
+# ----------------------------------------------------------------------------
+# data
+
+
+def criteo_data(rows, batch, steps, dist):
+  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
+  ids = [{f"f{t}": c[s] for t, c in enumerate(cols)} for s in range(steps)]
+  rng = np.random.default_rng(SEED + 1)
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
+  return ids, labels
+
+
+def bag_data(tables, rows, batch, steps, dist, max_len=20):
+  """Per step and table: flat ids padded to the static capacity ``batch *
+  10.5`` rounded up (the expected total), lengths and weights."""
+  rng = np.random.default_rng(SEED + 5)
+  cap = int(np.ceil(batch * (max_len + 1) / 2 / 64) * 64)
+  out = []
+  for s in range(steps):
+    step = {}
+    for t in range(tables):
+      lengths = rng.integers(1, max_len + 1, batch).astype(np.int32)
+      while lengths.sum() > cap:  # keep the capacity static
+        lengths[rng.integers(0, batch)] -= 1
+        lengths = np.maximum(lengths, 1)
+      n = int(lengths.sum())
+      ids = np.zeros(cap, np.int32)
+      ids[:n] = make_ids(rows, n, 1, dist, SEED + 100 * s + t)[0]
+      w = np.zeros(cap, np.float32)
+      w[:n] = rng.random(n).astype(np.float32)
+      step[f"f{t}"] = (ids, lengths, w, n)
+    out.append(step)
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in out]
+  return out, labels, cap
+
+
+# ----------------------------------------------------------------------------
+# gtx
+
+
+def _jit_step(loss, tx):
+  def step(p, s, batch, y):
+    value, g = gtx.sparse_value_and_grad(loss)(p, batch, y)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _runner(step, params, tx, batches, labels):
+  box = [params, tx.init(params)]
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    k = i[0] % len(batches)
+    i[0] += 1
+    box[0], box[1], v = step(box[0], box[1], batches[k], labels[k])
+    jax.block_until_ready((box[0], v))
+    return float(v)
+
+  run()
+  return run
+
+
+def criteo_models(rows, dim):
+  names = [f"f{t}" for t in range(len(rows))]
+  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
+  stack = gtx.TableStack(specs)
+
+  def per_table_loss(p, ids, y):
+    emb = {n: p[n][ids[n]] for n in names}
+    return _bce(_head(emb, p["w"], names), y)
+
+  def stack_loss(p, ids, y):
+    emb = stack.lookup(p["emb"], ids)
+    return _bce(_head(emb, p["w"], names), y)
+
+  return stack, names, per_table_loss, stack_loss
+
+
+def bag_models(tables, rows, dim, batch):
+  names = [f"f{t}" for t in range(tables)]
+  stack = gtx.TableStack({n: gtx.TableSpec(rows, dim) for n in names})
+
+  def per_table_loss(p, bags, y):
+    emb = {}
+    for n in names:
+      ids, seg, w = bags[n]
+      rows_ = p[n][ids] * w[:, None]
+      emb[n] = jax.ops.segment_sum(rows_, seg, batch, indices_are_sorted=True)
+    return _bce(_head(emb, p["w"], names), y)
+
+  def stack_loss(p, bags, y):
+    emb = stack.lookup(p["emb"], bags)
+    return _bce(_head(emb, p["w"], names), y)
+
+  return stack, names, per_table_loss, stack_loss
+
+
+# ----------------------------------------------------------------------------
+# torch
+
+
+def _torch():
+  try:
+    import torch
+  except ImportError:
+    return None
+  torch.set_num_threads(2)
+  return torch
+
+
+def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
+  tables = []
+  for t in tables_np:
+    cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
+    kw = {"mode": "sum"} if bags else {}
+    e = cls(t.shape[0], t.shape[1], sparse=True, **kw)
+    with torch.no_grad():
+      e.weight.copy_(torch.from_numpy(t))
+    tables.append(e)
+  w = torch.nn.Parameter(torch.from_numpy(w_np.copy()))
+  sparse_params = [e.weight for e in tables]
+  if opt_name == "SparseAdam":
+    opts = [
+      torch.optim.SparseAdam(sparse_params, lr=lr),
+      torch.optim.Adam([w], lr=lr),
+    ]
+  else:
+    opts = [torch.optim.Adagrad(sparse_params + [w], lr=lr)]
+  tb = []
+  for b, y in zip(batches, labels, strict=True):
+    if bags:
+      step = []
+      for k in range(len(tables)):
+        ids, lengths, wt, n = b[f"f{k}"]
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        step.append(
+          (
+            torch.from_numpy(ids[:n].astype(np.int64)),
+            torch.from_numpy(offsets.astype(np.int64)),
+            torch.from_numpy(wt[:n]),
+          )
+        )
+    else:
+      step = [
+        torch.from_numpy(b[f"f{k}"].astype(np.int64))
+        for k in range(len(tables))
+      ]
+    tb.append((step, torch.from_numpy(y)))
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    step, y = tb[i[0] % len(tb)]
+    i[0] += 1
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    logit = 0
+    for k, e in enumerate(tables):
+      if bags:
+        ids, off, wt = step[k]
+        x = e(ids, off, per_sample_weights=wt)
+      else:
+        x = e(step[k])
+      logit = logit + x @ w[k]
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  run()
+  return run
+
+
+# ----------------------------------------------------------------------------
+# the step table
+
+
+def _unique_rows(batches, key):
+  return float(np.mean([key(b) for b in batches]))
+
+
+def step_rows(args, torch) -> list[dict]:
+  out = []
+  rng = np.random.default_rng(SEED + 2)
+  crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
+  for model in ("criteo", "bags"):
+    for dist in args.dists:
+      if model == "criteo":
+        batches, labels = criteo_data(crows, args.batch, args.steps, dist)
+        stack, names, ptl, stl = criteo_models(crows, args.dim)
+        feeds = {"per-table": batches, "stack": batches}
+        uniq = _unique_rows(
+          batches,
+          lambda b, names=names: sum(len(np.unique(b[n])) for n in names),
+        )
+        rows_np = crows
+      else:
+        raw, labels, cap = bag_data(
+          args.bag_tables, args.bag_rows, args.bag_batch, args.steps, dist
+        )
+        stack, names, ptl, stl = bag_models(
+          args.bag_tables, args.bag_rows, args.dim, args.bag_batch
+        )
+        seg = {}
+        for b in raw:
+          for n, (_, lengths, _, _) in b.items():
+            s = np.repeat(np.arange(len(lengths)), lengths)
+            full = np.full(cap, args.bag_batch - 1, np.int32)
+            full[: len(s)] = s
+            seg.setdefault(n, []).append(full)
+        per_table_feed = [
+          {n: (b[n][0], seg[n][k], b[n][2]) for n in names}
+          for k, b in enumerate(raw)
+        ]
+        stack_feed = [
+          {n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names} for b in raw
+        ]
+        feeds = {"per-table": per_table_feed, "stack": stack_feed}
+        uniq = _unique_rows(
+          raw,
+          lambda b, names=names: sum(
+            len(np.unique(b[n][0][: b[n][3]])) for n in names
+          ),
+        )
+        rows_np = [args.bag_rows] * args.bag_tables
+      tables_np = [
+        (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
+        for r in rows_np
+      ]
+      w_np = (0.1 * rng.standard_normal((len(names), args.dim))).astype(
+        np.float32
+      )
+      for opt, (make, torch_name, lr) in OPTIMIZERS.items():
+        fns: dict[str, Callable[[], Any]] = {}
+        per_table = {
+          n: jnp.asarray(t) for n, t in zip(names, tables_np, strict=True)
+        }
+        per_table["w"] = jnp.asarray(w_np)
+        tx = make()
+        fns["gtx per-table"] = _runner(
+          _jit_step(ptl, tx), per_table, tx, feeds["per-table"], labels
+        )
+        stacked = {
+          "emb": stack.stack(dict(zip(names, tables_np, strict=True))),
+          "w": jnp.asarray(w_np),
+        }
+        tx = make()
+        fns["gtx stack"] = _runner(
+          _jit_step(stl, tx), stacked, tx, feeds["stack"], labels
+        )
+        if torch is not None:
+          fns["torch"] = torch_runner(
+            torch,
+            tables_np,
+            w_np,
+            torch_name,
+            lr,
+            raw if model == "bags" else batches,
+            labels,
+            model == "bags",
+          )
+        t = time_interleaved(
+          fns, warmup=2, rounds=args.rounds, burst=3, settle=1
+        )
+        row = {
+          "model": model,
+          "dist": dist,
+          "optimizer": opt,
+          "unique_rows": uniq,
+          **{k: v * 1e3 for k, v in t.items()},
+        }
+        out.append(row)
+        print(row, flush=True)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# compile
+
+
+def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
+  rows = [min(CRITEO_KAGGLE[i % 26], 20_000) for i in range(features)]
+  dim, batch = 32, 1024
+  out = {"features": features, "optimizer": optimizer}
+  rng = np.random.default_rng(SEED)
+  ids = {
+    f"f{t}": rng.integers(0, r, batch).astype(np.int32)
+    for t, r in enumerate(rows)
+  }
+  y = np.zeros(batch, np.float32)
+  stack, names, ptl, stl = criteo_models(rows, dim)
+  variants = [("per-table", ptl), ("stack", stl)]
+  if features > per_table_max:
+    variants = variants[1:]
+  for variant, loss in variants:
+    if variant == "per-table":
+      p = {
+        n: jax.ShapeDtypeStruct((r, dim), jnp.float32)
+        for n, r in zip(names, rows, strict=True)
+      }
+    else:
+      p = {"emb": jax.eval_shape(stack.init, jax.random.key(0))}
+    p["w"] = jax.ShapeDtypeStruct((features, dim), jnp.float32)
+    tx = OPTIMIZERS[optimizer][0]()
+    s = jax.eval_shape(tx.init, p)
+    step = _jit_step(loss, tx)
+    t0 = time.perf_counter()
+    traced = step.trace(p, s, ids, y)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    counts = hlo_op_counts(compiled.as_text())
+    out[variant] = {
+      "trace_s": t1 - t0,
+      "lower_s": t2 - t1,
+      "compile_s": t3 - t2,
+      "total_s": t3 - t0,
+      **counts,
+    }
+    print(features, optimizer, variant, out[variant], flush=True)
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  ap.add_argument("--cap", type=int, default=100_000)
+  ap.add_argument("--dim", type=int, default=64)
+  ap.add_argument("--batch", type=int, default=2048)
+  ap.add_argument("--bag-tables", type=int, default=8)
+  ap.add_argument("--bag-rows", type=int, default=200_000)
+  ap.add_argument("--bag-batch", type=int, default=1024)
+  ap.add_argument("--steps", type=int, default=6)
+  ap.add_argument("--rounds", type=int, default=6)
+  ap.add_argument(
+    "--compile-features", type=int, nargs="+", default=[26, 104, 500]
+  )
+  ap.add_argument("--per-table-max", type=int, default=104)
+  ap.add_argument(
+    "--compile-optimizers", nargs="+", default=["lazy_adam"], choices=OPTIMIZERS
+  )
+  ap.add_argument("--no-steps", action="store_true")
+  ap.add_argument("--no-compile", action="store_true")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
+    args.rounds, args.compile_features = 2, [26, 52]
+  torch = _torch()
+  steps = [] if args.no_steps else step_rows(args, torch)
+  points = (
+    []
+    if args.no_compile
+    else [
+      compile_point(n, o, args.per_table_max)
+      for n in args.compile_features
+      for o in args.compile_optimizers
+    ]
+  )
+  systems = ["gtx per-table", "gtx stack", "torch"]
+  headers = ["model", "ids", "optimizer", "unique rows"]
+  headers += [f"{s} ms" for s in systems]
+  headers += ["stack / per-table speed", "stack / torch speed"]
+  rows = []
+  for r in steps:
+    torch_ms = r.get("torch")
+    rows.append(
+      [
+        r["model"],
+        r["dist"],
+        r["optimizer"],
+        f"{r['unique_rows']:,.0f}",
+        *[
+          f"{r[s]:.2f}" if s in r else "n/a"
+          for s in ("gtx per-table", "gtx stack", "torch")
+        ],
+        f"{r['gtx per-table'] / r['gtx stack']:.2f}x",
+        f"{torch_ms / r['gtx stack']:.2f}x" if torch_ms else "n/a",
+      ]
+    )
+  ch = ["features", "optimizer", "variant", "trace s", "lower s"]
+  ch += ["compile s", "total s", "kernels", "scatter", "gather", "while"]
+  crow = []
+  for pnt in points:
+    for v in ("per-table", "stack"):
+      if v not in pnt:
+        continue
+      c = pnt[v]
+      crow.append(
+        [
+          pnt["features"],
+          pnt["optimizer"],
+          v,
+          f"{c['trace_s']:.2f}",
+          f"{c['lower_s']:.2f}",
+          f"{c['compile_s']:.2f}",
+          f"{c['total_s']:.2f}",
+          c["kernels"],
+          c["scatter"],
+          c["gather"],
+          c["while"],
+        ]
+      )
+  notes = (
+    "Whole training step, loss returned, params and state donated, fresh "
+    "ids every step; speed ratios > 1 mean the stack is faster. Compile: "
+    "trace + lower + XLA compile of the criteo step (20k-row cap, 32 wide, "
+    "batch 1024, linear head), op counts of the compiled program.\n\n"
+    + markdown_table(ch, crow)
+  )
+  write_results(
+    "stacks",
+    "Table stacks: whole step, per-table vs stack vs torch",
+    headers,
+    rows,
+    notes=notes,
+    extra={"steps": steps, "compile": points},
+  )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,563 @@
+"""Table stacks: the tables of one width and dtype stored as one array.
+
+:class:`TableStack` plans, once and in the open, which tables share a stack
+(FBGEMM's table-batched embeddings, SparseCore's table stacking): every
+table of one row width and dtype is a slice of rows of one array, and
+:meth:`TableStack.lookup` reads all the features of a stack with one
+gather and pools them with one segment sum. The stack is an ordinary
+array leaf of the params, read only as whole rows, so
+:func:`gradtx.sparse_value_and_grad` gives it one SparseRows gradient, and
+every gradtx optimizer updates it with one deduplication, one rule call and
+one scatter per state kind, whatever the number of features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike, DTypeLike
+
+__all__ = ["Jagged", "TableSpec", "TableStack"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+# A table a step reads at least this many times per row stays outside the
+# stacks (the reason is sparse_value_and_grad's: one summed gradient row
+# per table row is then smaller than a row per read).
+_READS_PER_ROW_OUTSIDE = 4
+
+
+def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  # Flax's nn.Embed default: variance scaling over the row width.
+  std = 1.0 / math.sqrt(shape[-1])
+  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """One embedding table: its rows, width, dtype and initializer.
+
+  Args:
+    rows: the number of rows (ids ``0..rows-1``).
+    dim: the row width.
+    dtype: the table's dtype (float32, bfloat16, float16); tables of one
+      ``dim`` and ``dtype`` share a stack.
+    initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
+      ``jax.nn.initializers`` function; default: normal with standard
+      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s).
+  """
+
+  rows: int
+  dim: int
+  dtype: DTypeLike = jnp.float32
+  initializer: Callable[..., jax.Array] | None = None
+
+  def __post_init__(self):
+    for name in ("rows", "dim"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(
+          f"gradtx.TableSpec `{name}` must be a positive int; got {v!r}."
+        )
+    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+      raise ValueError(
+        f"gradtx.TableSpec `dtype` must be a float dtype; got {self.dtype}."
+      )
+
+  @property
+  def key(self) -> tuple[int, str]:
+    """What tables of one stack share: the row width and the dtype."""
+    return int(self.dim), jnp.dtype(self.dtype).name
+
+
+class Jagged(NamedTuple):
+  """A jagged feature, as a data pipeline gives it (TorchRec's
+  ``KeyedJaggedTensor`` for one key): the ids of every example one after
+  the other, padded to a static capacity.
+
+  Example ``b``'s ids are ``ids[offsets[b]:offsets[b] + lengths[b]]`` with
+  ``offsets`` the exclusive cumulative sum of ``lengths``; the slots past
+  ``sum(lengths)`` are padding.
+
+  Attributes:
+    ids: ``[capacity]`` integer ids.
+    lengths: ``[B]`` integer bag lengths.
+    weights: optional ``[capacity]`` per-id weights.
+  """
+
+  ids: ArrayLike
+  lengths: ArrayLike
+  weights: ArrayLike | None = None
+
+
+class _Stack(NamedTuple):
+  """One stacked array: its name, tables and their first rows."""
+
+  name: str
+  dim: int
+  dtype: str
+  tables: tuple[str, ...]
+  offsets: tuple[int, ...]  # each table's first row in the stack
+  rows: int
+
+
+def _stack_name(dim: int, dtype: str) -> str:
+  return f"{dtype}x{dim}"
+
+
+class TableStack:
+  """Embedding tables stored by width and dtype, looked up in one pass.
+
+  Tables of one ``dim`` and ``dtype`` are stacked into one array (a table's
+  rows follow the previous table's); ``features`` name which table each
+  input feature reads, so several features may share a table (a user's
+  history of items reads the item table). With ``batch_size`` a table that
+  a step would read at least 4 times per row (a 3-row table at batch 2048)
+  stays an array of its own: its gradient is then one summed row per table
+  row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row per
+  read inside the stack. ``print(stack)`` shows the plan.
+
+  The params are a dict of plain arrays: one ``[rows, dim]`` array per stack
+  (named ``"<dtype>x<dim>"``) and one per table kept outside, so any model
+  library holds them, and :meth:`unstack` / :meth:`stack` convert to and
+  from one array per table (export, serving, per-table checkpoints).
+
+  Args:
+    tables: table name -> :class:`TableSpec`.
+    features: feature name -> table name; default, one feature per table
+      under the table's name.
+    batch_size: the examples per step, if known: tables read at least 4
+      times per row at this batch (one id per example and feature) stay
+      outside the stacks.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> stack = gtx.TableStack(
+    ...     {"user": gtx.TableSpec(1000, 8), "item": gtx.TableSpec(500, 8)},
+    ...     features={"user_id": "user", "item_id": "item",
+    ...               "history": "item"})
+    >>> params = stack.init(jax.random.key(0))
+    >>> {k: v.shape for k, v in params.items()}
+    {'float32x8': (1500, 8)}
+    >>> emb = stack.lookup(params, {"user_id": jnp.array([3, 7]),
+    ...                             "item_id": jnp.array([1, 2]),
+    ...                             "history": jnp.array([[1, 4], [2, -1]])})
+    >>> emb["history"].shape
+    (2, 8)
+  """
+
+  def __init__(
+    self,
+    tables: Mapping[str, TableSpec],
+    features: Mapping[str, str] | None = None,
+    *,
+    batch_size: int | None = None,
+  ):
+    if not isinstance(tables, Mapping) or not tables:
+      raise ValueError(
+        "gradtx.TableStack `tables` must be a non-empty dict of table name "
+        f"-> gradtx.TableSpec; got {tables!r}."
+      )
+    for name, spec in tables.items():
+      if not isinstance(spec, TableSpec):
+        raise TypeError(
+          f"gradtx.TableStack `tables[{name!r}]` must be a gradtx.TableSpec; "
+          f"got {type(spec).__name__}."
+        )
+    self.tables: dict[str, TableSpec] = dict(tables)
+    if features is None:
+      features = {name: name for name in self.tables}
+    unknown = {f: t for f, t in features.items() if t not in self.tables}
+    if unknown:
+      raise ValueError(
+        f"gradtx.TableStack `features` name tables that are not in "
+        f"`tables`: {unknown}. The tables are {list(self.tables)}."
+      )
+    self.features: dict[str, str] = dict(features)
+    if batch_size is not None and (
+      isinstance(batch_size, bool)
+      or not isinstance(batch_size, (int, np.integer))
+      or batch_size < 1
+    ):
+      raise ValueError(
+        f"gradtx.TableStack `batch_size` must be a positive int or None; "
+        f"got {batch_size!r}."
+      )
+    self.batch_size = batch_size
+    readers: dict[str, int] = {}
+    for t in self.features.values():
+      readers[t] = readers.get(t, 0) + 1
+    self.outside: dict[str, str] = {}  # table -> why it is not stacked
+    for name, spec in self.tables.items():
+      if name not in readers:
+        self.outside[name] = "no feature reads it"
+        continue
+      reads = (batch_size or 0) * readers[name]
+      if batch_size is not None and reads >= _READS_PER_ROW_OUTSIDE * spec.rows:
+        self.outside[name] = (
+          f"{reads:,} reads per step at batch_size {batch_size} for "
+          f"{spec.rows:,} rows: one summed gradient row per table row is "
+          "smaller than a row per read"
+        )
+    by_key: dict[tuple[int, str], list[str]] = {}
+    for name, spec in self.tables.items():
+      if name not in self.outside:
+        by_key.setdefault(spec.key, []).append(name)
+    self.stacks: dict[str, _Stack] = {}
+    for (dim, dtype), names in by_key.items():
+      offsets, start = [], 0
+      for n in names:
+        offsets.append(start)
+        start += int(self.tables[n].rows)
+      if start >= 2**31:
+        raise ValueError(
+          f"gradtx.TableStack: the {dtype} tables of width {dim} hold "
+          f"{start:,} rows, more than int32 ids address (2**31 - 1). Give "
+          "some of them another dtype or split them over two TableStacks."
+        )
+      stack = _Stack(
+        _stack_name(dim, dtype), dim, dtype, tuple(names), tuple(offsets), start
+      )
+      self.stacks[stack.name] = stack
+    clash = set(self.stacks) & set(self.outside)
+    if clash:
+      raise ValueError(
+        f"gradtx.TableStack: tables named {sorted(clash)} clash with the "
+        "names of the stacks; rename them."
+      )
+    self._where = {
+      t: (s.name, off)
+      for s in self.stacks.values()
+      for t, off in zip(s.tables, s.offsets, strict=True)
+    }
+
+  # -- the plan -------------------------------------------------------------
+  def location(self, table: str) -> tuple[str, int]:
+    """``(params key, first row)`` of ``table``: a stack's name and the
+    table's offset in it, or the table's own name and 0 outside."""
+    if table not in self.tables:
+      raise KeyError(
+        f"gradtx.TableStack has no table {table!r}; the tables are "
+        f"{list(self.tables)}."
+      )
+    return self._where.get(table, (table, 0))
+
+  def __repr__(self) -> str:
+    lines = [
+      f"TableStack: {len(self.tables)} table(s), {len(self.features)} "
+      f"feature(s), {len(self.stacks)} stack(s), "
+      f"{len(self.outside)} outside"
+    ]
+    for s in self.stacks.values():
+      item = jnp.dtype(s.dtype).itemsize
+      lines.append(
+        f"  stack {s.name!r}: {s.rows:,} rows x {s.dim} {s.dtype}, "
+        f"{_bytes(s.rows * s.dim * item)}"
+      )
+      for t, off in zip(s.tables, s.offsets, strict=True):
+        feats = [f for f, tt in self.features.items() if tt == t]
+        lines.append(
+          f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
+          f"  features {feats}"
+        )
+    for t, why in self.outside.items():
+      spec = self.tables[t]
+      lines.append(
+        f"  outside {t!r}: {spec.rows:,} rows x {spec.dim} "
+        f"{jnp.dtype(spec.dtype).name}: {why}"
+      )
+    return "\n".join(lines)
+
+  __str__ = __repr__
+
+  # -- params ---------------------------------------------------------------
+  def init(self, key: Any) -> dict[str, jax.Array]:
+    """The params: one array per stack and per table outside, each table's
+    rows from its initializer with its own key (``fold_in(key, i)`` for
+    the ``i``-th table of ``tables``), so they do not depend on the plan."""
+    per_table = {}
+    for i, (name, spec) in enumerate(self.tables.items()):
+      init = spec.initializer or _default_init
+      per_table[name] = jnp.asarray(
+        init(
+          jax.random.fold_in(key, i),
+          (int(spec.rows), int(spec.dim)),
+          jnp.dtype(spec.dtype),
+        ),
+        spec.dtype,
+      )
+    return self.stack(per_table)
+
+  def stack(self, per_table: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
+    """Params from one array per table (a per-table model or checkpoint)."""
+    missing = [t for t in self.tables if t not in per_table]
+    if missing:
+      raise ValueError(
+        f"gradtx.TableStack.stack: `per_table` has no array for {missing}."
+      )
+    for t, spec in self.tables.items():
+      shape = tuple(jnp.shape(per_table[t]))
+      if shape != (spec.rows, spec.dim):
+        raise ValueError(
+          f"gradtx.TableStack.stack: table {t!r} has shape {shape}, its "
+          f"TableSpec says ({spec.rows}, {spec.dim})."
+        )
+    out = {
+      s.name: jnp.concatenate(
+        [jnp.asarray(per_table[t], s.dtype) for t in s.tables]
+      )
+      for s in self.stacks.values()
+    }
+    for t in self.outside:
+      out[t] = jnp.asarray(per_table[t], self.tables[t].dtype)
+    return out
+
+  def unstack(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    """One ``[rows, dim]`` array per table, from the params (or from a tree
+    shaped like them: optimizer moments, a dense gradient)."""
+    self._check_params(params, "unstack")
+    out = {}
+    for t in self.tables:
+      where, off = self.location(t)
+      x = params[where]
+      out[t] = x if where == t else x[off : off + self.tables[t].rows]
+    return out
+
+  def _check_params(self, params: Any, what: str) -> None:
+    want = list(self.stacks) + list(self.outside)
+    if not isinstance(params, Mapping) or any(k not in params for k in want):
+      got = list(params) if isinstance(params, Mapping) else type(params)
+      raise ValueError(
+        f"gradtx.TableStack.{what}: `params` must be the dict `stack.init` "
+        f"returns, with keys {want}; got {got}."
+      )
+
+  # -- the lookup -----------------------------------------------------------
+  def lookup(
+    self,
+    params: Mapping[str, jax.Array],
+    ids: Mapping[str, Any],
+    *,
+    weights: Mapping[str, ArrayLike] | None = None,
+    combiner: str = "sum",
+  ) -> dict[str, jax.Array]:
+    """Every feature's pooled rows: one gather and one segment sum a stack.
+
+    Ids per feature, all with the same batch ``B``:
+
+    * ``[B]``: one row per example;
+    * ``[B, L]``: a bag of ``L`` ids per example, with optional ``[B, L]``
+      ``weights`` (a weight 0 marks padding), pooled by ``combiner``;
+    * :class:`Jagged`: flat ids padded to a static capacity, per-example
+      lengths and optional weights.
+
+    An id outside ``[0, rows)`` of its table (negative ones included) is
+    padding: it reads nothing and gets no gradient; so is an id of weight
+    0. ``combiner`` pools a bag: ``"sum"`` (weighted sum), ``"mean"``
+    (divided by the sum of its weights, padding excluded) or ``"sqrtn"``
+    (divided by the square root of the sum of its squared weights); an
+    empty bag pools to zeros.
+
+    Args:
+      params: the params of :meth:`init` (or any dict with those keys).
+      ids: feature name -> ids; every feature of ``features`` that a model
+        reads, a subset allowed.
+      weights: feature name -> per-id weights of a ``[B, L]`` feature.
+      combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
+
+    Returns:
+      feature name -> ``[B, dim]`` rows in the table's dtype.
+    """
+    self._check_params(params, "lookup")
+    if combiner not in COMBINERS:
+      raise ValueError(
+        f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}; "
+        f"got {combiner!r}."
+      )
+    weights = dict(weights or {})
+    unknown = [f for f in list(ids) + list(weights) if f not in self.features]
+    if unknown:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: unknown features {unknown}; the "
+        f"features are {list(self.features)}."
+      )
+    bags = {f: _bag(f, x, weights.get(f)) for f, x in ids.items()}
+    sizes = {b.batch for b in bags.values()}
+    if len(sizes) > 1:
+      raise ValueError(
+        "gradtx.TableStack.lookup: the features' batch sizes differ: "
+        f"{ {f: b.batch for f, b in bags.items()} }. Give every feature the "
+        "same leading axis."
+      )
+    out = {}
+    for name, s in self.stacks.items():
+      feats = [f for f in bags if self.features[f] in s.tables]
+      if feats:
+        out.update(self._lookup_stack(params[name], s, feats, bags, combiner))
+    for f, b in bags.items():
+      t = self.features[f]
+      if t in self.outside:
+        out.update(
+          _pool(
+            params[t],
+            [b],
+            [0],
+            [self.tables[t].rows],
+            self.tables[t].rows,
+            [f],
+            combiner,
+          )
+        )
+    return {f: out[f] for f in ids}
+
+  def _lookup_stack(self, table, s: _Stack, feats, bags, combiner):
+    offsets = [s.offsets[s.tables.index(self.features[f])] for f in feats]
+    rows = [self.tables[self.features[f]].rows for f in feats]
+    return _pool(
+      table, [bags[f] for f in feats], offsets, rows, s.rows, feats, combiner
+    )
+
+
+class _Bag(NamedTuple):
+  """A feature's ids as flat slots: ``ids[k]`` belongs to example
+  ``segment[k]`` (``batch``: none) with weight ``weight[k]``."""
+
+  ids: jax.Array
+  segment: jax.Array | None  # None: slot k -> example k // per_example
+  weight: jax.Array | None  # None: every slot weighs 1
+  batch: int
+  per_example: int  # ids per example for the dense forms, 0 if jagged
+
+
+def _bag(name: str, x: Any, w: Any) -> _Bag:
+  if isinstance(x, Jagged):
+    if w is not None:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r} is Jagged; put its "
+        "weights in `Jagged(..., weights=...)`, not in `weights`."
+      )
+    ids = jnp.asarray(x.ids)
+    lengths = jnp.asarray(x.lengths)
+    if ids.ndim != 1 or lengths.ndim != 1:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `ids` must be "
+        f"[capacity] and `lengths` [B]; got {ids.shape} and {lengths.shape}."
+      )
+    _check_int(name, ids)
+    _check_int(name, lengths, "lengths")
+    ends = jnp.cumsum(lengths.astype(jnp.int32))
+    slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+    weight = None if x.weights is None else jnp.asarray(x.weights)
+    if weight is not None and weight.shape != ids.shape:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `weights` "
+        f"must have the ids' shape {ids.shape}; got {weight.shape}."
+      )
+    # slots past the last bag belong to no example
+    return _Bag(ids, segment, weight, lengths.shape[0], 0)
+  ids = jnp.asarray(x)
+  _check_int(name, ids)
+  if ids.ndim not in (1, 2):
+    raise ValueError(
+      f"gradtx.TableStack.lookup: feature {name!r} has ids of shape "
+      f"{ids.shape}; pass [B] ids, [B, L] bags or a gradtx.Jagged."
+    )
+  if w is not None:
+    w = jnp.asarray(w)
+    if w.shape != ids.shape:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: `weights[{name!r}]` must have the ids' "
+        f"shape {ids.shape}; got {w.shape}."
+      )
+    w = w.reshape(-1)
+  per = 1 if ids.ndim == 1 else ids.shape[1]
+  return _Bag(ids.reshape(-1), None, w, ids.shape[0], per)
+
+
+def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"gradtx.TableStack.lookup: feature {name!r} has {what} of dtype "
+      f"{x.dtype}; pass integers (`.astype(jnp.int32)`)."
+    )
+
+
+def _pool(table, bags, offsets, rows, total, names, combiner):
+  """One gather of every feature's rows from ``table`` (features offset into
+  its rows, padding = ``total``: out of range, a zero row and no
+  gradient) and one segment sum into ``len(bags) * B`` examples."""
+  batch = bags[0].batch
+  flat_ids, seg, w = [], [], []
+  any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
+  one_hot = all(b.per_example == 1 for b in bags)
+  for k, (b, off, n) in enumerate(zip(bags, offsets, rows, strict=True)):
+    ids = b.ids.astype(jnp.int32) if b.ids.dtype.itemsize <= 4 else b.ids
+    valid = (ids >= 0) & (ids < n)
+    if b.weight is not None:
+      valid = valid & (b.weight != 0)
+    if b.segment is not None:
+      valid = valid & (b.segment < batch)
+      seg.append(jnp.minimum(b.segment, batch - 1) + k * batch)
+    elif not one_hot:
+      seg.append(
+        jnp.asarray(
+          np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example + k * batch
+        )
+      )
+    flat_ids.append(jnp.where(valid, ids + off, total).astype(jnp.int32))
+    if any_weight:
+      weight = jnp.ones(b.ids.shape, jnp.float32)
+      if b.weight is not None:
+        weight = b.weight.astype(jnp.float32)
+      w.append(jnp.where(valid, weight, 0.0))
+  ids = jnp.concatenate(flat_ids) if len(flat_ids) > 1 else flat_ids[0]
+  got = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+  dtype = table.dtype
+  if one_hot and not any_weight:
+    pooled = got  # each example's one row, features one after the other
+  else:
+    vals = got.astype(jnp.float32)
+    if any_weight:
+      weight = jnp.concatenate(w) if len(w) > 1 else w[0]
+      vals = vals * weight[:, None]
+    segments = len(bags) * batch
+    if one_hot:
+      pooled = vals
+    else:
+      seg_ids = jnp.concatenate(seg) if len(seg) > 1 else seg[0]
+      pooled = jax.ops.segment_sum(
+        vals, seg_ids, segments, indices_are_sorted=True
+      )
+    if combiner != "sum":
+      norm = weight if combiner == "mean" else weight * weight
+      if one_hot:
+        total_w = norm
+      else:
+        total_w = jax.ops.segment_sum(
+          norm, seg_ids, segments, indices_are_sorted=True
+        )
+      if combiner == "sqrtn":
+        total_w = jnp.sqrt(total_w)
+      pooled = pooled / jnp.where(total_w > 0, total_w, 1.0)[:, None]
+    pooled = pooled.astype(dtype)
+  # One split, whose transpose is one concatenation (per-feature slices
+  # would each transpose to a pad of the whole pooled array, summed).
+  if len(names) == 1:
+    return {names[0]: pooled}
+  return dict(zip(names, lax.split(pooled, [batch] * len(names)), strict=True))
+
+
+def _bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+    n /= 1024
+  return f"{n:,.1f} GiB"

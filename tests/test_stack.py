@@ -1,0 +1,355 @@
+"""gtx.TableStack: lookups and gradients against per-table ``jax.grad``,
+every optimizer against its per-table run, the plan, params round trips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conformance import OPTIMIZERS, each, together
+
+import gradtx as gtx
+
+B = 6
+TABLES = {
+  "user": gtx.TableSpec(40, 4),
+  "item": gtx.TableSpec(30, 4),
+  "country": gtx.TableSpec(3, 4),
+  "tag": gtx.TableSpec(20, 2, dtype=jnp.float32),
+}
+FEATURES = {
+  "user_id": "user",
+  "item_id": "item",
+  "history": "item",
+  "country": "country",
+  "tags": "tag",
+  "clicks": "item",
+}
+ORDER = tuple(FEATURES)
+
+
+def _stack(**kw):
+  return gtx.TableStack(TABLES, features=FEATURES, **kw)
+
+
+def _batch(seed):
+  """One-hot ids (some out of range), weighted bags with padding, an
+  unweighted bag, a jagged feature; duplicates everywhere."""
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(0, 4, B)
+  lengths[0] = 0  # an empty bag
+  ids = {
+    "user_id": rng.randint(-2, 43, B),
+    "item_id": rng.randint(0, 30, B),
+    "history": rng.randint(-1, 30, (B, 5)),
+    "country": rng.randint(0, 3, B),
+    "tags": rng.randint(0, 20, (B, 3)),
+    "clicks": gtx.Jagged(
+      rng.randint(0, 30, 16).astype(np.int32),
+      lengths.astype(np.int32),
+      rng.rand(16).astype(np.float32),
+    ),
+  }
+  weights = {
+    "history": (rng.rand(B, 5) * (rng.rand(B, 5) > 0.3)).astype(np.float32)
+  }
+  return ids, weights
+
+
+def _dense_bags(x, w, shape):
+  """The numpy reference's form of every feature: ``[B, L]`` ids (-1:
+  padding) and weights."""
+  if isinstance(x, gtx.Jagged):
+    ids, lengths = np.asarray(x.ids), np.asarray(x.lengths)
+    cap = ids.shape[0]
+    mat, wm = np.full((B, cap), -1), np.zeros((B, cap), np.float32)
+    start = 0
+    for b in range(B):
+      for j in range(lengths[b]):
+        if start + j < cap:
+          mat[b, j] = ids[start + j]
+          wm[b, j] = np.asarray(x.weights)[start + j]
+      start += lengths[b]
+    return mat, wm
+  x = np.asarray(x)
+  if x.ndim == 1:
+    return x[:, None], np.ones((B, 1), np.float32)
+  return x, np.ones(x.shape, np.float32) if w is None else np.asarray(w)
+
+
+def _reference_lookup(per_table, ids, weights, combiner):
+  """Per table, plain ``table[ids]`` reads and numpy-built masks."""
+  out = {}
+  for f in ORDER:
+    t = per_table[FEATURES[f]]
+    x, w = _dense_bags(ids[f], weights.get(f), None)
+    valid = (x >= 0) & (x < t.shape[0]) & (w != 0)
+    w = np.where(valid, w, 0.0)
+    rows = t[jnp.asarray(np.where(valid, x, 0))] * jnp.asarray(w)[..., None]
+    total = rows.sum(1)
+    norm = w.sum(1) if combiner == "mean" else np.sqrt((w * w).sum(1))
+    if combiner != "sum":
+      total = total / jnp.asarray(np.where(norm > 0, norm, 1.0))[:, None]
+    out[f] = total
+  return out
+
+
+def _head(emb):
+  return sum(jnp.sum(jnp.tanh(emb[f]) * (k + 1)) for k, f in enumerate(ORDER))
+
+
+def test_lookup_and_gradient_equal_per_table_reads_and_jax_grad():
+  stack = _stack()
+  params = stack.init(jax.random.key(0))
+  ids, weights = _batch(0)
+
+  def loss(p, ids, combiner):
+    return _head(stack.lookup(p, ids, weights=weights, combiner=combiner))
+
+  def ref(per_table, ids, combiner):
+    return _head(_reference_lookup(per_table, ids, weights, combiner))
+
+  @jax.jit
+  def run(p, ids):
+    return [gtx.sparse_value_and_grad(loss)(p, ids, c) for c in gtx_combiners()]
+
+  per_table = stack.unstack(params)
+  for c, (value, grads) in zip(gtx_combiners(), run(params, ids), strict=True):
+    want_v, want_g = jax.value_and_grad(ref)(per_table, ids, c)
+    np.testing.assert_allclose(value, want_v, rtol=1e-5, err_msg=c)
+    for name, g in grads.items():
+      assert isinstance(g, gtx.SparseRows), (c, name)
+    got = stack.unstack({k: g.to_dense() for k, g in grads.items()})
+    for t in TABLES:
+      np.testing.assert_allclose(
+        got[t], want_g[t], rtol=1e-5, atol=1e-6, err_msg=f"{c} {t}"
+      )
+  # one SparseRows per stack: every feature of the stack in one read
+  _, grads = run(params, ids)[0]
+  assert set(grads) == {"float32x4", "float32x2"}
+  slots = 3 * B + 5 * B + 16  # three one-hot features, a bag, jagged ids
+  assert grads["float32x4"].nnz == slots
+
+
+def gtx_combiners():
+  return ("sum", "mean", "sqrtn")
+
+
+def test_lookup_outputs_shapes_dtypes_and_padding():
+  stack = gtx.TableStack({"a": gtx.TableSpec(5, 3, dtype=jnp.bfloat16)})
+  params = stack.stack({"a": jnp.arange(15, dtype=jnp.float32).reshape(5, 3)})
+  assert params["bfloat16x3"].dtype == jnp.bfloat16
+  out = stack.lookup(params, {"a": jnp.array([[4, -1, 9], [0, 0, 1]])})
+  assert out["a"].dtype == jnp.bfloat16 and out["a"].shape == (2, 3)
+  np.testing.assert_array_equal(
+    np.asarray(out["a"], np.float32), [[12, 13, 14], [3, 6, 9]]
+  )
+  mean = stack.lookup(
+    params, {"a": jnp.array([[4, -1], [-1, -1]])}, combiner="mean"
+  )
+  np.testing.assert_array_equal(
+    np.asarray(mean["a"], np.float32), [[12, 13, 14], [0, 0, 0]]
+  )
+
+
+def test_the_plan_prints_stacks_offsets_and_tables_kept_outside():
+  stack = _stack(batch_size=16)
+  text = str(stack)
+  assert "stack 'float32x4': 70 rows x 4 float32" in text
+  assert "user: rows 0..39" in text and "item: rows 40..69" in text
+  assert "['item_id', 'history', 'clicks']" in text
+  assert "outside 'country': 3 rows x 4 float32: 16 reads per step" in text
+  assert stack.location("item") == ("float32x4", 40)
+  assert stack.location("country") == ("country", 0)
+  params = stack.init(jax.random.key(1))
+  assert {k: v.shape for k, v in params.items()} == {
+    "float32x4": (70, 4),
+    "float32x2": (20, 2),
+    "country": (3, 4),
+  }
+  # the rows of a table do not depend on the plan
+  other = _stack().unstack(_stack().init(jax.random.key(1)))
+  for t, x in stack.unstack(params).items():
+    np.testing.assert_array_equal(x, other[t])
+  # a table outside the stack is still looked up
+  ids, weights = _batch(1)
+  a = stack.lookup(params, ids, weights=weights)
+  b = _stack().lookup(
+    _stack().stack(stack.unstack(params)), ids, weights=weights
+  )
+  for f in ORDER:
+    np.testing.assert_allclose(a[f], b[f], rtol=1e-6)
+
+
+def test_stack_and_unstack_round_trip_and_a_grown_stack():
+  stack = _stack()
+  per_table = stack.unstack(stack.init(jax.random.key(2)))
+  again = stack.unstack(stack.stack(per_table))
+  for t in TABLES:
+    np.testing.assert_array_equal(again[t], per_table[t])
+  # one more table of the same width, built from the old tables
+  grown = gtx.TableStack(
+    {**TABLES, "city": gtx.TableSpec(7, 4)}, features={**FEATURES, "c": "city"}
+  )
+  fresh = grown.unstack(grown.init(jax.random.key(3)))
+  params = grown.stack({**per_table, "city": fresh["city"]})
+  assert params["float32x4"].shape == (80, 4)
+  np.testing.assert_array_equal(
+    grown.unstack(params)["item"], per_table["item"]
+  )
+
+
+def test_bad_input_names_the_argument():
+  with pytest.raises(ValueError, match="`features` name tables"):
+    gtx.TableStack(TABLES, features={"x": "nope"})
+  with pytest.raises(ValueError, match="`rows` must be a positive int"):
+    gtx.TableSpec(0, 4)
+  with pytest.raises(TypeError, match=r"`tables\['a'\]` must be"):
+    gtx.TableStack({"a": (3, 4)})
+  stack = _stack()
+  params = stack.init(jax.random.key(0))
+  with pytest.raises(ValueError, match="`combiner` must be one of"):
+    stack.lookup(params, {"user_id": jnp.zeros(2, jnp.int32)}, combiner="max")
+  with pytest.raises(ValueError, match="unknown features"):
+    stack.lookup(params, {"nope": jnp.zeros(2, jnp.int32)})
+  with pytest.raises(ValueError, match="batch sizes differ"):
+    stack.lookup(
+      params,
+      {"user_id": jnp.zeros(2, jnp.int32), "item_id": jnp.zeros(3, jnp.int32)},
+    )
+  with pytest.raises(TypeError, match="pass integers"):
+    stack.lookup(params, {"user_id": jnp.zeros(2)})
+  with pytest.raises(ValueError, match="`weights\\['history'\\]` must have"):
+    stack.lookup(
+      params,
+      {"history": jnp.zeros((2, 3), jnp.int32)},
+      weights={"history": jnp.ones((2, 2))},
+    )
+  with pytest.raises(ValueError, match="has shape"):
+    stack.stack({t: jnp.zeros((2, 2)) for t in TABLES})
+
+
+# ----------------------------------------------------------------------------
+# every optimizer: a stack updates as its tables would one by one
+
+
+def _extra_cases():
+  rows_stack = {"float32x4": 3 * B + 5 * B + 16, "float32x2": 3 * B}
+  rows_tables = {
+    "user": B,
+    "item": B + 5 * B + 16 * B,  # the jagged bag padded to [B, 16]
+    "country": B,
+    "tag": 3 * B,
+  }
+  return (
+    [
+      (
+        "accumulate_lazy_adam",
+        lambda rows: gtx.accumulate(gtx.lazy_adam(0.05), 2, rows_per_step=rows),
+      ),
+      (
+        "drop_stale_lazy_adam_int8",
+        lambda rows: gtx.drop_stale(
+          gtx.lazy_adam(0.05, mu_dtype="int8", nu_dtype="int8"), 1
+        ),
+      ),
+    ],
+    rows_stack,
+    rows_tables,
+  )
+
+
+def test_every_optimizer_updates_a_stack_as_its_tables_one_by_one():
+  stack = _stack()
+  params = stack.init(jax.random.key(4))
+  per_table = stack.unstack(params)
+  batches = [_batch(10 + i) for i in range(3)]
+
+  def stack_loss(p, ids, weights):
+    return _head(stack.lookup(p, ids, weights=weights))
+
+  def table_loss(p, inputs, unused):
+    del unused
+    return _head(_reference_gtx_lookup(p, inputs))
+
+  extra, rows_stack, rows_tables = _extra_cases()
+  names = [c.name for c in OPTIMIZERS] + [n for n, _ in extra]
+  makers = [lambda rows, c=c: c.make_tx() for c in OPTIMIZERS]
+  makers += [m for _, m in extra]
+
+  def run(loss, p0, rows, batches):
+    txs = [m(rows) for m in makers]
+
+    def one(tx):
+      def step(p, s, ids, weights, i):
+        # a row per read in both forms, however many reads per row
+        g = gtx.sparse_grad(loss, require_sparse=lambda path: True)(
+          p, ids, weights
+        )
+        u, s = tx.update(g, s, p, grad_step=i)
+        return gtx.apply_updates(p, u), s
+
+      return step
+
+    carries = [(p0, tx.init(p0)) for tx in txs]
+    step = jax.jit(together(names, [one(tx) for tx in txs]))
+    for i, (ids, weights) in enumerate(batches):
+      carries = step(carries, [(ids, weights, jnp.int32(i))] * len(txs))
+    return [c[0] for c in carries]
+
+  got = run(stack_loss, params, rows_stack, batches)
+  refs = [(_reference_inputs(*b), {}) for b in batches]
+  want = run(table_loss, per_table, rows_tables, refs)
+
+  def check(k, name):
+    un = stack.unstack(got[k])
+    for t in TABLES:
+      np.testing.assert_allclose(
+        un[t], want[k][t], rtol=1e-5, atol=1e-6, err_msg=t
+      )
+
+  each(names, check)
+
+
+def _reference_inputs(ids, weights):
+  """Per feature, ``[B, L]`` ids with -1 at padding (out of range, an id of
+  weight 0) and the weights, built in numpy outside the jitted steps."""
+  out = {}
+  for f in ORDER:
+    rows = TABLES[FEATURES[f]].rows
+    x, w = _dense_bags(ids[f], weights.get(f), None)
+    valid = (x >= 0) & (x < rows) & (w != 0)
+    out[f] = (np.where(valid, x, -1), np.where(valid, w, 0.0))
+  return out
+
+
+def _reference_gtx_lookup(per_table, inputs):
+  """Per table through ``gtx.lookup``, so each table gets its own
+  SparseRows (padding ids give no gradient rows), summed bags."""
+  return {
+    f: (gtx.lookup(per_table[FEATURES[f]], x) * w[..., None]).sum(1)
+    for f, (x, w) in inputs.items()
+  }
+
+
+def test_an_optax_chain_and_multi_transform_take_a_stack():
+  stack = _stack(batch_size=16)  # "country" outside: its own leaf
+  params = stack.init(jax.random.key(5))
+  ids, weights = _batch(6)
+
+  def loss(p, ids):
+    return _head(stack.lookup(p, ids, weights=weights))
+
+  labels = gtx.sparse_labels(loss)(params, ids)
+  assert set(labels.values()) == {"sparse"}
+  tx = optax.chain(gtx.clip_by_global_norm(1.0), gtx.rowwise_adagrad(0.1))
+
+  @jax.jit
+  def step(p, s, ids):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  p, s, v0 = step(params, tx.init(params), ids)
+  _, _, v1 = step(p, s, ids)
+  assert float(v1) < float(v0)
