@@ -9,6 +9,7 @@ and differentiates the rewritten loss.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -809,7 +810,6 @@ def sparse_labels(
     ...     {"sparse": gtx.rowwise_adagrad(0.1), "dense": optax.adam(1e-3)},
     ...     labels)
   """
-  import sys  # stdlib: for sys.modules, no cycle
 
   argnum_tuple, single = _normalize_argnums(argnums)
 
