@@ -17,6 +17,8 @@ from gradtx import _sharded
 from gradtx._base import concrete, is_int
 
 _ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The end of a message for a check that only gradtx's own calls can fail.
+_INTERNAL = " (an internal error of gradtx: please report it)"
 
 
 def _dtype_of(x: Any) -> np.dtype:
@@ -27,13 +29,15 @@ def _dtype_of(x: Any) -> np.dtype:
   return jnp.asarray(x).dtype
 
 
-def _check_key(key: Any, fn: str) -> Any:
+def check_key(key: Any, what: str) -> Any:
+  """``key`` if it is one JAX PRNG key (new-style or legacy uint32), else
+  an error naming ``what``'s `key` argument."""
   dtype = getattr(key, "dtype", None)
   shape = getattr(key, "shape", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     if shape != ():
       raise ValueError(
-        f"gradtx.{fn} `key` must be a single PRNG key; got a key array of "
+        f"{what} `key` must be a single PRNG key; got a key array of "
         f"shape {shape}. Pass one key (e.g. `keys[0]`) or jax.vmap over them."
       )
     return key
@@ -45,21 +49,21 @@ def _check_key(key: Any, fn: str) -> Any:
     else:
       return key
   raise TypeError(
-    f"gradtx.{fn} `key` must be a JAX PRNG key, from `jax.random.key(seed)` "
+    f"{what} `key` must be a JAX PRNG key, from `jax.random.key(seed)` "
     f"(or a legacy uint32 key from `jax.random.PRNGKey(seed)`); got "
     f"{type(key).__name__} with dtype {dtype} and shape {shape}."
   )
 
 
-def _check_block_size(block_size: Any, fn: str) -> int:
+def _check_block_size(block_size: Any, what: str) -> int:
   if not is_int(block_size):
     raise TypeError(
-      f"gradtx.{fn} `block_size` must be a Python int (static under jit); "
+      f"{what} `block_size` must be a Python int (static under jit); "
       f"got {block_size!r} of type {type(block_size).__name__}."
     )
   if block_size < 1:
     raise ValueError(
-      f"gradtx.{fn} `block_size` must be >= 1; got {block_size}. Typical "
+      f"{what} `block_size` must be >= 1; got {block_size}. Typical "
       "values are 64 to 2048."
     )
   return int(block_size)
@@ -94,8 +98,8 @@ def stochastic_round(x: ArrayLike, dtype: DTypeLike, key: Any) -> jax.Array:
   The result depends only on ``x`` and ``key``: the same key and shape give
   the same bits eagerly or under jit, on any device and with any sharding of
   ``x``. :func:`gradtx.apply_updates` with a ``key`` rounds with per-row
-  hashed bits instead (:func:`row_bits`), so that its results do not depend
-  on how rows are batched.
+  hashed bits instead, so that its results do not depend on how rows are
+  batched.
 
   Args:
     x: float32 array of any shape.
@@ -137,7 +141,7 @@ def stochastic_round(x: ArrayLike, dtype: DTypeLike, key: Any) -> jax.Array:
       "gradtx.stochastic_round `dtype` must be jnp.bfloat16 or jnp.float16; "
       f"got {dtype!r}. For other dtypes use a plain `x.astype(dtype)`."
     )
-  key = _check_key(key, "stochastic_round")
+  key = check_key(key, "gradtx.stochastic_round")
   x = jnp.asarray(x, jnp.float32)
   return round_with_bits(x, target, jax.random.bits(key, x.shape, jnp.uint32))
 
@@ -229,18 +233,18 @@ def row_bits(key: Any, row_ids: ArrayLike, row_size: int) -> jax.Array:
     >>> a.shape, a.dtype
     ((3, 4), dtype('uint32'))
   """
-  key = _check_key(key, "row_bits")
+  key = check_key(key, "gradtx.apply_updates")
   ids_dtype = _dtype_of(row_ids)
   if not jnp.issubdtype(ids_dtype, jnp.integer):
     raise TypeError(
-      f"gradtx.row_bits `row_ids` must be an integer array; got dtype "
-      f"{ids_dtype}. Pass the rows' int32 ids."
+      f"gradtx: the row ids of stochastic rounding must be an integer "
+      f"array; got dtype {ids_dtype}.{_INTERNAL}"
     )
   row_ids = jnp.asarray(row_ids)
   if row_ids.ndim != 1:
     raise ValueError(
-      f"gradtx.row_bits `row_ids` must be 1-D, one id per row; got shape "
-      f"{row_ids.shape}. Flatten it with `row_ids.reshape(-1)`."
+      f"gradtx: the row ids of stochastic rounding must be 1-D, one id per "
+      f"row; got shape {row_ids.shape}.{_INTERNAL}"
     )
   seed = jax.random.bits(key, (2,), jnp.uint32)
   rows = _mix32(row_ids.astype(jnp.uint32) ^ seed[0])
@@ -314,15 +318,11 @@ def num_blocks(row_size: int, block_size: int) -> int:
     >>> num_blocks(10, 4), num_blocks(8, 4), num_blocks(0, 4)
     (3, 2, 0)
   """
-  block_size = _check_block_size(block_size, "num_blocks")
-  if not is_int(row_size):
-    raise TypeError(
-      f"gradtx.num_blocks `row_size` must be a Python int; got {row_size!r} "
-      f"of type {type(row_size).__name__}."
-    )
-  if row_size < 0:
+  block_size = _check_block_size(block_size, "gradtx:")
+  if not is_int(row_size) or row_size < 0:
     raise ValueError(
-      f"gradtx.num_blocks `row_size` must be >= 0; got {row_size}."
+      f"gradtx: a row's size must be a Python int >= 0; got {row_size!r}."
+      f"{_INTERNAL}"
     )
   return -(-int(row_size) // block_size)
 
@@ -434,7 +434,9 @@ class QuantizedRows(NamedTuple):
         "scalar leaves' state in float32 (`jnp.zeros_like(p)`): a scale "
         "per row would cost more than 8 bits save."
       )
-    block_size = _check_block_size(block_size, "QuantizedRows.zeros_like")
+    block_size = _check_block_size(
+      block_size, "gradtx.QuantizedRows.zeros_like"
+    )
     return state_full(p, 0, INT8, signed=signed, block_size=block_size)
 
 
@@ -462,18 +464,18 @@ def quantize_rows(
     >>> q.dequantize()  # 1e-6 is 22 binades below 4, 2.2% off
     Array([[4.000000e+00, 1.021794e-06, 0.000000e+00]], dtype=float32)
   """
-  block_size = _check_block_size(block_size, "quantize_rows")
+  block_size = _check_block_size(block_size, "gradtx:")
   x_dtype = _dtype_of(x)
   if not jnp.issubdtype(x_dtype, jnp.floating):
     raise TypeError(
-      f"gradtx.quantize_rows `x` must be a floating-point array; got dtype "
-      f"{x_dtype}. Cast it with `x.astype(jnp.float32)`."
+      f"gradtx: the rows of an 8-bit state must be floating-point; got "
+      f"dtype {x_dtype}.{_INTERNAL}"
     )
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(
-      "gradtx.quantize_rows `x` must have a leading row axis, shape "
-      "[n, *row]; got a scalar. Use `x.reshape(1, -1)` for a single row."
+      "gradtx: the rows of an 8-bit state need a leading row axis, shape "
+      f"[n, *row]; got a scalar.{_INTERNAL}"
     )
   n = x.shape[0]
   row_size = math.prod(x.shape[1:])
@@ -522,22 +524,23 @@ def dequantize_rows(q: QuantizedRows, dtype: DTypeLike = jnp.float32):
     >>> bool(jnp.all(jnp.abs(x - y) <= jnp.abs(x) / 16))
     True
   """
+  what = "gradtx.QuantizedRows.dequantize"
   if not isinstance(q, QuantizedRows):
     raise TypeError(
-      "gradtx.dequantize_rows `q` must be a QuantizedRows from "
-      f"quantize_rows; got {type(q).__name__}."
+      f"{what}: the state must be a QuantizedRows; got "
+      f"{type(q).__name__}.{_INTERNAL}"
     )
   out_dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(out_dtype, jnp.floating):
     raise TypeError(
-      f"gradtx.dequantize_rows `dtype` must be a floating-point dtype; got "
-      f"{dtype!r}."
+      f"{what} `dtype` must be a floating-point dtype; got {dtype!r}."
     )
   codes, scales = jnp.asarray(q.codes), jnp.asarray(q.scales)
   if codes.dtype not in (jnp.int8, jnp.uint8) or codes.ndim < 1:
     raise TypeError(
-      "gradtx.dequantize_rows `q.codes` must be int8 or uint8 [n, *row] "
-      f"from quantize_rows; got dtype {codes.dtype} and shape {codes.shape}."
+      f"{what}: `codes` must be int8 or uint8 [n, *row], as "
+      "`gtx.QuantizedRows.zeros_like` and the int8 optimizer states make "
+      f"them; got dtype {codes.dtype} and shape {codes.shape}."
     )
   n = codes.shape[0]
   row_size = math.prod(codes.shape[1:])
@@ -546,7 +549,7 @@ def dequantize_rows(q: QuantizedRows, dtype: DTypeLike = jnp.float32):
     scales.shape[:1] != (n,) or blocks < min(row_size, 1) or (blocks > row_size)
   ):
     raise ValueError(
-      f"gradtx.dequantize_rows `q.scales` must have shape [{n}, blocks] "
+      f"{what}: `scales` must have shape [{n}, blocks] "
       f"with 1 <= blocks <= {row_size} for codes of shape {codes.shape}; "
       f"got {scales.shape}."
     )
@@ -609,7 +612,7 @@ def check_block_size(block_size: Any, fn: str, *dtypes: StateDtype) -> int:
         "static_args=('block_size',)."
       )
     block_size = value
-  return _check_block_size(block_size, fn)
+  return _check_block_size(block_size, f"gradtx.{fn}")
 
 
 def state_full(

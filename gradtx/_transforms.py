@@ -25,7 +25,7 @@ from gradtx._base import (
   tree_map,
   zero_counter,
 )
-from gradtx._precision import round_with_bits, row_bits
+from gradtx._precision import check_key, round_with_bits, row_bits
 from gradtx._rowio import gather_rows, scatter_add_rows, scatter_rows
 
 # ----------------------------------------------------------------------------
@@ -107,6 +107,8 @@ def apply_updates(params: Any, updates: Any, *, key: Any = None) -> Any:
     True
   """
   check_tree_match(updates, params, name="updates", reference_name="params")
+  if key is not None:
+    key = check_key(key, "gradtx.apply_updates")
   leaves, treedef = jax.tree.flatten(updates, is_leaf=is_update_leaf)
   p_leaves = treedef.flatten_up_to(params)
 

@@ -215,7 +215,7 @@ def test_quantize_under_jit_vmap_and_sharding():
 def test_num_blocks_and_bfloat16_input():
   assert [num_blocks(r, 4) for r in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
   assert num_blocks(7, 1) == 7 and num_blocks(7, 100) == 1
-  with pytest.raises(ValueError, match="`row_size` must be >= 0"):
+  with pytest.raises(ValueError, match="row's size must be a Python int >= 0"):
     num_blocks(-1, 4)
   with pytest.raises(TypeError, match="`block_size` must be a Python int"):
     num_blocks(7, 4.0)
@@ -230,7 +230,7 @@ def test_num_blocks_and_bfloat16_input():
 
 
 def test_quantize_bad_arguments():
-  with pytest.raises(TypeError, match="`x` must be a floating-point"):
+  with pytest.raises(TypeError, match="must be floating-point"):
     quantize_rows(jnp.ones((2, 3), jnp.int32), 4)
   with pytest.raises(ValueError, match="leading row axis"):
     quantize_rows(jnp.float32(1.0), 4)
@@ -239,7 +239,7 @@ def test_quantize_bad_arguments():
   with pytest.raises(TypeError, match="must be a QuantizedRows"):
     dequantize_rows(jnp.ones((2, 3)))
   q = quantize_rows(jnp.ones((2, 3)), 2)
-  with pytest.raises(ValueError, match="`q.scales` must have shape"):
+  with pytest.raises(ValueError, match="`scales` must have shape"):
     dequantize_rows(q._replace(scales=jnp.ones((2, 4))))
 
 
