@@ -182,11 +182,16 @@ class SparseRows:
       raise TypeError(
         "A transformation turned the integer `indices` of a gradtx.SparseRows"
         f" into {indices.dtype}: it treated the row-sparse gradient as a "
-        "dense array and would corrupt it. Put `gradtx.densify()` in front "
-        "of dense optax transforms, or use the sparse-aware gradtx version "
-        "(gradtx.scale, gradtx.scale_by_learning_rate, "
-        "gradtx.clip_by_global_norm, gradtx.add_decayed_weights, "
-        "gradtx.lazy_adam)."
+        "dense array and would corrupt it (a `jax.tree.map` over a gradient "
+        "tree maps the ids and the rows of a SparseRows alike). For a "
+        "cross-replica mean, `jax.tree.map(lambda g: lax.pmean(g, "
+        "axis_name), grads)`, use `gtx.all_reduce(axis_name)(grads)` (and "
+        "`gtx.all_reduce(axis_name, 'sum')(grads)` for a sum): it all-gathers"
+        " the rows. For a dense optax transformation, use its gradtx twin "
+        "(`gtx.scale`, `gtx.scale_by_learning_rate`, "
+        "`gtx.clip_by_global_norm`, `gtx.add_decayed_weights`, "
+        "`gtx.lazy_adam`, `gtx.lazy_sgd`, `gtx.adagrad`) or put "
+        "`gtx.densify()` in front of it."
       )
     obj = object.__new__(cls)
     obj._indices = indices

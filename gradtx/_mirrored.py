@@ -86,6 +86,12 @@ def _is_varying(x: jax.Array, axis_name: AxisName) -> bool:
   return any(n in varying for n in names)
 
 
+def _checks_types(axis_name: AxisName) -> bool:
+  """Whether shard_map's type checks (``check_vma=True``) are on for the
+  axis: the replica index varies along it only then."""
+  return _is_varying(lax.axis_index(axis_name), axis_name)
+
+
 def _reduce_dense(x: jax.Array, axis_name: AxisName, op: str) -> jax.Array:
   """A dense leaf: one collective (``first`` is a masked psum)."""
   if op == "sum":
@@ -102,6 +108,14 @@ def _reduce_sparse(u: SparseRows, axis_name: AxisName, op: str) -> SparseRows:
     return SparseRows(
       _first(u.indices, axis_name), _first(u.values, axis_name), u.num_rows
     )
+  if _checks_types(axis_name) and not (
+    _is_varying(u.indices, axis_name) or _is_varying(u.values, axis_name)
+  ):
+    # The same rows on every replica: under shard_map's type checks,
+    # jax.grad (and sparse_value_and_grad) sum a replicated parameter's
+    # gradient over the replicas. Reduced as lax.pmean / lax.psum reduce a
+    # dense leaf of that kind, and still typed replicated.
+    return u.with_values(_reduce_dense(u.values, axis_name, op))
   values = u.values
   if op == "mean":
     # Scaling each replica's rows before the gather is the same arithmetic
@@ -200,11 +214,16 @@ def all_reduce(
   dense all-reduce of the table. Duplicates across replicas are summed by
   whatever consumes it (``lazy_adam`` coalesces, ``apply_updates`` adds).
 
-  In a hand-written ``jax.shard_map`` step, pass ``check_vma=False`` (as
-  :meth:`Mirrored.step` does): with ``shard_map``'s type checks on, JAX's
-  autodiff already sums the gradient of a replicated parameter across
-  replicas, so a further reduction would count it again, and
-  :func:`~gradtx.sparse_value_and_grad` expects per-replica gradients.
+  In a ``jax.shard_map`` step with ``check_vma=False`` (as
+  :meth:`Mirrored.step` runs) each replica's gradient is its own. With
+  ``shard_map``'s type checks on (``check_vma=True``, JAX's default), JAX's
+  autodiff already sums the gradient of a replicated parameter over the
+  replicas, and :func:`~gradtx.sparse_value_and_grad` gathers the rows of
+  every replica likewise: a gradient that is the same on every replica is
+  reduced as ``lax.pmean`` / ``lax.psum`` reduce such a value (the mean
+  keeps it, the sum multiplies it by the number of replicas), without a
+  collective, and stays typed replicated. There, ``lax.pmean`` the loss
+  inside the loss function for the gradient of the mean loss.
 
   The transformation is also a function of a gradient tree:
   ``gtx.all_reduce(axis_name)(grads)`` is the drop-in for

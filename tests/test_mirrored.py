@@ -561,3 +561,50 @@ def test_two_processes_equal_single_process_four_devices(tmp_path):
       np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
   assert np.max(np.abs(want["emb"] - worker.init_params()["emb"])) > 0.05
+
+
+def test_all_reduce_in_a_type_checked_shard_map_step():
+  # What following the lax.pmean error's advice gives in a hand-written
+  # data-parallel step under shard_map's default check_vma=True: replicated
+  # params, a sharded batch, out_specs=P(). JAX's autodiff already sums a
+  # replicated parameter's gradient (and sparse_value_and_grad gathers its
+  # rows); all_reduce reduces it as lax.pmean / lax.psum reduce the dense
+  # gradient, and what it returns stays typed replicated.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+  params = {
+    "emb": jnp.linspace(-1.0, 1.0, NUM_ROWS * DIM).reshape(NUM_ROWS, DIM),
+    "w": jnp.arange(1.0, DIM + 1.0) / DIM,
+  }
+  ids = jnp.asarray(np.arange(2 * R, dtype=np.int32) * 7 % NUM_ROWS)
+
+  def loss(p, ids):
+    return jnp.mean(jnp.tanh(p["emb"][ids] @ p["w"]))
+
+  def step(params, ids):
+    tx, dense_tx = gtx.lazy_adam(1e-2), optax.adam(1e-2)
+    _, grads = gtx.sparse_value_and_grad(loss)(params, ids)
+    mean, total = gtx.all_reduce("i")(grads), gtx.all_reduce("i", "sum")(grads)
+    updates, _ = tx.update(mean, tx.init(params), params)
+    # the reference: JAX's dense gradient, lax.pmean / psum, optax.adam
+    dense = jax.grad(loss)(params, ids)
+    want_mean, want_total = jax.lax.pmean(dense, "i"), jax.lax.psum(dense, "i")
+    want_updates, _ = dense_tx.update(want_mean, dense_tx.init(params), params)
+    got = (
+      gtx.apply_updates(params, updates),
+      mean["emb"].to_dense(),
+      total["emb"].to_dense(),
+      (mean["w"], total["w"]),
+    )
+    want = (
+      optax.apply_updates(params, want_updates),
+      want_mean["emb"],
+      want_total["emb"],
+      (want_mean["w"], want_total["w"]),
+    )
+    return got, want
+
+  mapped = jax.shard_map(
+    step, mesh=mesh, in_specs=(P(), P("i")), out_specs=P(), check_vma=True
+  )
+  got, want = jax.jit(mapped)(params, ids)
+  _assert_tree_close(got, want)
