@@ -192,11 +192,11 @@ ROWS = [
       check=_keeps_param_dtype),
   # dense optax transforms fed a SparseRows
   Row(18, lambda: _update(optax.sgd(0.1), _grads()),
-      error=(TypeError, "turned the integer `indices` of a gradtx.SparseRows")),
+      error=(TypeError, "`optax.scale` (a step of `optax.sgd(learning_rate)`")),
   Row(19, lambda: _update(optax.adam(0.1), _grads()),
-      error=(ValueError, "has a subtree of type")),
+      error=(TypeError, "`optax.scale_by_adam` (a step of `optax.adam`")),
   Row(20, lambda: _update(optax.clip_by_global_norm(1.0), _grads()),
-      error=(TypeError, "lax.select requires arguments to have the same")),
+      error=(TypeError, "`gtx.clip_by_global_norm(m)` for")),
   # lazy_adam
   Row(21, lambda: _update(gtx.lazy_adam(0.1), {"emb": _rows([0])}),
       error=(ValueError, "`updates` does not have the tree structure of")),
