@@ -70,6 +70,22 @@ def _bias_factor(step: jax.Array, b1: Any, b2: Any) -> jax.Array:
   return jnp.sqrt(1 - b2**step) / (1 - b1**step)
 
 
+# Catch-up in closed form. A row last updated at step s and touched at
+# t = s + k + 1 missed the updates d_1..d_k of its decaying moments,
+#   d_j = (b1^j m / (1 - b1^(s+j))) / (sqrt(b2^j v / (1 - b2^(s+j)) + eps_root)
+#         + eps).
+# With r = b1 / sqrt(b2) and c(i) = sqrt(1 - b2^i) / (1 - b1^i), the ratio
+# d_j / d_1 is exactly r^(j-1) c(s+j) / c(s+1) when eps = eps_root = 0, so
+#   D ~ d_1 (R(s) - r^k R(t-1)) / c(s+1),  R(x) = sum_{j>=1} r^(j-1) c(x+j).
+# R(t-1) and R(t) are two scalars per step; each row stores R(s) when it is
+# updated, so catch-up costs O(touched rows). eps > 0 is the one
+# approximation (its bound is in scale_by_lazy_adam's docstring); beyond it,
+# only float rounding (closed-form powers, not dense Adam's repeated
+# products).
+# R converges for b1 < sqrt(b2): the terms past _CATCH_UP_TERMS, summed with
+# c frozen, are below 1e-40 for the default betas.
+
+
 def _future_sum(x: jax.Array, b1: Any, b2: Any) -> jax.Array:
   """``R(x) = sum_{j >= 1} r^(j-1) c(x + j)``, ``r = b1 / sqrt(b2)``.
 
@@ -153,10 +169,9 @@ def scale_by_lazy_adam(
   (duplicates summed) and only its rows are updated, as in TensorFlow's
   ``LazyAdam`` and PyTorch's ``SparseAdam``; every other row keeps its
   moments bit for bit. The step count :math:`t` is global (one per call,
-  shared by all leaves, as in optax and TensorFlow's ``LazyAdam``; PyTorch's
-  ``SparseAdam`` counts per parameter tensor, only on steps where that
-  tensor has a gradient, which differs once a table has gone a step
-  without one), so the bias corrections are those dense Adam uses:
+  shared by all leaves, as in optax; PyTorch's ``SparseAdam`` counts per
+  tensor, on the steps it has a gradient), so the bias corrections are
+  dense Adam's:
 
   .. math::
     m_i &\leftarrow \beta_1 m_i + (1 - \beta_1) g_i, \qquad
@@ -165,65 +180,27 @@ def scale_by_lazy_adam(
       {\sqrt{v_i / (1 - \beta_2^t) + \epsilon_{root}} + \epsilon}
     \quad \text{for the touched rows } i.
 
-  The update of a SparseRows leaf is a SparseRows with deduplicated
-  (unique, not sorted on CPU) indices; apply it with
-  :func:`gradtx.apply_updates`.
-  When every row is touched every step this is dense Adam exactly.
+  The update of a SparseRows leaf is a SparseRows on the deduplicated ids;
+  apply it with :func:`gradtx.apply_updates`. When every row is touched
+  every step this is dense Adam exactly.
 
-  **Catch-up** (``catch_up=True``). Each row also stores the step
-  :math:`s` of its last update. When it is touched again at step
-  :math:`t = s + k + 1` after skipping :math:`k` steps, it first receives
-  what dense Adam would have done on those steps with a zero gradient:
-  :math:`m \leftarrow \beta_1^k m`, :math:`v \leftarrow \beta_2^k v`, and the
-  skipped updates :math:`D = \sum_{j=1}^{k} d_j` are added to this step's
-  direction, where
-
-  .. math::
-    d_j = \frac{\beta_1^j m / (1 - \beta_1^{s+j})}
-      {\sqrt{\beta_2^j v / (1 - \beta_2^{s+j}) + \epsilon_{root}}
-       + \epsilon}.
-
-  With :math:`r = \beta_1 / \sqrt{\beta_2}` and
-  :math:`c(i) = \sqrt{1 - \beta_2^i} / (1 - \beta_1^i)`, the ratio
-  :math:`d_j / d_1` is exactly :math:`r^{j-1} c(s+j) / c(s+1)` when
-  :math:`\epsilon = \epsilon_{root} = 0`, so we use
-
-  .. math::
-    \tilde D = d_1 \, \frac{R(s) - r^k R(t-1)}{c(s+1)}, \qquad
-    R(x) = \sum_{j \ge 1} r^{j-1} c(x + j).
-
-  :math:`R(t-1)` and :math:`R(t)` are two scalars per step (1024 exact
-  terms plus the geometric remainder); each row stores :math:`R(s)` when it
-  is updated. So catch-up costs O(touched rows) and the bias corrections of
-  every skipped step are exact. (The remainder of :math:`R` after 1024
-  terms, summed with :math:`c` frozen, is below :math:`10^{-40}` for the
-  default betas.) The one approximation is :math:`\epsilon`:
-  :math:`\tilde D` has the sign of :math:`D` and
-
-  .. math::
-    0 \le \frac{|\tilde D| - |D|}{|\tilde D|}
-    \le \frac{\delta}{\sqrt{\hat v_k} + \delta}, \qquad
-    \delta = \epsilon + \sqrt{\epsilon_{root}},
-
-  elementwise, where :math:`\hat v_k = \beta_2^k v / (1 - \beta_2^{t-1})`
-  is the smallest bias-corrected second moment over the skipped steps: the
-  error is negligible unless :math:`\sqrt{\hat v}` is near
-  :math:`\epsilon`. Beyond that, only float rounding (closed-form powers
-  instead of dense Adam's repeated products). Requires
-  :math:`\beta_1 < \sqrt{\beta_2}` (true of every usual setting).
-
-  The drift is in units of the update direction, so the learning rate
-  chained after this transform multiplies it by the rate of step
-  :math:`t`. With a constant rate that is dense Adam's drift; with a
-  schedule each skipped step is weighted by the current rate instead of its
-  own (relative error at most :math:`\max_j |\eta_{s+j} / \eta_t - 1|`).
-  Two things catch-up cannot do: the gradient of the touching step was
-  computed at the row before its drift (on a training problem that error
-  shrinks like the learning rate squared, the lazy error like the rate),
-  and weight decay chained after (:func:`lazy_adamw`) is not applied for
-  the skipped steps. A dense leaf
-  under ``catch_up`` is caught up the same way (its rows are all touched,
-  so normally nothing is pending and it is dense Adam bit for bit).
+  **Catch-up** (``catch_up=True``). Each row also stores the step of its
+  last update. A row touched again after skipping :math:`k` steps first
+  receives what dense Adam would have done to it on those steps with a zero
+  gradient: its moments decay (:math:`m \leftarrow \beta_1^k m`,
+  :math:`v \leftarrow \beta_2^k v`) and the updates of the skipped steps,
+  bias corrections included, are added to this step's, in closed form at a
+  cost proportional to the touched rows. The added drift is exact when
+  :math:`\epsilon = \epsilon_{root} = 0`; otherwise it has the sign of the
+  exact one and overshoots it by a relative error of at most
+  :math:`\delta / (\sqrt{\hat v_k} + \delta)`, elementwise, where
+  :math:`\delta = \epsilon + \sqrt{\epsilon_{root}}` and :math:`\hat v_k`
+  is the smallest bias-corrected second moment over the skipped steps.
+  The drift is in units of the update direction: a learning rate chained
+  after weights every skipped step by the rate of the touching step, and
+  weight decay chained after (:func:`lazy_adamw`) is not applied for the
+  skipped steps. A dense leaf has no skipped steps and is dense Adam bit
+  for bit. Requires :math:`\beta_1 < \sqrt{\beta_2}`.
 
   Args:
     b1: decay rate of the first moment.
@@ -232,18 +209,13 @@ def scale_by_lazy_adam(
     eps_root: added to the second moment inside the square root.
     mu_dtype: dtype of the first moment: ``None`` (each parameter's
       dtype), a float dtype (e.g. ``jnp.bfloat16``) or ``"int8"``: 8-bit
-      block-wise dynamic quantization (:class:`~gradtx.QuantizedRows`: a
-      code per element plus a float32 scale per block; the rule dequantizes
-      the touched rows, computes in float32 and requantizes them). Leaves
-      with fewer than 2 dimensions keep a float32 moment under ``"int8"``.
-      State dtypes never change.
+      block-wise dynamic quantization (:class:`~gradtx.QuantizedRows`; the
+      rule sees float32 rows). Leaves with fewer than 2 dimensions keep a
+      float32 moment under ``"int8"``.
     nu_dtype: dtype of the second moment, the same choices (unsigned codes
-      for ``"int8"``, whose range reaches :math:`2^{-31}` of a block's
-      maximum: a non-zero :math:`v` never becomes zero, so
-      :math:`m / \sqrt{v}` stays bounded).
+      for ``"int8"``: a non-zero :math:`v` never becomes zero).
     block_size: the most elements per quantization block of an ``"int8"``
-      moment. Blocks never span two rows; 64 gives a 64-wide row one
-      float32 scale (4 bytes on 64).
+      moment; blocks never span two rows.
     catch_up: apply, at a row's next update, the moment decay and the
       parameter drift dense Adam would have applied on the steps the row
       skipped. Adds an int32 and a float32 per row to the state.

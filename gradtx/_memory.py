@@ -4,9 +4,9 @@ A lazy step touches a few thousand random rows of each table (params and
 every state leaf). With 4 KiB pages each touched row is on its own page, so
 every row read or written is a TLB miss, and in a virtual machine (nested
 paging) a TLB miss costs a two-dimensional page walk. Backing the tables by
-2 MiB transparent huge pages makes those walks rare: measured here (2-core
-KVM guest, 1M x 64 table, 8,192 fresh ids) the whole lazy Adam step ran
-about 1.2x faster. Linux backs a buffer by huge pages only when asked
+2 MiB transparent huge pages makes those walks rare (the effect on a whole
+step: benchmarks/results/design_figures.md; the whole-step benchmarks run
+on huge pages). Linux backs a buffer by huge pages only when asked
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most
 distributions) and XLA never asks, so :func:`use_huge_pages` does.
 """
@@ -64,7 +64,8 @@ def use_huge_pages(
   For each array of at least ``min_bytes`` on a CPU device (each addressable
   shard), asks Linux to back the whole 2 MiB pages of its buffer by huge
   pages (``madvise(MADV_HUGEPAGE)``) and, with ``collapse``, to do it now
-  (``MADV_COLLAPSE``, Linux 6.1 or later; about 0.5 s per GiB). Values are
+  (``MADV_COLLAPSE``, Linux 6.1 or later; it takes time in proportion to
+  the bytes). Values are
   not changed and nothing is copied. Call it once on the params and the
   optimizer state after ``tx.init``; a jitted step that donates them updates
   the same buffers in place, so they stay on huge pages. (Without donation

@@ -1,6 +1,8 @@
-"""Low precision: stochastic rounding, per-row keys and 8-bit optimizer
-state (row-aligned block-wise dynamic quantization, :class:`QuantizedRows`),
-with the state-leaf I/O the row engine uses for it."""
+"""Low precision: stochastic rounding (with a key, or with per-row hashed
+bits), 8-bit optimizer state (row-aligned block-wise dynamic quantization,
+:class:`QuantizedRows`), and the optimizers' state dtype arguments and
+state leaves (:func:`state_dtype`, :func:`state_full`). Reading and writing
+state rows, quantized or not, is in :mod:`gradtx._rowio`."""
 
 from __future__ import annotations
 
@@ -209,8 +211,7 @@ def row_bits(key: Any, row_ids: ArrayLike, row_size: int) -> jax.Array:
   words drawn from ``key``. So a row's bits do not depend on which other
   rows are in the batch, on their order, or on how rows are sharded; and
   they cost a few integer ops per element instead of a threefry key per
-  row (which made a stochastically rounded bf16 step at 8,192 rows x 64
-  twice as slow as a float32 one on CPU).
+  row.
 
   Args:
     key: a JAX PRNG key, from ``jax.random.key`` or (legacy) a uint32
@@ -566,7 +567,7 @@ def dequantize_rows(q: QuantizedRows, dtype: DTypeLike = jnp.float32):
 
 
 # ---------------------------------------------------------------------------
-# State leaves as the row engine and the optimizers' init see them: an array
+# State leaves as the optimizers' init builds them: an array
 # of a float dtype or a QuantizedRows.
 
 INT8 = "int8"

@@ -4,9 +4,8 @@ Every read or write of a table's rows goes through here (``gtx.lookup``,
 the row engine, ``apply_updates``, weight decay), so each kind of storage
 is handled once, behind the same calls:
 
-- plain arrays: a gather of clamped ids and a per-row select (XLA:CPU
-  compiles a fill-mode gather's per-element bounds check into a slower
-  loop), a scatter with ``mode="drop"`` for padding;
+- plain arrays: a gather of clamped ids and a per-row select, a scatter
+  with ``mode="drop"`` for padding;
 - tables whose rows are split over Explicit mesh axes: owner-local reads
   and writes. The ids (``n`` of them, small) travel to the row owners, each
   owner reads its rows with the others masked to zero, and a sum across the

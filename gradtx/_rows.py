@@ -11,11 +11,9 @@ optimizer needs them) and the old state rows, the new state rows, and
 either a function ``update(*new_states)`` that computes the update from
 the new state rows or the update itself (an array, for a rule that
 computed it already, as :func:`gradtx.row_transformation`'s do). The
-engine materialises the new state rows once, writes them back, and calls
-``update`` on them, so every optimizer writes its update once and gets the
-fast form (:func:`_materialize`; ``materialize=False`` skips its copy
-where it is one more pass, as in lazy Adam's catch-up). An update given
-as an array reads no new rows, and nothing is copied for it.
+engine writes the new state rows back and calls ``update`` on them, so
+every optimizer writes its update once; see :func:`_materialize` for the
+copy it makes of them first, and when it makes none.
 
 **Groups of tables.** A model with a table per feature holds tens to
 hundreds of SparseRows leaves of one row shape. Leaves whose rows are read
@@ -29,10 +27,10 @@ params are one leaf per table, and the state stays shaped like them:
 checkpoints, ``optax.tree.map_params``, row sharding and int8 state are
 unchanged; a stacked copy would cost a table-sized copy per step), and the
 rule runs per table on its slice: one call over the group's concatenated
-rows measured 1.56x slower on CPU (lazy_adam's whole step on 26 tables),
-the concatenation of every state kind's rows and the copy of each slice
-before its scatter being extra passes over the rows. Dense leaves call the
-rule once each on the whole arrays, so they get the dense optimizer.
+rows would concatenate every state kind's rows and copy each slice before
+its scatter, extra passes over the rows (benchmarks/results/
+design_figures.md). Dense leaves call the rule once each on the whole
+arrays, so they get the dense optimizer.
 
 A state leaf is shaped like its parameter (``[V, *row]``) or per row
 (``[V]``), or is an 8-bit :class:`~gradtx.QuantizedRows`; the row I/O of
@@ -150,14 +148,19 @@ def _materialize(x: jax.Array) -> jax.Array:
   Why: the new state rows feed two consumers, the in-place scatter into the
   table and the update. XLA:CPU duplicates a cheap elementwise producer
   into each consumer, so the gather of the old state rows gets two
-  consumers and stays a standalone gather kernel, 2-3x slower per row than
-  a gather fused into its one consumer's loop. Scatters take their updates
+  consumers and stays a standalone gather kernel, slower per row than a
+  gather fused into its one consumer's loop. Scatters take their updates
   whole, so behind this one the new rows are computed once, with the old
-  rows' gather fused in (lazy_adam's whole step at 1M x 64 with 8,192 ids:
-  9.1 -> 6.9 ms). Reading the rows back from the written table does the
-  same, but inside a ``lax.cond`` (accumulate, drop_stale,
+  rows' gather fused in. Reading the rows back from the written table does
+  the same, but inside a ``lax.cond`` (accumulate, drop_stale,
   optax.apply_if_finite) XLA then copies the whole table. Rows split over
   mesh axes are left as they are.
+
+  No copy is made where it would be one more pass and nothing else: for an
+  update the rule computed already (an array, which reads no new rows),
+  and with ``materialize=False``, for a rule whose new rows are cheap next
+  to what else reads the old ones (lazy Adam's catch-up reads them again
+  for the drift). Figures: benchmarks/results/design_figures.md.
   """
   if is_split(x):
     return x
@@ -222,8 +225,7 @@ class _Slice(NamedTuple):
 def _join_rows(parts: list[jax.Array]) -> jax.Array:
   """``jnp.concatenate(parts)``, written as in-place updates of one buffer:
   XLA:CPU fuses each part's producer (a gradient's cotangent) into its
-  update, where a concatenate copies every part once more (26 tables of
-  2048 x 64 rows: 0.6 ms of a 9 ms row-wise Adagrad step). Parts split
+  update, where a concatenate copies every part once more. Parts split
   over mesh axes are concatenated (their layouts may differ)."""
   if any(is_split(x) for x in parts):
     return jnp.concatenate(parts)
@@ -279,10 +281,7 @@ def _update_group(
     local.append(ids)
   out = {}
   for s, ids in zip(slices, local, strict=True):
-    # The rule per table, on its slice of the group's deduplicated rows: one
-    # call over the concatenated rows of the group costs a concatenation of
-    # every state kind's rows and a copy of each table's slice before its
-    # scatter (lazy_adam's whole step on 26 tables: 1.56x slower on CPU).
+    # the rule per table, on its slice (see the module docstring)
     states = leaf_states[s.leaf]
     p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
     old = [read_state_rows(x, ids) for x in states]
@@ -339,12 +338,9 @@ def update_rows(
     what: the transformation's name, for error messages.
     state_names: names of the states, for error messages.
     needs_params: pass parameter rows to the rule.
-    materialize: compute the new state rows of a SparseRows leaf into a
+    materialize: copy the new state rows of a SparseRows leaf into a
       buffer of their own before ``update`` and the writes read them
-      (:func:`_materialize`). False for a rule whose new rows are cheap
-      next to what else reads the old ones (lazy Adam's catch-up reads
-      them again for the drift): there the copy is one more pass (its
-      whole step at 1M x 64 with 8,192 ids: 3-10% slower with it).
+      (:func:`_materialize`, which says when not to).
 
   Returns:
     ``(updates, new_states)``.

@@ -1,18 +1,18 @@
-"""Reading and updating row-sharded tables.
+"""Where arrays live on a mesh: what the row engine and ``init`` need to know.
 
 A ``[V, ...]`` table placed ``NamedSharding(mesh, P(axis, ...))`` on a mesh
-with ``AxisType.Explicit`` axes carries its sharding in its type, and JAX's
-own gather refuses to read it without resharding (an all-gather of the whole
-table). Here each device reads or writes only the rows it owns: the ids
-(``n`` of them, small) travel to the row owners, each owner reads its rows
-with the others masked to zero, and a sum across the row axes puts every
-row where its id was (a reduce-scatter when the ids are split along the
-same axes). No collective moves table-sized data, and a row's update stays
-on the device that owns it.
+with ``AxisType.Explicit`` axes carries its sharding in its type. This
+module reads such types (:func:`row_axes`, :func:`is_split`, and the spec,
+mesh and Explicit axes of an array), places optimizer state with the rows
+it belongs to (:func:`owner_sharding`, :func:`per_row_full`), replicates
+the ids and rows of a sparse gradient where they are needed whole
+(deduplication, accumulation: :func:`unsplit`), and builds a sharded
+state (:func:`gradtx.sharded_init`). The owner-local reads and writes of
+row-sharded tables are in :mod:`gradtx._rowio`.
 
 On ``AxisType.Auto`` meshes the sharding is not in the type and XLA's
-partitioner already reads row-sharded tables locally; these helpers then
-fall back to plain gathers and scatters.
+partitioner already reads row-sharded tables locally: the helpers here see
+no row axes there.
 """
 
 from __future__ import annotations
