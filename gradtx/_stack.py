@@ -24,6 +24,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from gradtx._autodiff import lookup
+
 __all__ = ["Jagged", "TableSpec", "TableStack"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -103,8 +105,37 @@ class _Stack(NamedTuple):
   dim: int
   dtype: str
   tables: tuple[str, ...]
-  offsets: tuple[int, ...]  # each table's first row in the stack
-  rows: int
+  offsets: tuple[int, ...]  # each table's first logical row in the stack
+  rows: int  # logical rows: the tables' rows
+  shards: int  # logical row p sits at row (p % shards) * (size / shards)
+  # + p // shards, so every table's rows spread evenly over the shards
+
+  @property
+  def size(self) -> int:
+    """Rows of the array: ``rows`` padded to a multiple of ``shards``."""
+    return -(-self.rows // self.shards) * self.shards
+
+  def physical(self, p: Any) -> Any:
+    """The array row of logical row ``p`` (numpy or jax ints)."""
+    if self.shards == 1:
+      return p
+    return (p % self.shards) * (self.size // self.shards) + p // self.shards
+
+  def to_array(self, logical: Any) -> Any:
+    """``[rows, ...]`` rows in logical order -> the stack's array."""
+    if self.shards == 1:
+      return logical
+    pad = [(0, self.size - self.rows)] + [(0, 0)] * (logical.ndim - 1)
+    x = jnp.pad(logical, pad)
+    x = x.reshape(self.size // self.shards, self.shards, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])
+
+  def to_logical(self, x: Any) -> Any:
+    """The stack's array (or a tree leaf shaped like it) -> logical rows."""
+    if self.shards == 1:
+      return x
+    x = x.reshape(self.shards, self.size // self.shards, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
 
 
 def _stack_name(dim: int, dtype: str) -> str:
@@ -159,6 +190,7 @@ class TableStack:
     features: Mapping[str, str] | None = None,
     *,
     batch_size: int | None = None,
+    shards: int = 1,
   ):
     if not isinstance(tables, Mapping) or not tables:
       raise ValueError(
@@ -191,6 +223,14 @@ class TableStack:
         f"got {batch_size!r}."
       )
     self.batch_size = batch_size
+    if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)):
+      shards = 0
+    if shards < 1:
+      raise ValueError(
+        f"gradtx.TableStack `shards` must be a positive int (the devices a "
+        f"stack's rows are split over); got {shards!r}."
+      )
+    self.shards = int(shards)
     readers: dict[str, int] = {}
     for t in self.features.values():
       readers[t] = readers.get(t, 0) + 1
@@ -223,7 +263,13 @@ class TableStack:
           "some of them another dtype or split them over two TableStacks."
         )
       stack = _Stack(
-        _stack_name(dim, dtype), dim, dtype, tuple(names), tuple(offsets), start
+        _stack_name(dim, dtype),
+        dim,
+        dtype,
+        tuple(names),
+        tuple(offsets),
+        start,
+        self.shards,
       )
       self.stacks[stack.name] = stack
     clash = set(self.stacks) & set(self.outside)
@@ -257,9 +303,15 @@ class TableStack:
     ]
     for s in self.stacks.values():
       item = jnp.dtype(s.dtype).itemsize
+      spread = (
+        f", every table's rows spread over {s.shards} shards"
+        + (f" ({s.size - s.rows} padding rows)" if s.size > s.rows else "")
+        if s.shards > 1
+        else ""
+      )
       lines.append(
-        f"  stack {s.name!r}: {s.rows:,} rows x {s.dim} {s.dtype}, "
-        f"{_bytes(s.rows * s.dim * item)}"
+        f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
+        f"{_bytes(s.size * s.dim * item)}{spread}"
       )
       for t, off in zip(s.tables, s.offsets, strict=True):
         feats = [f for f, tt in self.features.items() if tt == t]
@@ -310,8 +362,8 @@ class TableStack:
           f"TableSpec says ({spec.rows}, {spec.dim})."
         )
     out = {
-      s.name: jnp.concatenate(
-        [jnp.asarray(per_table[t], s.dtype) for t in s.tables]
+      s.name: s.to_array(
+        jnp.concatenate([jnp.asarray(per_table[t], s.dtype) for t in s.tables])
       )
       for s in self.stacks.values()
     }
@@ -323,11 +375,14 @@ class TableStack:
     """One ``[rows, dim]`` array per table, from the params (or from a tree
     shaped like them: optimizer moments, a dense gradient)."""
     self._check_params(params, "unstack")
+    logical = {k: s.to_logical(params[k]) for k, s in self.stacks.items()}
     out = {}
     for t in self.tables:
       where, off = self.location(t)
-      x = params[where]
-      out[t] = x if where == t else x[off : off + self.tables[t].rows]
+      if where == t:
+        out[t] = params[t]
+      else:
+        out[t] = logical[where][off : off + self.tables[t].rows]
     return out
 
   def _check_params(self, params: Any, what: str) -> None:
@@ -410,7 +465,7 @@ class TableStack:
             [b],
             [0],
             [self.tables[t].rows],
-            self.tables[t].rows,
+            None,
             [f],
             combiner,
           )
@@ -421,7 +476,7 @@ class TableStack:
     offsets = [s.offsets[s.tables.index(self.features[f])] for f in feats]
     rows = [self.tables[self.features[f]].rows for f in feats]
     return _pool(
-      table, [bags[f] for f in feats], offsets, rows, s.rows, feats, combiner
+      table, [bags[f] for f in feats], offsets, rows, s, feats, combiner
     )
 
 
@@ -490,69 +545,68 @@ def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
     )
 
 
-def _pool(table, bags, offsets, rows, total, names, combiner):
+def _pool(table, bags, offsets, rows, stack, names, combiner):
   """One gather of every feature's rows from ``table`` (features offset into
-  its rows, padding = ``total``: out of range, a zero row and no
-  gradient) and one segment sum into ``len(bags) * B`` examples."""
-  batch = bags[0].batch
-  flat_ids, seg, w = [], [], []
+  its logical rows, placed by ``stack``; padding = the table's row count:
+  out of range, a zero row and no gradient) and one segment sum into
+  ``[B, F, dim]``, split into the features.
+
+  The pooled rows are laid out example-major (``[B, F, dim]``), the layout
+  a head that concatenates or stacks the features reads: one-hot features
+  are gathered in that order directly, with no segment sum."""
+  batch, nf = bags[0].batch, len(bags)
   any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
   one_hot = all(b.per_example == 1 for b in bags)
+  flat_ids, seg, w = [], [], []
   for k, (b, off, n) in enumerate(zip(bags, offsets, rows, strict=True)):
     ids = b.ids.astype(jnp.int32) if b.ids.dtype.itemsize <= 4 else b.ids
     valid = (ids >= 0) & (ids < n)
     if b.weight is not None:
       valid = valid & (b.weight != 0)
-    if b.segment is not None:
+    if b.segment is not None:  # jagged: slots past the last bag are padding
       valid = valid & (b.segment < batch)
-      seg.append(jnp.minimum(b.segment, batch - 1) + k * batch)
+      seg.append(jnp.minimum(b.segment, batch - 1) * nf + k)
     elif not one_hot:
-      seg.append(
-        jnp.asarray(
-          np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example + k * batch
-        )
-      )
-    flat_ids.append(jnp.where(valid, ids + off, total).astype(jnp.int32))
+      example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
+      seg.append(jnp.asarray(example * nf + k))
+    row = ids + off if stack is None else stack.physical(ids + off)
+    flat_ids.append(jnp.where(valid, row, table.shape[0]).astype(jnp.int32))
     if any_weight:
-      weight = jnp.ones(b.ids.shape, jnp.float32)
-      if b.weight is not None:
-        weight = b.weight.astype(jnp.float32)
+      weight = 1.0 if b.weight is None else b.weight.astype(jnp.float32)
       w.append(jnp.where(valid, weight, 0.0))
-  ids = jnp.concatenate(flat_ids) if len(flat_ids) > 1 else flat_ids[0]
-  got = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
-  dtype = table.dtype
+  if one_hot:  # [B, F]: example-major, one row per (example, feature)
+    ids = jnp.stack(flat_ids, axis=1).reshape(-1)
+    weight = jnp.stack(w, axis=1).reshape(-1) if any_weight else None
+  else:
+    ids = jnp.concatenate(flat_ids) if nf > 1 else flat_ids[0]
+    weight = (jnp.concatenate(w) if nf > 1 else w[0]) if any_weight else None
+  got = lookup(table, ids)  # padding reads zeros and gets no gradient
   if one_hot and not any_weight:
-    pooled = got  # each example's one row, features one after the other
+    pooled = got
   else:
     vals = got.astype(jnp.float32)
-    if any_weight:
-      weight = jnp.concatenate(w) if len(w) > 1 else w[0]
+    if weight is not None:
       vals = vals * weight[:, None]
-    segments = len(bags) * batch
     if one_hot:
       pooled = vals
     else:
-      seg_ids = jnp.concatenate(seg) if len(seg) > 1 else seg[0]
-      pooled = jax.ops.segment_sum(
-        vals, seg_ids, segments, indices_are_sorted=True
-      )
+      seg_ids = jnp.concatenate(seg) if nf > 1 else seg[0]
+      pooled = jax.ops.segment_sum(vals, seg_ids, batch * nf)
     if combiner != "sum":
       norm = weight if combiner == "mean" else weight * weight
-      if one_hot:
-        total_w = norm
-      else:
-        total_w = jax.ops.segment_sum(
-          norm, seg_ids, segments, indices_are_sorted=True
-        )
+      if not one_hot:
+        norm = jax.ops.segment_sum(norm, seg_ids, batch * nf)
       if combiner == "sqrtn":
-        total_w = jnp.sqrt(total_w)
-      pooled = pooled / jnp.where(total_w > 0, total_w, 1.0)[:, None]
-    pooled = pooled.astype(dtype)
+        norm = jnp.sqrt(norm)
+      pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
+    pooled = pooled.astype(table.dtype)
+  pooled = pooled.reshape(batch, nf, -1)
+  if nf == 1:
+    return {names[0]: pooled[:, 0]}
   # One split, whose transpose is one concatenation (per-feature slices
   # would each transpose to a pad of the whole pooled array, summed).
-  if len(names) == 1:
-    return {names[0]: pooled}
-  return dict(zip(names, lax.split(pooled, [batch] * len(names)), strict=True))
+  parts = lax.split(pooled, [1] * nf, axis=1)
+  return {f: x[:, 0] for f, x in zip(names, parts, strict=True)}
 
 
 def _bytes(n: float) -> str:

@@ -353,3 +353,72 @@ def test_an_optax_chain_and_multi_transform_take_a_stack():
   p, s, v0 = step(params, tx.init(params), ids)
   _, _, v1 = step(p, s, ids)
   assert float(v1) < float(v0)
+
+
+# ----------------------------------------------------------------------------
+# row-sharded stacks on 8 devices
+
+
+def test_shards_spread_every_table_over_the_devices():
+  stack = _stack(shards=8)
+  s = stack.stacks["float32x4"]
+  assert s.size == 80 and s.rows == 73  # 7 padding rows
+  assert "spread over 8 shards (7 padding rows)" in str(stack)
+  for t in ("user", "item", "country"):
+    _, off = stack.location(t)
+    rows = np.arange(off, off + TABLES[t].rows)
+    per_shard = np.bincount(s.physical(rows) // (s.size // 8), minlength=8)
+    assert per_shard.max() - per_shard.min() <= 1, (t, per_shard)
+  per_table = _stack().unstack(_stack().init(jax.random.key(7)))
+  params = stack.stack(per_table)
+  assert params["float32x4"].shape == (80, 4)
+  for t, x in stack.unstack(params).items():
+    np.testing.assert_array_equal(x, per_table[t])
+  # the lookup reads the same rows whatever the layout
+  ids, weights = _batch(8)
+  a = stack.lookup(params, ids, weights=weights)
+  b = _stack().lookup(_stack().stack(per_table), ids, weights=weights)
+  for f in ORDER:
+    np.testing.assert_allclose(a[f], b[f], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_a_row_sharded_stack_trains_as_on_one_device(kind):
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+  stack = _stack(shards=8)
+  per_table = _stack().unstack(_stack().init(jax.random.key(9)))
+  batches = [_batch(20 + i) for i in range(2)]
+
+  def loss(p, ids, weights):
+    return _head(stack.lookup(p, ids, weights=weights))
+
+  tx = gtx.lazy_adam(0.05)
+
+  def step(p, s, ids, weights):
+    g = gtx.sparse_grad(loss)(p, ids, weights)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  host = stack.stack(per_table)
+  want_p, want_s = host, tx.init(host)
+  one = jax.jit(step)
+  for ids, weights in batches:
+    want_p, want_s = one(want_p, want_s, ids, weights)
+  params = {
+    k: jax.device_put(v, NamedSharding(mesh, P("d", None)))
+    for k, v in host.items()
+  }
+  with jax.set_mesh(mesh):
+    state = gtx.sharded_init(tx, params)
+    sharded = jax.jit(step, donate_argnums=(0, 1))
+    for ids, weights in batches:
+      params, state = sharded(params, state, ids, weights)
+  for k in host:
+    assert params[k].sharding.spec[0] == "d", k
+    np.testing.assert_allclose(
+      np.asarray(params[k]), np.asarray(want_p[k]), rtol=1e-5, atol=1e-6
+    )
