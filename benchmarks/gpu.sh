@@ -32,4 +32,8 @@ fi
 # and the compiled step's ops (the kernels a GPU launches) at 26-104 tables.
 timeout 500 $PY -m benchmarks.recsys --optimizers lazy_adam rowwise_adagrad \
   --heads linear --no-torch
+# Table stacks (issue 39): per-table leaves vs gtx.TableStack on Criteo's
+# one-hot features and on multi-hot bags, and the compiled step's ops at
+# 26, 104 and 500 features (torch only where it imports).
+timeout 600 $PY -m benchmarks.stacks --compile-features 26 104 500
 if [ -n "${OUT:-}" ]; then cp benchmarks/results/*_gpu.* "$OUT"/; fi
