@@ -18,16 +18,9 @@ from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
 )
 from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
-from gradtx._lazy_adam import (
-  ScaleByPartialRowwiseAdamState as ScaleByPartialRowwiseAdamState,
-)
 from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
-from gradtx._lazy_adam import partial_rowwise_adam as partial_rowwise_adam
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
-from gradtx._lazy_adam import (
-  scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
-)
 from gradtx._memory import bytes_per_row as bytes_per_row
 from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import Mirrored as Mirrored
@@ -43,6 +36,15 @@ from gradtx._optimizers import lazy_trace as lazy_trace
 from gradtx._optimizers import rowwise_adagrad as rowwise_adagrad
 from gradtx._optimizers import scale_by_rowwise_rss as scale_by_rowwise_rss
 from gradtx._optimizers import scale_by_rss as scale_by_rss
+from gradtx._partial_rowwise_adam import (
+  ScaleByPartialRowwiseAdamState as ScaleByPartialRowwiseAdamState,
+)
+from gradtx._partial_rowwise_adam import (
+  partial_rowwise_adam as partial_rowwise_adam,
+)
+from gradtx._partial_rowwise_adam import (
+  scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
+)
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init

@@ -41,7 +41,7 @@ def _describe(x: Any) -> str:
   return type(x).__name__
 
 
-def _place(s: jax.Array, p: Any, per_row: bool) -> jax.Array:
+def _with_its_rows(s: jax.Array, p: Any, per_row: bool) -> jax.Array:
   """``s`` with the placement the built-in optimizers give their state: a
   row-sharded table's state stays with its rows, so a step never moves it
   (``jnp.zeros(p.shape[:1])`` alone would be replicated)."""
@@ -204,7 +204,7 @@ def row_transformation(
       if s is p or id(s) in seen:
         s = jnp.copy(s)  # a donated step cannot donate one buffer twice
       seen.add(id(s))
-      states.append(_place(s, p, per_row=s.ndim < len(shape)))
+      states.append(_with_its_rows(s, p, per_row=s.ndim < len(shape)))
     return tuple(states)
 
   def checked(g, p, *rows):

@@ -23,10 +23,10 @@ from gradtx._precision import (
   state_dtype,
   state_full,
 )
+from gradtx._rowio import per_row
 from gradtx._rows import (
   check_nonnegative,
   concrete_float,
-  per_row,
   row_optimizer,
 )
 from gradtx._sharded import per_row_full

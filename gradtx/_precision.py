@@ -18,7 +18,8 @@ from jax.typing import ArrayLike, DTypeLike
 from gradtx import _sharded
 from gradtx._base import concrete, is_int
 
-_ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The dtypes stochastic rounding writes.
+ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The end of a message for a check that only gradtx's own calls can fail.
 _INTERNAL = " (an internal error of gradtx: please report it)"
 
@@ -138,7 +139,7 @@ def stochastic_round(x: ArrayLike, dtype: DTypeLike, key: Any) -> jax.Array:
     target = jnp.dtype(dtype)
   except TypeError:
     target = None
-  if target not in _ROUNDED_DTYPES:
+  if target not in ROUNDED_DTYPES:
     raise TypeError(
       "gradtx.stochastic_round `dtype` must be jnp.bfloat16 or jnp.float16; "
       f"got {dtype!r}. For other dtypes use a plain `x.astype(dtype)`."

@@ -34,14 +34,21 @@ from gradtx import _jaxpr
 from gradtx._base import SparseRows, unique_rows
 from gradtx._precision import QuantizedRows, dequantize_rows, quantize_rows
 from gradtx._sharded import (
-  _explicit_axes,
-  _mesh_of,
-  _names,
-  _spec,
+  entry_axes,
+  explicit_axes,
+  explicit_spec,
   is_row_sharded,
   is_split,
+  mesh_of,
   row_axes,
 )
+
+
+def per_row(x: jax.Array, ndim: int) -> jax.Array:
+  """``x`` (``[n]``, one value per row, e.g. a padding mask) reshaped to
+  broadcast against rows ``[n, *row]`` of rank ``ndim``."""
+  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
 
 # ----------------------------------------------------------------------------
 # row-sharded tables: owner-local reads and writes
@@ -52,7 +59,7 @@ def _num_shards(mesh: Any, axes: tuple[str, ...]) -> int:
 
 
 def _check_divisible(table: Any, axes: tuple[str, ...], what: str) -> int:
-  shards = _num_shards(_mesh_of(table), axes)
+  shards = _num_shards(mesh_of(table), axes)
   rows = table.shape[0]
   if rows % shards:
     raise ValueError(
@@ -65,15 +72,15 @@ def _check_divisible(table: Any, axes: tuple[str, ...], what: str) -> int:
 
 def _index_spec(x: Any, mesh: Any) -> tuple[Any, ...]:
   """``x``'s spec on ``mesh`` (replicated if its type carries none)."""
-  spec = _spec(x, jnp.ndim(x))
-  if spec is None or _mesh_of(x) != mesh:
+  spec = explicit_spec(x, jnp.ndim(x))
+  if spec is None or mesh_of(x) != mesh:
     return (None,) * jnp.ndim(x)
   return spec
 
 
 def _reshard(x: jax.Array, mesh: Any, spec: tuple[Any, ...]) -> jax.Array:
   """``x`` with sharding ``spec`` on ``mesh`` (a no-op if it has it)."""
-  if _spec(x, jnp.ndim(x)) == tuple(spec) and _mesh_of(x) == mesh:
+  if explicit_spec(x, jnp.ndim(x)) == tuple(spec) and mesh_of(x) == mesh:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, P(*spec)))
 
@@ -88,7 +95,7 @@ def _gather_dims(
 ) -> jax.Array:
   """All-gathers ``x`` along its dims split over any of ``axes``."""
   for dim, entry in enumerate(spec):
-    shared = tuple(a for a in _names(entry) if a in axes)
+    shared = tuple(a for a in entry_axes(entry) if a in axes)
     if shared:
       x = lax.all_gather(x, shared, axis=dim, tiled=True)
   return x
@@ -100,7 +107,7 @@ def _sum_back(
   """Sums ``x`` over ``axes``, scattering dims split over them back."""
   done = set()
   for dim, entry in enumerate(spec):
-    shared = tuple(a for a in _names(entry) if a in axes)
+    shared = tuple(a for a in entry_axes(entry) if a in axes)
     if shared:
       x = lax.psum_scatter(x, shared, scatter_dimension=dim, tiled=True)
       done.update(shared)
@@ -120,7 +127,7 @@ def _run_manual(
     mesh=mesh,
     in_specs=in_specs,
     out_specs=out_specs,
-    axis_names=_explicit_axes(mesh),
+    axis_names=explicit_axes(mesh),
   )(*args)
 
 
@@ -142,10 +149,10 @@ def _read_whole(table: jax.Array, ids: jax.Array, unique: bool):
   num_rows = table.shape[0]
   ids = jnp.where(ids < 0, num_rows, ids.astype(jnp.int32))
   out = None
-  if is_split(ids) and _mesh_of(ids) == _mesh_of(table):
-    t_spec = _spec(table, table.ndim)
-    spec = P(*_spec(ids, ids.ndim), *t_spec[1:])
-    out = NamedSharding(_mesh_of(ids), spec)
+  if is_split(ids) and mesh_of(ids) == mesh_of(table):
+    t_spec = explicit_spec(table, table.ndim)
+    spec = P(*explicit_spec(ids, ids.ndim), *t_spec[1:])
+    out = NamedSharding(mesh_of(ids), spec)
   return table.at[ids].get(
     mode="fill",
     fill_value=0,
@@ -182,15 +189,15 @@ def _read_owned(
   axes = row_axes(table)
   if not axes:
     return _read_whole(table, ids, unique)
-  mesh = _mesh_of(table)
+  mesh = mesh_of(table)
   local_rows = _check_divisible(table, axes, what)
   num_rows = table.shape[0]
-  t_spec = _spec(table, table.ndim)
+  t_spec = explicit_spec(table, table.ndim)
   row_spec = t_spec[1:]
   # Ids may not be split along an axis that also splits the row dims.
-  taken = {a for e in row_spec for a in _names(e)}
+  taken = {a for e in row_spec for a in entry_axes(e)}
   i_spec = tuple(
-    tuple(a for a in _names(e) if a not in taken) or None
+    tuple(a for a in entry_axes(e) if a not in taken) or None
     for e in _index_spec(ids, mesh)
   )
   ids = _reshard(ids, mesh, i_spec)
@@ -239,10 +246,10 @@ def _write_owned(
     The table with the rows written, sharded as before.
   """
   axes = row_axes(table)
-  mesh = _mesh_of(table)
+  mesh = mesh_of(table)
   local_rows = _check_divisible(table, axes, what)
   num_rows = table.shape[0]
-  t_spec = P(*_spec(table, table.ndim))
+  t_spec = P(*explicit_spec(table, table.ndim))
   i_spec = _index_spec(ids, mesh)[:1]
   r_spec = (i_spec[0],) + tuple(t_spec[1:])
   ids = _reshard(ids, mesh, i_spec)
@@ -296,8 +303,7 @@ def gather_rows(
   num_rows = table.shape[0]
   valid = (ids >= 0) & (ids < num_rows)
   rows = table.at[jnp.clip(ids, 0, num_rows - 1)].get(mode="promise_in_bounds")
-  keep = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
-  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
+  return jnp.where(per_row(valid, rows.ndim), rows, jnp.zeros((), rows.dtype))
 
 
 def scatter_rows(

@@ -40,6 +40,7 @@ requantizing, owner-local on row-sharded tables), so rules see float rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -58,6 +59,7 @@ from gradtx._base import (
   zero_counter,
 )
 from gradtx._rowio import (
+  per_row,
   read_param_rows,
   read_state,
   read_state_rows,
@@ -68,9 +70,9 @@ from gradtx._rowio import (
 from gradtx._sharded import is_split, row_axes
 
 __all__ = [
+  "bias_corrections",
   "check_nonnegative",
   "concrete_float",
-  "per_row",
   "row_optimizer",
   "update_rows",
 ]
@@ -88,6 +90,20 @@ def concrete_float(x: Any) -> float | None:
   return concrete(x, float)
 
 
+@functools.partial(jax.jit, inline=True)
+def bias_corrections(b1: Any, b2: Any, count: jax.Array) -> tuple:
+  """``1 - b^count`` for both moments of an Adam-like rule, computed once per
+  step for every leaf (``rule(count)`` of :func:`row_optimizer`).
+
+  Not ``optax.tree.bias_correction`` called per leaf inside the rule: under
+  ``jit`` that gives other bits than ``optax.scale_by_adam``, which computes
+  one ``1 - b^count`` for all leaves, as this does (tests/test_lazy_adam.py
+  compares the bits). Jitted, since an eager ``**`` can round differently
+  from a compiled one.
+  """
+  return 1 - b1**count, 1 - b2**count
+
+
 def check_nonnegative(what: str, **values: Any) -> None:
   for name, value in values.items():
     v = concrete_float(value)
@@ -95,11 +111,6 @@ def check_nonnegative(what: str, **values: Any) -> None:
       raise ValueError(
         f"{what}: `{name}` must be >= 0; got {v}. Pass a non-negative value."
       )
-
-
-def per_row(x: jax.Array, ndim: int) -> jax.Array:
-  """Reshapes ``[n]`` to broadcast against ``[n, *row]`` of rank ``ndim``."""
-  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
 def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
@@ -122,7 +133,7 @@ def _check_state_leaf(g: SparseRows, s: Any, what: str, name: str) -> None:
     )
 
 
-def _check_dense(g: Any, p: Any, states: list[Any], what: str) -> None:
+def _check_dense_shape(g: Any, p: Any, states: list[Any], what: str) -> None:
   shape = jnp.shape(g)
   if p is not None:
     want = jnp.shape(p)
@@ -387,7 +398,7 @@ Array([1, 0, 0, 1], dtype=int32))
       keys[i] = _group_key(g, p if needs_params else None, leaf_states[i])
       sizes[i] = g.num_rows
     elif g is not None:
-      _check_dense(g, p, leaf_states[i], what)
+      _check_dense_shape(g, p, leaf_states[i], what)
       new, update = rule(
         g,
         p if needs_params else None,

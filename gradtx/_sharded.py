@@ -25,13 +25,14 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def _names(entry: Any) -> tuple[str, ...]:
+def entry_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axis names of one entry of a PartitionSpec (None: none)."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _spec(x: Any, ndim: int) -> tuple[Any, ...] | None:
+def explicit_spec(x: Any, ndim: int) -> tuple[Any, ...] | None:
   """The explicit sharding spec of ``x``'s type, padded to ``ndim``."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   if not isinstance(sharding, NamedSharding):
@@ -40,7 +41,8 @@ def _spec(x: Any, ndim: int) -> tuple[Any, ...] | None:
   return spec
 
 
-def _explicit_axes(mesh: Any) -> frozenset:
+def explicit_axes(mesh: Any) -> frozenset:
+  """The names of ``mesh``'s axes of type ``AxisType.Explicit``."""
   return frozenset(
     name
     for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
@@ -67,8 +69,8 @@ def row_axes(table: Any) -> tuple[str, ...]:
     return ()
   if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
     return ()
-  axes = _names(sharding.spec[0])
-  explicit = _explicit_axes(sharding.mesh)
+  axes = entry_axes(sharding.spec[0])
+  explicit = explicit_axes(sharding.mesh)
   return axes if axes and all(a in explicit for a in axes) else ()
 
 
@@ -77,7 +79,8 @@ def is_row_sharded(table: Any) -> bool:
   return bool(row_axes(table))
 
 
-def _mesh_of(x: Any) -> Any:
+def mesh_of(x: Any) -> Any:
+  """The mesh of the sharding in ``x``'s type."""
   return jax.typeof(x).sharding.mesh
 
 
@@ -85,11 +88,11 @@ def is_split(x: Any) -> bool:
   """Whether ``x``'s type splits it over Explicit mesh axes."""
   if not hasattr(x, "shape"):
     return False
-  spec = _spec(x, jnp.ndim(x))
+  spec = explicit_spec(x, jnp.ndim(x))
   if spec is None:
     return False
-  explicit = _explicit_axes(_mesh_of(x))
-  return any(a in explicit for e in spec for a in _names(e))
+  explicit = explicit_axes(mesh_of(x))
+  return any(a in explicit for e in spec for a in entry_axes(e))
 
 
 def owner_sharding(p: Any, per_row: bool = True) -> NamedSharding | None:
@@ -135,15 +138,15 @@ def unsplit(x: jax.Array) -> jax.Array:
   For the ``n`` ids and rows of a sparse gradient, which deduplication
   needs whole on every device; a no-op without a mesh.
   """
-  spec = _spec(x, jnp.ndim(x)) if hasattr(x, "shape") else None
+  spec = explicit_spec(x, jnp.ndim(x)) if hasattr(x, "shape") else None
   if spec is None or all(e is None for e in spec):
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.auto_axes and hasattr(x, "shape"):
       return jax.lax.with_sharding_constraint(x, P())
     return x
-  mesh = _mesh_of(x)
-  explicit = _explicit_axes(mesh)
-  if not any(a in explicit for e in spec for a in _names(e)):
+  mesh = mesh_of(x)
+  explicit = explicit_axes(mesh)
+  if not any(a in explicit for e in spec for a in entry_axes(e)):
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, P()))
 

@@ -7,7 +7,7 @@ transform.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +25,21 @@ from gradtx._base import (
   tree_map,
   zero_counter,
 )
-from gradtx._precision import check_key, round_with_bits, row_bits
-from gradtx._rowio import gather_rows, scatter_add_rows, scatter_rows
+from gradtx._precision import (
+  ROUNDED_DTYPES,
+  check_key,
+  round_with_bits,
+  row_bits,
+)
+from gradtx._rowio import (
+  gather_rows,
+  per_row,
+  scatter_add_rows,
+  scatter_rows,
+)
 
 # ----------------------------------------------------------------------------
 # apply_updates
-
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _round_rows(rows: jax.Array, dtype: Any, key: Any, ids: jax.Array):
@@ -124,7 +131,7 @@ def apply_updates(params: Any, updates: Any, *, key: Any = None) -> Any:
         "parameter's shape (no broadcasting)."
       )
     p = jnp.asarray(p)
-    if key is not None and p.dtype in _LOW_PRECISION:
+    if key is not None and p.dtype in ROUNDED_DTYPES:
       return _apply_rounded(u, p, jax.random.fold_in(key, i))
     if isinstance(u, SparseRows):
       return scatter_add_rows(p, u)
@@ -210,12 +217,6 @@ def scale(step_size: float) -> optax.GradientTransformationExtraArgs:
   return stateless(update_fn)
 
 
-class ScaleByScheduleState(NamedTuple):
-  """State of :func:`scale_by_learning_rate` with a schedule."""
-
-  count: jax.Array  # int32 [], steps taken (saturating)
-
-
 def scale_by_learning_rate(
   learning_rate: float | optax.Schedule, *, flip_sign: bool = True
 ) -> optax.GradientTransformationExtraArgs:
@@ -229,7 +230,8 @@ def scale_by_learning_rate(
     flip_sign: multiply by ``-learning_rate`` (descent) when True.
 
   Returns:
-    A transformation; with a schedule its state counts the steps.
+    A transformation; with a schedule its state is optax's
+    ``ScaleByScheduleState``, the int32 count of steps taken (saturating).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -244,22 +246,21 @@ def scale_by_learning_rate(
 
   def init_fn(params):
     del params
-    return ScaleByScheduleState(count=zero_counter())
+    return optax.ScaleByScheduleState(count=zero_counter())
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     lr = learning_rate(state.count)
     return scale_tree(
       updates, sign * lr, cast_first=True
-    ), ScaleByScheduleState(count=optax.safe_increment(state.count))
+    ), optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _valid_values(u: SparseRows) -> jax.Array:
   """The values of ``u``'s valid rows, zeros at its padding rows."""
-  keep = u.valid_indices() < u.num_rows
-  keep = keep.reshape(keep.shape + (1,) * (u.values.ndim - 1))
+  keep = per_row(u.valid_indices() < u.num_rows, u.values.ndim)
   return jnp.where(keep, u.values, jnp.zeros((), u.dtype))
 
 
