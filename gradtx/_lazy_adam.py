@@ -3,9 +3,10 @@
 Adam's per-row rule on the row engine (:mod:`gradtx._rows`). Dense leaves
 follow ``optax.scale_by_adam`` operation for operation (the moment updates
 are the same ``optax.tree`` calls, the bias corrections the same arithmetic,
-in the same order), so they give optax's bits. A :class:`~gradtx.SparseRows` leaf updates only
-the rows in its gradient: the engine deduplicates once, gathers those rows of
-the moments, calls the rule, scatters them back in place. With
+in the same order), so they give optax's bits. A
+:class:`~gradtx.SparseRows` leaf updates only the rows in its gradient: the
+engine deduplicates once, gathers those rows of the moments, calls the
+rule, scatters them back in place. With
 ``catch_up=True`` a row that skipped steps first receives, in closed form,
 what dense Adam would have done to it on the steps it had no gradient.
 """
