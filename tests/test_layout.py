@@ -1,0 +1,205 @@
+"""The package's layout: the import graph of gradtx/ has no cycle, and no
+module uses a private name (``_x``) of another outside the bottom layer.
+
+Read from the source with ``ast``, so an import inside a function counts as
+much as one at the top of a module.
+"""
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gradtx"
+
+# The bottom layer (docs/contributing.md): the shared helpers every module
+# builds on, whose private names others may use.
+BOTTOM_LAYER = ("_base",)
+
+# Known edges of a cycle, each with the reason it is still here. Empty this
+# list as they go: the test fails on an edge listed here that is gone.
+KNOWN_CYCLE_EDGES = {
+  # SparseRows.__radd__ (array + SparseRows) imports scatter_add_rows inside
+  # a function, and _rowio imports _base: goes when _base is split (issue
+  # 38, item 1).
+  ("_base", "_rowio"),
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+  return {
+    path.stem: ast.parse(path.read_text(), filename=str(path))
+    for path in sorted(PACKAGE.glob("*.py"))
+  }
+
+
+MODULES = _modules()
+
+
+class _Use(NamedTuple):
+  """``module`` uses ``target`` (its ``name``; None: the module itself)."""
+
+  module: str
+  target: str
+  name: str | None
+  line: int
+
+  def __repr__(self):
+    what = f"{self.target}.{self.name}" if self.name else self.target
+    return f"gradtx/{self.module}.py:{self.line} uses {what}"
+
+
+def _target(dotted: str | None, level: int) -> str | None:
+  """The gradtx module an import names (``__init__`` for the package), or
+  None for an import from outside gradtx."""
+  parts = (dotted or "").split(".") if dotted else []
+  if level:  # relative: gradtx/ is one package, so "." is gradtx
+    parts = ["gradtx", *parts]
+  if not parts or parts[0] != "gradtx":
+    return None
+  return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _uses(module: str, tree: ast.Module) -> list[_Use]:
+  """Every import of a gradtx module in ``tree``, wherever it is, and every
+  attribute of an imported gradtx module read through it."""
+  uses, aliases = [], {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        target = _target(a.name, 0)
+        if target is None:
+          continue
+        uses.append(_Use(module, target, None, node.lineno))
+        if a.asname:
+          aliases[a.asname] = target
+    elif isinstance(node, ast.ImportFrom):
+      target = _target(node.module, node.level)
+      if target is None:
+        continue
+      for a in node.names:
+        if target == "__init__" and a.name in MODULES:  # from gradtx import _m
+          uses.append(_Use(module, a.name, None, node.lineno))
+          aliases[a.asname or a.name] = a.name
+        else:
+          uses.append(_Use(module, target, a.name, node.lineno))
+  for node in ast.walk(tree):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in aliases
+    ):
+      uses.append(_Use(module, aliases[node.value.id], node.attr, node.lineno))
+  return uses
+
+
+USES = [use for m, tree in MODULES.items() for use in _uses(m, tree)]
+
+
+def _private(name: str | None) -> bool:
+  return bool(name) and name.startswith("_") and not name.startswith("__")
+
+
+def _edges() -> dict[str, set[str]]:
+  graph = {m: set() for m in MODULES}
+  for use in USES:
+    if use.target != use.module:
+      graph[use.module].add(use.target)
+  return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None."""
+  state = {}  # module -> "open" while on the stack, "done" after
+
+  def visit(node, path):
+    state[node] = "open"
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
+        return path[path.index(nxt) :] + [node, nxt]
+      if nxt not in state:
+        found = visit(nxt, [*path, node])
+        if found:
+          return found
+    state[node] = "done"
+    return None
+
+  for start in sorted(graph):
+    if start not in state:
+      found = visit(start, [])
+      if found:
+        return found
+  return None
+
+
+def test_the_graph_is_read():
+  # The reader finds what we know is there: a guard against a test that
+  # passes because it reads nothing.
+  graph = _edges()
+  assert "_base" in graph["_rows"] and "_rowio" in graph["_rows"]
+  assert "_rowio" in graph["_autodiff"] and "_jaxpr" in graph["_autodiff"]
+  assert "_base" in graph["__init__"]
+
+
+def test_no_import_cycle():
+  graph = _edges()
+  for a, b in sorted(KNOWN_CYCLE_EDGES):
+    assert b in graph.get(a, ()), (
+      f"gradtx/{a}.py no longer imports {b}: remove ({a!r}, {b!r}) from "
+      "KNOWN_CYCLE_EDGES in tests/test_layout.py"
+    )
+    graph[a].discard(b)
+  cycle = _cycle(graph)
+  assert cycle is None, (
+    "import cycle " + " -> ".join(cycle) + " (imports inside functions "
+    "count): move the shared code down to a module both can import"
+  )
+
+
+def test_known_cycle_edges_are_what_is_left():
+  # Each listed edge closes a cycle today; an edge that closes none is not
+  # an exception to anything.
+  graph = _edges()
+  for a, b in sorted(KNOWN_CYCLE_EDGES):
+    others = {k: set(v) for k, v in graph.items()}
+    others[a].discard(b)
+    assert _reaches(others, b, a), (
+      f"({a!r}, {b!r}) in KNOWN_CYCLE_EDGES closes no cycle: remove it"
+    )
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+  seen, todo = set(), [start]
+  while todo:
+    node = todo.pop()
+    if node == goal:
+      return True
+    if node not in seen:
+      seen.add(node)
+      todo.extend(graph.get(node, ()))
+  return False
+
+
+def test_no_private_name_crosses_modules():
+  bad = [
+    use
+    for use in USES
+    if _private(use.name)
+    and use.target != use.module
+    and use.target not in BOTTOM_LAYER
+  ]
+  assert not bad, (
+    "private names used from another module (give them a name without the "
+    "leading underscore, or move them to the module that uses them): "
+    + "; ".join(map(repr, bad))
+  )
+
+
+@pytest.mark.parametrize("module", BOTTOM_LAYER)
+def test_the_bottom_layer_exists(module):
+  assert module in MODULES, (
+    f"BOTTOM_LAYER in tests/test_layout.py names gradtx/{module}.py, which "
+    "is gone: list the modules of today's bottom layer"
+  )
+
