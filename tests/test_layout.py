@@ -6,6 +6,7 @@ much as one at the top of a module.
 """
 
 import ast
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -203,3 +204,23 @@ def test_the_bottom_layer_exists(module):
     "is gone: list the modules of today's bottom layer"
   )
 
+
+def test_the_module_map_lists_every_module_in_import_order():
+  doc = (PACKAGE.parent / "docs" / "contributing.md").read_text()
+  listed = re.findall(r"^\| `(_\w+)\.py` \|", doc, re.M)
+  modules = sorted(set(MODULES) - {"__init__"})
+  assert sorted(listed) == modules, (
+    "docs/contributing.md's module map must list each module of gradtx/ "
+    f"once; missing {sorted(set(modules) - set(listed))}, not a module "
+    f"{sorted(set(listed) - set(modules))}"
+  )
+  graph = _edges()
+  for i, module in enumerate(listed):
+    later = sorted(
+      (graph[module] & set(listed[i + 1 :]))
+      - {b for a, b in KNOWN_CYCLE_EDGES if a == module}
+    )
+    assert not later, (
+      f"gradtx/{module}.py imports {later}, listed below it in "
+      "docs/contributing.md's module map (bottom first): move the line"
+    )
