@@ -10,7 +10,6 @@ from gradtx._autodiff import sparse_grad as sparse_grad
 from gradtx._autodiff import sparse_labels as sparse_labels
 from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
 from gradtx._autodiff import sparsity_report as sparsity_report
-from gradtx._base import SparseRows as SparseRows
 from gradtx._custom import RowTransformationState as RowTransformationState
 from gradtx._custom import row_transformation as row_transformation
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
@@ -48,6 +47,7 @@ from gradtx._partial_rowwise_adam import (
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
+from gradtx._sparse_rows import SparseRows as SparseRows
 from gradtx._stack import Jagged as Jagged
 from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack

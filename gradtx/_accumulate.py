@@ -15,16 +15,15 @@ from jax.typing import DTypeLike
 
 from gradtx import _sharded
 from gradtx._autodiff import SparsityReport
-from gradtx._base import (
-  SparseRows,
-  apply_if,
+from gradtx._conditional import apply_if, zeros_like_update
+from gradtx._sparse_rows import SparseRows
+from gradtx._static import is_int
+from gradtx._update_trees import (
   check_tree_match,
-  is_int,
   is_update_leaf,
   map_updates,
   tree_map,
   zero_counter,
-  zeros_like_update,
 )
 
 

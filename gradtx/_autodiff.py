@@ -21,13 +21,10 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from gradtx import _jaxpr
-from gradtx._base import (
-  SparseRows,
-  map_updates,
-  narrow_ids,
-  varying_axes,
-)
+from gradtx._jax_compat import varying_axes
 from gradtx._rowio import gather_rows
+from gradtx._sparse_rows import SparseRows, narrow_ids
+from gradtx._update_trees import map_updates
 
 # Leaves named by path (``jax.tree_util.keystr``; nnx's ``.value`` optional),
 # several paths, or a predicate on the path: ``require_sparse`` and ``dense``.
@@ -278,7 +275,7 @@ class _Plan(NamedTuple):
   closed: Any
   out_tree: Any
   analysis: Any
-  groups: list[Any]
+  uses: list[Any]  # a _jaxpr.TableUse per leaf (None: not a candidate)
   report: SparsityReport
 
 
@@ -316,22 +313,22 @@ DENSE_READS_PER_ROW = 4.0
 
 
 def _leaf_record(
-  path: str, aval: Any, group: Any, force_dense: bool, force_sparse: bool
+  path: str, aval: Any, use: Any, force_dense: bool, force_sparse: bool
 ) -> LeafSparsity:
   shape, dtype = tuple(aval.shape), str(aval.dtype)
-  if group is None:
+  if use is None:
     why = (
       "not a floating-point array"
       if not jnp.issubdtype(aval.dtype, jnp.floating)
       else "a scalar (no rows)"
     )
     return LeafSparsity(path, shape, dtype, False, 0, why, "")
-  reads = sum(int(np.prod(r.ids_shape)) for r in group.reads)
-  if group.dense is not None:
-    d = group.dense
+  reads = sum(int(np.prod(r.ids_shape)) for r in use.reads)
+  if use.dense is not None:
+    d = use.dense
     return LeafSparsity(path, shape, dtype, False, 0, d.what, d.where, reads)
-  if not group.reads:
-    if group.frozen:  # no gradient at all: an empty SparseRows, no update
+  if not use.reads:
+    if use.frozen:  # no gradient at all: an empty SparseRows, no update
       return LeafSparsity(path, shape, dtype, True, 0, "", "", 0, True)
     why = "not used by the loss (zero gradient)"
     return LeafSparsity(path, shape, dtype, False, 0, why, "")
@@ -418,7 +415,7 @@ def _plan(
   candidates = [
     jnp.issubdtype(a.dtype, jnp.floating) and len(a.shape) >= 1 for a in avals
   ]
-  analysis, groups = _jaxpr.analyze(closed, candidates)
+  analysis, uses = _jaxpr.analyze(closed, candidates)
   forced = _selected(dense, paths, "dense")
   required = _selected(require, paths, "require_sparse")
   both = sorted(forced & required)
@@ -429,9 +426,9 @@ def _plan(
     )
   report = SparsityReport(
     _leaf_record(p, a, g, p in forced, p in required)
-    for p, a, g in zip(paths, avals, groups, strict=True)
+    for p, a, g in zip(paths, avals, uses, strict=True)
   )
-  return _Plan(leaves, treedef, closed, out_tree, analysis, groups, report)
+  return _Plan(leaves, treedef, closed, out_tree, analysis, uses, report)
 
 
 def _name(path: str) -> str:
@@ -452,8 +449,8 @@ def _check_required(require: Any, report: SparsityReport) -> None:
       )
 
 
-def _warn_unknown(report: SparsityReport, groups: Sequence[Any]) -> None:
-  for r, g in zip(report, groups, strict=True):
+def _warn_unknown(report: SparsityReport, uses: Sequence[Any]) -> None:
+  for r, g in zip(report, uses, strict=True):
     if g is not None and g.dense is not None and g.dense.warn:
       at = f" at {r.where}" if r.where else ""
       warnings.warn(
@@ -583,7 +580,7 @@ def sparse_value_and_grad(
       )
       return out
     _check_required(require_sparse, plan.report)
-    _warn_unknown(plan.report, plan.groups)
+    _warn_unknown(plan.report, plan.uses)
     leaves = plan.leaves
     frozen = [i for i, r in enumerate(plan.report) if r.frozen]
     sparse = [
@@ -609,7 +606,7 @@ def sparse_value_and_grad(
     for s in sparse:
       t = leaves[s]
       sinks[s] = []
-      for r in plan.groups[s].reads:
+      for r in plan.uses[s].reads:
         # Under shard_map's type checks the sink must vary over the same
         # mesh axes as the rows it is added to.
         vma = tuple(sorted(r.vma))
@@ -641,14 +638,14 @@ def sparse_value_and_grad(
       idx = _concat(
         [
           _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
-          for r, i in zip(plan.groups[s].reads, ids[s], strict=True)
+          for r, i in zip(plan.uses[s].reads, ids[s], strict=True)
         ]
       )
       vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
       # As jax.grad: under shard_map's type checks the gradient of a
       # replicated table is the sum over the axes its ids vary along, which
       # for rows is the gather of every replica's rows.
-      axes = frozenset().union(*(r.vma for r in plan.groups[s].reads))
+      axes = frozenset().union(*(r.vma for r in plan.uses[s].reads))
       axes = tuple(sorted(axes - varying_axes(t)))
       if axes:
         idx = lax.all_gather(idx, axes, tiled=True, to="invarying")

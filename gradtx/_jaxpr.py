@@ -1,8 +1,11 @@
 """Reading jaxprs: which leaves a loss reads only as whole rows.
 
-The only module of gradtx that reads jaxprs (they depend on JAX internals
-that change between releases). A loss is traced to a jaxpr. A differentiated
-leaf (a "table") whose every use is a whole-row read is *sparse*:
+The only module of gradtx that reads jaxprs. They depend on JAX internals
+that change between releases: what differs between the supported releases
+is resolved in :mod:`gradtx._jax_compat`, the one other module that reads
+JAX's internals. A loss is traced to a jaxpr (:func:`trace`). A
+differentiated leaf (a "table") whose every use is a whole-row read is
+*sparse* (:func:`analyze` finds a :class:`TableUse` per table):
 
 * a ``gather`` of whole rows along axis 0 (``table[ids]``, ``jnp.take``,
   Flax ``nn.Embed`` / ``nnx.Embed``), vmap-batched ids included, in every
@@ -13,9 +16,10 @@ leaf (a "table") whose every use is a whole-row read is *sparse*:
 * through a float-to-float cast of the whole table, nested ``jit``,
   ``checkpoint`` (policy kept) and the loop constants of ``scan``.
 
-The jaxpr is then evaluated again with each read returning ``read(table,
-ids) + sink`` -- a zero input whose cotangent is the gradient of the rows
-read -- and the ids of every read coming out alongside. Any other use keeps
+The jaxpr is then evaluated again (:func:`evaluate`) with each read
+returning ``read(table, ids) + sink`` -- a zero input whose cotangent is
+the gradient of the rows read -- and the ids of every read coming out
+alongside (:func:`row_ids` makes row ids of them). Any other use keeps
 the table dense; an unfamiliar higher-order primitive or parameter layout
 does too, with a :class:`SparsityWarning`.
 """
@@ -23,21 +27,24 @@ does too, with a :class:`SparsityWarning`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
-import re
-import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import source_info_util
 from jax.extend import core as jcore
+
+from gradtx._jax_compat import (
+  open_jaxpr,
+  scan_counts,
+  source_info_util,
+  vma_of,
+)
 
 LOOKUP_NAME = "gtx_lookup"
 _JIT = ("jit", "pjit")
@@ -84,331 +91,9 @@ class SparsityWarning(UserWarning):
   """
 
 
-# ----------------------------------------------------------------------------
-# compatibility: the JAX internals that differ between the supported releases
-#
-# jax 0.10.2 - 0.12. Everything gradtx reads of a primitive's parameters is
-# named in FOLLOWED_PARAMS (tests/test_jaxpr.py checks each name on the
-# running JAX), and every layout difference is resolved here:
-#
-# * jax 0.11 merged ``ClosedJaxpr`` into ``Jaxpr`` (jax-ml/jax#39009): a
-#   ``Jaxpr`` carries its consts, ``jaxpr.jaxpr`` is a legacy alias of
-#   itself. :func:`open_jaxpr` gives (jaxpr, consts) from either layout.
-# * jax 0.11 replaced ``scan``'s ``num_consts`` / ``num_carry`` with the
-#   flat trees ``ft_in`` / ``ft_out`` (jax-ml/jax#39005): :func:`scan_counts`
-#   reads either.
-
-_CLOSED_IS_JAXPR = jcore.ClosedJaxpr is jcore.Jaxpr
-_SCAN_COUNTS_OLD = ("num_consts", "num_carry")
-_SCAN_COUNTS_NEW = ("ft_in", "ft_out")
-
-# Primitive -> the parameters the rewriter reads (alternatives in a tuple:
-# one of them must be there).
-FOLLOWED_PARAMS: dict[str, tuple[Any, ...]] = {
-  "gather": ("dimension_numbers", "slice_sizes", "mode"),
-  "dynamic_slice": ("slice_sizes",),
-  "convert_element_type": ("new_dtype",),
-  "jit": ("jaxpr", "name"),
-  "remat2": ("jaxpr", "prevent_cse", "policy"),
-  "scan": (
-    "jaxpr",
-    "length",
-    "reverse",
-    "unroll",
-    (_SCAN_COUNTS_OLD, _SCAN_COUNTS_NEW),
-  ),
-  "pvary": (),
-  "stop_gradient": (),
-}
-
-
-def open_jaxpr(j: Any) -> tuple[Any, Sequence[Any]]:
-  """``(jaxpr, consts)`` of a body parameter or a traced function: its
-  constvars bind ``consts``, its invars the operands."""
-  if _CLOSED_IS_JAXPR:
-    return j, j.consts
-  if isinstance(j, jcore.ClosedJaxpr):
-    return j.jaxpr, j.consts
-  return j, ()
-
-
-def scan_counts(params: dict) -> tuple[int, int]:
-  """``(num_consts, num_carry)`` of a ``scan`` equation."""
-  if "num_consts" in params:
-    return int(params["num_consts"]), int(params["num_carry"])
-  consts, carry, _ = params["ft_in"].unpack()
-  return len(consts), len(carry)
-
-
 def input_avals(closed: Any) -> list[Any]:
   """The abstract values of a traced function's inputs."""
   return [v.aval for v in open_jaxpr(closed)[0].invars]
-
-
-# JAX's collectives live in one module; those that combine the replicas'
-# values elementwise (lax.psum, pmean, pmax, pmin, psum_scatter and their
-# helpers) would combine SparseRows' row ids too.
-_COLLECTIVES_MODULE = "jax._src.lax.parallel"
-_REDUCING = re.compile(r"_?p(sum|mean|max|min)")
-_JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(jax.__file__)))
-
-
-# The modules of `jax.tree_util.*` and `jax.tree.*`: their frames stand
-# between a flatten and the function that asked for it.
-_TREE_MODULES = frozenset({"jax._src.tree_util", "jax._src.tree"})
-
-
-def _dense_optax(what: str, fix: str) -> str:
-  """The error for an optax transformation that does dense math on a leaf:
-  ``what`` names it, ``fix`` says what to use instead."""
-  return (
-    f"{what} got a gradtx.SparseRows gradient. It does dense math on every "
-    "leaf and would mix the SparseRows' integer row ids into the update. "
-    f"{fix} Or put `gtx.densify()` in front of it (the table's gradient "
-    "becomes a dense array), or keep it for the dense leaves and give the "
-    "tables a gradtx optimizer: `optax.multi_transform({'sparse': <gradtx "
-    "optimizer>, 'dense': <optax optimizer>}, gtx.sparse_labels(loss)(params, "
-    "*batch))`."
-  )
-
-
-def _twin(*pairs: tuple[str, str]) -> str:
-  uses = ", ".join(f"`{gtx}` for `{optax}`" for gtx, optax in pairs)
-  return f"Use its gradtx twin, which keeps the gradient row-sparse: {uses}."
-
-
-_NO_TWIN = (
-  "gradtx has no row-sparse version of it (`gtx.row_transformation` writes "
-  "one)."
-)
-
-# optax's dense-math transformations, by the module and name of the factory
-# whose `update_fn` would receive the SparseRows -> (the optimizers of optax
-# that chain it, the fix). An optimizer's own frame (optax.adam) is gone by
-# update time: only its steps' are on the stack.
-_T = "optax._src.transform"
-_DENSE_OPTAX = {
-  (_T, "scale_by_adam"): (
-    ("optax.adam", "optax.adamw", "optax.nadam", "optax.lamb"),
-    _twin(
-      ("gtx.lazy_adam(learning_rate)", "optax.adam(learning_rate)"),
-      ("gtx.lazy_adamw(learning_rate)", "optax.adamw(learning_rate)"),
-      ("gtx.scale_by_lazy_adam()", "optax.scale_by_adam()"),
-    ),
-  ),
-  (_T, "scale_by_rss"): (
-    ("optax.adagrad",),
-    _twin(
-      ("gtx.adagrad(learning_rate)", "optax.adagrad(learning_rate)"),
-      ("gtx.scale_by_rss()", "optax.scale_by_rss()"),
-    ),
-  ),
-  ("optax.transforms._accumulation", "trace"): (
-    ("optax.sgd(learning_rate, momentum=m)", "optax.rmsprop", "optax.lars"),
-    _twin(
-      (
-        "gtx.lazy_sgd(learning_rate, momentum=m)",
-        "optax.sgd(learning_rate, momentum=m)",
-      ),
-      ("gtx.lazy_trace(decay)", "optax.trace(decay)"),
-    ),
-  ),
-  ("optax.transforms._adding", "add_decayed_weights"): (
-    ("optax.adadelta", "optax.lars"),
-    _twin(("gtx.add_decayed_weights(wd)", "optax.add_decayed_weights(wd)")),
-  ),
-  ("optax.transforms._clipping", "clip_by_global_norm"): (
-    (),
-    _twin(("gtx.clip_by_global_norm(m)", "optax.clip_by_global_norm(m)")),
-  ),
-  (_T, "scale"): (
-    ("optax.sgd(learning_rate)", "optax.scale_by_learning_rate(learning_rate)"),
-    _twin(
-      ("gtx.scale(step_size)", "optax.scale(step_size)"),
-      ("gtx.scale_by_learning_rate(lr)", "optax.scale_by_learning_rate(lr)"),
-      ("gtx.lazy_sgd(learning_rate)", "optax.sgd(learning_rate)"),
-    ),
-  ),
-  (_T, "scale_by_schedule"): (
-    ("optax.sgd(schedule)", "optax.scale_by_learning_rate(schedule)"),
-    _twin(
-      (
-        "gtx.scale_by_learning_rate(schedule, flip_sign=False)",
-        "optax.scale_by_schedule(schedule)",
-      ),
-      (
-        "gtx.scale_by_learning_rate(schedule)",
-        "optax.scale_by_learning_rate(schedule)",
-      ),
-    ),
-  ),
-}
-# The rest of optax's per-leaf math (its moment helpers first): no twin.
-_DENSE_OPTAX_NO_TWIN = {
-  (_T, "scale_by_rms"): ("optax.rmsprop",),
-  (_T, "scale_by_stddev"): ("optax.rmsprop(learning_rate, centered=True)",),
-  (_T, "scale_by_amsgrad"): ("optax.amsgrad",),
-  (_T, "scale_by_adamax"): ("optax.adamax", "optax.adamaxw"),
-  (_T, "scale_by_lion"): ("optax.lion",),
-  (_T, "scale_by_belief"): ("optax.adabelief",),
-  (_T, "scale_by_yogi"): ("optax.yogi",),
-  (_T, "scale_by_radam"): ("optax.radam",),
-  (_T, "scale_by_adadelta"): ("optax.adadelta",),
-  (_T, "scale_by_adan"): ("optax.adan",),
-  (_T, "scale_by_novograd"): ("optax.novograd",),
-  (_T, "scale_by_sm3"): ("optax.sm3",),
-  (_T, "scale_by_sign"): ("optax.sign_sgd", "optax.signum"),
-  (_T, "scale_by_rprop"): ("optax.rprop",),
-  (_T, "scale_by_trust_ratio"): ("optax.lamb", "optax.lars", "optax.fromage"),
-  (_T, "scale_by_optimistic_gradient"): ("optax.optimistic_gradient_descent",),
-  (_T, "scale_by_polyak"): ("optax.polyak_sgd",),
-  (_T, "scale_by_lbfgs"): ("optax.lbfgs",),
-  (_T, "scale_by_param_block_norm"): (),
-  (_T, "scale_by_param_block_rms"): ("optax.adafactor",),
-  (_T, "scale_by_distance_over_gradients"): (),
-  (_T, "normalize_by_update_norm"): (),
-  (_T, "centralize"): (),
-  (_T, "apply_every"): (),
-  ("optax._src.factorized", "scale_by_factored_rms"): ("optax.adafactor",),
-  ("optax.transforms._accumulation", "ema"): ("optax.signum",),
-  ("optax.transforms._adding", "add_noise"): ("optax.noisy_sgd",),
-  ("optax.transforms._clipping", "clip"): (),
-  ("optax.transforms._clipping", "clip_by_block_rms"): ("optax.adafactor",),
-  ("optax.transforms._clipping", "adaptive_grad_clip"): (),
-}
-
-
-def _dense_optax_error(name: str, used_by: tuple[str, ...], fix: str) -> str:
-  uses = ", ".join(f"`{u}`" for u in used_by)
-  what = f"`optax.{name}`" + (f" (a step of {uses})" if uses else "")
-  return _dense_optax(what, fix)
-
-
-# Functions that would corrupt a SparseRows they flatten, by (module,
-# qualified name) -> what to call instead: eqx.apply_updates (it maps over
-# the updates first and so splits a SparseRows into its ids and rows),
-# optax.MultiSteps' dense accumulation, and the update of every optax
-# transformation above.
-_SPLITS_UPDATES = {
-  ("equinox._update", "apply_updates"): (
-    "`eqx.apply_updates` maps over the updates first and would split a "
-    "gradtx.SparseRows into its ids and rows. Apply sparse updates with "
-    "`gtx.apply_updates(model, updates)` (an Equinox module is a pytree; a "
-    "None update leaves its leaf alone, as in eqx), or with "
-    "`optax.apply_updates(params, updates)` on the array part "
-    "(`eqx.partition`)."
-  ),
-  ("optax.transforms._accumulation", "MultiSteps.update.<locals>._do_update"): (
-    "`optax.MultiSteps` got a gradtx.SparseRows gradient: it adds each "
-    "gradient into a dense accumulator shaped like the params, which cannot "
-    "hold one. Use `gtx.accumulate(optimizer, every_k, rows_per_step=...)` in "
-    "its place: it accumulates the rows (`rows_per_step` says how many a "
-    "step's SparseRows holds, per table)."
-  ),
-  **{
-    (module, f"{name}.<locals>.update_fn"): _dense_optax_error(name, *how)
-    for (module, name), how in _DENSE_OPTAX.items()
-  },
-  **{
-    (module, f"{name}.<locals>.update_fn"): _dense_optax_error(
-      name, used_by, _NO_TWIN
-    )
-    for (module, name), used_by in _DENSE_OPTAX_NO_TWIN.items()
-  },
-}
-
-
-def flatten_hazard() -> tuple[str, str] | str | None:
-  """What the pytree flatten that called the caller of this function is
-  inside of, when that would corrupt a SparseRows: ``(name, "file:line")``
-  for one of JAX's reducing collectives (the outermost one, and the user's
-  line that called it), what to call instead for a function of
-  ``_SPLITS_UPDATES``, else None.
-
-  One walk up the stack per flatten: past JAX's tree utilities, then, from
-  optax, past optax's frames (its tree helpers, ``optax.tree.*``) to the
-  first one that is in ``_SPLITS_UPDATES``. optax's structure functions
-  (``chain``, ``multi_transform``, ``masked``, ``inject_hyperparams``,
-  ``apply_updates``) are not, so a SparseRows passes through them to the
-  gradtx transformations inside.
-  """
-  f = sys._getframe(2)
-  while f is not None and f.f_globals.get("__name__") in _TREE_MODULES:
-    f = f.f_back
-  if f is None:
-    return None
-  module = f.f_globals.get("__name__", "")
-  if module == _COLLECTIVES_MODULE:
-    return _reduction(f)
-  while True:
-    hazard = _SPLITS_UPDATES.get((module, f.f_code.co_qualname))
-    f = f.f_back
-    if hazard is not None or f is None or not module.startswith("optax."):
-      return hazard
-    module = f.f_globals.get("__name__", "")
-
-
-def _reduction(f: Any) -> tuple[str, str] | None:
-  """``(name, "file:line")`` of the outermost reducing collective from frame
-  ``f`` (in JAX's collectives module) up, and the user's line that called
-  it; None for a collective that keeps rows whole."""
-  name = None
-  while f is not None and f.f_globals.get("__name__") == _COLLECTIVES_MODULE:
-    if _REDUCING.match(f.f_code.co_name):
-      name = f.f_code.co_name
-    f = f.f_back
-  if name is None:
-    return None
-  while f is not None and os.path.abspath(f.f_code.co_filename).startswith(
-    (os.path.join(_JAX_DIR, "jax") + os.sep, _GRADTX_DIR + os.sep)
-  ):
-    f = f.f_back
-  where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else ""
-  return name.lstrip("_"), where
-
-
-# ----------------------------------------------------------------------------
-# platform branches
-
-# Set only by the tests, through gpu_branches_on_cpu.
-_GPU_BRANCHES_ON_CPU = False
-
-
-def platform_dependent(
-  *args: Any, gpu: Callable[..., Any], default: Callable[..., Any]
-) -> Any:
-  """``gpu(*args)`` on CUDA and ROCm, ``default(*args)`` elsewhere (CPU,
-  TPU): ``lax.platform_dependent``, both branches staged out.
-
-  Inside :func:`gpu_branches_on_cpu` CPU takes ``gpu`` too. The flag is read
-  while tracing, so a program keeps the branch it was traced with.
-  """
-  if _GPU_BRANCHES_ON_CPU:
-    return lax.platform_dependent(
-      *args, cpu=gpu, cuda=gpu, rocm=gpu, default=default
-    )
-  return lax.platform_dependent(*args, cuda=gpu, rocm=gpu, default=default)
-
-
-@contextlib.contextmanager
-def gpu_branches_on_cpu() -> Iterator[None]:
-  """Tests only: every :func:`platform_dependent` traced inside takes its
-  CUDA/ROCm branch on CPU, so the GPU code paths run without a GPU.
-
-  Inside, ``jax.default_device`` is set to the device JAX uses anyway: it is
-  part of every jit cache key, so a jitted function called on both sides of
-  the switch is traced on each side, never served the other side's program
-  (tests/test_conformance.py checks this on each supported JAX).
-  """
-  global _GPU_BRANCHES_ON_CPU
-  if _GPU_BRANCHES_ON_CPU:
-    raise RuntimeError("gpu_branches_on_cpu() is already active")
-  _GPU_BRANCHES_ON_CPU = True
-  try:
-    with jax.default_device(jax.devices()[0]):
-      yield
-  finally:
-    _GPU_BRANCHES_ON_CPU = False
 
 
 # ----------------------------------------------------------------------------
@@ -434,7 +119,7 @@ class DenseUse:
 
 
 @dataclasses.dataclass(frozen=True)
-class Group:
+class TableUse:
   """What a jaxpr does with one table (and its casts): reads, or a dense use;
   ``frozen``: some whole-row read goes through ``stop_gradient`` (no
   gradient there)."""
@@ -482,15 +167,6 @@ class _Sub:
   jaxpr: Any  # core.Jaxpr, invars aligned with the eqn's operands
   consts: Sequence[Any]
   prefix: tuple[int, ...]  # (length,) for scan: reads are stacked
-
-
-def vma_of(aval: Any) -> frozenset:
-  """Mesh axes a value of abstract value ``aval`` varies along inside
-  ``shard_map`` (its type's ``manual_axis_type``; ``vma`` on older JAX)."""
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
 
 
 def _is_var(v: Any) -> bool:
@@ -653,11 +329,11 @@ class Analysis:
   memoised per (jaxpr, tables)."""
 
   def __init__(self):
-    self._memo: dict[Any, tuple[Any, dict[int, Group]]] = {}
+    self._memo: dict[Any, tuple[Any, dict[int, TableUse]]] = {}
 
-  def groups(
+  def uses(
     self, jaxpr: Any, members: dict[int, tuple[int, View]]
-  ) -> dict[int, Group]:
+  ) -> dict[int, TableUse]:
     """What ``jaxpr`` does with each table: ``members`` maps an invar index
     to ``(table, view)`` (which table is there, and how the value derives
     from it); the result maps each table to its reads in program order, or
@@ -674,7 +350,7 @@ class Analysis:
 
   def _walk(
     self, jaxpr: Any, members: dict[int, tuple[int, View]]
-  ) -> dict[int, Group]:
+  ) -> dict[int, TableUse]:
     alias = {jaxpr.invars[i]: tv for i, tv in members.items()}
     tables = sorted({t for t, _ in members.values()})
     reads: dict[int, list[Read]] = {t: [] for t in tables}
@@ -714,22 +390,24 @@ class Analysis:
           for j, (_, pos) in enumerate(subs.values())
           for p in pos
         }
-        found = self.groups(m.jaxpr, inner)
+        found = self.uses(m.jaxpr, inner)
         for j, t in enumerate(subs):
-          g = found[j]
+          use = found[j]
           reads[t].extend(
             dataclasses.replace(r, ids_shape=m.prefix + r.ids_shape)
-            for r in g.reads
+            for r in use.reads
           )
-          frozen[t] = frozen[t] or g.frozen
-          if g.dense is not None:
-            dense[t] = g.dense
+          frozen[t] = frozen[t] or use.frozen
+          if use.dense is not None:
+            dense[t] = use.dense
     for v in jaxpr.outvars:
       if _is_var(v) and v in alias and alias[v][0] not in dense:
         dense[alias[v][0]] = DenseUse(
           "returned by the loss or a nested jit/checkpoint/scan"
         )
-    return {t: Group(tuple(reads[t]), dense.get(t), frozen[t]) for t in tables}
+    return {
+      t: TableUse(tuple(reads[t]), dense.get(t), frozen[t]) for t in tables
+    }
 
 
 def trace(fun: Callable[..., Any], leaves: Sequence[Any]) -> tuple[Any, Any]:
@@ -747,14 +425,14 @@ def trace(fun: Callable[..., Any], leaves: Sequence[Any]) -> tuple[Any, Any]:
 
 def analyze(
   closed: Any, candidates: Sequence[bool]
-) -> tuple[Analysis, list[Group | None]]:
-  """One :class:`Group` per invar of ``closed`` (None where not a
+) -> tuple[Analysis, list[TableUse | None]]:
+  """One :class:`TableUse` per invar of ``closed`` (None where not a
   candidate)."""
   an = Analysis()
   jaxpr, _ = open_jaxpr(closed)
   if len(candidates) != len(jaxpr.invars):
     raise ValueError(f"{len(candidates)} flags for {len(jaxpr.invars)} inputs")
-  found = an.groups(
+  found = an.uses(
     jaxpr, {i: (i, View()) for i, c in enumerate(candidates) if c}
   )
   return an, [found.get(i) for i in range(len(candidates))]
@@ -1001,11 +679,11 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
   go in as extra inputs (scan: xs), the ids come out as extra outputs
   (scan: ys). A jit stays a jit, so an eager call runs its block compiled,
   as JAX does (same values, same speed)."""
-  groups: dict[int, list[int]] = {}
+  by_table: dict[int, list[int]] = {}
   for p in sorted(i for i, x in enumerate(invals) if isinstance(x, _Table)):
-    groups.setdefault(id(invals[p].queue), []).append(p)
-  members = list(groups.values())
-  found = an.groups(
+    by_table.setdefault(id(invals[p].queue), []).append(p)
+  members = list(by_table.values())
+  found = an.uses(
     m.jaxpr,
     {p: (g, View(invals[p].casts)) for g, ps in enumerate(members) for p in ps},
   )
@@ -1046,49 +724,6 @@ def _rewrite_body(an: Analysis, eqn: Any, m: _Sub, invals: list[Any]):
       unroll=params["unroll"],
     )
     outs = list(carry) + list(ys)
-  for ps, group_ids in zip(members, ids, strict=True):
-    invals[ps[0]].queue.ids.extend(group_ids)
+  for ps, table_ids in zip(members, ids, strict=True):
+    invals[ps[0]].queue.ids.extend(table_ids)
   return outs
-
-
-# ----------------------------------------------------------------------------
-# a function traced once, replayed inside a conditional
-
-
-def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
-  """``fn()`` traced once: ``(replay, shapes)``.
-
-  ``replay()`` binds the traced operations again in whatever trace is
-  current (a ``lax.cond`` branch) without calling ``fn``; ``shapes`` is its
-  output tree with ``jax.ShapeDtypeStruct`` leaves that keep the varying
-  mesh axes. A conditional that needs the types of one branch to build the
-  other then traces the Python function once, not twice (``eval_shape`` and
-  the branch), at every level of nesting.
-  """
-  closed, tree = trace(lambda _: fn(), [])
-  shapes = [
-    jax.ShapeDtypeStruct(
-      a.shape,
-      a.dtype,
-      weak_type=a.weak_type,
-      manual_axis_type=getattr(a, "manual_axis_type", None),
-    )
-    for a in closed.out_avals
-  ]
-
-  def replay():
-    return jax.tree.unflatten(tree, jcore.jaxpr_as_fun(closed)())
-
-  return replay, jax.tree.unflatten(tree, shapes)
-
-
-def cast_varying(x: Any, axes: frozenset) -> Any:
-  """``x`` cast to vary over the mesh ``axes`` it does not vary over yet."""
-  missing = tuple(sorted(axes - vma_of(jax.typeof(x))))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def is_replicated_output_error(e: Exception) -> bool:
-  """Whether ``e`` is ``vmap``'s refusal to return as unmapped
-  (``out_axes=None``) an output that varies along the mapped axis."""
-  return isinstance(e, ValueError) and "out_axes is" in str(e)

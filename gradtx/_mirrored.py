@@ -27,16 +27,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradtx import _jaxpr
-from gradtx._base import (
-  SparseRows,
-  check_tree_match,
-  is_int,
-  map_updates,
-  stateless,
-  varying_axes,
-)
+from gradtx._jax_compat import is_replicated_output_error, varying_axes
 from gradtx._sharded import sharded_init
+from gradtx._sparse_rows import SparseRows
+from gradtx._static import is_int
+from gradtx._update_trees import check_tree_match, map_updates, stateless
 
 _TX_OPS = ("mean", "sum")
 _OPS = ("sum", "mean", "first")
@@ -616,7 +611,7 @@ def _vmap_strategy(
   try:
     return mapped(args[0], args[1], batch, *args[3:])
   except ValueError as e:
-    if not _jaxpr.is_replicated_output_error(e):
+    if not is_replicated_output_error(e):
       raise
     raise ValueError(
       f"Mirrored.step({name}): an output returned as replicated differs "

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from gradtx._base import SparseRows, stateless, tree_map
 from gradtx._precision import (
   INT8,
   check_block_size,
@@ -30,7 +29,9 @@ from gradtx._rows import (
   row_optimizer,
 )
 from gradtx._sharded import per_row_full
+from gradtx._sparse_rows import SparseRows
 from gradtx._transforms import scale_by_learning_rate
+from gradtx._update_trees import stateless, tree_map
 
 
 def _float_dtype(dtype: Any, what: str, why: str) -> Any:

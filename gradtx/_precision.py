@@ -16,7 +16,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _sharded
-from gradtx._base import concrete, is_int
+from gradtx._static import concrete, is_int
 
 # The dtypes stochastic rounding writes.
 ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -30,8 +30,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gradtx import _jaxpr
-from gradtx._base import SparseRows, unique_rows
+from gradtx import _platform
+from gradtx._dedup import unique_rows
 from gradtx._precision import QuantizedRows, dequantize_rows, quantize_rows
 from gradtx._sharded import (
   entry_axes,
@@ -315,8 +315,8 @@ def scatter_rows(
   unique: bool = True,
 ) -> jax.Array:
   """``x[idx] = rows`` (or ``+=``) in place; ids outside ``[0, num_rows)``
-  write nothing (pass :meth:`SparseRows.valid_indices`: negative ids would
-  wrap).
+  write nothing (pass a SparseRows' ``valid_indices()``: negative ids
+  would wrap).
 
   A plain scatter, or an owner-local write (each device writes the rows it
   owns) when ``x``'s rows are split over Explicit mesh axes.
@@ -329,22 +329,32 @@ def scatter_rows(
   return ref.add(rows, **kwargs) if add else ref.set(rows, **kwargs)
 
 
-def add_unique_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  # Each row is written once: add in the wider dtype, round once (as
-  # optax.apply_updates does for dense leaves), deterministic everywhere.
-  idx, values = unique_rows(u)
+def add_unique_rows(
+  p: jax.Array, idx: jax.Array, values: jax.Array, *, unique: bool = False
+) -> jax.Array:
+  """``p`` with ``values`` added at rows ``idx`` (padding ``p.shape[0]``),
+  each row written once: the duplicates are summed first (unless ``unique``
+  says there are none), then each row is added in the wider dtype and
+  rounded once (as ``optax.apply_updates`` does for dense leaves),
+  deterministic everywhere."""
+  if not unique:
+    idx, values = unique_rows(idx, values, p.shape[0])
   rows = gather_rows(p, idx)
   new = (rows + values).astype(p.dtype)
   return scatter_rows(p, idx, new)
 
 
-def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
-  """``p`` with the rows of ``u`` added (duplicates summed, padding skipped).
+def scatter_add_rows(
+  p: jax.Array, idx: jax.Array, values: jax.Array, *, unique: bool
+) -> jax.Array:
+  """``p`` with ``values`` added at rows ``idx`` (duplicates summed; the
+  padding id ``p.shape[0]`` skipped): a SparseRows added to its table.
 
+  ``idx`` are a SparseRows' ``valid_indices()``, ``unique`` its static fact.
   The result keeps ``p``'s dtype. With each id once (the update of every
   gradtx optimizer) it equals ``(p + u.to_dense()).astype(p.dtype)``, the
-  rule of ``optax.apply_updates``. Shared by :func:`apply_updates` and
-  ``array + SparseRows``.
+  rule of ``optax.apply_updates``. Shared by :func:`gradtx.apply_updates`
+  and ``array + SparseRows``.
 
   A plain scatter-add where it is deterministic (CPU/TPU scatters are
   sequential: duplicates are added in turn, each add rounded to ``p``'s
@@ -352,19 +362,19 @@ def scatter_add_rows(p: jax.Array, u: SparseRows) -> jax.Array:
   promote the param (float32 rows into a bf16 table, which a cast-then-add
   would round twice) the rows are deduplicated and written once.
   """
-  if jnp.result_type(p.dtype, u.dtype) != p.dtype:
-    return add_unique_rows(p, u)
-  if u.unique:  # each id once (any gradtx optimizer's update): deterministic
-    return scatter_rows(p, u.valid_indices(), u.values, add=True, unique=True)
+  if jnp.result_type(p.dtype, values.dtype) != p.dtype:
+    return add_unique_rows(p, idx, values, unique=unique)
+  if unique:  # each id once (any gradtx optimizer's update): deterministic
+    return scatter_rows(p, idx, values, add=True, unique=True)
 
   def direct(p, idx, vals):
     return scatter_rows(p, idx, vals, add=True, unique=False)
 
-  def unique(p, idx, vals):
-    return add_unique_rows(p, SparseRows(idx, vals, u.num_rows))
+  def deduplicated(p, idx, vals):
+    return add_unique_rows(p, idx, vals)
 
-  return _jaxpr.platform_dependent(
-    p, u.valid_indices(), u.values, gpu=unique, default=direct
+  return _platform.platform_dependent(
+    p, idx, values, gpu=deduplicated, default=direct
   )
 
 

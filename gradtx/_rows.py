@@ -49,15 +49,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradtx._base import (
-  SparseRows,
-  check_rows_match,
-  check_tree_match,
-  concrete,
-  is_update_leaf,
-  unique_rows,
-  zero_counter,
-)
 from gradtx._rowio import (
   per_row,
   read_param_rows,
@@ -68,6 +59,9 @@ from gradtx._rowio import (
   write_state_rows,
 )
 from gradtx._sharded import is_split, row_axes
+from gradtx._sparse_rows import MAX_ROWS, SparseRows, check_rows_match
+from gradtx._static import concrete
+from gradtx._update_trees import check_tree_match, is_update_leaf, zero_counter
 
 __all__ = [
   "bias_corrections",
@@ -80,9 +74,6 @@ __all__ = [
 # rule(g, p, *states) -> (new_states, update), update(*new_states) -> u or
 # the update u itself
 Rule = Callable[..., tuple[Sequence[Any], Callable[..., Any] | Any]]
-
-# The ids of a group share one int32 id space.
-_MAX_GROUP_ROWS = 2**31 - 1
 
 
 def concrete_float(x: Any) -> float | None:
@@ -217,7 +208,7 @@ def _groups(keys: dict[int, tuple], sizes: dict[int, int]) -> list[list[int]]:
   out: dict[tuple, list[list[int]]] = {}
   for i, key in keys.items():
     chunks = out.setdefault(key, [[]])
-    if sum(sizes[j] for j in chunks[-1]) + sizes[i] > _MAX_GROUP_ROWS:
+    if sum(sizes[j] for j in chunks[-1]) + sizes[i] > MAX_ROWS:
       chunks.append([])
     chunks[-1].append(i)
   return [c for chunks in out.values() for c in chunks]
@@ -254,7 +245,8 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
   """The group's ids (offset per table, padding = total rows) deduplicated
   in one pass, each id at its first position: ``(ids, values)``."""
   if len(grads) == 1:
-    return unique_rows(grads[0])
+    u = grads[0].deduplicated()
+    return u.indices, u.values
   total = sum(g.num_rows for g in grads)
   ids, offset = [], 0
   for g in grads:
@@ -267,8 +259,8 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
     total,
     unique=all(g.unique for g in grads),
     normalized=True,
-  )
-  return unique_rows(joined)
+  ).deduplicated()
+  return joined.indices, joined.values
 
 
 def _update_group(

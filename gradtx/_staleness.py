@@ -9,13 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gradtx._base import (
-  apply_if,
-  concrete,
-  is_int,
-  zero_counter,
-)
+from gradtx._conditional import apply_if
+from gradtx._static import concrete, is_int
 from gradtx._transforms import scale_tree
+from gradtx._update_trees import zero_counter
 
 
 class DropStaleState(NamedTuple):

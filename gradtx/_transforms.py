@@ -14,17 +14,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradtx._base import (
-  SparseRows,
-  check_rows_match,
-  check_tree_match,
-  is_update_leaf,
-  map_updates,
-  stateless,
-  tree_leaves,
-  tree_map,
-  zero_counter,
-)
 from gradtx._precision import (
   ROUNDED_DTYPES,
   check_key,
@@ -36,6 +25,16 @@ from gradtx._rowio import (
   per_row,
   scatter_add_rows,
   scatter_rows,
+)
+from gradtx._sparse_rows import SparseRows, check_rows_match
+from gradtx._update_trees import (
+  check_tree_match,
+  is_update_leaf,
+  map_updates,
+  stateless,
+  tree_leaves,
+  tree_map,
+  zero_counter,
 )
 
 # ----------------------------------------------------------------------------
@@ -134,7 +133,7 @@ def apply_updates(params: Any, updates: Any, *, key: Any = None) -> Any:
     if key is not None and p.dtype in ROUNDED_DTYPES:
       return _apply_rounded(u, p, jax.random.fold_in(key, i))
     if isinstance(u, SparseRows):
-      return scatter_add_rows(p, u)
+      return scatter_add_rows(p, u.valid_indices(), u.values, unique=u.unique)
     return jnp.asarray(p + u).astype(p.dtype)
 
   pairs = enumerate(zip(leaves, p_leaves, strict=True))

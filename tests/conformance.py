@@ -36,9 +36,10 @@ case. Most checks compare with the jitted run of the case's group
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -47,19 +48,55 @@ import numpy as np
 import optax
 import pytest
 from hlo import dedups, row_ops
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
-from gradtx import _jaxpr
+from gradtx import _platform
 
 NUM_ROWS = 32
 DIM = 4
 IDS_PER_STEP = 6
 
-# Tests only: CPU takes the CUDA/ROCm branch of every platform-dependent
-# call traced inside (the one private gradtx name the suite uses).
-gpu_branches = _jaxpr.gpu_branches_on_cpu
+# The GPU branches on CPU: gradtx stages its platform-dependent code out
+# through one wrapper, gradtx._platform.platform_dependent (the one private
+# gradtx name the suite patches), which every caller looks up through its
+# module.
+_CPU_WRAPPER = _platform.platform_dependent
+
+
+def _gpu_branch_on_cpu(
+  *args: Any, gpu: Callable[..., Any], default: Callable[..., Any]
+) -> Any:
+  return lax.platform_dependent(
+    *args, cpu=gpu, cuda=gpu, rocm=gpu, default=default
+  )
+
+
+def gpu_branches_active() -> bool:
+  """Whether :func:`gpu_branches` is active."""
+  return _platform.platform_dependent is not _CPU_WRAPPER
+
+
+@contextlib.contextmanager
+def gpu_branches() -> Iterator[None]:
+  """Every platform-dependent call of gradtx traced inside takes its
+  CUDA/ROCm branch on CPU, so the GPU code paths run without a GPU.
+
+  Inside, ``jax.default_device`` is set to the device JAX uses anyway: it is
+  part of every jit cache key, so a jitted function called on both sides of
+  the switch is traced on each side, never served the other side's program
+  (tests/test_conformance.py checks this on each supported JAX).
+  """
+  if gpu_branches_active():
+    raise RuntimeError("gpu_branches() is already active")
+  _platform.platform_dependent = _gpu_branch_on_cpu
+  try:
+    with jax.default_device(jax.devices()[0]):
+      yield
+  finally:
+    _platform.platform_dependent = _CPU_WRAPPER
 
 
 def standard_params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
@@ -319,7 +356,7 @@ def _reference_run(group: list[Case]) -> tuple[Callable[..., Any], list[Any]]:
   branch."""
   key = tuple(id(c) for c in group)
   if key not in _REFERENCE:
-    assert not _jaxpr._GPU_BRANCHES_ON_CPU, "the reference is the CPU branch"
+    assert not gpu_branches_active(), "the reference is the CPU branch"
     txs = [case.make_tx() for case in group]
     step = jax.jit(together(group, [step_fn(tx) for tx in txs]))
     carries = initial(group, txs)

@@ -35,7 +35,7 @@ def row_ops(compiled: Any, rows: int) -> list:
 def dedups(compiled: Any) -> tuple[int, int]:
   """``(hash loops, sorts)`` in a compiled CPU program: how many times it
   deduplicates row ids (``unique_rows`` hashes on CPU; ``coalesce`` sorts)."""
-  from gradtx._base import DEDUP_SCOPE
+  from gradtx._dedup import DEDUP_SCOPE
 
   lines = compiled.as_text().splitlines()
   loops = [x for x in lines if " while(" in x and f'{DEDUP_SCOPE}/while"' in x]

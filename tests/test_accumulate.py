@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
-from gradtx._base import INT32_MAX
+
+INT32_MAX = np.iinfo(np.int32).max
 
 # ----------------------------------------------------------------------------
 # helpers
@@ -74,8 +75,12 @@ def _assert_tree_close(a, b, rtol=1e-6, atol=1e-7):
     )
 
 
+def _is_sparse(x):
+  return isinstance(x, gtx.SparseRows)
+
+
 def _is_zero_update(u):
-  for leaf in jax.tree.leaves(u, is_leaf=gtx._base.is_sparse):
+  for leaf in jax.tree.leaves(u, is_leaf=_is_sparse):
     if isinstance(leaf, gtx.SparseRows):
       if np.any(np.asarray(leaf.valid_indices()) < leaf.num_rows):
         return False

@@ -8,7 +8,7 @@ import optax
 import references as ref
 
 import gradtx as gtx
-from gradtx._base import _segment_sum_scan, _segment_sum_scatter
+from gradtx._dedup import _segment_sum_scan, _segment_sum_scatter
 
 NUM_ROWS = 16
 DIM = 3

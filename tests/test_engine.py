@@ -418,7 +418,7 @@ def test_complex_accumulators_refused_where_optax_has_none(make):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gpu_dedup_has_the_cpu_layout(seed):
-  from gradtx._base import _unique_by_hash, _unique_by_sort
+  from gradtx._dedup import _unique_by_hash, _unique_by_sort
 
   rng = np.random.RandomState(seed)
   n, num_rows = 64, 20

@@ -14,7 +14,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import gradtx as gtx
-from gradtx import _jaxpr
+from gradtx import _jax_compat, _jaxpr
 
 V, D = 12, 3
 RNG = np.random.RandomState(0)
@@ -623,7 +623,7 @@ def _followed_constructs(t, ids, in_shard_map=True):
 
 
 def _params_by_primitive(jaxpr, found):
-  jaxpr, _ = _jaxpr.open_jaxpr(jaxpr)
+  jaxpr, _ = _jax_compat.open_jaxpr(jaxpr)
   for eqn in jaxpr.eqns:
     found.setdefault(eqn.primitive.name, set()).update(eqn.params)
     for body in jcore.jaxprs_in_params(eqn.params):
@@ -635,7 +635,7 @@ def test_followed_primitives_have_the_parameters_the_rewriter_reads():
   found = _params_by_primitive(
     jax.make_jaxpr(_followed_constructs)(TABLE, IDS), {}
   )
-  for name, wanted in _jaxpr.FOLLOWED_PARAMS.items():
+  for name, wanted in _jax_compat.FOLLOWED_PARAMS.items():
     assert name in found, f"no `{name}` primitive on jax {jax.__version__}"
     for w in wanted:
       options = w if isinstance(w, tuple) else ((w,),)
@@ -794,7 +794,7 @@ def test_eager_call_runs_a_jitted_block_compiled_as_jax_does():
   (eqn,) = [
     e for e in jax.make_jaxpr(loss)(table, IDS).eqns if "jaxpr" in e.params
   ]
-  body, _ = _jaxpr.open_jaxpr(eqn.params["jaxpr"])
+  body, _ = _jax_compat.open_jaxpr(eqn.params["jaxpr"])
   fns = []
   for _ in range(2):
     got_v, got = gtx.sparse_value_and_grad(loss)(table, IDS)

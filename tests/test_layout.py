@@ -1,5 +1,6 @@
-"""The package's layout: the import graph of gradtx/ has no cycle, and no
-module uses a private name (``_x``) of another outside the bottom layer.
+"""The package's layout: the import graph of gradtx/ has no cycle, no
+module uses a private name (``_x``) of another, and docs/contributing.md's
+module map lists every module in import order.
 
 Read from the source with ``ast``, so an import inside a function counts as
 much as one at the top of a module.
@@ -10,22 +11,11 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "gradtx"
-
-# The bottom layer (docs/contributing.md): the shared helpers every module
-# builds on, whose private names others may use.
-BOTTOM_LAYER = ("_base",)
 
 # Known edges of a cycle, each with the reason it is still here. Empty this
 # list as they go: the test fails on an edge listed here that is gone.
-KNOWN_CYCLE_EDGES = {
-  # SparseRows.__radd__ (array + SparseRows) imports scatter_add_rows inside
-  # a function, and _rowio imports _base: goes when _base is split (issue
-  # 38, item 1).
-  ("_base", "_rowio"),
-}
+KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -138,9 +128,10 @@ def test_the_graph_is_read():
   # The reader finds what we know is there: a guard against a test that
   # passes because it reads nothing.
   graph = _edges()
-  assert "_base" in graph["_rows"] and "_rowio" in graph["_rows"]
+  assert "_sparse_rows" in graph["_rows"] and "_rowio" in graph["_rows"]
   assert "_rowio" in graph["_autodiff"] and "_jaxpr" in graph["_autodiff"]
-  assert "_base" in graph["__init__"]
+  assert "_sparse_rows" in graph["__init__"]
+  assert "_platform" in graph["_dedup"]  # `from gradtx import _platform`
 
 
 def test_no_import_cycle():
@@ -183,13 +174,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
 
 
 def test_no_private_name_crosses_modules():
-  bad = [
-    use
-    for use in USES
-    if _private(use.name)
-    and use.target != use.module
-    and use.target not in BOTTOM_LAYER
-  ]
+  bad = [use for use in USES if _private(use.name) and use.target != use.module]
   assert not bad, (
     "private names used from another module (give them a name without the "
     "leading underscore, or move them to the module that uses them): "
@@ -197,11 +182,35 @@ def test_no_private_name_crosses_modules():
   )
 
 
-@pytest.mark.parametrize("module", BOTTOM_LAYER)
-def test_the_bottom_layer_exists(module):
-  assert module in MODULES, (
-    f"BOTTOM_LAYER in tests/test_layout.py names gradtx/{module}.py, which "
-    "is gone: list the modules of today's bottom layer"
+def test_platform_code_goes_through_the_one_wrapper():
+  # The test suite takes the GPU branches on CPU by patching
+  # gradtx._platform.platform_dependent (tests/conformance.py): a caller
+  # that calls lax.platform_dependent itself, or holds the wrapper under a
+  # name of its own (`from gradtx._platform import platform_dependent`),
+  # would escape the patch.
+  bad = []
+  for module, tree in MODULES.items():
+    if module == "_platform":
+      continue
+    for node in ast.walk(tree):
+      if (
+        isinstance(node, ast.ImportFrom)
+        and _target(node.module, node.level) == "_platform"
+      ):
+        bad.append(f"gradtx/{module}.py:{node.lineno} imports from _platform")
+      elif (
+        isinstance(node, ast.Attribute)
+        and node.attr == "platform_dependent"
+        and not (
+          isinstance(node.value, ast.Name) and node.value.id == "_platform"
+        )
+      ):
+        bad.append(
+          f"gradtx/{module}.py:{node.lineno} calls {ast.unparse(node)}"
+        )
+  assert not bad, (
+    "platform-dependent code must call `_platform.platform_dependent(...)` "
+    "(`from gradtx import _platform`): " + "; ".join(bad)
   )
 
 

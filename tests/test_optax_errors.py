@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import gradtx as gtx
-from gradtx import _jaxpr
+from gradtx import _flatten_guard
 
 NUM_ROWS = 6
 IDS = np.array([4, 1, 4, NUM_ROWS], np.int32)  # a duplicate and padding
@@ -100,7 +100,7 @@ def test_dense_optax_transform_refuses_sparse_rows(case):
 def test_every_refused_optax_function_exists():
   # The refusal keys on optax's module and function names: a renamed one
   # (a newer optax) would silently stop being refused.
-  for module, qualname in _jaxpr._SPLITS_UPDATES:
+  for module, qualname in _flatten_guard._SPLITS_UPDATES:
     if not module.startswith("optax."):
       continue
     outer = importlib.import_module(module)

@@ -299,7 +299,7 @@ def _steps(tx, state, calls=3, **extra):
   step = jax.jit(lambda s: tx.update(_grad(), s, _params(), **extra))
   for _ in range(calls):
     u, state = step(state)
-    for leaf in gtx._base.tree_leaves(u):
+    for leaf in gtx._update_trees.tree_leaves(u):
       values = leaf.values if isinstance(leaf, gtx.SparseRows) else leaf
       assert np.all(np.isfinite(values))
     states.append(state)

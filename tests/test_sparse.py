@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
-from gradtx._base import unique_rows
 
 # ----------------------------------------------------------------------------
 # SparseRows
@@ -60,6 +59,12 @@ ROWS_AND_IDS = st.sampled_from([1, 2, 5, 12]).flatmap(
 def _coalesce(g):
   c = g.coalesce()
   return c.indices, c.values
+
+
+def unique_rows(g):
+  """The row engine's deduplication (``gradtx._dedup.unique_rows``)."""
+  d = g.deduplicated()
+  return d.indices, d.values
 
 
 @functools.cache
@@ -130,7 +135,7 @@ def test_unique_rows_sums_bit_for_bit_like_coalesce(case):
 def test_add_duplicates_in_chunks_is_one_sequential_scatter(chunk):
   # Chunks of duplicates (several loop trips, a last partial one) add in
   # the order of one scatter-add over all positions: the same bits.
-  from gradtx._base import _add_duplicates, _first_positions
+  from gradtx._dedup import _add_duplicates, _first_positions
 
   rng = np.random.RandomState(1)
   ids = jnp.asarray(rng.randint(0, 9, size=40), jnp.int32)
@@ -144,7 +149,7 @@ def test_add_duplicates_in_chunks_is_one_sequential_scatter(chunk):
 
 def test_coalesce_scan_path_matches_scatter_path():
   # The GPU path (segmented scan) must give the CPU path's result.
-  from gradtx._base import _segment_sum_scan, _segment_sum_scatter
+  from gradtx._dedup import _segment_sum_scan, _segment_sum_scatter
 
   rng = np.random.RandomState(0)
   idx = rng.randint(0, 9, size=50)
@@ -617,7 +622,9 @@ def test_apply_updates_gpu_path_matches_cpu_path():
   p = jnp.asarray(np.random.RandomState(1).normal(size=(7, 2)), jnp.float32)
   u = gtx.SparseRows(jnp.array([3, -1, 3, 6, 0]), jnp.ones((5, 2)) * 0.5, 7)
   np.testing.assert_allclose(
-    add_unique_rows(p, u), gtx.apply_updates(p, u), rtol=1e-7
+    add_unique_rows(p, u.valid_indices(), u.values),
+    gtx.apply_updates(p, u),
+    rtol=1e-7,
   )
 
 
