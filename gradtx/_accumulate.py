@@ -170,7 +170,7 @@ def _new_buffer(p: Any, rows: int, dtype: Any) -> SparseRows:
   )
 
 
-class _Plan(NamedTuple):
+class _Settings(NamedTuple):
   """The checked arguments of :func:`accumulate`, read by init and update."""
 
   inner: optax.GradientTransformationExtraArgs
@@ -193,14 +193,14 @@ class _Plan(NamedTuple):
     return self.static_k or self.max_every_k
 
 
-def _make_plan(
+def _check_settings(
   inner: optax.GradientTransformation,
   every_k: Any,
   mean: bool,
   accumulator_dtype: Any,
   rows_per_step: Any,
   max_every_k: Any,
-) -> _Plan:
+) -> _Settings:
   """Checks the arguments of :func:`accumulate` when it is called, before
   any trace, so a bad one fails at construction."""
   static_k = _check_every_k(every_k)
@@ -219,7 +219,7 @@ def _make_plan(
         "gradtx.accumulate `accumulator_dtype` must be a floating dtype "
         f"(for example jnp.float32); got {accumulator_dtype}."
       )
-  return _Plan(
+  return _Settings(
     inner=optax.with_extra_args_support(inner),
     static_k=static_k,
     schedule=schedule,
@@ -234,40 +234,40 @@ def _make_plan(
 # init
 
 
-def _buffer_k(plan: _Plan, rows: int) -> int:
+def _buffer_k(settings: _Settings, rows: int) -> int:
   """The slots of a sparse buffer; a schedule needs a static bound."""
-  if plan.window is None:
+  if settings.window is None:
     raise ValueError(
       "gradtx.accumulate: with an `every_k` schedule, sparse leaves need "
       "a static buffer size. Pass `max_every_k=` (the largest k the "
       "schedule returns); the buffer then holds max_every_k * "
       f"rows_per_step rows (here rows_per_step={rows})."
     )
-  return plan.window
+  return settings.window
 
 
-def _new_accumulator(plan: _Plan, p: Any, rows: int | None) -> Any:
+def _new_accumulator(settings: _Settings, p: Any, rows: int | None) -> Any:
   """An empty accumulator leaf for param ``p``: a running sum like ``p``
   (dense), a buffer of ``k * rows`` rows (sparse), or None (no param, or
   ``every_k=1``)."""
-  if p is None or plan.passthrough:
+  if p is None or settings.passthrough:
     return None
-  dtype = plan.accumulator_dtype or p.dtype
+  dtype = settings.accumulator_dtype or p.dtype
   if rows is None:
     return jnp.zeros_like(p, dtype=dtype)  # keeps p's sharding
-  return _new_buffer(p, _buffer_k(plan, rows) * rows, dtype)
+  return _new_buffer(p, _buffer_k(settings, rows) * rows, dtype)
 
 
-def _init(plan: _Plan, params: Any) -> AccumulateState:
+def _init(settings: _Settings, params: Any) -> AccumulateState:
   """``init``: empty counters, accumulators and the inner state."""
-  rows = _resolve_rows_per_step(plan.rows_per_step, params)
+  rows = _resolve_rows_per_step(settings.rows_per_step, params)
   paths_rows, _ = jax.tree_util.tree_flatten_with_path(
     rows, is_leaf=lambda x: x is None
   )
   for path, n in paths_rows:
     _check_rows(n, jax.tree_util.keystr(path))
   accumulator = jax.tree.map(
-    functools.partial(_new_accumulator, plan),
+    functools.partial(_new_accumulator, settings),
     params,
     rows,
     is_leaf=lambda x: x is None,
@@ -277,7 +277,7 @@ def _init(plan: _Plan, params: Any) -> AccumulateState:
     num_updates=zero_counter(),
     num_accumulated=zero_counter(),
     accumulator=accumulator,
-    inner_state=plan.inner.init(params),
+    inner_state=settings.inner.init(params),
   )
 
 
@@ -300,12 +300,12 @@ def _check_state(state: Any, updates: Any) -> None:
   )
 
 
-def _current_k(plan: _Plan, num_updates: jax.Array) -> jax.Array:
+def _current_k(settings: _Settings, num_updates: jax.Array) -> jax.Array:
   """This window's k: the int, or the schedule at the updates emitted so
   far (checked at trace time for its type, at run time for its range)."""
-  if plan.schedule is None:
-    return jnp.asarray(plan.static_k, jnp.int32)
-  k = jnp.asarray(plan.schedule(num_updates))
+  if settings.schedule is None:
+    return jnp.asarray(settings.static_k, jnp.int32)
+  k = jnp.asarray(settings.schedule(num_updates))
   if k.shape != () or not jnp.issubdtype(k.dtype, jnp.integer):
     raise TypeError(
       "gradtx.accumulate `every_k` schedule must return an integer scalar;"
@@ -314,11 +314,11 @@ def _current_k(plan: _Plan, num_updates: jax.Array) -> jax.Array:
     )
   k = k.astype(jnp.int32)
   bad = k < 1
-  if plan.max_every_k is not None:
-    bad = bad | (k > plan.max_every_k)
+  if settings.max_every_k is not None:
+    bad = bad | (k > settings.max_every_k)
   lax.cond(
     bad,
-    lambda: jax.debug.callback(_raise_bad_k, k, plan.max_every_k or -1),
+    lambda: jax.debug.callback(_raise_bad_k, k, settings.max_every_k or -1),
     lambda: None,
   )
   return k
@@ -461,7 +461,7 @@ def _total_leaf(a: Any, g: Any, count: jax.Array, mean: bool) -> Any:
 
 
 def _emit_branch(
-  plan: _Plan,
+  settings: _Settings,
   state: AccumulateState,
   updates: Any,
   prepared: Any,
@@ -475,9 +475,11 @@ def _emit_branch(
   # rather than materialized once for both the cond and the select.
   acc = _accumulated(state.accumulator, prepared, state.num_accumulated)
   total = tree_map(
-    functools.partial(_total_leaf, count=count, mean=plan.mean), acc, updates
+    functools.partial(_total_leaf, count=count, mean=settings.mean),
+    acc,
+    updates,
   )
-  new_updates, inner_state = plan.inner.update(
+  new_updates, inner_state = settings.inner.update(
     total, state.inner_state, params, **extra_args
   )
   emitted = jnp.ones([], bool)
@@ -506,14 +508,14 @@ def _reset(accumulated: Any, emitted: jax.Array, accumulator: Any) -> Any:
 
 
 def _passthrough_update(
-  plan: _Plan,
+  settings: _Settings,
   updates: Any,
   state: AccumulateState,
   params: Any,
   extra_args: dict[str, Any],
 ) -> tuple[Any, AccumulateState]:
   """``every_k=1``: the inner update itself; the wrapper only counts."""
-  new_updates, inner_state = plan.inner.update(
+  new_updates, inner_state = settings.inner.update(
     updates, state.inner_state, params, **extra_args
   )
   return new_updates, state._replace(
@@ -524,7 +526,7 @@ def _passthrough_update(
 
 
 def _update(
-  plan: _Plan,
+  settings: _Settings,
   updates: Any,
   state: AccumulateState,
   params: Any = None,
@@ -532,14 +534,14 @@ def _update(
 ) -> tuple[Any, AccumulateState]:
   """One call: add the gradient; on the window's last call, emit."""
   _check_state(state, updates)
-  if plan.passthrough:
-    return _passthrough_update(plan, updates, state, params, extra_args)
-  k = _current_k(plan, state.num_updates)
+  if settings.passthrough:
+    return _passthrough_update(settings, updates, state, params, extra_args)
+  k = _current_k(settings, state.num_updates)
   count = state.num_accumulated + 1
   emit = count >= k
-  prepared = _prepare(updates, state.accumulator, plan.window)
+  prepared = _prepare(updates, state.accumulator, settings.window)
   emit_fn = functools.partial(
-    _emit_branch, plan, state, updates, prepared, count, params, extra_args
+    _emit_branch, settings, state, updates, prepared, count, params, extra_args
   )
   (new_updates, emitted), inner_state = apply_if(
     emit, emit_fn, state.inner_state
@@ -667,11 +669,11 @@ def accumulate(
     Yuxin Wu and others, `Tensorpack <https://github.com/tensorpack/tensorpack>`_
     (``AccumGradOptimizer``), 2016.
   """
-  plan = _make_plan(
+  settings = _check_settings(
     inner, every_k, mean, accumulator_dtype, rows_per_step, max_every_k
   )
   return optax.GradientTransformationExtraArgs(
-    functools.partial(_init, plan), functools.partial(_update, plan)
+    functools.partial(_init, settings), functools.partial(_update, settings)
   )
 
 
