@@ -215,7 +215,11 @@ def mirrored_step(rows, dim, n, hybrid):
   def fn(params, state, batch):
     loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state, m.all_reduce(loss, "mean")
+    return (
+      gtx.apply_updates(params, updates),
+      state,
+      m.reduce_in_step(loss, "mean"),
+    )
 
   def at(x):  # table-shaped leaves row-sharded when hybrid
     spec = (m.axis_name,) if hybrid and x.shape[:1] == (rows,) else ()

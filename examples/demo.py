@@ -183,7 +183,11 @@ def main(argv: list[str] | None = None) -> None:
   def train_step(p, s, batch):
     loss, grads = grad_fn(p, batch)
     updates, s = tx.update(grads, s, p)
-    return gtx.apply_updates(p, updates), s, mirrored.all_reduce(loss, "mean")
+    return (
+      gtx.apply_updates(p, updates),
+      s,
+      mirrored.reduce_in_step(loss, "mean"),
+    )
 
   step = mirrored.step(train_step, donate_argnums=(0, 1))
   params = mirrored.replicate(params)

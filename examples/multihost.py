@@ -397,7 +397,7 @@ def train(args: argparse.Namespace) -> dict[str, np.ndarray]:
     loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = gtx.apply_updates(params, updates)
-    return params, opt_state, m.all_reduce(loss, "mean")
+    return params, opt_state, m.reduce_in_step(loss, "mean")
 
   step_fn = m.step(train_step, donate_argnums=(0, 1))
   host_params = init_params()

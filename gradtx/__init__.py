@@ -22,6 +22,7 @@ from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
 from gradtx._memory import bytes_per_row as bytes_per_row
 from gradtx._memory import use_huge_pages as use_huge_pages
+from gradtx._mirrored import AllReduce as AllReduce
 from gradtx._mirrored import Mirrored as Mirrored
 from gradtx._mirrored import all_reduce as all_reduce
 from gradtx._optimizers import FtrlState as FtrlState
@@ -66,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "AccumulateState",
+  "AllReduce",
   "DropStaleState",
   "FtrlState",
   "Jagged",

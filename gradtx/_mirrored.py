@@ -4,7 +4,8 @@ cross-replica reduction of (row-sparse) gradients.
 ``Mirrored`` is a 1-D mesh over devices (of one or many processes) with the
 helpers a data-parallel loop needs: replicate params and optimizer state,
 split the batch, compile the per-replica step (``jit`` + ``shard_map``) and
-reduce values across replicas. With ``shard_rows=`` chosen tables are split
+reduce values across replicas, inside the step (``reduce_in_step``) or
+outside it (``reduce``). With ``shard_rows=`` chosen tables are split
 by rows over the same devices instead of replicated (hybrid parallelism);
 the step then maps the per-replica function with ``jax.vmap`` over the
 replica axis at the global view, so a row-sharded table is whole in the
@@ -16,6 +17,7 @@ of gradients into an optax chain.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,7 +53,7 @@ def _check_op(op: Any, allowed: Sequence[str], where: str) -> str:
 
 # ----------------------------------------------------------------------------
 # Reductions across replicas, inside a mapped step (all_reduce and
-# Mirrored.all_reduce)
+# Mirrored.reduce_in_step)
 
 
 def _unbound(where: str, axis_name: AxisName, err: Exception) -> NameError:
@@ -237,7 +239,8 @@ def all_reduce(
       when each replica's loss is a mean over its shard) or ``"sum"``.
 
   Returns:
-    A stateless transformation (its state is ``optax.EmptyState()``).
+    An :class:`AllReduce`: a stateless transformation (its state is
+    ``optax.EmptyState()``) that is also callable on a gradient tree.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -270,8 +273,13 @@ def all_reduce(
 
 
 class AllReduce(optax.GradientTransformationExtraArgs):
-  """The transformation :func:`all_reduce` returns; calling it on a tree
-  reduces the tree (the drop-in for ``lax.pmean(grads, axis_name)``)."""
+  """The transformation :func:`all_reduce` returns.
+
+  An ``optax.GradientTransformationExtraArgs`` without state (its state is
+  ``optax.EmptyState()``) that is also a function of a gradient tree:
+  ``gtx.all_reduce(axis_name)(grads)`` reduces the tree, the drop-in for
+  ``lax.pmean(grads, axis_name)``.
+  """
 
   __slots__ = ()
 
@@ -616,7 +624,7 @@ def _vmap_strategy(
     raise ValueError(
       f"Mirrored.step({name}): an output returned as replicated differs "
       "across replicas. Reduce per-replica values inside the step "
-      "(`mirrored.all_reduce(x, op)`, and `gtx.all_reduce(axis_name)` "
+      "(`mirrored.reduce_in_step(x, op)`, and `gtx.all_reduce(axis_name)` "
       "first in the optax chain), or list the output's position in "
       f"`per_replica_outputs`. ({e})"
     ) from e
@@ -668,7 +676,7 @@ class Mirrored:
       loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
       params = gtx.apply_updates(params, updates)
-      return params, opt_state, m.all_reduce(loss, "mean")
+      return params, opt_state, m.reduce_in_step(loss, "mean")
 
     step = m.step(train_step, donate_argnums=(0, 1))
     params = m.replicate(params)
@@ -678,7 +686,7 @@ class Mirrored:
 
   Outputs of the step are replicated: each must be the same on every
   replica (reduce per-replica values inside the step with
-  :meth:`all_reduce`, as the loss above). To get per-replica values out
+  :meth:`reduce_in_step`, as the loss above). To get per-replica values out
   instead, name their positions in ``per_replica_outputs``; they come
   back with a leading replica axis, and :meth:`reduce` combines them
   outside the step (TensorFlow's ``run`` then ``reduce``).
@@ -723,7 +731,7 @@ class Mirrored:
     >>> m.num_replicas == jax.device_count(), m.axis_name
     (True, 'replica')
     >>> def fn(w, state, batch):
-    ...   return w, state, m.all_reduce(jnp.sum(batch @ w), "sum")
+    ...   return w, state, m.reduce_in_step(jnp.sum(batch @ w), "sum")
     >>> step = m.step(fn)
     >>> batch = m.shard_batch(jnp.ones((2 * m.num_replicas, 3)))
     >>> _, _, total = step(m.replicate(jnp.ones(3)), (), batch)
@@ -881,7 +889,7 @@ class Mirrored:
     ``params``, ``opt_state`` and ``args``, and its replica's shard of
     ``batch`` (the leading axis divided by ``num_replicas``). Inside it,
     ``self.axis_name`` names the replica axis, for :func:`all_reduce` and
-    :meth:`all_reduce`. As in ``jax.pmap`` and TensorFlow's
+    :meth:`reduce_in_step`. As in ``jax.pmap`` and TensorFlow's
     ``MirroredStrategy``, a gradient taken inside ``fn`` is the replica's
     own, computed from its shard: reduce it across replicas (put
     ``gtx.all_reduce(mirrored.axis_name)`` first in the optax chain).
@@ -892,7 +900,7 @@ class Mirrored:
 
     Every output is replicated: it must be the same on every replica,
     which holds for params and optimizer state updated from reduced
-    gradients and for values reduced with :meth:`all_reduce` (the loss,
+    gradients and for values reduced with :meth:`reduce_in_step` (the loss,
     metrics). This is the caller's promise, not checked by the plain
     step: a per-replica value returned as replicated comes back as some
     replica's value (with ``shard_rows`` it raises). To get per-replica
@@ -922,8 +930,12 @@ class Mirrored:
     return _compile_step(self._replicas, strategy, fn, donate, per_replica)
 
   # -- reductions -------------------------------------------------------------
-  def all_reduce(self, tree: Any, op: str) -> Any:
+  def reduce_in_step(self, tree: Any, op: str) -> Any:
     """Reduces values across replicas, inside the function given to step.
+
+    The in-step counterpart of :meth:`reduce` (which combines per-replica
+    outputs after the step); for gradients in an optax chain use
+    :func:`gradtx.all_reduce`.
 
     Args:
       tree: any pytree of arrays (SparseRows included).
@@ -934,8 +946,20 @@ class Mirrored:
     Returns:
       The reduced tree, the same on every replica.
     """
-    _check_op(op, _OPS, "Mirrored.all_reduce")
-    return _reduce_tree(tree, self.axis_name, op, "Mirrored.all_reduce")
+    _check_op(op, _OPS, "Mirrored.reduce_in_step")
+    return _reduce_tree(tree, self.axis_name, op, "Mirrored.reduce_in_step")
+
+  def all_reduce(self, tree: Any, op: str) -> Any:
+    """Deprecated: :meth:`reduce_in_step` (``gtx.all_reduce`` is the
+    transformation of gradients; one name, one meaning)."""
+    warnings.warn(
+      "Mirrored.all_reduce(tree, op) is deprecated: call "
+      "Mirrored.reduce_in_step(tree, op) (the same reduction; "
+      "gradtx.all_reduce(axis_name, op) is the optax transformation).",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.reduce_in_step(tree, op)
 
   def reduce(self, tree: Any, op: str) -> Any:
     """Combines per-replica values (a leading replica axis) into one.

@@ -60,7 +60,7 @@ def train(m: gtx.Mirrored) -> tuple[dict[str, np.ndarray], list[float]]:
     loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = gtx.apply_updates(params, updates)
-    return params, opt_state, m.all_reduce(loss, "mean")
+    return params, opt_state, m.reduce_in_step(loss, "mean")
 
   step = m.step(train_step, donate_argnums=(0, 1))
   host_params = init_params()

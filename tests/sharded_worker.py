@@ -109,7 +109,7 @@ def make_step(
       grads, opt_state, params, grad_step=grad_step
     )
     if m is not None:
-      value = m.all_reduce(value, "mean")
+      value = m.reduce_in_step(value, "mean")
     return gtx.apply_updates(params, updates), opt_state, value
 
   if m is None:

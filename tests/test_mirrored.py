@@ -318,7 +318,7 @@ def test_all_reduce_and_reduce_ops():
       "n": ids[0],
       "flag": flags[0],
     }
-    out = {op: m.all_reduce(local, op) for op in ("sum", "mean", "first")}
+    out = {op: m.reduce_in_step(local, op) for op in ("sum", "mean", "first")}
     return params, state, out, local
 
   step = m.step(fn, per_replica_outputs=3)
@@ -358,11 +358,25 @@ def test_reduction_bad_inputs():
   with pytest.raises(ValueError, match=r"tree\['a'\].*leading size 3.*8"):
     m.reduce({"a": jnp.ones((3,))}, "sum")
   with pytest.raises(ValueError, match="`op` must be one of"):
-    m.step(lambda p, s, b: (m.all_reduce(p, "avg"), s))(
+    m.step(lambda p, s, b: (m.reduce_in_step(p, "avg"), s))(
       1.0, (), m.shard_batch(jnp.zeros((R,)))
     )
   with pytest.raises(NameError, match="inside the function given to"):
-    m.all_reduce(jnp.ones(2), "sum")
+    m.reduce_in_step(jnp.ones(2), "sum")
+
+
+def test_all_reduce_method_is_a_deprecated_alias():
+  # Mirrored.all_reduce(tree, op) was renamed reduce_in_step (gtx.all_reduce
+  # is the transformation); the old name warns and reduces the same way.
+  m = gtx.Mirrored()
+
+  def fn(p, s, b):
+    with pytest.warns(DeprecationWarning, match=r"Mirrored\.reduce_in_step"):
+      total = m.all_reduce(b.sum(), "sum")
+    return p, s, total
+
+  _, _, got = m.step(fn)(1.0, (), m.shard_batch(jnp.ones((R,))))
+  assert float(got) == R
 
 
 # ----------------------------------------------------------------------------
@@ -402,7 +416,7 @@ def _mirrored_run(m, tx, batches, grad_fn, extra=lambda i: ()):
     return (
       gtx.apply_updates(params, updates),
       opt_state,
-      m.all_reduce(loss, "mean"),
+      m.reduce_in_step(loss, "mean"),
     )
 
   step = m.step(train_step, donate_argnums=(0, 1))

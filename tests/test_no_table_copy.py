@@ -160,7 +160,7 @@ def test_mirrored_step_in_place():
     ids, ct = batch
     loss, g = gtx.sparse_value_and_grad(_linear)(params, ids, ct)
     u, state = tx.update(g, state, params)
-    return gtx.apply_updates(params, u), state, m.all_reduce(loss, "mean")
+    return gtx.apply_updates(params, u), state, m.reduce_in_step(loss, "mean")
 
   params = m.replicate(_params())
   state = m.replicate(tx.init(params))
