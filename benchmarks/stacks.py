@@ -140,8 +140,11 @@ def criteo_models(rows, dim):
     return _bce(_head(emb, p["w"], names), y)
 
   def stack_loss(p, ids, y):
-    emb = stack.lookup(p["emb"], ids)
-    return _bce(_head(emb, p["w"], names), y)
+    # the pooled features as one array (FBGEMM's output), in names' order
+    x = stack.lookup(p["emb"], ids, concat=True)
+    x = x.reshape(x.shape[0], len(names), dim)
+    w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
+    return _bce(jnp.sum(x * w, axis=(1, 2)), y)
 
   return stack, names, per_table_loss, stack_loss
 
@@ -159,8 +162,9 @@ def bag_models(tables, rows, dim, batch):
     return _bce(_head(emb, p["w"], names), y)
 
   def stack_loss(p, bags, y):
-    emb = stack.lookup(p["emb"], bags)
-    return _bce(_head(emb, p["w"], names), y)
+    x = stack.lookup(p["emb"], bags, concat=True).reshape(batch, -1, dim)
+    w = p["w"][np.array([names.index(f) for f in stack.concat_order(bags)])]
+    return _bce(jnp.sum(x * w, axis=(1, 2)), y)
 
   return stack, names, per_table_loss, stack_loss
 

@@ -402,7 +402,8 @@ class TableStack:
     *,
     weights: Mapping[str, ArrayLike] | None = None,
     combiner: str = "sum",
-  ) -> dict[str, jax.Array]:
+    concat: bool = False,
+  ) -> dict[str, jax.Array] | jax.Array:
     """Every feature's pooled rows: one gather and one segment sum a stack.
 
     Ids per feature, all with the same batch ``B``:
@@ -426,9 +427,14 @@ class TableStack:
         reads, a subset allowed.
       weights: feature name -> per-id weights of a ``[B, L]`` feature.
       combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
+      concat: return one ``[B, sum of dims]`` array, the features in
+        :meth:`concat_order` (FBGEMM's pooled output): a head that reads
+        all the features at once then reads the stack's pooled rows as
+        they are, with no split into features and no stacking back.
 
     Returns:
-      feature name -> ``[B, dim]`` rows in the table's dtype.
+      feature name -> ``[B, dim]`` rows in the table's dtype, or with
+      ``concat`` one ``[B, sum of dims]`` array.
     """
     self._check_params(params, "lookup")
     if combiner not in COMBINERS:
@@ -451,33 +457,45 @@ class TableStack:
         f"{ {f: b.batch for f, b in bags.items()} }. Give every feature the "
         "same leading axis."
       )
-    out = {}
-    for name, s in self.stacks.items():
-      feats = [f for f in bags if self.features[f] in s.tables]
-      if feats:
-        out.update(self._lookup_stack(params[name], s, feats, bags, combiner))
-    for f, b in bags.items():
-      t = self.features[f]
-      if t in self.outside:
-        out.update(
-          _pool(
-            params[t],
-            [b],
-            [0],
-            [self.tables[t].rows],
-            None,
-            [f],
-            combiner,
-          )
-        )
+    out, parts = {}, []
+    for where, feats in self._groups(bags):
+      s = self.stacks.get(where)
+      tables = [self.features[f] for f in feats]
+      pooled = _pool(
+        params[where],
+        [bags[f] for f in feats],
+        [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
+        [self.tables[t].rows for t in tables],
+        s,
+        combiner,
+      )
+      if concat:
+        parts.append(pooled.reshape(pooled.shape[0], -1))
+      else:
+        out.update(_split_features(pooled, feats))
+    if concat:
+      return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     return {f: out[f] for f in ids}
 
-  def _lookup_stack(self, table, s: _Stack, feats, bags, combiner):
-    offsets = [s.offsets[s.tables.index(self.features[f])] for f in feats]
-    rows = [self.tables[self.features[f]].rows for f in feats]
-    return _pool(
-      table, [bags[f] for f in feats], offsets, rows, s, feats, combiner
-    )
+  def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
+    """``(params key, features)`` per array read: the stacks in order, then
+    each table outside; features in the order given."""
+    groups = []
+    for name, s in self.stacks.items():
+      feats = [f for f in features if self.features[f] in s.tables]
+      if feats:
+        groups.append((name, feats))
+    for t in self.outside:
+      feats = [f for f in features if self.features[f] == t]
+      if feats:
+        groups.append((t, feats))
+    return groups
+
+  def concat_order(self, ids: Any) -> list[str]:
+    """The features of ``lookup(..., concat=True)``'s array, in order:
+    grouped by stack (in the order of ``stacks``, then the tables outside),
+    each group in the order of ``ids``."""
+    return [f for _, feats in self._groups(ids) for f in feats]
 
 
 class _Bag(NamedTuple):
@@ -545,52 +563,82 @@ def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
     )
 
 
-def _pool(table, bags, offsets, rows, stack, names, combiner):
+def _int32_ids(x: jax.Array) -> jax.Array:
+  """Ids as int32; an id no int32 holds (64-bit, or uint32 past 2**31 - 1)
+  becomes -1, padding."""
+  if x.dtype.itemsize < 4 or x.dtype == jnp.int32:
+    return x.astype(jnp.int32)
+  fits = (x >= 0) & (x <= np.iinfo(np.int32).max)
+  return jnp.where(fits, x.astype(jnp.int32), -1)
+
+
+def _joined(parts: list[jax.Array]) -> jax.Array:
+  """The 1-D ``parts`` one after the other, kept out of their consumers'
+  fusions: a concatenation of hundreds of operands fused into an
+  elementwise loop compiles for minutes (a chain of selects per
+  element); alone it is a copy per part."""
+  if len(parts) == 1:
+    return parts[0]
+  return lax.optimization_barrier(jnp.concatenate(parts))
+
+
+def _pool(table, bags, offsets, rows, stack, combiner):
   """One gather of every feature's rows from ``table`` (features offset into
   its logical rows, placed by ``stack``; padding = the table's row count:
   out of range, a zero row and no gradient) and one segment sum into
-  ``[B, F, dim]``, split into the features.
+  ``[B, F, dim]``.
 
   The pooled rows are laid out example-major (``[B, F, dim]``), the layout
   a head that concatenates or stacks the features reads: one-hot features
-  are gathered in that order directly, with no segment sum."""
+  are gathered in that order directly, with no segment sum. The features'
+  ids are joined first and offset, checked and placed by one elementwise
+  pass against per-slot constants, so the program does not grow with the
+  number of features."""
   batch, nf = bags[0].batch, len(bags)
   any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
   one_hot = all(b.per_example == 1 for b in bags)
-  flat_ids, seg, w = [], [], []
-  for k, (b, off, n) in enumerate(zip(bags, offsets, rows, strict=True)):
-    ids = b.ids.astype(jnp.int32) if b.ids.dtype.itemsize <= 4 else b.ids
-    valid = (ids >= 0) & (ids < n)
-    if b.weight is not None:
-      valid = valid & (b.weight != 0)
-    if b.segment is not None:  # jagged: slots past the last bag are padding
-      valid = valid & (b.segment < batch)
-      seg.append(jnp.minimum(b.segment, batch - 1) * nf + k)
-    elif not one_hot:
-      example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
-      seg.append(jnp.asarray(example * nf + k))
-    row = ids + off if stack is None else stack.physical(ids + off)
-    flat_ids.append(jnp.where(valid, row, table.shape[0]).astype(jnp.int32))
-    if any_weight:
-      weight = 1.0 if b.weight is None else b.weight.astype(jnp.float32)
-      w.append(jnp.where(valid, weight, 0.0))
+  ones = [jnp.ones(b.ids.shape, jnp.float32) for b in bags]
+  weights = [
+    ones[k] if b.weight is None else b.weight for k, b in enumerate(bags)
+  ]
   if one_hot:  # [B, F]: example-major, one row per (example, feature)
-    ids = jnp.stack(flat_ids, axis=1).reshape(-1)
-    weight = jnp.stack(w, axis=1).reshape(-1) if any_weight else None
+    ids = _joined([_int32_ids(b.ids) for b in bags]).reshape(nf, batch).T
+    off = np.asarray(offsets, np.int32)[None]
+    lim = np.asarray(rows, np.int32)[None]
+    weight = _joined([w.astype(jnp.float32) for w in weights])
+    weight = weight.reshape(nf, batch).T
+    seg_ids, seg_ok = None, True
   else:
-    ids = jnp.concatenate(flat_ids) if nf > 1 else flat_ids[0]
-    weight = (jnp.concatenate(w) if nf > 1 else w[0]) if any_weight else None
-  got = lookup(table, ids)  # padding reads zeros and gets no gradient
+    ids = _joined([_int32_ids(b.ids) for b in bags])
+    sizes = [b.ids.shape[0] for b in bags]
+    off = np.repeat(np.asarray(offsets, np.int32), sizes)
+    lim = np.repeat(np.asarray(rows, np.int32), sizes)
+    weight = _joined([w.astype(jnp.float32) for w in weights])
+    seg = []
+    for b in bags:
+      if b.segment is None:
+        example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
+        seg.append(jnp.asarray(example))
+      else:  # jagged: slots past the last bag belong to no example
+        seg.append(b.segment)
+    example = _joined(seg)
+    seg_ok = example < batch
+    feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
+    seg_ids = jnp.minimum(example, batch - 1) * nf + feature
+  valid = (ids >= 0) & (ids < lim) & seg_ok
+  if any(b.weight is not None for b in bags):
+    valid = valid & (weight != 0)
+  row = ids + off
+  row = row if stack is None else stack.physical(row)
+  got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
   if one_hot and not any_weight:
-    pooled = got
+    pooled = got  # padding read zeros
   else:
-    vals = got.astype(jnp.float32)
-    if weight is not None:
-      vals = vals * weight[:, None]
+    weight = jnp.where(valid, weight, 0.0).reshape(-1)
+    vals = got.astype(jnp.float32) * weight[:, None]
     if one_hot:
       pooled = vals
     else:
-      seg_ids = jnp.concatenate(seg) if nf > 1 else seg[0]
       pooled = jax.ops.segment_sum(vals, seg_ids, batch * nf)
     if combiner != "sum":
       norm = weight if combiner == "mean" else weight * weight
@@ -600,12 +648,16 @@ def _pool(table, bags, offsets, rows, stack, names, combiner):
         norm = jnp.sqrt(norm)
       pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
     pooled = pooled.astype(table.dtype)
-  pooled = pooled.reshape(batch, nf, -1)
-  if nf == 1:
+  return pooled.reshape(batch, nf, -1)
+
+
+def _split_features(pooled: jax.Array, names: list[str]) -> dict:
+  """``[B, F, dim]`` -> feature name -> ``[B, dim]``: one split, whose
+  transpose is one concatenation (per-feature slices would each transpose
+  to a pad of the whole pooled array, summed)."""
+  if len(names) == 1:
     return {names[0]: pooled[:, 0]}
-  # One split, whose transpose is one concatenation (per-feature slices
-  # would each transpose to a pad of the whole pooled array, summed).
-  parts = lax.split(pooled, [1] * nf, axis=1)
+  parts = lax.split(pooled, [1] * len(names), axis=1)
   return {f: x[:, 0] for f, x in zip(names, parts, strict=True)}
 
 

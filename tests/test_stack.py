@@ -1,6 +1,8 @@
 """gtx.TableStack: lookups and gradients against per-table ``jax.grad``,
 every optimizer against its per-table run, the plan, params round trips."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -259,6 +261,15 @@ def _extra_cases():
   )
 
 
+# Options of the conformance cases that another case here covers.
+_COVERED = (
+  "lazy_adamw_schedule_catch_up",
+  "lazy_adam_mu_bf16_nu_int8",
+  "adagrad",
+  "lazy_sgd",
+)
+
+
 def test_every_optimizer_updates_a_stack_as_its_tables_one_by_one():
   stack = _stack()
   params = stack.init(jax.random.key(4))
@@ -272,34 +283,41 @@ def test_every_optimizer_updates_a_stack_as_its_tables_one_by_one():
     del unused
     return _head(_reference_gtx_lookup(p, inputs))
 
-  extra, rows_stack, rows_tables = _extra_cases()
-  names = [c.name for c in OPTIMIZERS] + [n for n, _ in extra]
-  makers = [lambda rows, c=c: c.make_tx() for c in OPTIMIZERS]
-  makers += [m for _, m in extra]
+  # The same gradients in both forms (a row per read, however many reads
+  # per row), made once: the optimizers run on them alone.
+  def grads(loss, p, feeds):
+    g = gtx.sparse_grad(loss, require_sparse=lambda path: True)
+    return [g(p, *f) for f in feeds]
 
-  def run(loss, p0, rows, batches):
-    txs = [m(rows) for m in makers]
-
-    def one(tx):
-      def step(p, s, ids, weights, i):
-        # a row per read in both forms, however many reads per row
-        g = gtx.sparse_grad(loss, require_sparse=lambda path: True)(
-          p, ids, weights
-        )
-        u, s = tx.update(g, s, p, grad_step=i)
-        return gtx.apply_updates(p, u), s
-
-      return step
-
-    carries = [(p0, tx.init(p0)) for tx in txs]
-    step = jax.jit(together(names, [one(tx) for tx in txs]))
-    for i, (ids, weights) in enumerate(batches):
-      carries = step(carries, [(ids, weights, jnp.int32(i))] * len(txs))
-    return [c[0] for c in carries]
-
-  got = run(stack_loss, params, rows_stack, batches)
   refs = [(_reference_inputs(*b), {}) for b in batches]
-  want = run(table_loss, per_table, rows_tables, refs)
+  g_stack = jax.jit(functools.partial(grads, stack_loss))(params, batches)
+  g_table = jax.jit(functools.partial(grads, table_loss))(per_table, refs)
+
+  extra, rows_stack, rows_tables = _extra_cases()
+  # every built-in once (8-bit state, catch-up, Nesterov, a schedule), a
+  # user's rule and the two wrappers
+  cases = [c for c in OPTIMIZERS if c.name not in _COVERED]
+  names = [c.name for c in cases] + [n for n, _ in extra]
+  makers = [lambda rows, c=c: c.make_tx() for c in cases]
+  makers += [m for _, m in extra]
+  txs = [m(rows_stack) for m in makers] + [m(rows_tables) for m in makers]
+
+  def one(tx):
+    def step(p, s, g, i):
+      u, s = tx.update(g, s, p, grad_step=i)
+      return gtx.apply_updates(p, u), s
+
+    return step
+
+  carries = [(params, tx.init(params)) for tx in txs[: len(names)]]
+  carries += [(per_table, tx.init(per_table)) for tx in txs[len(names) :]]
+  step = jax.jit(together(names + names, [one(tx) for tx in txs]))
+  for i in range(len(batches)):
+    feeds = [(g_stack[i], jnp.int32(i))] * len(names)
+    feeds += [(g_table[i], jnp.int32(i))] * len(names)
+    carries = step(carries, feeds)
+  got = [c[0] for c in carries[: len(names)]]
+  want = [c[0] for c in carries[len(names) :]]
 
   def check(k, name):
     un = stack.unstack(got[k])
@@ -569,3 +587,24 @@ def test_an_nnx_model_holding_a_stack_trains_with_nnx_optimizer():
   np.testing.assert_array_equal(np.flatnonzero(moved), [3, 7])
   moved = np.any(np.asarray(after["tag"]) != before["tag"], 1)
   np.testing.assert_array_equal(np.flatnonzero(moved), [0, 1, 2])
+
+
+def test_concat_gives_the_features_as_one_array_in_concat_order():
+  stack = _stack(batch_size=16)  # two stacks and a table outside
+  params = stack.init(jax.random.key(15))
+  ids, weights = _batch(16)
+  order = stack.concat_order(ids)
+  assert order == [
+    "user_id", "item_id", "history", "clicks", "tags", "country"
+  ]  # fmt: skip
+  both = jax.jit(
+    lambda p: (
+      stack.lookup(p, ids, weights=weights),
+      stack.lookup(p, ids, weights=weights, concat=True),
+    )
+  )
+  by_feature, flat = both(params)
+  assert flat.shape == (B, 4 + 4 + 4 + 4 + 2 + 4)
+  np.testing.assert_array_equal(
+    flat, jnp.concatenate([by_feature[f] for f in order], -1)
+  )
