@@ -37,7 +37,16 @@ _CATCH_UP_TERMS = 1024
 
 
 class ScaleByLazyAdamState(NamedTuple):
-  """State of :func:`scale_by_lazy_adam` (``catch_up=False``)."""
+  """State of :func:`scale_by_lazy_adam` (``catch_up=False``, the default).
+
+  With ``catch_up=True`` the state is a :class:`ScaleByLazyAdamCatchUpState`:
+  the same fields and two per-row ones. They are two types because a
+  NamedTuple has one set of fields: giving this one the catch-up fields
+  (None without catch-up) would change the tree structure of every default
+  state, and checkpoints saved with the three fields would no longer
+  restore (orbax's ``StandardCheckpointer`` and ``flax.serialization``
+  compare the saved structure with the target's).
+  """
 
   count: jax.Array  # int32 [], steps taken (saturating); shared by all leaves
   mu: Any  # like params; first moment, mu_dtype (default: param dtype)
@@ -45,7 +54,10 @@ class ScaleByLazyAdamState(NamedTuple):
 
 
 class ScaleByLazyAdamCatchUpState(NamedTuple):
-  """State of :func:`scale_by_lazy_adam` with ``catch_up=True``."""
+  """State of :func:`scale_by_lazy_adam` with ``catch_up=True``:
+  :class:`ScaleByLazyAdamState`'s fields, then the step of each row's last
+  update and its catch-up sum (see :class:`ScaleByLazyAdamState` for why
+  two types)."""
 
   count: jax.Array  # int32 [], steps taken (saturating); shared by all leaves
   mu: Any  # like params; first moment, mu_dtype (default: param dtype)
@@ -213,7 +225,9 @@ def scale_by_lazy_adam(
       skipped. Adds an int32 and a float32 per row to the state.
 
   Returns:
-    A transformation whose ``update`` takes dense arrays or SparseRows.
+    A transformation whose ``update`` takes dense arrays or SparseRows. Its
+    state is a :class:`ScaleByLazyAdamState`, or with ``catch_up`` a
+    :class:`ScaleByLazyAdamCatchUpState`.
 
   Examples:
     >>> import jax.numpy as jnp
