@@ -1,8 +1,9 @@
 """Row I/O: the one reader, the one writer and the one scatter-add of gradtx.
 
 Every read or write of a table's rows goes through here (``gtx.lookup``,
-the row engine, ``apply_updates``, weight decay), so each kind of storage
-is handled once, behind the same calls:
+the row engine, ``apply_updates`` and ``array + SparseRows``, weight
+decay), so each kind of storage is handled once, behind the same calls on
+ids and rows (the SparseRows type sits above this module):
 
 - plain arrays: a gather of clamped ids and a per-row select, a scatter
   with ``mode="drop"`` for padding;

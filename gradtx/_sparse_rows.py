@@ -6,7 +6,9 @@
 :mod:`gradtx._dedup`; adding it to an array scatter-adds its rows through
 the row I/O (:mod:`gradtx._rowio`), the same path as
 :func:`gradtx.apply_updates`; flattening it inside a function that would
-corrupt it raises (:mod:`gradtx._flatten_guard`).
+corrupt it raises (:mod:`gradtx._flatten_guard`). Beside the type:
+:func:`narrow_ids` (64-bit ids to int32), :func:`check_rows_match` (a
+SparseRows against the array it is added to) and :data:`MAX_ROWS`.
 """
 
 from __future__ import annotations
@@ -402,6 +404,8 @@ def _is_dense_operand(x: Any) -> bool:
 def check_rows_match(
   u: SparseRows, p: Any, what: str, name: str = "parameter"
 ) -> None:
+  """Raises a ValueError, naming ``what`` and ``name``, when ``u`` does not
+  stand for an array of ``p``'s shape."""
   shape = tuple(jnp.shape(p))
   if not shape or u.shape != shape:
     raise ValueError(
