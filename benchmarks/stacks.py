@@ -32,6 +32,7 @@ Writes ``benchmarks/results/stacks.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
+  RESULTS,
   hlo_op_counts,
   markdown_table,
   time_interleaved,
@@ -396,6 +398,51 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
   return out
 
 
+def _plot(steps: list[dict], points: list[dict]) -> None:
+  """``results/stacks.png``: the step table as bars, compile time and
+  kernels against the number of features."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
+  systems = ["gtx per-table", "gtx stack", "torch"]
+  labels = [f"{r['model']}\n{r['dist']}\n{r['optimizer']}" for r in steps]
+  width = 0.27
+  for k, sys_ in enumerate(systems):
+    xs = [i + (k - 1) * width for i in range(len(steps))]
+    ax.bar(xs, [r.get(sys_, 0) for r in steps], width, label=sys_)
+  ax.set_xticks(range(len(steps)), labels, fontsize=7)
+  ax.set_ylabel("ms per whole step")
+  ax.legend()
+  ax.set_title("whole training step (lower is better)")
+  for v in ("per-table", "stack"):
+    pts = [p for p in points if v in p and p["optimizer"] == "lazy_adam"]
+    if pts:
+      bx.plot(
+        [p["features"] for p in pts],
+        [p[v]["total_s"] for p in pts],
+        "o-",
+        label=f"{v}: trace+lower+compile s",
+      )
+      bx.plot(
+        [p["features"] for p in pts],
+        [p[v]["kernels"] / 100 for p in pts],
+        "s--",
+        label=f"{v}: kernels / 100",
+      )
+  bx.set_xlabel("features")
+  bx.legend(fontsize=8)
+  bx.set_title("compile and kernels (lazy_adam step)")
+  fig.tight_layout()
+  name = "stacks" + os.environ.get("GRADTX_BENCH_SUFFIX", "")
+  fig.savefig(RESULTS / f"{name}.png", dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
@@ -483,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     "batch 1024, linear head), op counts of the compiled program.\n\n"
     + markdown_table(ch, crow)
   )
+  _plot(steps, points)
   write_results(
     "stacks",
     "Table stacks: whole step, per-table vs stack vs torch",

@@ -574,9 +574,9 @@ def _int32_ids(x: jax.Array) -> jax.Array:
 
 def _joined(parts: list[jax.Array]) -> jax.Array:
   """The 1-D ``parts`` one after the other, kept out of their consumers'
-  fusions: a concatenation of hundreds of operands fused into an
-  elementwise loop compiles for minutes (a chain of selects per
-  element); alone it is a copy per part."""
+  fusions: fused into an elementwise loop, a concatenation of hundreds of
+  operands becomes a chain of selects per element, whose compile time
+  grows steeply with the features; alone it is a copy per part."""
   if len(parts) == 1:
     return parts[0]
   return lax.optimization_barrier(jnp.concatenate(parts))
@@ -590,7 +590,9 @@ def _pool(table, bags, offsets, rows, stack, combiner):
 
   The pooled rows are laid out example-major (``[B, F, dim]``), the layout
   a head that concatenates or stacks the features reads: one-hot features
-  are gathered in that order directly, with no segment sum. The features'
+  are gathered in that order directly, with no segment sum; bags are
+  summed feature by feature (the slots' own order, a sorted segment sum)
+  and the ``[F, B, dim]`` sums transposed. The features'
   ids are joined first and offset, checked and placed by one elementwise
   pass against per-slot constants, so the program does not grow with the
   number of features."""
@@ -624,7 +626,8 @@ def _pool(table, bags, offsets, rows, stack, combiner):
     example = _joined(seg)
     seg_ok = example < batch
     feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
-    seg_ids = jnp.minimum(example, batch - 1) * nf + feature
+    # feature-major segments follow the slots' order: a sorted segment sum
+    seg_ids = feature * batch + jnp.minimum(example, batch - 1)
   valid = (ids >= 0) & (ids < lim) & seg_ok
   if any(b.weight is not None for b in bags):
     valid = valid & (weight != 0)
@@ -639,16 +642,22 @@ def _pool(table, bags, offsets, rows, stack, combiner):
     if one_hot:
       pooled = vals
     else:
-      pooled = jax.ops.segment_sum(vals, seg_ids, batch * nf)
+      pooled = jax.ops.segment_sum(
+        vals, seg_ids, batch * nf, indices_are_sorted=True
+      )
     if combiner != "sum":
       norm = weight if combiner == "mean" else weight * weight
       if not one_hot:
-        norm = jax.ops.segment_sum(norm, seg_ids, batch * nf)
+        norm = jax.ops.segment_sum(
+          norm, seg_ids, batch * nf, indices_are_sorted=True
+        )
       if combiner == "sqrtn":
         norm = jnp.sqrt(norm)
       pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
     pooled = pooled.astype(table.dtype)
-  return pooled.reshape(batch, nf, -1)
+  if one_hot:
+    return pooled.reshape(batch, nf, -1)
+  return jnp.swapaxes(pooled.reshape(nf, batch, -1), 0, 1)
 
 
 def _split_features(pooled: jax.Array, names: list[str]) -> dict:
