@@ -469,3 +469,24 @@ def hlo_op_counts(text: str) -> dict[str, int]:
 
   launch(entry)
   return counts
+
+
+def compile_phases(jitted: Any, *args: Any) -> dict[str, Any]:
+  """Seconds to trace, lower and compile ``jitted`` on ``args`` (abstract
+  values are fine) and the compiled program's op counts
+  (:func:`hlo_op_counts`) and HLO lines."""
+  t0 = time.perf_counter()
+  traced = jitted.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  text = lowered.compile().as_text()
+  t3 = time.perf_counter()
+  return {
+    "trace_s": t1 - t0,
+    "lower_s": t2 - t1,
+    "compile_s": t3 - t2,
+    "total_s": t3 - t0,
+    "hlo_lines": text.count("\n"),
+    **hlo_op_counts(text),
+  }

@@ -71,7 +71,7 @@ from benchmarks._common import (
   RESULTS,
   Schedule,
   add_schedule_args,
-  hlo_op_counts,
+  compile_phases,
   load_note,
   markdown_table,
   oversubscribed,
@@ -613,24 +613,11 @@ def compile_point(
   y = jax.ShapeDtypeStruct((batch,), f32)
   # a fresh step function each time: nothing comes from jit's caches
   jitted = jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1))
-  t0 = time.perf_counter()
-  traced = jitted.trace(params, state, ids, y)
-  t1 = time.perf_counter()
-  lowered = traced.lower()
-  t2 = time.perf_counter()
-  compiled = lowered.compile()
-  t3 = time.perf_counter()
-  text = compiled.as_text()
   return {
     "tables": tables,
     "variant": variant,
     "optimizer": opt_name,
-    "trace_s": t1 - t0,
-    "lower_s": t2 - t1,
-    "compile_s": t3 - t2,
-    "total_s": t3 - t0,
-    "hlo_lines": text.count("\n"),
-    **hlo_op_counts(text),
+    **compile_phases(jitted, params, state, ids, y),
   }
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +43,12 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   RESULTS,
-  hlo_op_counts,
+  compile_phases,
   markdown_table,
   time_interleaved,
   write_results,
 )
+from benchmarks.compile_tables import whole_step
 from benchmarks.recsys import CRITEO_KAGGLE
 from benchmarks.train_step import make_ids
 
@@ -107,15 +107,6 @@ def bag_data(tables, rows, batch, steps, dist, max_len=20):
 
 # ----------------------------------------------------------------------------
 # gtx
-
-
-def _jit_step(loss, tx):
-  def step(p, s, batch, y):
-    value, g = gtx.sparse_value_and_grad(loss)(p, batch, y)
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s, value
-
-  return jax.jit(step, donate_argnums=(0, 1))
 
 
 def _runner(step, params, tx, batches, labels):
@@ -313,7 +304,7 @@ def step_rows(args, torch) -> list[dict]:
         per_table["w"] = jnp.asarray(w_np)
         tx = make()
         fns["gtx per-table"] = _runner(
-          _jit_step(ptl, tx), per_table, tx, feeds["per-table"], labels
+          whole_step(ptl, tx), per_table, tx, feeds["per-table"], labels
         )
         stacked = {
           "emb": stack.stack(dict(zip(names, tables_np, strict=True))),
@@ -321,7 +312,7 @@ def step_rows(args, torch) -> list[dict]:
         }
         tx = make()
         fns["gtx stack"] = _runner(
-          _jit_step(stl, tx), stacked, tx, feeds["stack"], labels
+          whole_step(stl, tx), stacked, tx, feeds["stack"], labels
         )
         if torch is not None:
           fns["torch"] = torch_runner(
@@ -378,22 +369,7 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
     p["w"] = jax.ShapeDtypeStruct((features, dim), jnp.float32)
     tx = OPTIMIZERS[optimizer][0]()
     s = jax.eval_shape(tx.init, p)
-    step = _jit_step(loss, tx)
-    t0 = time.perf_counter()
-    traced = step.trace(p, s, ids, y)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    counts = hlo_op_counts(compiled.as_text())
-    out[variant] = {
-      "trace_s": t1 - t0,
-      "lower_s": t2 - t1,
-      "compile_s": t3 - t2,
-      "total_s": t3 - t0,
-      **counts,
-    }
+    out[variant] = compile_phases(whole_step(loss, tx), p, s, ids, y)
     print(features, optimizer, variant, out[variant], flush=True)
   return out
 
