@@ -62,6 +62,11 @@ from gradtx._transforms import densify as densify
 from gradtx._transforms import global_norm as global_norm
 from gradtx._transforms import scale as scale
 from gradtx._transforms import scale_by_learning_rate as scale_by_learning_rate
+from gradtx._vocab import FreshRows as FreshRows
+from gradtx._vocab import Hashed as Hashed
+from gradtx._vocab import VocabState as VocabState
+from gradtx._vocab import Words as Words
+from gradtx._vocab import reset_rows as reset_rows
 
 __version__ = "0.1.0"
 
@@ -69,7 +74,9 @@ __all__ = [
   "AccumulateState",
   "AllReduce",
   "DropStaleState",
+  "FreshRows",
   "FtrlState",
+  "Hashed",
   "Jagged",
   "LazyTraceState",
   "LeafSparsity",
@@ -86,6 +93,8 @@ __all__ = [
   "SparsityWarning",
   "TableSpec",
   "TableStack",
+  "VocabState",
+  "Words",
   "accumulate",
   "adagrad",
   "add_decayed_weights",
@@ -103,6 +112,7 @@ __all__ = [
   "lazy_trace",
   "lookup",
   "partial_rowwise_adam",
+  "reset_rows",
   "row_transformation",
   "rowwise_adagrad",
   "scale",

@@ -24,7 +24,9 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from gradtx import _vocab
 from gradtx._autodiff import lookup
+from gradtx._vocab import FreshRows, Hashed, VocabState, Words
 
 __all__ = ["Jagged", "TableSpec", "TableStack"]
 
@@ -33,6 +35,9 @@ COMBINERS = ("sum", "mean", "sqrtn")
 # stacks (the reason is sparse_value_and_grad's: one summed gradient row
 # per table row is then smaller than a row per read).
 _READS_PER_ROW_OUTSIDE = 4
+# key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
+_MAP_BYTES_PER_ROW = 24
+_SKETCH_DEPTH = 2
 
 
 def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -52,15 +57,29 @@ class TableSpec:
       ``dim`` and ``dtype`` share a stack.
     initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
       ``jax.nn.initializers`` function; default: normal with standard
-      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s).
+      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s). A hashed table
+      draws a row given to a new id from it too.
+    hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
+      takes raw ids of any range, mapped to its ``rows`` rows by an id map
+      (see :meth:`TableStack.admit`); None: ids are rows.
   """
 
   rows: int
   dim: int
   dtype: DTypeLike = jnp.float32
   initializer: Callable[..., jax.Array] | None = None
+  hashed: Hashed | bool | None = None
 
   def __post_init__(self):
+    if self.hashed is True:
+      object.__setattr__(self, "hashed", Hashed())
+    elif self.hashed is False:
+      object.__setattr__(self, "hashed", None)
+    elif self.hashed is not None and not isinstance(self.hashed, Hashed):
+      raise TypeError(
+        "gradtx.TableSpec `hashed` must be a gradtx.Hashed, True or None; "
+        f"got {type(self.hashed).__name__}."
+      )
     for name in ("rows", "dim"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -240,7 +259,11 @@ class TableStack:
         self.outside[name] = "no feature reads it"
         continue
       reads = (batch_size or 0) * readers[name]
-      if batch_size is not None and reads >= _READS_PER_ROW_OUTSIDE * spec.rows:
+      if (
+        batch_size is not None
+        and spec.hashed is None
+        and reads >= _READS_PER_ROW_OUTSIDE * spec.rows
+      ):
         self.outside[name] = (
           f"{reads:,} reads per step at batch_size {batch_size} for "
           f"{spec.rows:,} rows: one summed gradient row per table row is "
@@ -283,6 +306,23 @@ class TableStack:
       for s in self.stacks.values()
       for t, off in zip(s.tables, s.offsets, strict=True)
     }
+    # the id map of each stack with hashed tables
+    self.maps: dict[str, _vocab.Layout] = {}
+    for s in self.stacks.values():
+      hashed = [
+        (t, off)
+        for t, off in zip(s.tables, s.offsets, strict=True)
+        if self.tables[t].hashed is not None
+      ]
+      if hashed:
+        self.maps[s.name] = _vocab.Layout(
+          tuple(t for t, _ in hashed),
+          tuple(off for _, off in hashed),
+          tuple(int(self.tables[t].rows) for t, _ in hashed),
+          tuple(self.tables[t].hashed for t, _ in hashed),
+          s.size,
+          s.shards,
+        )
 
   # -- the plan -------------------------------------------------------------
   def location(self, table: str) -> tuple[str, int]:
@@ -315,9 +355,33 @@ class TableStack:
       )
       for t, off in zip(s.tables, s.offsets, strict=True):
         feats = [f for f, tt in self.features.items() if tt == t]
+        h = self.tables[t].hashed
+        how = (
+          f"  hashed ({h.policy}"
+          + (f", ttl {h.ttl}" if h.ttl is not None else "")
+          + (f", min_count {h.min_count}" if h.min_count > 1 else "")
+          + (
+            f", admit_probability {h.admit_probability}"
+            if h.admit_probability < 1
+            else ""
+          )
+          + f", {h.probes} probes)"
+          if h is not None
+          else ""
+        )
         lines.append(
           f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
-          f"  features {feats}"
+          f"  features {feats}{how}"
+        )
+      if s.name in self.maps:
+        m = self.maps[s.name]
+        sketch = _SKETCH_DEPTH * 4 * m.sketch_offsets[-1]
+        lines.append(
+          f"    id map of {len(m.tables)} hashed table(s): "
+          f"{_bytes(s.size * _MAP_BYTES_PER_ROW + sketch)} "
+          f"({_MAP_BYTES_PER_ROW} B a row of the stack"
+          + (f", sketch {_bytes(sketch)}" if sketch else "")
+          + ")"
         )
     for t, why in self.outside.items():
       spec = self.tables[t]
@@ -394,6 +458,166 @@ class TableStack:
         f"returns, with keys {want}; got {got}."
       )
 
+  # -- open vocabularies ----------------------------------------------------
+  def init_vocab(self, key: Any) -> dict[str, VocabState]:
+    """The id maps of the hashed tables, all rows free: a dict stack name
+    -> :class:`gradtx.VocabState` of plain arrays, to carry beside the
+    params through the step and into checkpoints. ``key`` seeds the rows
+    given to new ids (each stack its own ``fold_in(key, i)``)."""
+    if not self.maps:
+      raise ValueError(
+        "gradtx.TableStack.init_vocab: no table is hashed; declare one with "
+        "`gtx.TableSpec(..., hashed=gtx.Hashed())`."
+      )
+    return {
+      name: _vocab.init_state(layout, jax.random.fold_in(key, i))
+      for i, (name, layout) in enumerate(self.maps.items())
+    }
+
+  def admit(
+    self,
+    vocab: Mapping[str, VocabState],
+    ids: Mapping[str, Any],
+    *,
+    weights: Mapping[str, ArrayLike] | None = None,
+  ) -> tuple[dict[str, Any], dict[str, VocabState], dict[str, FreshRows]]:
+    """Maps the raw ids of hashed features to rows, giving new ids rows.
+
+    Inside the jitted step, before the loss: known ids read their rows, new
+    ids take free rows or evict rows by their table's policy (see
+    :class:`gradtx.Hashed`), and the map of every hashed table of a stack
+    is updated in one pass, the features in the order of ``features``
+    (new ids placed in that order: the same ids give the same rows).
+    Padding (a negative id, a weight 0, a jagged slot past the bags) maps
+    to no row. Pass the returned ``fresh`` to
+    :func:`gradtx.reset_rows` before the loss, so that a row given to a
+    new id is fresh in the table and in every optimizer state::
+
+      ids, vocab, fresh = stack.admit(vocab, raw_ids)
+      params, opt_state = gtx.reset_rows(opt, opt_state, params, fresh)
+      loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, ids, ...)
+
+    Args:
+      vocab: the maps (:meth:`init_vocab`).
+      ids: feature name -> ids, as :meth:`lookup` takes them; a hashed
+        table's features take raw ids: int32, uint32, int64 (with
+        ``jax_enable_x64``) or :class:`gradtx.Words`.
+      weights: per-id weights of ``[B, L]`` features (0: padding).
+
+    Returns:
+      ``(ids, vocab, fresh)``: the features' ids as rows for :meth:`lookup`
+      (other features unchanged), the new maps, and stack name ->
+      :class:`gradtx.FreshRows` (the rows given out and their new values).
+    """
+    _vocab.check_vocab(vocab, self.maps, "admit")
+    out = dict(ids)
+    new_vocab, fresh = dict(vocab), {}
+    for name, layout in self.maps.items():
+      slots = self._raw_slots(name, ids, weights, "admit")
+      if slots is None:
+        continue
+      state = vocab[name]
+      rows, new_vocab[name], placed = _vocab.admit(
+        state, layout, slots.hi, slots.lo, slots.tab, slots.valid
+      )
+      out.update(slots.rebuild(rows))
+      fresh[name] = FreshRows(placed, self._fresh_values(name, state, slots))
+    return out, new_vocab, fresh
+
+  def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
+    """What to watch, per hashed table (cheap and jittable): ``live`` rows
+    and ``occupancy``, the last step's ``inserted`` new ids, ``evicted``
+    live ids and ``rejected`` id reads (no row: padding for that step),
+    ``mean_age`` (steps since the row was given out) and ``mean_count``
+    (reads of its id), and the live rows' ``age_buckets``,
+    ``idle_buckets`` (steps since last read) and ``count_buckets`` in
+    log2 buckets ``0, 1, 2-3, 4-7, ...``."""
+    _vocab.check_vocab(vocab, self.maps, "vocab_stats")
+    out = {}
+    for name, layout in self.maps.items():
+      out.update(_vocab.stats(vocab[name], layout))
+    return out
+
+  def _raw_slots(self, name, ids, weights, what) -> _RawSlots | None:
+    """The raw ids of stack ``name``'s hashed features in ``ids``, flat and
+    joined, with a way back to each feature's form."""
+    layout = self.maps[name]
+    weights = dict(weights or {})
+    # in the plan's order, which jit's sorting of dict keys does not change
+    feats = [
+      f for f, t in self.features.items() if f in ids and t in layout.tables
+    ]
+    if not feats:
+      return None
+    his, los, oks, tabs, backs = [], [], [], [], []
+    for f in feats:
+      x, w = ids[f], weights.get(f)
+      jag = isinstance(x, Jagged)
+      raw = x.ids if jag else x
+      hi, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      shape = hi.shape
+      ok = ~pad
+      if jag:
+        if hi.ndim != 1:
+          raise ValueError(
+            f"gradtx.TableStack.{what}: feature {f!r}: Jagged `ids` must be "
+            f"[capacity]; got {shape}."
+          )
+        total = jnp.sum(jnp.asarray(x.lengths).astype(jnp.int32))
+        ok = ok & (jnp.arange(shape[0]) < total)
+        w = x.weights
+      elif hi.ndim not in (1, 2):
+        raise ValueError(
+          f"gradtx.TableStack.{what}: feature {f!r} has ids of shape {shape}; "
+          "pass [B] ids, [B, L] bags or a gradtx.Jagged."
+        )
+      if w is not None:
+        ok = ok & (jnp.asarray(w) != 0)
+      his.append(hi.reshape(-1))
+      los.append(lo.reshape(-1))
+      oks.append(ok.reshape(-1))
+      tabs.append(np.full(hi.size, layout.tables.index(self.features[f])))
+      backs.append((f, shape, x if jag else None))
+    sizes = [h.shape[0] for h in his]
+
+    def rebuild(rows: jax.Array) -> dict[str, Any]:
+      parts = (
+        jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
+      )
+      out = {}
+      for (f, shape, jag), r in zip(backs, parts, strict=True):
+        r = r.reshape(shape)
+        out[f] = jag._replace(ids=r) if jag is not None else r
+      return out
+
+    return _RawSlots(
+      _joined(his),
+      _joined(los),
+      _joined(oks),
+      np.concatenate(tabs).astype(np.int32),
+      rebuild,
+    )
+
+  def _fresh_values(self, name, state, slots) -> jax.Array:
+    """``[n, dim]`` new rows, slot k's for the row slot k is given: each
+    table's initializer, keyed by the map's key and step."""
+    layout, s = self.maps[name], self.stacks[name]
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    n = slots.tab.shape[0]
+    groups: dict[Any, list[int]] = {}
+    for k, t in enumerate(layout.tables):
+      groups.setdefault(self.tables[t].initializer, []).append(k)
+    values = None
+    for g, (init, members) in enumerate(groups.items()):
+      v = (init or _default_init)(
+        jax.random.fold_in(key, g), (n, s.dim), jnp.dtype(s.dtype)
+      ).astype(s.dtype)
+      if values is None:
+        values = v
+      else:
+        values = jnp.where(np.isin(slots.tab, members)[:, None], v, values)
+    return values
+
   # -- the lookup -----------------------------------------------------------
   def lookup(
     self,
@@ -403,6 +627,7 @@ class TableStack:
     weights: Mapping[str, ArrayLike] | None = None,
     combiner: str = "sum",
     concat: bool = False,
+    vocab: Mapping[str, VocabState] | None = None,
   ) -> dict[str, jax.Array] | jax.Array:
     """Every feature's pooled rows: one gather and one segment sum a stack.
 
@@ -431,6 +656,10 @@ class TableStack:
         :meth:`concat_order` (FBGEMM's pooled output): a head that reads
         all the features at once then reads the stack's pooled rows as
         they are, with no split into features and no stacking back.
+      vocab: the id maps (:meth:`init_vocab`): the features of hashed
+        tables then take raw ids, read-only (evaluation): a known id reads
+        its row, an unknown one zeros, and nothing is inserted or evicted.
+        Without it, they take the rows :meth:`admit` returned.
 
     Returns:
       feature name -> ``[B, dim]`` rows in the table's dtype, or with
@@ -449,6 +678,23 @@ class TableStack:
         f"gradtx.TableStack.lookup: unknown features {unknown}; the "
         f"features are {list(self.features)}."
       )
+    if vocab is not None:
+      _vocab.check_vocab(vocab, self.maps, "lookup")
+      ids = dict(ids)
+      for name, layout in self.maps.items():
+        slots = self._raw_slots(name, ids, weights, "lookup")
+        if slots is not None:
+          rows = _vocab.find(
+            vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
+          )
+          ids.update(slots.rebuild(rows))
+    for f, x in ids.items():
+      if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
+        raise TypeError(
+          f"gradtx.TableStack.lookup: feature {f!r} has raw gradtx.Words "
+          "ids; pass `vocab=` to map them read-only, or the ids "
+          "`stack.admit` returned."
+        )
     bags = {f: _bag(f, x, weights.get(f)) for f, x in ids.items()}
     sizes = {b.batch for b in bags.values()}
     if len(sizes) > 1:
@@ -496,6 +742,18 @@ class TableStack:
     grouped by stack (in the order of ``stacks``, then the tables outside),
     each group in the order of ``ids``."""
     return [f for _, feats in self._groups(ids) for f in feats]
+
+
+class _RawSlots(NamedTuple):
+  """The raw ids of a stack's hashed features: flat words, which slots are
+  ids, each slot's hashed table (static), and ``rebuild(rows)`` -> feature
+  name -> rows in the feature's own form."""
+
+  hi: jax.Array
+  lo: jax.Array
+  valid: jax.Array
+  tab: np.ndarray
+  rebuild: Callable[[jax.Array], dict[str, Any]]
 
 
 class _Bag(NamedTuple):

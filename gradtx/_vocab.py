@@ -1,0 +1,697 @@
+"""Open vocabularies: raw ids of any range mapped to table rows in the step.
+
+A hashed table (``gtx.TableSpec(..., hashed=gtx.Hashed(...))``) keeps, beside
+the params, an id map: for every row, the raw id that owns it (two uint32
+words, so 64-bit ids fit the default 32-bit JAX), the step it was last read,
+how often it was read and when it was given out. The map is a pytree of
+fixed-shape arrays (:class:`VocabState`), updated inside the jitted, donated
+step by :meth:`gradtx.TableStack.admit`, and checkpointed like any state.
+
+How an id finds its row (FBGEMM's zero-collision hashing): a hash of the id
+names a home row, and the id may live in the ``probes`` rows from there
+(wrapping around the table). A known id reads the row that holds it. A new
+id takes a free row of its window while there is one; when the window is
+full it evicts, by the table's policy, a row that no id of this step reads:
+the least recently read (``"lru"``) or the least often read (``"lfu"``, ties
+to the least recent), with ``ttl`` only a row unread for more than ``ttl``
+steps. No two live ids ever share a row; an id that finds no row (its
+window is full of rows this step reads, or admission turns it away) is
+padding for this step: it reads zeros and gets no gradient.
+
+The new ids of a step are placed in rounds, all at once: each takes its best
+row, and where two want one row the first in the step's id order gets it
+(a scatter-min of positions into the map's ``claim`` scratch, which is back
+to its resting value after every step); the others look again, and a
+duplicate of a placed id then finds it. Each round an id either gets a row,
+finds its twin's, or loses one of its ``probes`` rows, so there are at most
+``probes`` rounds. The same ids in the same order give the same rows on
+every backend.
+
+A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
+its new values (the table's initializer) as :class:`FreshRows`, and
+:func:`reset_rows` writes them into the params and resets the row in every
+optimizer state, so that the new id inherits nothing from the old one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gradtx._rowio import scatter_rows
+from gradtx._sharded import is_split
+from gradtx._sparse_rows import SparseRows
+
+__all__ = ["FreshRows", "Hashed", "VocabState", "Words", "reset_rows"]
+
+POLICIES = ("lru", "lfu")
+_INT_MAX = np.iinfo(np.int32).max
+_U32 = np.uint32
+_SKETCH_DEPTH = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Hashed:
+  """Declares a table hashed: raw ids of any range, mapped to its rows.
+
+  Args:
+    policy: which row a new id evicts when its window is full: ``"lru"``
+      (the least recently read) or ``"lfu"`` (the least often read, ties
+      to the least recent).
+    ttl: if set, only a row unread for more than ``ttl`` steps may be
+      evicted; a new id that finds none is turned away for the step.
+    min_count: admit a new id only once it was read this many times (a
+      count-min sketch of two rows as wide as the table counts the ids
+      still outside); 1 admits at once.
+    admit_probability: admit a new id with this probability (a hash of the
+      id and the step decides, so it is deterministic); 1 admits every id.
+    probes: the rows an id may live in, from its home row on.
+    seed: the hash seed (with the table's name).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> stack = gtx.TableStack(
+    ...     {"user": gtx.TableSpec(4, 2, hashed=gtx.Hashed(probes=4))})
+    >>> params = stack.init(jax.random.key(0))
+    >>> vocab = stack.init_vocab(jax.random.key(1))
+    >>> raw = {"user": jnp.array([10**9 + 7, 42, 10**9 + 7, -1])}
+    >>> ids, vocab, fresh = stack.admit(vocab, raw)
+    >>> ids["user"]  # two ids, two rows; -1: padding
+    Array([ 1,  2,  1, -1], dtype=int32)
+    >>> params, _ = gtx.reset_rows(None, None, params, fresh)
+    >>> int(stack.vocab_stats(vocab)["user"]["live"])
+    2
+  """
+
+  policy: str = "lru"
+  ttl: int | None = None
+  min_count: int = 1
+  admit_probability: float = 1.0
+  probes: int = 8
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ValueError(
+        f"gradtx.Hashed `policy` must be one of {POLICIES}; got "
+        f"{self.policy!r}."
+      )
+    for name, low in (("probes", 1), ("min_count", 1), ("seed", 0)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+        raise ValueError(
+          f"gradtx.Hashed `{name}` must be an int >= {low}; got {v!r}."
+        )
+    if self.ttl is not None and (
+      isinstance(self.ttl, bool)
+      or not isinstance(self.ttl, (int, np.integer))
+      or self.ttl < 0
+    ):
+      raise ValueError(
+        f"gradtx.Hashed `ttl` must be None or an int >= 0 (steps); got "
+        f"{self.ttl!r}."
+      )
+    p = self.admit_probability
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+      raise ValueError(
+        "gradtx.Hashed `admit_probability` must be a float in (0, 1]; got "
+        f"{p!r}."
+      )
+
+
+class Words(NamedTuple):
+  """64-bit raw ids as two uint32 words, for JAX without ``jax_enable_x64``:
+  ``id = hi * 2**32 + lo``. An id whose ``hi`` has its top bit set (a
+  negative int64) is padding.
+
+  Attributes:
+    hi: uint32 high words, any shape.
+    lo: uint32 low words, the shape of ``hi``.
+  """
+
+  hi: Any
+  lo: Any
+
+
+class VocabState(NamedTuple):
+  """The id map of one stack's hashed tables: per-row arrays in the stack's
+  row order (a row of a table that is not hashed is never used).
+
+  Attributes:
+    step: int32 ``[]``, the map's steps so far (``admit`` calls).
+    key_hi, key_lo: uint32 ``[rows]``, the raw id that owns each row.
+    last_seen: int32 ``[rows]``, the step that last read the row; -1: free.
+    count: int32 ``[rows]``, the reads of the row's id (saturating).
+    born: int32 ``[rows]``, the step the row was given to its id.
+    claim: int32 ``[rows]``, scratch of the placement rounds; between steps
+      every element is ``2**31 - 1``.
+    inserted, evicted, rejected: int32 ``[tables]``, the last step's new ids
+      given a row, of them those that evicted a live id, and the id reads
+      that found no row (per hashed table, in the stack's order).
+    sketch: int32 ``[2, width]``, the count-min sketch of the ids waiting
+      for admission (width 0 when no table has ``min_count`` > 1).
+    rng: uint32 ``[2]``, the key data of the fresh rows' initializer.
+  """
+
+  step: jax.Array
+  key_hi: jax.Array
+  key_lo: jax.Array
+  last_seen: jax.Array
+  count: jax.Array
+  born: jax.Array
+  claim: jax.Array
+  inserted: jax.Array
+  evicted: jax.Array
+  rejected: jax.Array
+  sketch: jax.Array
+  rng: jax.Array
+
+
+class FreshRows(NamedTuple):
+  """Rows given to new ids in a step, for :func:`reset_rows`.
+
+  Attributes:
+    rows: int32 ``[n]`` rows of the params' array; the array's row count
+      marks an unused slot.
+    values: ``[n, dim]`` the rows' new values (the table's initializer).
+  """
+
+  rows: jax.Array
+  values: jax.Array
+
+
+# -- hashing ------------------------------------------------------------------
+def _fmix(x: Any) -> Any:
+  """MurmurHash3's 32-bit finalizer (uint32 in, uint32 out; numpy or jax)."""
+  x = x ^ (x >> _U32(16))
+  x = x * _U32(0x85EBCA6B)
+  x = x ^ (x >> _U32(13))
+  x = x * _U32(0xC2B2AE35)
+  return x ^ (x >> _U32(16))
+
+
+def hash_words(hi: Any, lo: Any, seed: Any) -> Any:
+  """The 32-bit hash of 64-bit ids ``(hi, lo)`` under a uint32 ``seed``."""
+  return _fmix(lo ^ _fmix(hi ^ seed))
+
+
+def table_seed(name: str, seed: int) -> int:
+  """A table's hash seed: its ``Hashed.seed`` and its name (stable across
+  processes and plans)."""
+  with np.errstate(over="ignore"):
+    return int(
+      _fmix(np.uint32((zlib.crc32(name.encode()) ^ seed) & 0xFFFFFFFF))
+    )
+
+
+def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Raw ids -> ``(hi, lo, padding)``: uint32 words of the 64-bit id and
+  where it is padding (a negative signed id)."""
+  if isinstance(x, Words):
+    hi, lo = jnp.asarray(x.hi), jnp.asarray(x.lo)
+    if hi.shape != lo.shape or any(v.dtype != jnp.uint32 for v in (hi, lo)):
+      raise TypeError(
+        f"gradtx.Words for {what}: `hi` and `lo` must be uint32 arrays of one "
+        f"shape; got {hi.dtype}{list(hi.shape)} and {lo.dtype}{list(lo.shape)}."
+      )
+    return hi, lo, hi >= _U32(2**31)
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"gradtx: {what} has ids of dtype {x.dtype}; raw ids of a hashed table "
+      "are integers (int32, uint32, int64 with jax_enable_x64) or gradtx.Words."
+    )
+  if x.dtype.itemsize == 8:
+    lo = (x & 0xFFFFFFFF).astype(jnp.uint32)
+    hi = ((x >> 32) & 0xFFFFFFFF).astype(jnp.uint32)
+    pad = x < 0 if jnp.issubdtype(x.dtype, jnp.signedinteger) else hi >= 2**31
+    return hi, lo, pad
+  signed = jnp.issubdtype(x.dtype, jnp.signedinteger)
+  wide = x.astype(jnp.int32 if signed else jnp.uint32)
+  lo = lax.bitcast_convert_type(wide, jnp.uint32) if signed else wide
+  if signed:  # sign-extended, so int32 -> int64 keeps an id's value
+    hi = jnp.where(wide < 0, _U32(0xFFFFFFFF), _U32(0))
+    return hi, lo, wide < 0
+  return jnp.zeros_like(lo), lo, jnp.zeros(lo.shape, bool)
+
+
+# -- the layout of one stack's map --------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """What the map of one stack needs from the plan: its hashed tables, their
+  first logical rows, sizes and settings, and where a logical row lives."""
+
+  tables: tuple[str, ...]
+  offsets: tuple[int, ...]
+  rows: tuple[int, ...]
+  settings: tuple[Hashed, ...]
+  size: int  # rows of the stack's array
+  shards: int  # the stack's round-robin split (see gradtx._stack)
+
+  def physical(self, p: Any) -> Any:
+    if self.shards == 1:
+      return p
+    per = self.size // self.shards
+    return (p % self.shards) * per + p // self.shards
+
+  @property
+  def probes(self) -> int:
+    return max(h.probes for h in self.settings)
+
+  @property
+  def sketch_offsets(self) -> tuple[int, ...]:
+    out, at = [], 0
+    for r, h in zip(self.rows, self.settings, strict=True):
+      out.append(at)
+      at += r if h.min_count > 1 else 0
+    return (*out, at)
+
+  def per_table(self, values: Any, dtype: Any) -> jax.Array:
+    return jnp.asarray(np.asarray(values, dtype))
+
+
+def init_state(layout: Layout, key: Any) -> VocabState:
+  """An empty map: every row free."""
+  n, t = layout.size, len(layout.tables)
+  width = layout.sketch_offsets[-1]
+  if jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  rng = jnp.asarray(key, jnp.uint32).reshape(-1)[-2:]
+  return VocabState(
+    step=jnp.zeros((), jnp.int32),
+    key_hi=jnp.zeros(n, jnp.uint32),
+    key_lo=jnp.zeros(n, jnp.uint32),
+    last_seen=jnp.full(n, -1, jnp.int32),
+    count=jnp.zeros(n, jnp.int32),
+    born=jnp.zeros(n, jnp.int32),
+    claim=jnp.full(n, _INT_MAX, jnp.int32),
+    inserted=jnp.zeros(t, jnp.int32),
+    evicted=jnp.zeros(t, jnp.int32),
+    rejected=jnp.zeros(t, jnp.int32),
+    sketch=jnp.zeros((_SKETCH_DEPTH, width), jnp.int32),
+    rng=rng,
+  )
+
+
+class _Probe(NamedTuple):
+  """Every id slot's window: table-local rows, array rows, which are in."""
+
+  local: jax.Array  # int32 [n, P]
+  phys: jax.Array  # int32 [n, P]
+  inwin: jax.Array  # bool [n, P]
+
+
+def _probe(layout: Layout, tab: np.ndarray, h: jax.Array) -> _Probe:
+  rows = jnp.asarray(np.asarray(layout.rows, np.uint32)[tab])
+  off = np.asarray(layout.offsets, np.int32)[tab]
+  probes = np.asarray([s.probes for s in layout.settings], np.int32)[tab]
+  j = np.arange(layout.probes, dtype=np.uint32)[None]
+  local = ((h % rows)[:, None] + j) % rows[:, None]
+  local = local.astype(jnp.int32)
+  phys = layout.physical(local + off[:, None])
+  return _Probe(local, phys, jnp.asarray(j < probes[:, None]))
+
+
+def _match(state: VocabState, p: _Probe, hi, lo, want) -> tuple[Any, Any]:
+  """Where each wanted id's row is in its window: ``(found, column)``."""
+  m = (
+    p.inwin
+    & want[:, None]
+    & (state.last_seen[p.phys] >= 0)
+    & (state.key_hi[p.phys] == hi[:, None])
+    & (state.key_lo[p.phys] == lo[:, None])
+  )
+  return m.any(1), jnp.argmax(m, axis=1)
+
+
+def _pick(p: _Probe, col: jax.Array) -> tuple[jax.Array, jax.Array]:
+  c = col[:, None]
+  return (
+    jnp.take_along_axis(p.local, c, 1)[:, 0],
+    jnp.take_along_axis(p.phys, c, 1)[:, 0],
+  )
+
+
+def find(
+  state: VocabState, layout: Layout, hi, lo, tab: np.ndarray, valid
+) -> jax.Array:
+  """Read-only: each id's table-local row, or -1 (unknown or padding)."""
+  check_not_split(state)
+  p = _probe(layout, tab, _hashes(layout, hi, lo, tab))
+  found, col = _match(state, p, hi, lo, valid)
+  local, _ = _pick(p, col)
+  return jnp.where(found, local, -1)
+
+
+def _hashes(layout: Layout, hi, lo, tab: np.ndarray) -> jax.Array:
+  seeds = np.asarray(
+    [
+      table_seed(t, s.seed)
+      for t, s in zip(layout.tables, layout.settings, strict=True)
+    ],
+    np.uint32,
+  )
+  return hash_words(hi, lo, jnp.asarray(seeds[tab]))
+
+
+def admit(
+  state: VocabState, layout: Layout, hi, lo, tab: np.ndarray, valid
+) -> tuple[jax.Array, VocabState, jax.Array]:
+  """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
+  fresh array rows [n] with ``layout.size`` for none)``.
+
+  ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
+  padding); ``tab``: static ``[n]``, each slot's hashed table."""
+  n, size, ntab = hi.shape[0], layout.size, len(layout.tables)
+  check_not_split(state)
+  now = state.step
+  h = _hashes(layout, hi, lo, tab)
+  p = _probe(layout, tab, h)
+  found, col = _match(state, p, hi, lo, valid)
+  local, phys = _pick(p, col)
+  row = jnp.where(found, local, -1)
+  at = jnp.where(found, phys, size)
+  # a row read this step is not evicted by a new id of this step
+  last_seen = state.last_seen.at[at].set(now, mode="drop")
+  new = valid & ~found
+  admitted, sketch = _admission(state, layout, tab, h, new, now)
+  pending = admitted
+  rank = jnp.arange(n, dtype=jnp.int32)
+  settings = layout.settings
+  lfu = jnp.asarray(np.asarray([s.policy == "lfu" for s in settings])[tab])
+  ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
+  ttl = jnp.asarray(ttl[tab])
+
+  def cond(c):
+    return c[-1] & c[5].any()
+
+  def round_(c):
+    key_hi, key_lo, last, born, claim, pending, row, fresh, evicted, _ = c
+    ls = last[p.phys]
+    empty = ls < 0
+    old = (ttl[:, None] < 0) | (now - ls > ttl[:, None])
+    ok = p.inwin & (empty | ((ls < now) & old))
+    cnt = jnp.where(lfu[:, None], state.count[p.phys], 0)
+    first = jnp.where(ok, jnp.where(empty, -1, cnt), _INT_MAX)
+    tie = ok & (first == first.min(1, keepdims=True))
+    col = jnp.argmin(jnp.where(tie, ls, _INT_MAX), axis=1)
+    has = pending & ok.any(1)
+    local, choice = _pick(p, col)
+    tgt = jnp.where(has, choice, size)
+    claim = claim.at[tgt].min(rank, mode="drop")
+    won = has & (claim[jnp.minimum(choice, size - 1)] == rank)
+    claim = claim.at[tgt].set(_INT_MAX, mode="drop")
+    wt = jnp.where(won, choice, size)
+    was_live = won & (last[jnp.minimum(choice, size - 1)] >= 0)
+    key_hi = key_hi.at[wt].set(hi, mode="drop")
+    key_lo = key_lo.at[wt].set(lo, mode="drop")
+    last = last.at[wt].set(now, mode="drop")
+    born = born.at[wt].set(now, mode="drop")
+    row = jnp.where(won, local, row)
+    fresh = jnp.where(won, choice, fresh)
+    evicted = evicted | was_live
+    pending = pending & ~won
+    # a duplicate of an id placed this round finds it now
+    s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
+    f2, c2 = _match(s2, p, hi, lo, pending)
+    l2, _ = _pick(p, c2)
+    row = jnp.where(f2, l2, row)
+    pending = pending & ~f2
+    return (
+      key_hi, key_lo, last, born, claim, pending, row, fresh, evicted,
+      won.any() | f2.any(),
+    )  # fmt: skip
+
+  carry = (
+    state.key_hi,
+    state.key_lo,
+    last_seen,
+    state.born,
+    state.claim,
+    pending,
+    row,
+    jnp.full(n, size, jnp.int32),
+    jnp.zeros(n, bool),
+    jnp.asarray(True),
+  )
+  key_hi, key_lo, last, born, claim, pending, row, fresh, evicted, _ = (
+    lax.while_loop(cond, round_, carry)
+  )
+  got = row >= 0
+  at = jnp.where(got, layout.physical(row + _offsets(layout, tab)), size)
+  placed = fresh < size
+  count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
+  count = count.at[at].add(1, mode="drop")
+  count = jnp.where(count < 0, _INT_MAX, count)  # saturate
+  tabj = jnp.asarray(tab)
+
+  def per_table(x):
+    return jax.ops.segment_sum(x.astype(jnp.int32), tabj, ntab)
+
+  new_state = VocabState(
+    step=jnp.minimum(now, _INT_MAX - 1) + 1,
+    key_hi=key_hi,
+    key_lo=key_lo,
+    last_seen=last,
+    count=count,
+    born=born,
+    claim=claim,
+    inserted=per_table(placed),
+    evicted=per_table(evicted),
+    rejected=per_table(valid & ~got),
+    sketch=sketch,
+    rng=state.rng,
+  )
+  return row, new_state, fresh
+
+
+def check_not_split(state: VocabState) -> None:
+  if is_split(state.key_hi):
+    raise ValueError(
+      "gradtx.TableStack.admit: the id map's rows are split over Explicit "
+      "mesh axes, which its placement rounds do not support yet. Split them "
+      "over Auto axes (`jax.make_mesh(..., axis_types=(AxisType.Auto,))`), "
+      "or keep the map replicated (`jax.device_put(vocab, "
+      "NamedSharding(mesh, P()))`) while the params stay row-sharded."
+    )
+
+
+def _offsets(layout: Layout, tab: np.ndarray) -> np.ndarray:
+  return np.asarray(layout.offsets, np.int32)[tab]
+
+
+def _admission(state, layout, tab, h, new, now):
+  """Which new ids may take a row this step, and the updated sketch."""
+  ok = new
+  settings = layout.settings
+  prob = np.asarray([s.admit_probability for s in settings])
+  if (prob < 1).any():
+    limit = np.minimum(np.floor(prob * 2.0**32), 2**32 - 1).astype(np.uint32)
+    u = _fmix(h ^ _fmix(now.astype(jnp.uint32) ^ _U32(0x9E3779B9)))
+    ok = ok & ((prob[tab] >= 1) | (u < jnp.asarray(limit[tab])))
+  sketch = state.sketch
+  mins = np.asarray([s.min_count for s in settings], np.int32)
+  if (mins > 1).any():
+    offs = np.asarray(layout.sketch_offsets[:-1], np.uint32)[tab]
+    width = np.asarray(layout.rows, np.uint32)[tab]
+    use = jnp.asarray(mins[tab] > 1) & new
+    est = None
+    for d in range(_SKETCH_DEPTH):
+      col = (_fmix(h ^ _U32(0x27D4EB2F * (d + 1) & 0xFFFFFFFF)) % width) + offs
+      col = jnp.where(use, col.astype(jnp.int32), sketch.shape[1])
+      row = sketch[d].at[col].add(1, mode="drop")
+      row = jnp.where(row < 0, _INT_MAX, row)
+      sketch = sketch.at[d].set(row)
+      got = row[jnp.minimum(col, sketch.shape[1] - 1)]
+      est = got if est is None else jnp.minimum(est, got)
+    ok = ok & (~use | (est >= jnp.asarray(mins[tab])))
+  return ok, sketch
+
+
+# -- what users watch ---------------------------------------------------------
+def _log2_buckets(x: jax.Array, live: jax.Array, buckets: int) -> jax.Array:
+  """Counts of ``x`` (>= 0) in buckets ``0, 1, 2-3, 4-7, ...``."""
+  b = jnp.where(
+    x > 0, jnp.floor(jnp.log2(jnp.maximum(x, 1).astype(jnp.float32))) + 1, 0
+  ).astype(jnp.int32)
+  b = jnp.minimum(b, buckets - 1)
+  return jax.ops.segment_sum(live.astype(jnp.int32), b, buckets)
+
+
+def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
+  """Per hashed table: occupancy, the last step's inserted / evicted /
+  rejected, and the age, idle time and read-count distributions of the live
+  rows (log2 buckets: 0, 1, 2-3, 4-7, ...)."""
+  out = {}
+  for k, (t, off, rows) in enumerate(
+    zip(layout.tables, layout.offsets, layout.rows, strict=True)
+  ):
+    at = jnp.asarray(layout.physical(np.arange(off, off + rows)))
+    last = state.last_seen[at]
+    live = last >= 0
+    n = live.sum()
+    age = jnp.where(live, state.step - 1 - state.born[at], 0)
+    idle = jnp.where(live, state.step - 1 - last, 0)
+    count = jnp.where(live, state.count[at], 0)
+    denom = jnp.maximum(n, 1).astype(jnp.float32)
+    out[t] = {
+      "live": n,
+      "occupancy": n.astype(jnp.float32) / rows,
+      "inserted": state.inserted[k],
+      "evicted": state.evicted[k],
+      "rejected": state.rejected[k],
+      "mean_age": age.sum().astype(jnp.float32) / denom,
+      "mean_count": count.astype(jnp.float32).sum() / denom,
+      "age_buckets": _log2_buckets(age, live, buckets),
+      "idle_buckets": _log2_buckets(idle, live, buckets),
+      "count_buckets": _log2_buckets(count, live, buckets),
+    }
+  return out
+
+
+# -- fresh rows in the params and every optimizer state -----------------------
+def _is_node(x: Any) -> bool:
+  return isinstance(x, SparseRows)
+
+
+def _row_leaves(optimizer: Any, params: Any, where: int) -> list[bool]:
+  """Which leaves of ``optimizer.init(params)`` (SparseRows whole) follow
+  the rows of params leaf ``where``: their leading axis (a SparseRows: its
+  ``num_rows``) grows with that leaf's rows."""
+  leaves, treedef = jax.tree.flatten(params)
+  abstract = [
+    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves
+  ]
+  grown = list(abstract)
+  x = abstract[where]
+  grown[where] = jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype)
+  base = jax.tree.leaves(
+    jax.eval_shape(optimizer.init, treedef.unflatten(abstract)),
+    is_leaf=_is_node,
+  )
+  more = jax.tree.leaves(
+    jax.eval_shape(optimizer.init, treedef.unflatten(grown)), is_leaf=_is_node
+  )
+  if len(base) != len(more):
+    raise ValueError(
+      "gradtx.reset_rows: the optimizer's state changes its structure with "
+      "a table's row count; its rows cannot be found."
+    )
+
+  def lead(s):
+    if isinstance(s, SparseRows):
+      return s.num_rows
+    return s.shape[0] if s.shape else None
+
+  return [
+    lead(a) is not None and lead(b) == lead(a) + 1
+    for a, b in zip(base, more, strict=True)
+  ]
+
+
+def reset_rows(
+  optimizer: Any, opt_state: Any, params: Any, fresh: Any
+) -> tuple[Any, Any]:
+  """Makes rows fresh: new values in the params, init values in every
+  optimizer state.
+
+  For each params leaf that ``fresh`` holds a :class:`FreshRows` for, its
+  rows are set to the new values, and in ``opt_state`` every leaf whose
+  leading axis follows that leaf's rows (moments, accumulators, 8-bit codes
+  and scales, lazy Adam's per-row steps) gets the values ``optimizer.init``
+  gives those rows, while a SparseRows buffer (``gtx.accumulate``'s) drops
+  its entries on them. So a row given to a new id continues exactly as a
+  row never touched. Works for any optax transformation whose ``init``
+  treats rows alike (every gradtx and optax one), inside ``jit``.
+
+  Args:
+    optimizer: the transformation ``opt_state`` is the state of.
+    opt_state: its state.
+    params: the params (a dict or any pytree).
+    fresh: a tree prefix of ``params`` (a dict with some of its keys) whose
+      leaves are :class:`FreshRows` (or None): what
+      :meth:`gradtx.TableStack.admit` returns, placed where the stack's
+      params sit in ``params``.
+
+  Returns:
+    ``(params, opt_state)`` with the rows fresh.
+  """
+  is_fresh = lambda x: isinstance(x, FreshRows)  # noqa: E731
+  where = {
+    path: m
+    for path, m in jax.tree_util.tree_flatten_with_path(
+      fresh, is_leaf=is_fresh
+    )[0]
+    if isinstance(m, FreshRows)
+  }
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [x for _, x in paths]
+  marks = [where.pop(path, None) for path, _ in paths]
+  if where:
+    raise ValueError(
+      "gradtx.reset_rows: `fresh` must be a prefix of `params` (the "
+      "FreshRows of TableStack.admit where the stack's params sit); no "
+      "params leaf at "
+      f"{[jax.tree_util.keystr(k) for k in where]}."
+    )
+  new_leaves = list(leaves)
+  small = list(leaves)
+  for i, m in enumerate(marks):
+    if m is None:
+      continue
+    if m.values.shape[1:] != leaves[i].shape[1:]:
+      raise ValueError(
+        f"gradtx.reset_rows: fresh values of shape {m.values.shape} for a "
+        f"params leaf of shape {leaves[i].shape}."
+      )
+    new_leaves[i] = scatter_rows(leaves[i], m.rows, m.values, unique=False)
+    small[i] = m.values.astype(leaves[i].dtype)
+  params = treedef.unflatten(new_leaves)
+  if opt_state is None:
+    return params, None
+  state_leaves, state_def = jax.tree.flatten(opt_state, is_leaf=_is_node)
+  fresh_state = None
+  for i, m in enumerate(marks):
+    if m is None:
+      continue
+    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i)
+    if fresh_state is None:
+      fresh_state = jax.tree.leaves(
+        optimizer.init(treedef.unflatten(small)), is_leaf=_is_node
+      )
+    for j, yes in enumerate(follows):
+      if yes:
+        state_leaves[j] = _reset_leaf(state_leaves[j], fresh_state[j], m.rows)
+  return params, state_def.unflatten(state_leaves)
+
+
+def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
+  if isinstance(leaf, SparseRows):
+    ordered = jnp.sort(rows)
+    at = jnp.clip(jnp.searchsorted(ordered, leaf.indices), 0, rows.shape[0] - 1)
+    hit = ordered[at] == leaf.indices
+    shape = (-1,) + (1,) * (leaf.values.ndim - 1)
+    return SparseRows(
+      jnp.where(hit, leaf.num_rows, leaf.indices).astype(leaf.indices.dtype),
+      jnp.where(hit.reshape(shape), 0, leaf.values).astype(leaf.values.dtype),
+      leaf.num_rows,
+    )
+  return scatter_rows(leaf, rows, init, unique=False)
+
+
+def check_vocab(vocab: Any, names: Mapping[str, Any], what: str) -> None:
+  """``vocab`` is the dict of :class:`VocabState` the plan wants."""
+  if not isinstance(vocab, Mapping) or set(vocab) != set(names):
+    got = list(vocab) if isinstance(vocab, Mapping) else type(vocab).__name__
+    raise ValueError(
+      f"gradtx.TableStack.{what}: `vocab` must be the dict "
+      f"`stack.init_vocab(key)` returns, with keys {list(names)}; got {got}."
+    )

@@ -1,0 +1,440 @@
+"""Hashed tables (open vocabularies): the id map against a numpy reference,
+fresh rows in the table and every optimizer state against numpy references
+of the optimizers, read-only lookups, checkpoints, 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import references_lazy_adam as ref_adam
+import references_optimizers as ref_opt
+import references_partial_rowwise_adam as ref_pra
+from references_vocab import NumpyMap, Table
+
+import gradtx as gtx
+
+B = 6
+STEPS = 10
+
+MAP_TABLES = {
+  "a": gtx.TableSpec(12, 4, hashed=gtx.Hashed(probes=3)),
+  "b": gtx.TableSpec(10, 4, hashed=gtx.Hashed(policy="lfu", ttl=2, probes=4)),
+  "c": gtx.TableSpec(
+    9,
+    4,
+    hashed=gtx.Hashed(min_count=2, admit_probability=0.7, seed=5),
+  ),
+  "d": gtx.TableSpec(7, 4),
+}
+MAP_FEATURES = {"a1": "a", "a2": "a", "b1": "b", "c1": "c", "d1": "d"}
+
+
+def _raw_batch(rng):
+  """Raw ids: int32 (large, negative = padding), bags with weights, 64-bit
+  words in a jagged feature, a plain feature."""
+  lengths = rng.randint(0, 4, B).astype(np.int32)
+  b_ids = rng.randint(0, 25, 14).astype(np.int64) * 3_000_000_019
+  return {
+    "a1": (rng.randint(-2, 30, B) * 1_000_003).astype(np.int32),
+    "a2": rng.randint(-1, 30, (B, 3)).astype(np.int32),
+    "b1": gtx.Jagged(
+      gtx.Words((b_ids >> 32).astype(np.uint32), b_ids.astype(np.uint32)),
+      lengths,
+    ),
+    "c1": rng.randint(0, 12, B).astype(np.int32),
+    "d1": rng.randint(0, 7, B).astype(np.int32),
+  }, {"a2": (rng.rand(B, 3) > 0.3).astype(np.float32)}
+
+
+def _reference_slots(ids, weights):
+  """The stack's hashed slots in admit's order: (table index, raw, valid)."""
+  lengths = ids["b1"].lengths
+  b = ids["b1"].ids
+  b_raw = (b.hi.astype(np.int64) << 32) | b.lo.astype(np.int64)
+  slots = [(0, int(x), x >= 0) for x in ids["a1"]]
+  slots += [
+    (0, int(x), x >= 0 and w != 0)
+    for x, w in zip(ids["a2"].ravel(), weights["a2"].ravel(), strict=True)
+  ]
+  slots += [(1, int(x), k < lengths.sum()) for k, x in enumerate(b_raw)]
+  slots += [(2, int(x), True) for x in ids["c1"]]
+  return slots
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_map_follows_its_numpy_reference(shards):
+  stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES, shards=shards)
+  (layout,) = stack.maps.values()
+  ref = NumpyMap(
+    [
+      Table("a", 0, 12, probes=3),
+      Table("b", 12, 10, policy="lfu", ttl=2, probes=4),
+      Table("c", 22, 9, min_count=2, admit_probability=0.7, seed=5),
+    ],
+    layout.size,
+    shards,
+  )
+  vocab = stack.init_vocab(jax.random.key(0))
+  (name,) = vocab
+  admit = jax.jit(stack.admit)
+  rng = np.random.RandomState(0)
+  sizes = [B, 3 * B, 14, B]
+  saw_eviction = saw_rejection = False
+  for _ in range(STEPS):
+    ids, weights = _raw_batch(rng)
+    got, vocab, fresh = admit(vocab, ids, weights=weights)
+    rows, fresh_ref, stats = ref.step_ids(_reference_slots(ids, weights))
+    parts = np.split(np.asarray(rows), np.cumsum(sizes)[:-1])
+    np.testing.assert_array_equal(got["a1"], parts[0])
+    np.testing.assert_array_equal(got["a2"], parts[1].reshape(B, 3))
+    np.testing.assert_array_equal(got["b1"].ids, parts[2])
+    np.testing.assert_array_equal(got["b1"].lengths, ids["b1"].lengths)
+    np.testing.assert_array_equal(got["c1"], parts[3])
+    np.testing.assert_array_equal(got["d1"], ids["d1"])  # not hashed
+    want_fresh = [layout.size if r is None else r for r in fresh_ref]
+    np.testing.assert_array_equal(fresh[name].rows, want_fresh)
+    s = vocab[name]
+    np.testing.assert_array_equal(s.last_seen, ref.last)
+    np.testing.assert_array_equal(s.count, ref.count)
+    live = np.asarray(ref.last) >= 0
+    np.testing.assert_array_equal(s.born[live], np.asarray(ref.born)[live])
+    keys = np.stack([s.key_hi, s.key_lo], 1)[live]
+    np.testing.assert_array_equal(keys, np.asarray(ref.key)[live])
+    np.testing.assert_array_equal(
+      np.stack([s.inserted, s.evicted, s.rejected], 1), stats
+    )
+    assert (np.asarray(s.claim) == 2**31 - 1).all()
+    saw_eviction |= bool(np.asarray(s.evicted).any())
+    saw_rejection |= bool(np.asarray(s.rejected).any())
+    # no two live ids of a table share a row: one key per live row
+    for t, off, n in zip(
+      layout.tables, layout.offsets, layout.rows, strict=True
+    ):
+      at = layout.physical(np.arange(off, off + n))
+      k = [tuple(x) for x in np.stack([s.key_hi, s.key_lo], 1)[at][live[at]]]
+      assert len(set(k)) == len(k), t
+  assert saw_eviction and saw_rejection
+  st = stack.vocab_stats(vocab)
+  assert set(st) == {"a", "b", "c"}
+  live_a = int(st["a"]["live"])
+  assert int(st["a"]["age_buckets"].sum()) == live_a
+  assert int(st["a"]["count_buckets"].sum()) == live_a
+  np.testing.assert_allclose(st["a"]["occupancy"], live_a / 12)
+
+
+# ----------------------------------------------------------------------------
+# fresh rows in the params and every optimizer state
+
+H = gtx.TableSpec(
+  8, 3, hashed=gtx.Hashed(probes=4), initializer=jax.nn.initializers.zeros
+)
+NUMPY_CASES = {
+  "lazy_adam": (
+    gtx.lazy_adam(0.1),
+    lambda p: ref_adam.LazyAdam(p, lambda t: 0.1),
+  ),
+  "lazy_adam_catch_up": (
+    gtx.lazy_adam(0.1, catch_up=True),
+    lambda p: ref_adam.LazyAdam(p, lambda t: 0.1, catch_up=True),
+  ),
+  "adagrad": (gtx.adagrad(0.1), lambda p: ref_opt.Adagrad(p, lambda c: 0.1)),
+  "rowwise_adagrad": (
+    gtx.rowwise_adagrad(0.1),
+    lambda p: ref_opt.RowwiseAdagrad(p, lambda c: 0.1),
+  ),
+  "lazy_sgd_momentum": (
+    gtx.lazy_sgd(0.1, momentum=0.9),
+    lambda p: ref_opt.LazyMomentumSGD(p, lambda c: 0.1, momentum=0.9),
+  ),
+  "ftrl": (gtx.ftrl(0.1), lambda p: ref_opt.Ftrl(p, lambda c: 0.1)),
+  "partial_rowwise_adam": (
+    gtx.partial_rowwise_adam(0.1),
+    lambda p: ref_pra.PartialRowwiseAdam(p, lambda c: 0.1),
+  ),
+}
+# against the same transformation on a table with a row for every id ever
+# placed (each placement its own row): 8-bit state and the wrappers
+GTX_CASES = {
+  "lazy_adam_int8": gtx.lazy_adam(0.1, mu_dtype="int8", nu_dtype="int8"),
+  "adagrad_int8": gtx.adagrad(0.1, accumulator_dtype="int8"),
+  "accumulate": gtx.accumulate(
+    gtx.lazy_adam(0.1), 2, rows_per_step={"float32x3": 3 * B}
+  ),
+  "drop_stale_accumulate": gtx.drop_stale(
+    gtx.accumulate(
+      gtx.rowwise_adagrad(0.1), 3, rows_per_step={"float32x3": 3 * B}
+    ),
+    4,
+  ),
+}
+
+
+def _loss(stack, params, ids, weights, coef):
+  """Linear in the rows, so each id's gradient does not depend on them."""
+  emb = stack.lookup(params, ids, weights=weights)
+  return jnp.sum(emb["one"] * coef[0]) + jnp.sum(emb["bag"] * coef[1])
+
+
+def test_a_row_given_to_a_new_id_is_fresh_in_every_optimizer_state():
+  stack = gtx.TableStack({"h": H}, features={"one": "h", "bag": "h"})
+  (name,) = stack.stacks
+  opts = {k: tx for k, (tx, _) in NUMPY_CASES.items()} | GTX_CASES
+  params0 = stack.init(jax.random.key(1))
+  vocab = stack.init_vocab(jax.random.key(2))
+  states = {k: (params0, tx.init(params0)) for k, tx in opts.items()}
+
+  @jax.jit
+  def step(states, vocab, ids, weights, coef, i):
+    ids, vocab, fresh = stack.admit(vocab, ids, weights=weights)
+    out = {}
+    for k, tx in opts.items():
+      p, s = states[k]
+      p, s = gtx.reset_rows(tx, s, p, fresh)
+      g = gtx.sparse_grad(lambda p: _loss(stack, p, ids, weights, coef))(p)
+      u, s = tx.update(g, s, p, grad_step=i)
+      out[k] = (gtx.apply_updates(p, u), s)
+    return out, vocab, ids
+
+  # the references: one row per placement (an id evicted and placed again
+  # is a new row), the gradient computed in numpy
+  cap = STEPS * 3 * B
+  zeros = {name: np.zeros((cap, 3))}
+  refs = {k: make(zeros) for k, (_, make) in NUMPY_CASES.items()}
+  gtx_refs = {
+    k: ({name: jnp.zeros((cap, 3))}, tx.init({name: jnp.zeros((cap, 3))}))
+    for k, tx in GTX_CASES.items()
+  }
+  gtx_step = jax.jit(
+    lambda st, g, i: {
+      k: _ref_update(tx, st[k], g, i) for k, tx in GTX_CASES.items()
+    }
+  )
+  ref_map = NumpyMap([Table("h", 0, 8, probes=4)], 8)
+  placement = {}  # row -> its placement's reference row
+  rng = np.random.RandomState(3)
+  evictions = 0
+  for i in range(STEPS):
+    ids = {
+      "one": rng.randint(0, 40, B).astype(np.int32),
+      "bag": rng.randint(-1, 40, (B, 2)).astype(np.int32),
+    }
+    weights = {"bag": rng.rand(B, 2).astype(np.float32)}
+    coef = rng.randn(2, B, 3).astype(np.float32)
+    slots = [(0, int(x), x >= 0) for x in ids["one"]]
+    slots += [
+      (0, int(x), x >= 0 and w != 0)
+      for x, w in zip(ids["bag"].ravel(), weights["bag"].ravel(), strict=True)
+    ]
+    rows, fresh, _ = ref_map.step_ids(slots)
+    evictions += sum(r in placement for r in fresh if r is not None)
+    placement = _renumbered(placement, fresh)
+    states, vocab, got = step(
+      states, vocab, ids, weights, coef, jnp.asarray(i, jnp.int32)
+    )
+    np.testing.assert_array_equal(got["one"], rows[:B])
+    np.testing.assert_array_equal(got["bag"].ravel(), rows[B:])
+    # each slot's gradient row, at its placement's reference row
+    g_rows = [coef[0, b] for b in range(B)]
+    g_rows += [
+      weights["bag"][b, j] * coef[1, b] for b in range(B) for j in range(2)
+    ]
+    idx = [placement[r] if r >= 0 else cap for r in rows]
+    grad = (np.asarray(idx), np.asarray(g_rows, np.float64), cap)
+    for ref in refs.values():
+      ref.step({name: grad})
+    gtx_refs = gtx_step(
+      gtx_refs,
+      gtx.SparseRows(jnp.asarray(idx, jnp.int32), jnp.asarray(g_rows), cap),
+      jnp.asarray(i, jnp.int32),
+    )
+    live = [r for r in range(8) if ref_map.last[r] >= 0]
+    at = [placement[r] for r in live]
+    for k, ref in refs.items():
+      np.testing.assert_allclose(
+        np.asarray(states[k][0][name])[live],
+        ref.p[name][at],
+        rtol=2e-4,
+        atol=2e-5,
+        err_msg=f"{k} at step {i}",
+      )
+    for k in GTX_CASES:
+      np.testing.assert_allclose(
+        np.asarray(states[k][0][name])[live],
+        np.asarray(gtx_refs[k][0][name])[at],
+        rtol=1e-5,
+        atol=1e-6,
+        err_msg=f"{k} at step {i}",
+      )
+  assert evictions > 10
+
+
+def _renumbered(placement, fresh):
+  """Gives every row placed this step the next reference row."""
+  out = {r: v for r, v in placement.items() if r not in set(fresh)}
+  nxt = max(list(placement.values()) + [-1]) + 1
+  for r in fresh:
+    if r is not None and r not in out:
+      out[r] = nxt
+      nxt += 1
+  return out
+
+
+def _ref_update(tx, ps, g, i):
+  p, s = ps
+  (name,) = p
+  u, s = tx.update({name: g}, s, p, grad_step=i)
+  return gtx.apply_updates(p, u), s
+
+
+def test_fresh_rows_take_the_initializer_and_lookup_reads_read_only():
+  stack = gtx.TableStack(
+    {
+      "h": gtx.TableSpec(4, 2, hashed=gtx.Hashed(probes=4)),
+      "p": gtx.TableSpec(5, 2),
+    },
+    features={"h": "h", "p": "p"},
+  )
+  (name,) = stack.stacks
+  params = stack.init(jax.random.key(0))
+  vocab = stack.init_vocab(jax.random.key(5))
+  ids = {"h": np.array([7, 8, 9, 7, 10, 11], np.int32)}
+  got, vocab2, fresh = stack.admit(vocab, ids)
+  # five distinct ids for four rows: one turned away, the others placed
+  assert sorted(np.asarray(got["h"])[[0, 1, 2, 4, 5]].tolist()).count(-1) == 1
+  np.testing.assert_array_equal(got["h"][0], got["h"][3])
+  key = jax.random.fold_in(jax.random.wrap_key_data(vocab[name].rng), 0)
+  want = jax.random.normal(jax.random.fold_in(key, 0), (6, 2)) / np.sqrt(2)
+  new, _ = gtx.reset_rows(None, None, params, fresh)
+  for k, r in enumerate(np.asarray(fresh[name].rows)):
+    if r < 4:
+      np.testing.assert_allclose(new[name][r], want[k], rtol=1e-6)
+  # read-only: known ids read their rows, unknown ones zeros; nothing placed
+  emb = stack.lookup(new, {"h": np.array([8, 99], np.int32)}, vocab=vocab2)
+  row8 = int(got["h"][1])
+  np.testing.assert_array_equal(emb["h"][0], new[name][row8])
+  np.testing.assert_array_equal(emb["h"][1], np.zeros(2))
+  # 64-bit ids: int64 under x64 and gtx.Words map alike
+  big = np.array([2**40 + 5, -1, 2**33], np.int64)
+  words = gtx.Words((big >> 32).astype(np.uint32), big.astype(np.uint32))
+  by_words, _, _ = stack.admit(vocab, {"h": words})
+  with jax.enable_x64(True):
+    by_int64, _, _ = stack.admit(vocab, {"h": jnp.asarray(big)})
+  np.testing.assert_array_equal(by_words["h"], by_int64["h"])
+  assert int(by_words["h"][1]) == -1  # negative: padding
+
+
+def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
+  import checkpoint_worker
+
+  stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES)
+  vocab = stack.init_vocab(jax.random.key(0))
+  rng = np.random.RandomState(1)
+  for _ in range(3):
+    ids, weights = _raw_batch(rng)
+    _, vocab, _ = stack.admit(vocab, ids, weights=weights)
+  checkpoint_worker.save_orbax(tmp_path / "vocab", vocab)
+  got = checkpoint_worker.restore_orbax(
+    tmp_path / "vocab", jax.tree.map(jnp.zeros_like, vocab)
+  )
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(vocab), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_row_sharded_stack_with_its_map_on_8_devices_equals_one_device(kind):
+  """Auto axes: the map split like the rows; Explicit: the params split,
+  the map replicated (a split one is refused with the fix)."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES, shards=8)
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+  tx = gtx.lazy_adam(0.1)
+
+  def step(params, state, vocab, ids, weights):
+    ids, vocab, fresh = stack.admit(vocab, ids, weights=weights)
+    params, state = gtx.reset_rows(tx, state, params, fresh)
+
+    def loss(p):
+      emb = stack.lookup(p, ids, weights=weights)
+      return sum(jnp.sum(v) for v in emb.values())
+
+    g = gtx.sparse_grad(loss)(params)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, vocab
+
+  def run(params, vocab, init):
+    state = init(params)
+    f = jax.jit(step, donate_argnums=(0, 1, 2))
+    rng = np.random.RandomState(4)
+    for _ in range(3):
+      ids, weights = _raw_batch(rng)
+      params, state, vocab = f(params, state, vocab, ids, weights)
+    return params, vocab
+
+  params = stack.init(jax.random.key(0))
+  vocab = stack.init_vocab(jax.random.key(1))
+  want = run(params, vocab, tx.init)
+  rows = NamedSharding(mesh, P("d"))
+
+  def split(tree):
+    return jax.tree.map(
+      lambda x: jax.device_put(x, rows) if x.ndim and x.shape[0] > 8 else x,
+      tree,
+    )
+
+  with jax.set_mesh(mesh):
+    params = split(stack.init(jax.random.key(0)))
+    if kind == "explicit":
+      with pytest.raises(ValueError, match="replicated"):
+        run(params, split(stack.init_vocab(jax.random.key(1))), tx.init)
+      vocab = jax.device_put(
+        stack.init_vocab(jax.random.key(1)), NamedSharding(mesh, P())
+      )
+    else:
+      vocab = split(stack.init_vocab(jax.random.key(1)))
+    got = run(params, vocab, lambda p: gtx.sharded_init(tx, p))
+  (name,) = got[0]
+  assert got[0][name].sharding.spec[0] == "d"
+  if kind == "auto":
+    assert got[1][name].key_hi.sharding.spec[0] == "d"
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_bad_input_names_the_argument():
+  with pytest.raises(ValueError, match="policy"):
+    gtx.Hashed(policy="fifo")
+  with pytest.raises(ValueError, match="admit_probability"):
+    gtx.Hashed(admit_probability=0)
+  with pytest.raises(ValueError, match="ttl"):
+    gtx.Hashed(ttl=-1)
+  with pytest.raises(TypeError, match="hashed"):
+    gtx.TableSpec(4, 2, hashed="lru")
+  stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES)
+  with pytest.raises(ValueError, match="init_vocab"):
+    stack.admit({}, {"a1": np.zeros(2, np.int32)})
+  plain = gtx.TableStack({"d": gtx.TableSpec(3, 2)})
+  with pytest.raises(ValueError, match="hashed"):
+    plain.init_vocab(jax.random.key(0))
+  params = stack.init(jax.random.key(0))
+  w = gtx.Words(np.zeros(2, np.uint32), np.ones(2, np.uint32))
+  with pytest.raises(TypeError, match="vocab="):
+    stack.lookup(params, {"a1": w})
+  with pytest.raises(TypeError, match="uint32"):
+    stack.admit(
+      stack.init_vocab(jax.random.key(0)),
+      {"a1": gtx.Words(np.zeros(2, np.int32), np.ones(2, np.uint32))},
+    )
+  with pytest.raises(TypeError, match="float32"):
+    stack.admit(stack.init_vocab(jax.random.key(0)), {"a1": np.zeros(2)})
+  with pytest.raises(ValueError, match="prefix"):
+    gtx.reset_rows(
+      None,
+      None,
+      params,
+      {"nope": None}
+      | {"x": gtx.FreshRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, 4)))},
+    )
