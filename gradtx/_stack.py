@@ -38,6 +38,8 @@ _READS_PER_ROW_OUTSIDE = 4
 # key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
 _MAP_BYTES_PER_ROW = 24
 _SKETCH_DEPTH = 2
+# the least new ids a fractional `max_new` lets a step place
+_MIN_NEW = 64
 
 
 def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -480,6 +482,7 @@ class TableStack:
     ids: Mapping[str, Any],
     *,
     weights: Mapping[str, ArrayLike] | None = None,
+    max_new: int | float = 0.125,
   ) -> tuple[dict[str, Any], dict[str, VocabState], dict[str, FreshRows]]:
     """Maps the raw ids of hashed features to rows, giving new ids rows.
 
@@ -503,6 +506,14 @@ class TableStack:
         table's features take raw ids: int32, uint32, int64 (with
         ``jax_enable_x64``) or :class:`gradtx.Words`.
       weights: per-id weights of ``[B, L]`` features (0: padding).
+      max_new: the most new ids a stack places in one step: an int, or a
+        float, that fraction of the stack's id slots in ``ids`` (at least
+        64). The first
+        in order compete for rows; the others read zeros for this step
+        (counted in ``rejected``) and are placed when read again. Its work
+        (the placement, the fresh rows' values and :func:`reset_rows`)
+        follows this bound, not the ids: raise it when ``rejected`` stays
+        high while the table has room.
 
     Returns:
       ``(ids, vocab, fresh)``: the features' ids as rows for :meth:`lookup`
@@ -510,6 +521,14 @@ class TableStack:
       :class:`gradtx.FreshRows` (the rows given out and their new values).
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
+    if isinstance(max_new, bool) or not (
+      (isinstance(max_new, (int, np.integer)) and max_new >= 1)
+      or (isinstance(max_new, float) and 0 < max_new <= 1)
+    ):
+      raise ValueError(
+        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
+        f"(0, 1] (a fraction of the id slots); got {max_new!r}."
+      )
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
@@ -517,11 +536,15 @@ class TableStack:
       if slots is None:
         continue
       state = vocab[name]
-      rows, new_vocab[name], placed = _vocab.admit(
-        state, layout, slots.hi, slots.lo, slots.tab, slots.valid
+      n = slots.tab.shape[0]
+      m = max_new
+      if not isinstance(max_new, (int, np.integer)):  # a fraction, >= 64
+        m = max(min(n, _MIN_NEW), math.ceil(n * max_new))
+      rows, new_vocab[name], placed, tab = _vocab.admit(
+        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, int(m)
       )
       out.update(slots.rebuild(rows))
-      fresh[name] = FreshRows(placed, self._fresh_values(name, state, slots))
+      fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
   def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
@@ -598,12 +621,13 @@ class TableStack:
       rebuild,
     )
 
-  def _fresh_values(self, name, state, slots) -> jax.Array:
-    """``[n, dim]`` new rows, slot k's for the row slot k is given: each
-    table's initializer, keyed by the map's key and step."""
+  def _fresh_values(self, name, state, tab) -> jax.Array:
+    """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
+    table ``tab[k]``): each table's initializer, keyed by the map's key and
+    step."""
     layout, s = self.maps[name], self.stacks[name]
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    n = slots.tab.shape[0]
+    n = tab.shape[0]
     groups: dict[Any, list[int]] = {}
     for k, t in enumerate(layout.tables):
       groups.setdefault(self.tables[t].initializer, []).append(k)
@@ -615,7 +639,9 @@ class TableStack:
       if values is None:
         values = v
       else:
-        values = jnp.where(np.isin(slots.tab, members)[:, None], v, values)
+        values = jnp.where(
+          jnp.isin(tab, np.asarray(members))[:, None], v, values
+        )
     return values
 
   # -- the lookup -----------------------------------------------------------

@@ -363,14 +363,24 @@ def _hashes(layout: Layout, hi, lo, tab: np.ndarray) -> jax.Array:
 
 
 def admit(
-  state: VocabState, layout: Layout, hi, lo, tab: np.ndarray, valid
-) -> tuple[jax.Array, VocabState, jax.Array]:
+  state: VocabState,
+  layout: Layout,
+  hi,
+  lo,
+  tab: np.ndarray,
+  valid,
+  max_new: int,
+) -> tuple[jax.Array, VocabState, jax.Array, jax.Array]:
   """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
-  fresh array rows [n] with ``layout.size`` for none)``.
+  fresh array rows [max_new] with ``layout.size`` for none, their hashed
+  tables [max_new])``.
 
   ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
-  padding); ``tab``: static ``[n]``, each slot's hashed table."""
+  padding); ``tab``: static ``[n]``, each slot's hashed table. The first
+  ``max_new`` slots of new admitted ids (in slot order) compete for rows;
+  the others wait for a later step, unless a duplicate placed theirs."""
   n, size, ntab = hi.shape[0], layout.size, len(layout.tables)
+  m = max(1, min(int(max_new), n))
   check_not_split(state)
   now = state.step
   h = _hashes(layout, hi, lo, tab)
@@ -383,50 +393,61 @@ def admit(
   last_seen = state.last_seen.at[at].set(now, mode="drop")
   new = valid & ~found
   admitted, sketch = _admission(state, layout, tab, h, new, now)
-  pending = admitted
-  rank = jnp.arange(n, dtype=jnp.int32)
+  # the first m admitted slots, compacted in slot order
+  pos = jnp.cumsum(admitted.astype(jnp.int32)) - 1
+  take = admitted & (pos < m)
+  slot = jnp.full(m, n, jnp.int32)
+  slot = slot.at[jnp.where(take, pos, m)].set(
+    jnp.arange(n, dtype=jnp.int32), mode="drop"
+  )
+  used = slot < n
+  k = jnp.minimum(slot, n - 1)
+  bhi, blo = hi[k], lo[k]
+  btab = jnp.asarray(tab)[k]
+  bp = _Probe(p.local[k], p.phys[k], p.inwin[k] & used[:, None])
+  rank = jnp.arange(m, dtype=jnp.int32)
   settings = layout.settings
-  lfu = jnp.asarray(np.asarray([s.policy == "lfu" for s in settings])[tab])
+  lfu = jnp.asarray(np.asarray([s.policy == "lfu" for s in settings]))[btab]
   ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
-  ttl = jnp.asarray(ttl[tab])
+  ttl = jnp.asarray(ttl)[btab]
 
   def cond(c):
     return c[-1] & c[5].any()
 
   def round_(c):
-    key_hi, key_lo, last, born, claim, pending, row, fresh, evicted, _ = c
-    ls = last[p.phys]
+    key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted, _ = c
+    ls = last[bp.phys]
     empty = ls < 0
     old = (ttl[:, None] < 0) | (now - ls > ttl[:, None])
-    ok = p.inwin & (empty | ((ls < now) & old))
-    cnt = jnp.where(lfu[:, None], state.count[p.phys], 0)
+    ok = bp.inwin & (empty | ((ls < now) & old))
+    cnt = jnp.where(lfu[:, None], state.count[bp.phys], 0)
     first = jnp.where(ok, jnp.where(empty, -1, cnt), _INT_MAX)
     tie = ok & (first == first.min(1, keepdims=True))
     col = jnp.argmin(jnp.where(tie, ls, _INT_MAX), axis=1)
     has = pending & ok.any(1)
-    local, choice = _pick(p, col)
+    local, choice = _pick(bp, col)
     tgt = jnp.where(has, choice, size)
     claim = claim.at[tgt].min(rank, mode="drop")
     won = has & (claim[jnp.minimum(choice, size - 1)] == rank)
     claim = claim.at[tgt].set(_INT_MAX, mode="drop")
     wt = jnp.where(won, choice, size)
     was_live = won & (last[jnp.minimum(choice, size - 1)] >= 0)
-    key_hi = key_hi.at[wt].set(hi, mode="drop")
-    key_lo = key_lo.at[wt].set(lo, mode="drop")
+    key_hi = key_hi.at[wt].set(bhi, mode="drop")
+    key_lo = key_lo.at[wt].set(blo, mode="drop")
     last = last.at[wt].set(now, mode="drop")
     born = born.at[wt].set(now, mode="drop")
-    row = jnp.where(won, local, row)
+    brow = jnp.where(won, local, brow)
     fresh = jnp.where(won, choice, fresh)
     evicted = evicted | was_live
     pending = pending & ~won
     # a duplicate of an id placed this round finds it now
     s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
-    f2, c2 = _match(s2, p, hi, lo, pending)
-    l2, _ = _pick(p, c2)
-    row = jnp.where(f2, l2, row)
+    f2, c2 = _match(s2, bp, bhi, blo, pending)
+    l2, _ = _pick(bp, c2)
+    brow = jnp.where(f2, l2, brow)
     pending = pending & ~f2
     return (
-      key_hi, key_lo, last, born, claim, pending, row, fresh, evicted,
+      key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted,
       won.any() | f2.any(),
     )  # fmt: skip
 
@@ -436,25 +457,30 @@ def admit(
     last_seen,
     state.born,
     state.claim,
-    pending,
-    row,
-    jnp.full(n, size, jnp.int32),
-    jnp.zeros(n, bool),
+    used,
+    jnp.full(m, -1, jnp.int32),
+    jnp.full(m, size, jnp.int32),
+    jnp.zeros(m, bool),
     jnp.asarray(True),
   )
-  key_hi, key_lo, last, born, claim, pending, row, fresh, evicted, _ = (
+  key_hi, key_lo, last, born, claim, _, brow, fresh, evicted, _ = (
     lax.while_loop(cond, round_, carry)
   )
+  row = row.at[jnp.where(brow >= 0, slot, n)].set(brow, mode="drop")
+  # the new ids that waited: a duplicate may have placed theirs
+  s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
+  f3, c3 = _match(s2, p, hi, lo, new & (row < 0))
+  l3, _ = _pick(p, c3)
+  row = jnp.where(f3, l3, row)
   got = row >= 0
   at = jnp.where(got, layout.physical(row + _offsets(layout, tab)), size)
   placed = fresh < size
   count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
   count = count.at[at].add(1, mode="drop")
   count = jnp.where(count < 0, _INT_MAX, count)  # saturate
-  tabj = jnp.asarray(tab)
 
-  def per_table(x):
-    return jax.ops.segment_sum(x.astype(jnp.int32), tabj, ntab)
+  def per_table(x, t):
+    return jax.ops.segment_sum(x.astype(jnp.int32), t, ntab)
 
   new_state = VocabState(
     step=jnp.minimum(now, _INT_MAX - 1) + 1,
@@ -464,13 +490,13 @@ def admit(
     count=count,
     born=born,
     claim=claim,
-    inserted=per_table(placed),
-    evicted=per_table(evicted),
-    rejected=per_table(valid & ~got),
+    inserted=per_table(placed, btab),
+    evicted=per_table(evicted, btab),
+    rejected=per_table(valid & ~got, jnp.asarray(tab)),
     sketch=sketch,
     rng=state.rng,
   )
-  return row, new_state, fresh
+  return row, new_state, fresh, btab
 
 
 def check_not_split(state: VocabState) -> None:

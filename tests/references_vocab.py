@@ -75,10 +75,11 @@ class NumpyMap:
         return local, r
     return None
 
-  def step_ids(self, slots: list[tuple[int, int, bool]]):
+  def step_ids(self, slots: list[tuple[int, int, bool]], max_new: int):
     """``slots``: (table index, signed raw id, valid), the step's ids in
-    order. Returns (local row or -1 per slot, fresh array rows per slot or
-    None, per-table (inserted, evicted, rejected))."""
+    order; the first ``max_new`` slots of new admitted ids compete for
+    rows. Returns (local row or -1 per slot, the array row each competing
+    slot got or None, per-table (inserted, evicted, rejected))."""
     now = self.step
     n = len(slots)
     row = [-1] * n
@@ -117,7 +118,8 @@ class NumpyMap:
       t = info[k][0]
       est = min(self.sketch[t.name][d, c[d]] for d in range(2))
       admitted[k] = admitted[k] and est >= t.min_count
-    pending = [k for k in range(n) if admitted[k]]
+    competing = [k for k in range(n) if admitted[k]][:max_new]
+    pending = list(competing)
     evicted = [False] * n
     while pending:
       choice = {}
@@ -163,6 +165,12 @@ class NumpyMap:
       pending = rest
       if not won and not found:
         break
+    for k in range(n):  # a new id that waited: a duplicate may have placed it
+      if new[k] and row[k] < 0:
+        t, key, h, ok = info[k]
+        got = self._find(t, h, key)
+        if got:
+          row[k], arr[k] = got
     for k in range(n):
       if fresh[k] is not None:
         self.count[fresh[k]] = 0
@@ -178,4 +186,4 @@ class NumpyMap:
         sum(info[k][3] and row[k] < 0 for k in mine),
       ))  # fmt: skip
     self.step += 1
-    return row, fresh, stats
+    return row, [fresh[k] for k in competing], stats

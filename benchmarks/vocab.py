@@ -1,0 +1,348 @@
+"""Open vocabularies: what the id map of hashed tables costs inside the whole
+training step, and what it buys over the hashing trick.
+
+* ``cost``: the 26-feature Criteo model of ``benchmarks/stacks.py`` (one id
+  per example and feature, batch ``--batch``, ``--dim`` wide, a logit per
+  feature), raw ids Zipf over 10^9 values (``numpy`` Zipf ranks of exponent
+  ``--zipf``, scrambled by a hash so the hot ids are spread), a stack of
+  hashed tables whose capacities are 10%, 50% and 100% of the distinct ids
+  a table sees over the ``--batches`` batches the steps cycle through. The
+  map's step (``admit`` + ``reset_rows`` + loss, gradient and update, params,
+  state and map donated) against the same step on the same tables with ids
+  already in range (the raw id modulo the rows, mapped in numpy before the
+  step). The map's steps are timed after ``--fill`` untimed steps, so a
+  small table is evicting rows when it is timed.
+* ``quality``: a synthetic CTR task with a long tail: ``--q-features``
+  features whose raw ids are Zipf over 10^9 values, each id with a fixed
+  random effect, labels drawn from the logistic model of the effects.
+  Embeddings of width 8 and a linear head, trained online (fresh examples
+  every step) with ``gtx.adagrad``, then the held-out log loss on fresh
+  examples. At a capacity of ``--q-capacity`` of the distinct ids the
+  training stream holds: the id map (LRU; LRU admitting ids at their second
+  read), the modulo hashing trick with the same rows and with the same bytes
+  (the map's 24 bytes a row given to the table as rows), and an unbounded
+  table (a row for every distinct id). Ids never seen in training read zeros
+  in the map and the unbounded table, and a colliding row with the modulo.
+
+Writes ``benchmarks/results/vocab.{md,json}`` and ``vocab_quality.{md,json}``.
+
+  python -m benchmarks.vocab [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import time_interleaved, write_results
+
+SEED = 0
+RAW_SPACE = 10**9
+
+
+def zipf_raw(rng, n, a, salt):
+  """``n`` raw ids: Zipf ranks (exponent ``a``) below 10^9, scrambled by a
+  multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
+  rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
+  return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
+
+
+def _bce(logit, y):
+  return jnp.mean(jax.nn.softplus(logit) - y * logit)
+
+
+# ----------------------------------------------------------------------------
+# cost inside the whole step
+
+
+def cost(args):
+  nf = 26
+  names = [f"f{t}" for t in range(nf)]
+  rng = np.random.default_rng(SEED)
+  raw = [
+    {n: zipf_raw(rng, args.batch, args.zipf, t) for t, n in enumerate(names)}
+    for _ in range(args.batches)
+  ]
+  labels = [(rng.random(args.batch) < 0.25).astype(np.float32) for _ in raw]
+  distinct = {
+    n: len(np.unique(np.concatenate([b[n] for b in raw]))) for n in names
+  }
+  rows_out, extra = [], {"distinct": distinct}
+  for frac in args.fractions:
+    rows = {n: max(64, int(np.ceil(frac * distinct[n]))) for n in names}
+    for opt_name, make in (
+      ("rowwise_adagrad", lambda: gtx.rowwise_adagrad(1e-2)),
+      ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
+    ):
+      times = _cost_pair(args, names, rows, raw, labels, make)
+      ratio = times["map"] / times["in range"]
+      rows_out.append([
+        f"{int(frac * 100)}%",
+        opt_name,
+        sum(rows.values()),
+        times["in range"] * 1e3,
+        times["map"] * 1e3,
+        ratio,
+      ])  # fmt: skip
+      extra.setdefault("runs", []).append({
+        "fraction": frac, "optimizer": opt_name, **times
+      })  # fmt: skip
+  write_results(
+    "vocab",
+    "Hashed tables: the id map inside the whole step (26 Criteo features, "
+    f"batch {args.batch}, dim {args.dim}, Zipf({args.zipf}) raw ids over "
+    "10^9 values)",
+    [
+      "capacity / distinct ids",
+      "optimizer",
+      "rows (all tables)",
+      "ids in range ms",
+      "id map ms",
+      "map / in range",
+    ],
+    rows_out,
+    notes=(
+      "Median of interleaved rounds, the loss returned, params, state and "
+      "map donated. `ids in range`: the same stack without hashing, the "
+      "raw id modulo the rows computed in numpy before the step (the "
+      "hashing trick, free of the map's work). `id map`: "
+      "`stack.admit` + `gtx.reset_rows` + the same loss, gradient and "
+      f"update, timed after {args.fill} untimed steps. Distinct ids per "
+      f"table over the {args.batches} batches the steps cycle through: "
+      f"{min(distinct.values()):,}..{max(distinct.values()):,}."
+    ),
+    extra=extra,
+  )
+
+
+def _cost_pair(args, names, rows, raw, labels, make_tx):
+  out = {}
+  fns = {}
+  for system in ("in range", "map"):
+    hashed = system == "map"
+    specs = {
+      n: gtx.TableSpec(
+        rows[n], args.dim, hashed=gtx.Hashed() if hashed else None
+      )
+      for n in names
+    }
+    stack = gtx.TableStack(specs)
+    tx = make_tx()
+
+    def loss(p, ids, y, stack=stack):
+      x = stack.lookup(p["emb"], ids, concat=True)
+      x = x.reshape(x.shape[0], len(names), args.dim)
+      w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
+      return _bce(jnp.sum(x * w, axis=(1, 2)), y)
+
+    params = {
+      "emb": stack.init(jax.random.key(0)),
+      "w": jnp.full((len(names), args.dim), 0.01, jnp.float32),
+    }
+    state = tx.init(params)
+    if hashed:
+      vocab = stack.init_vocab(jax.random.key(1))
+
+      def step(params, state, vocab, ids, y, stack=stack, tx=tx, loss=loss):
+        ids, vocab, fresh = stack.admit(vocab, ids)
+        params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
+        v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
+        u, state = tx.update(g, state, params)
+        return gtx.apply_updates(params, u), state, vocab, v
+
+      jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+      batches = [{n: jnp.asarray(b[n]) for n in names} for b in raw]
+      box = [params, state, vocab]
+    else:
+
+      def step(params, state, ids, y, tx=tx, loss=loss):
+        v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
+        u, state = tx.update(g, state, params)
+        return gtx.apply_updates(params, u), state, v
+
+      jitted = jax.jit(step, donate_argnums=(0, 1))
+      batches = [{n: jnp.asarray(b[n] % rows[n]) for n in names} for b in raw]
+      box = [params, state]
+    ys = [jnp.asarray(y) for y in labels]
+
+    def run(box=box, jitted=jitted, batches=batches, ys=ys, i=[0]):  # noqa: B006
+      k = i[0] % len(batches)
+      i[0] += 1
+      *new, v = jitted(*box, batches[k], ys[k])
+      box[:] = new
+      jax.block_until_ready(v)
+
+    for _ in range(args.fill if hashed else 2):
+      run()
+    fns[system] = run
+  out.update(
+    time_interleaved(fns, warmup=1, rounds=args.rounds, burst=3, settle=1)
+  )
+  return out
+
+
+# ----------------------------------------------------------------------------
+# quality against the hashing trick
+
+
+def quality(args):
+  nf, dim, batch = args.q_features, 8, args.q_batch
+  names = [f"f{t}" for t in range(nf)]
+  rng = np.random.default_rng(SEED + 7)
+
+  def effect(raw, t):  # a fixed N(0, 1) effect per raw id: Box-Muller
+    x = raw.astype(np.uint64) * np.uint64(0x9E3779B1) + np.uint64(t)
+    u1 = ((x % np.uint64(2**31)).astype(np.float64) + 0.5) / 2**31
+    u2 = ((x // np.uint64(2**31)) % np.uint64(2**20)).astype(np.float64) / 2**20
+    return np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)
+
+  def sample(n):
+    ids = {
+      f: zipf_raw(rng, n, args.q_zipf, 1000 + t) for t, f in enumerate(names)
+    }
+    logit = sum(effect(ids[f], t) for t, f in enumerate(names)) - 1.5
+    y = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+    return ids, y, logit
+
+  train = [sample(batch) for _ in range(args.q_steps)]
+  test_ids, test_y, test_logit = sample(args.q_test)
+  distinct = {
+    f: np.unique(np.concatenate([b[0][f] for b in train])) for f in names
+  }
+  cap = {f: max(16, int(args.q_capacity * len(distinct[f]))) for f in names}
+  row_bytes = dim * 4 * 2  # the row and Adagrad's accumulator
+  same_bytes = {f: int(cap[f] * (row_bytes + 24) / row_bytes) for f in names}
+  bayes = float(np.mean(np.logaddexp(0, test_logit) - test_y * test_logit))
+  results = []
+  systems = {
+    "id map, LRU": ("map", cap, gtx.Hashed()),
+    "id map, LRU, admit at 2nd read": ("map", cap, gtx.Hashed(min_count=2)),
+    "modulo, same rows": ("mod", cap, None),
+    "modulo, same bytes": ("mod", same_bytes, None),
+    "unbounded table": ("exact", {f: len(distinct[f]) for f in names}, None),
+  }
+  for label, (kind, rows, hashed) in systems.items():
+    loss_v = _train_eval(
+      kind, rows, hashed, names, dim, train, test_ids, test_y, distinct
+    )
+    results.append([
+      label,
+      sum(rows.values()),
+      loss_v,
+      loss_v - bayes,
+    ])  # fmt: skip
+    print(label, loss_v, flush=True)
+  write_results(
+    "vocab_quality",
+    f"Hashed tables: held-out log loss on a long-tail CTR task "
+    f"({nf} features, Zipf({args.q_zipf}) ids over 10^9 values, "
+    f"{args.q_steps} steps of {batch})",
+    ["system", "rows (all tables)", "held-out log loss", "above Bayes"],
+    results,
+    notes=(
+      f"Capacity {args.q_capacity:.0%} of the distinct ids of the training "
+      f"stream per table ({sum(len(v) for v in distinct.values()):,} "
+      "distinct ids in all); `same bytes`: the map's 24 bytes a row given "
+      f"to the modulo table as rows of {row_bytes} bytes (row + Adagrad "
+      f"state). Bayes: the log loss of the true probabilities, {bayes:.4f}. "
+      f"{args.q_test:,} held-out examples; gtx.adagrad(0.05)."
+    ),
+  )
+
+
+def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
+  specs = {f: gtx.TableSpec(rows[f], dim, hashed=hashed) for f in names}
+  stack = gtx.TableStack(specs)
+  tx = gtx.adagrad(0.05)
+
+  def logits(p, ids, vocab=None):
+    x = stack.lookup(p["emb"], ids, concat=True, vocab=vocab)
+    x = x.reshape(x.shape[0], len(names), dim)
+    w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
+    return jnp.sum(x * w, axis=(1, 2)) + p["b"]
+
+  def loss(p, ids, y):
+    return _bce(logits(p, ids), y)
+
+  params = {
+    "emb": stack.init(jax.random.key(0)),
+    "w": jnp.full((len(names), dim), 0.1, jnp.float32),
+    "b": jnp.zeros((), jnp.float32),
+  }
+  state = tx.init(params)
+
+  def to_rows(ids):
+    if kind == "mod":
+      return {f: ids[f] % rows[f] for f in names}
+    if kind == "exact":
+      out = {}
+      for f in names:
+        at = np.minimum(np.searchsorted(seen[f], ids[f]), len(seen[f]) - 1)
+        out[f] = np.where(seen[f][at] == ids[f], at, -1).astype(np.int32)
+      return out
+    return ids
+
+  if kind == "map":
+    vocab = stack.init_vocab(jax.random.key(1))
+
+    @jax.jit
+    def step(params, state, vocab, ids, y):
+      ids, vocab, fresh = stack.admit(vocab, ids)
+      params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
+      g = gtx.sparse_grad(loss)(params, ids, y)
+      u, state = tx.update(g, state, params)
+      return gtx.apply_updates(params, u), state, vocab
+
+    for ids, y, _ in train:
+      params, state, vocab = step(params, state, vocab, ids, y)
+    test = jax.jit(lambda p, v, ids: logits(p, ids, vocab=v))
+    z = test(params, vocab, test_ids)
+  else:
+
+    @jax.jit
+    def step(params, state, ids, y):
+      g = gtx.sparse_grad(loss)(params, ids, y)
+      u, state = tx.update(g, state, params)
+      return gtx.apply_updates(params, u), state
+
+    for ids, y, _ in train:
+      params, state = step(params, state, to_rows(ids), y)
+    z = jax.jit(logits)(params, to_rows(test_ids))
+  z = np.asarray(z, np.float64)
+  return float(np.mean(np.logaddexp(0, z) - test_y * z))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--batch", type=int, default=2048)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--zipf", type=float, default=1.2)
+  p.add_argument("--batches", type=int, default=16)
+  p.add_argument("--fill", type=int, default=20)
+  p.add_argument("--rounds", type=int, default=8)
+  p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 1.0])
+  p.add_argument("--q-features", type=int, default=4)
+  p.add_argument("--q-batch", type=int, default=1024)
+  p.add_argument("--q-steps", type=int, default=400)
+  p.add_argument("--q-test", type=int, default=50_000)
+  p.add_argument("--q-zipf", type=float, default=1.3)
+  p.add_argument("--q-capacity", type=float, default=0.25)
+  p.add_argument("--only", choices=["cost", "quality"], default=None)
+  args = p.parse_args(argv)
+  if args.quick:
+    args.batch, args.batches, args.fill, args.rounds = 256, 4, 3, 2
+    args.fractions = [0.5]
+    args.q_steps, args.q_test = 20, 2000
+  if args.only in (None, "cost"):
+    cost(args)
+  if args.only in (None, "quality"):
+    quality(args)
+
+
+if __name__ == "__main__":
+  main()
