@@ -157,7 +157,7 @@ class VocabState(NamedTuple):
       given a row, of them those that evicted a live id, and the id reads
       that found no row (per hashed table, in the stack's order).
     sketch: int32 ``[2, width]``, the count-min sketch of the ids waiting
-      for admission (width 0 when no table has ``min_count`` > 1).
+      for admission (width 1, unused, when no table has ``min_count`` > 1).
     rng: uint32 ``[2]``, the key data of the fresh rows' initializer.
   """
 
@@ -281,7 +281,7 @@ class Layout:
 def init_state(layout: Layout, key: Any) -> VocabState:
   """An empty map: every row free."""
   n, t = layout.size, len(layout.tables)
-  width = layout.sketch_offsets[-1]
+  width = max(1, layout.sketch_offsets[-1])  # orbax refuses empty arrays
   if jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   rng = jnp.asarray(key, jnp.uint32).reshape(-1)[-2:]

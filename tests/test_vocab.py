@@ -338,6 +338,9 @@ def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
   for _ in range(3):
     ids, weights = _raw_batch(rng)
     _, vocab, _ = stack.admit(vocab, ids, weights=weights)
+  # and a stack of default settings (no admission sketch)
+  plain = gtx.TableStack({"u": gtx.TableSpec(6, 2, hashed=True)})
+  vocab = {"map": vocab, "plain": plain.init_vocab(jax.random.key(3))}
   checkpoint_worker.save_orbax(tmp_path / "vocab", vocab)
   got = checkpoint_worker.restore_orbax(
     tmp_path / "vocab", jax.tree.map(jnp.zeros_like, vocab)
