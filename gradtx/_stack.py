@@ -35,9 +35,6 @@ COMBINERS = ("sum", "mean", "sqrtn")
 # stacks (the reason is sparse_value_and_grad's: one summed gradient row
 # per table row is then smaller than a row per read).
 _READS_PER_ROW_OUTSIDE = 4
-# key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
-_MAP_BYTES_PER_ROW = 24
-_SKETCH_DEPTH = 2
 # the least new ids a fractional `max_new` lets a step place
 _MIN_NEW = 64
 
@@ -377,11 +374,11 @@ class TableStack:
         )
       if s.name in self.maps:
         m = self.maps[s.name]
-        sketch = _SKETCH_DEPTH * 4 * m.sketch_offsets[-1]
+        sketch = m.sketch_bytes
         lines.append(
           f"    id map of {len(m.tables)} hashed table(s): "
-          f"{_bytes(s.size * _MAP_BYTES_PER_ROW + sketch)} "
-          f"({_MAP_BYTES_PER_ROW} B a row of the stack"
+          f"{_bytes(m.map_bytes)} "
+          f"({_vocab.MAP_BYTES_PER_ROW} B a row of the stack"
           + (f", sketch {_bytes(sketch)}" if sketch else "")
           + ")"
         )

@@ -55,6 +55,8 @@ POLICIES = ("lru", "lfu")
 _INT_MAX = np.iinfo(np.int32).max
 _U32 = np.uint32
 _SKETCH_DEPTH = 2
+# key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
+MAP_BYTES_PER_ROW = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +276,14 @@ class Layout:
       at += r if h.min_count > 1 else 0
     return (*out, at)
 
-  def per_table(self, values: Any, dtype: Any) -> jax.Array:
-    return jnp.asarray(np.asarray(values, dtype))
+  @property
+  def sketch_bytes(self) -> int:
+    return _SKETCH_DEPTH * 4 * self.sketch_offsets[-1]
+
+  @property
+  def map_bytes(self) -> int:
+    """Bytes of the map: six int32 words a row of the stack, the sketch."""
+    return self.size * MAP_BYTES_PER_ROW + self.sketch_bytes
 
 
 def init_state(layout: Layout, key: Any) -> VocabState:
