@@ -32,6 +32,15 @@ its scatter, extra passes over the rows (benchmarks/results/
 design_figures.md). Dense leaves call the rule once each on the whole
 arrays, so they get the dense optimizer.
 
+**Cost follows unique rows.** A table's slice of many ids (at least
+``_LOOP_MIN_IDS``, a stack's or a big table's) with a state of whole rows
+runs the rule in a loop over its unique rows, compacted, ``_CHUNK`` a trip
+(:func:`_update_unique`): the state reads and writes, the new rows and the
+update then follow the unique rows, in cache a chunk at a time, and
+duplicates and padding cost the deduplication and the compaction only.
+Smaller slices take one pass over every id slot, whose padding slots read
+nothing from the tables.
+
 A state leaf is shaped like its parameter (``[V, *row]``) or per row
 (``[V]``), or is an 8-bit :class:`~gradtx.QuantizedRows`; the row I/O of
 :mod:`gradtx._rowio` reads and writes all of them (dequantizing and
@@ -49,6 +58,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from gradtx._jax_compat import varying_axes
 from gradtx._rowio import (
   per_row,
   read_param_rows,
@@ -268,6 +278,97 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
   return joined.indices, joined.values
 
 
+# A table's slice of at least _LOOP_MIN_IDS id slots, with a state of whole
+# rows, runs the rule on its unique rows only, _CHUNK at a time
+# (:func:`_update_unique`).
+_CHUNK = 2048
+_LOOP_MIN_IDS = 8 * _CHUNK
+
+
+def _loops(g: SparseRows, p: Any, states: list[Any], nnz: int) -> bool:
+  """Whether a table's slice runs :func:`_update_unique`: enough id slots,
+  a state of whole rows (whose ``[n, *row]`` new rows and update are what a
+  pass over every slot costs; a rule on per-row state only has ``[n]``
+  intermediates, in cache), nothing split over mesh axes or varying over
+  ``shard_map``'s axes (row-sharded tables take their owner-local writes,
+  and a replica's own ids the pass over every slot)."""
+  if (
+    not nnz or nnz < _LOOP_MIN_IDS or is_split(g.values) or is_split(g.indices)
+  ):
+    return False
+  arrays = [state_array(x) for x in states] + ([] if p is None else [p])
+  if any(row_axes(a) for a in arrays):
+    return False
+  # inside shard_map, values that vary over mesh axes would change the
+  # loop's carried state from invariant to varying
+  every = [g.indices, g.values, *jax.tree.leaves((p, states))]
+  if any(varying_axes(x) for x in every):
+    return False
+  return any(jnp.ndim(state_array(x)) == len(g.shape) for x in states)
+
+
+def _update_unique(rule, ids, values, p, states, num_rows, materialize):
+  """One table's rule, state reads and writes on its unique rows only.
+
+  ``ids`` are deduplicated (each id once, padding ``num_rows`` at the
+  duplicates' and padding's slots) and ``values`` their rows. The unique
+  ids are compacted to the front and a loop runs the rule on ``_CHUNK`` of
+  them a trip, as many trips as the step has unique rows: the new state
+  rows and the update live in cache for one chunk, and duplicates and
+  padding cost the compaction only. The update is written into ``values``
+  in place, at the compacted slots (a chunk's writes land below every
+  position a later chunk reads: a row's compacted slot is at most its
+  position), and the slots past the unique rows are zeroed. The rule is
+  traced once, and the loop is compiled even when called eagerly (its bits
+  are jit's, not those of an op-by-op run). Returns ``(update,
+  new_states)``, or None when the rule's update has another dtype than
+  ``values`` (it could not be written in place)."""
+  n = ids.shape[0]
+  c = min(_CHUNK, n)
+  chunk = jax.ShapeDtypeStruct((c,) + values.shape[1:], values.dtype)
+  cids = jax.ShapeDtypeStruct((c,), ids.dtype)
+
+  def call(g, i, p, states):
+    pr = None if p is None else read_param_rows(p, i)
+    new, update = rule(g, pr, *[read_state_rows(x, i) for x in states])
+    return _update_of(update, new, materialize)
+
+  # traced once (as the pass over every slot does): its update's dtype
+  # decides the path, and the loop evaluates the traced rule
+  call, consts = jax.closure_convert(call, chunk, cids, p, states)
+  u_shape = jax.eval_shape(call, chunk, cids, p, states, *consts)[0]
+  if u_shape.dtype != values.dtype or u_shape.shape != chunk.shape:
+    return None
+  keep = ids < num_rows
+  count = jnp.sum(keep, dtype=jnp.int32)
+  slot = jnp.where(keep, jnp.cumsum(keep, dtype=jnp.int32) - 1, n + c)
+  # positions of the unique ids in order, then n (reads padding)
+  pos = jnp.full([n + c], n, jnp.int32)
+  pos = pos.at[slot].set(lax.iota(jnp.int32, n), mode="drop")
+  uids = jnp.full([n], num_rows, ids.dtype).at[slot].set(ids, mode="drop")
+  rows = lax.iota(jnp.int32, c)
+
+  def trip(k, carry):
+    states, vals = carry
+    at = lax.dynamic_slice(pos, (k * c,), (c,))
+    i = ids.at[at].get(mode="fill", fill_value=num_rows)
+    g = vals.at[at].get(mode="fill", fill_value=0)
+    u, new = call(g, i, p, states, *consts)
+    states = [
+      write_state_rows(x, i, r) for x, r in zip(states, new, strict=True)
+    ]
+    u = jnp.where(per_row(i < num_rows, u.ndim), u, jnp.zeros_like(u))
+    return states, vals.at[k * c + rows].set(u, mode="drop")
+
+  def zero(k, vals):
+    return vals.at[k * c + rows].set(jnp.zeros_like(vals[:c]), mode="drop")
+
+  trips = (count + c - 1) // c
+  states, vals = lax.fori_loop(0, trips, trip, (list(states), values))
+  vals = lax.fori_loop(trips, (n + c - 1) // c, zero, vals)
+  return SparseRows(uids, vals, num_rows, unique=True, normalized=True), states
+
+
 def _update_group(
   rule, group, g_list, p_list, leaf_states, needs_params, materialize
 ):
@@ -291,6 +392,20 @@ def _update_group(
   for s, ids in zip(slices, local, strict=True):
     # the rule per table, on its slice (see the module docstring)
     states = leaf_states[s.leaf]
+    p = p_list[s.leaf] if needs_params else None
+    if _loops(g_list[s.leaf], p, states, s.stop - s.start):
+      done = _update_unique(
+        rule,
+        ids,
+        values[s.start : s.stop],
+        p,
+        states,
+        s.num_rows,
+        materialize,
+      )
+      if done is not None:
+        out[s.leaf] = done
+        continue
     p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
     old = [read_state_rows(x, ids) for x in states]
     new, update = rule(values[s.start : s.stop], p, *old)

@@ -32,6 +32,14 @@ def row_ops(compiled: Any, rows: int) -> list:
   ]
 
 
+def written_in_place(line: str) -> bool:
+  """Whether a ``row_ops`` line writes the table in place: a scatter, or
+  the table carried out of a while loop (the row engine's loop over unique
+  rows scatters inside it; a copy would show in the program's temporaries
+  and aliases, which the callers check too)."""
+  return "scatter" in line or re.search(r"get-tuple-element\(%while", line)
+
+
 def dedups(compiled: Any) -> tuple[int, int]:
   """``(hash loops, sorts)`` in a compiled CPU program: how many times it
   deduplicates row ids (``unique_rows`` hashes on CPU; ``coalesce`` sorts)."""

@@ -440,3 +440,44 @@ def test_gpu_dedup_has_the_cpu_layout(seed):
   for pos in np.flatnonzero(keep):
     want = vals[idx == idx[pos]].astype(np.float64).sum(0)
     np.testing.assert_allclose(np.asarray(v_hash)[pos], want, rtol=1e-5)
+
+
+def test_unique_row_loop_compacts_the_update_and_zeroes_its_tail(monkeypatch):
+  """The loop over a table's unique rows (_rows._update_unique): the same
+  params and state as the pass over every id slot, the update's unique ids
+  first and zeros past them; an update of another dtype than the gradient
+  (bf16 gradient, float32 moments) takes the pass over every slot."""
+  from gradtx import _rows
+
+  ids = jnp.array([5, 2, 5, 40, 9, 2, 2, 0, 7, 11, 3, 9, 1, 6, -1, 8])
+  rng = np.random.RandomState(3)
+  table = jnp.asarray(rng.normal(size=(40, 3)), jnp.float32)
+  vals = jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)
+  monkeypatch.setattr(_rows, "_CHUNK", 4)
+  monkeypatch.setattr(_rows, "_LOOP_MIN_IDS", 0)
+  loops = _rows._loops
+
+  def run(looping, dtype):
+    monkeypatch.setattr(_rows, "_loops", loops if looping else (lambda *a: 0))
+    tx = gtx.lazy_adam(0.1)
+    g = gtx.SparseRows(ids, vals.astype(dtype), 40)
+    p = {"t": table}
+    u, s = jax.jit(tx.update)({"t": g}, tx.init(p), p)
+    return u["t"], s
+
+  u, s = run(True, jnp.float32)
+  u_ref, s_ref = run(False, jnp.float32)
+  live = [5, 2, 9, 0, 7, 11, 3, 1, 6, 8]  # first seen order, 40 and -1 out
+  np.testing.assert_array_equal(u.indices[:10], live)
+  np.testing.assert_array_equal(u.indices[10:], 40)
+  np.testing.assert_array_equal(u.values[10:], 0)
+  # the same rule compiled at another shape: equal up to rounding
+  np.testing.assert_allclose(u.to_dense(), u_ref.to_dense(), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  # bf16 gradient rows, float32 update: written where they were
+  u16, _ = run(True, jnp.bfloat16)
+  assert u16.values.dtype == jnp.float32
+  np.testing.assert_array_equal(
+    u16.indices, run(False, jnp.bfloat16)[0].indices
+  )
