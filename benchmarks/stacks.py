@@ -50,7 +50,7 @@ from benchmarks._common import (
 )
 from benchmarks.compile_tables import whole_step
 from benchmarks.recsys import CRITEO_KAGGLE
-from benchmarks.train_step import make_ids
+from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 SEED = 0
 OPTIMIZERS = {
@@ -111,6 +111,8 @@ def bag_data(tables, rows, batch, steps, dist, max_len=20):
 
 def _runner(step, params, tx, batches, labels):
   box = [params, tx.init(params)]
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
 
   def run(i=[0]):  # noqa: B006 - the step counter
     k = i[0] % len(batches)
@@ -126,6 +128,8 @@ def _runner(step, params, tx, batches, labels):
 def criteo_models(rows, dim):
   names = [f"f{t}" for t in range(len(rows))]
   specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
+  # every table stacked (no batch_size): faster here than the tiny tables
+  # outside (their dense gradients and a concatenation of the pooled rows)
   stack = gtx.TableStack(specs)
 
   def per_table_loss(p, ids, y):
@@ -234,6 +238,11 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
     return loss.item()
 
   run()
+  if HUGE_PAGES[0]:  # the optimizers' state exists after a first step
+    states = [t for o in opts for st in o.state.values() for t in st.values()]
+    _torch_huge_pages(
+      [e.weight for e in tables] + [t for t in states if torch.is_tensor(t)]
+    )
   return run
 
 
@@ -241,8 +250,78 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
 # the step table
 
 
-def _unique_rows(batches, key):
-  return float(np.mean([key(b) for b in batches]))
+def optimizer_runner(loss, tx, params, batches, labels):
+  """The optimizer part of the stack's step alone: ``tx.update`` and
+  ``gtx.apply_updates`` (jitted, params and state donated) on the
+  step's real gradients, computed once beforehand."""
+  grad = jax.jit(lambda p, b, y: gtx.sparse_value_and_grad(loss)(p, b, y)[1])
+  grads = [grad(params, b, y) for b, y in zip(batches, labels, strict=True)]
+
+  def update(p, s, g):
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  update = jax.jit(update, donate_argnums=(0, 1))
+  box = [jax.tree.map(jnp.copy, params), None]
+  box[1] = tx.init(box[0])
+  if HUGE_PAGES[0]:
+    gtx.use_huge_pages(box)
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    g = grads[i[0] % len(grads)]
+    i[0] += 1
+    box[0], box[1] = update(box[0], box[1], g)
+    jax.block_until_ready(box[0])
+
+  run()
+  return run
+
+
+def floor_runner(torch, rows, dim, optimizer, unique_ids):
+  """The random-rows floor of the optimizer part (shared/ANCHORS.md): read
+  and write back the step's unique rows of the parameter and of each
+  state array, nothing computed; torch ``index_select`` / ``index_copy_``
+  (2 threads) where torch imports, numpy otherwise. lazy_adam: the
+  parameter, m and v (``[rows, dim]`` each); rowwise_adagrad: the
+  parameter and one accumulator per row."""
+  shapes = [(rows, dim)] * (3 if optimizer == "lazy_adam" else 1)
+  if optimizer == "rowwise_adagrad":
+    shapes.append((rows,))
+  rng = np.random.default_rng(SEED + 3)
+  arrays = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+  if torch is not None:
+    arrays = [torch.from_numpy(a) for a in arrays]
+    if HUGE_PAGES[0]:
+      _torch_huge_pages(arrays)
+    ids = [torch.from_numpy(u.astype(np.int64)) for u in unique_ids]
+
+    def touch(a, u):
+      a.index_copy_(0, u, a.index_select(0, u))
+
+  else:
+    ids = unique_ids
+
+    def touch(a, u):
+      a[u] = np.take(a, u, axis=0)
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    u = ids[i[0] % len(ids)]
+    i[0] += 1
+    for a in arrays:
+      touch(a, u)
+
+  run()
+  return run
+
+
+def _unique_ids(flat, rows):
+  """Per step, the unique rows of all tables in one id space (each table's
+  ids offset by the rows before it)."""
+  offsets = np.concatenate([[0], np.cumsum(rows)[:-1]])
+  return [
+    np.unique(np.concatenate([x + o for x, o in zip(f, offsets, strict=True)]))
+    for f in flat
+  ]
 
 
 def step_rows(args, torch) -> list[dict]:
@@ -255,10 +334,7 @@ def step_rows(args, torch) -> list[dict]:
         batches, labels = criteo_data(crows, args.batch, args.steps, dist)
         stack, names, ptl, stl = criteo_models(crows, args.dim)
         feeds = {"per-table": batches, "stack": batches}
-        uniq = _unique_rows(
-          batches,
-          lambda b, names=names: sum(len(np.unique(b[n])) for n in names),
-        )
+        flat = [[b[n] for n in names] for b in batches]
         rows_np = crows
       else:
         raw, labels, cap = bag_data(
@@ -282,12 +358,7 @@ def step_rows(args, torch) -> list[dict]:
           {n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names} for b in raw
         ]
         feeds = {"per-table": per_table_feed, "stack": stack_feed}
-        uniq = _unique_rows(
-          raw,
-          lambda b, names=names: sum(
-            len(np.unique(b[n][0][: b[n][3]])) for n in names
-          ),
-        )
+        flat = [[b[n][0][: b[n][3]] for n in names] for b in raw]
         rows_np = [args.bag_rows] * args.bag_tables
       tables_np = [
         (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
@@ -296,6 +367,8 @@ def step_rows(args, torch) -> list[dict]:
       w_np = (0.1 * rng.standard_normal((len(names), args.dim))).astype(
         np.float32
       )
+      unique = _unique_ids(flat, rows_np)
+      uniq = float(np.mean([len(u) for u in unique]))
       for opt, (make, torch_name, lr) in OPTIMIZERS.items():
         fns: dict[str, Callable[[], Any]] = {}
         per_table = {
@@ -306,13 +379,16 @@ def step_rows(args, torch) -> list[dict]:
         fns["gtx per-table"] = _runner(
           whole_step(ptl, tx), per_table, tx, feeds["per-table"], labels
         )
-        stacked = {
-          "emb": stack.stack(dict(zip(names, tables_np, strict=True))),
-          "w": jnp.asarray(w_np),
-        }
+
+        stack_np = stack.stack(dict(zip(names, tables_np, strict=True)))
+        stack_np = {"emb": np.asarray(stack_np), "w": w_np}
+
+        def stacked(stack_np=stack_np):
+          return jax.tree.map(jnp.asarray, stack_np)
+
         tx = make()
         fns["gtx stack"] = _runner(
-          whole_step(stl, tx), stacked, tx, feeds["stack"], labels
+          whole_step(stl, tx), stacked(), tx, feeds["stack"], labels
         )
         if torch is not None:
           fns["torch"] = torch_runner(
@@ -325,6 +401,11 @@ def step_rows(args, torch) -> list[dict]:
             labels,
             model == "bags",
           )
+        tx = make()
+        fns["gtx stack optimizer"] = optimizer_runner(
+          stl, tx, stacked(), feeds["stack"], labels
+        )
+        fns["floor"] = floor_runner(torch, sum(rows_np), args.dim, opt, unique)
         t = time_interleaved(
           fns, warmup=2, rounds=args.rounds, burst=3, settle=1
         )
@@ -440,7 +521,14 @@ def main(argv: list[str] | None = None) -> None:
   )
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
+  ap.add_argument(
+    "--small-pages",
+    action="store_true",
+    help="leave every table on 4 KiB pages (default: huge pages for all "
+    "systems' tables and state, gtx.use_huge_pages)",
+  )
   args = ap.parse_args(argv)
+  HUGE_PAGES[0] = not args.small_pages
   if args.quick:
     args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
     args.rounds, args.compile_features = 2, [26, 52]
@@ -459,6 +547,7 @@ def main(argv: list[str] | None = None) -> None:
   headers = ["model", "ids", "optimizer", "unique rows"]
   headers += [f"{s} ms" for s in systems]
   headers += ["stack / per-table speed", "stack / torch speed"]
+  headers += ["stack optimizer ms", "floor ms", "optimizer / floor"]
   rows = []
   for r in steps:
     torch_ms = r.get("torch")
@@ -474,6 +563,9 @@ def main(argv: list[str] | None = None) -> None:
         ],
         f"{r['gtx per-table'] / r['gtx stack']:.2f}x",
         f"{torch_ms / r['gtx stack']:.2f}x" if torch_ms else "n/a",
+        f"{r['gtx stack optimizer']:.2f}",
+        f"{r['floor']:.2f}",
+        f"{r['gtx stack optimizer'] / r['floor']:.2f}x",
       ]
     )
   ch = ["features", "optimizer", "variant", "trace s", "lower s"]
@@ -501,7 +593,15 @@ def main(argv: list[str] | None = None) -> None:
       )
   notes = (
     "Whole training step, loss returned, params and state donated, fresh "
-    "ids every step; speed ratios > 1 mean the stack is faster. Compile: "
+    "ids every step; every system's tables and state on transparent huge "
+    "pages (`gtx.use_huge_pages`; the same madvise for torch's tensors); "
+    "speed ratios > 1 mean the stack is faster. stack "
+    "optimizer: `tx.update` + `gtx.apply_updates` alone on the stack's "
+    "real gradients (computed beforehand), jitted and donated. floor: the "
+    "random-rows floor of that part (shared/ANCHORS.md): the step's unique "
+    "rows of the parameter and of each state array read and written back "
+    "with nothing computed (torch `index_select` + `index_copy_`, 2 "
+    "threads; numpy where torch is missing). Compile: "
     "trace + lower + XLA compile of the criteo step (20k-row cap, 32 wide, "
     "batch 1024, linear head), op counts of the compiled program.\n\n"
     + markdown_table(ch, crow)
