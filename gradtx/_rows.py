@@ -39,7 +39,9 @@ runs the rule in a loop over its unique rows, compacted, ``_CHUNK`` a trip
 update then follow the unique rows, in cache a chunk at a time, and
 duplicates and padding cost the deduplication and the compaction only.
 Smaller slices take one pass over every id slot, whose padding slots read
-nothing from the tables.
+nothing from the tables. Such a big leaf (a stack) is a group of its own:
+joined with small leaves (a head's weights read by a gather), its rows would
+be copied into the group's buffer and sliced out again.
 
 A state leaf is shaped like its parameter (``[V, *row]``) or per row
 (``[V]``), or is an 8-bit :class:`~gradtx.QuantizedRows`; the row I/O of
@@ -508,6 +510,10 @@ Array([1, 0, 0, 1], dtype=int32))
       for s, name in zip(leaf_states[i], names, strict=True):
         _check_state_leaf(g, s, what, name)
       keys[i] = _group_key(g, p if needs_params else None, leaf_states[i])
+      if g.nnz >= _LOOP_MIN_IDS:
+        # a big leaf (a stack) alone: joined with small ones, its rows would
+        # be copied into the group's buffer and sliced out again
+        keys[i] = ("alone", i, *keys[i])
       sizes[i] = g.num_rows
     elif g is not None:
       _check_dense_shape(g, p, leaf_states[i], what)
