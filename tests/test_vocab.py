@@ -304,13 +304,14 @@ def test_fresh_rows_take_the_initializer_and_lookup_reads_read_only():
   params = stack.init(jax.random.key(0))
   vocab = stack.init_vocab(jax.random.key(5))
   ids = {"h": np.array([7, 8, 9, 7, 10, 11], np.int32)}
-  got, vocab2, fresh = stack.admit(vocab, ids)
+  admit = jax.jit(stack.admit)  # one program, not hundreds of eager ops
+  got, vocab2, fresh = admit(vocab, ids)
   # five distinct ids for four rows: one turned away, the others placed
   assert sorted(np.asarray(got["h"])[[0, 1, 2, 4, 5]].tolist()).count(-1) == 1
   np.testing.assert_array_equal(got["h"][0], got["h"][3])
   key = jax.random.fold_in(jax.random.wrap_key_data(vocab[name].rng), 0)
   want = jax.random.normal(jax.random.fold_in(key, 0), (6, 2)) / np.sqrt(2)
-  new, _ = gtx.reset_rows(None, None, params, fresh)
+  new, _ = jax.jit(gtx.reset_rows, static_argnums=0)(None, None, params, fresh)
   for k, r in enumerate(np.asarray(fresh[name].rows)):
     if r < 4:
       np.testing.assert_allclose(new[name][r], want[k], rtol=1e-6)
@@ -322,9 +323,9 @@ def test_fresh_rows_take_the_initializer_and_lookup_reads_read_only():
   # 64-bit ids: int64 under x64 and gtx.Words map alike
   big = np.array([2**40 + 5, -1, 2**33], np.int64)
   words = gtx.Words((big >> 32).astype(np.uint32), big.astype(np.uint32))
-  by_words, _, _ = stack.admit(vocab, {"h": words})
+  by_words, _, _ = admit(vocab, {"h": words})
   with jax.enable_x64(True):
-    by_int64, _, _ = stack.admit(vocab, {"h": jnp.asarray(big)})
+    by_int64, _, _ = admit(vocab, {"h": jnp.asarray(big)})
   np.testing.assert_array_equal(by_words["h"], by_int64["h"])
   assert int(by_words["h"][1]) == -1  # negative: padding
 
@@ -335,9 +336,10 @@ def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
   stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES)
   vocab = stack.init_vocab(jax.random.key(0))
   rng = np.random.RandomState(1)
+  admit = jax.jit(stack.admit)
   for _ in range(3):
     ids, weights = _raw_batch(rng)
-    _, vocab, _ = stack.admit(vocab, ids, weights=weights)
+    _, vocab, _ = admit(vocab, ids, weights=weights)
   # and a stack of default settings (no admission sketch)
   plain = gtx.TableStack({"u": gtx.TableSpec(6, 2, hashed=True)})
   vocab = {"map": vocab, "plain": plain.init_vocab(jax.random.key(3))}
