@@ -33,6 +33,8 @@ BENCHMARKS = [
   "low_precision",
   "recsys",
   "compile_tables",
+  "stacks",
+  "vocab",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
