@@ -381,7 +381,7 @@ def step_rows(args, torch) -> list[dict]:
         )
 
         stack_np = stack.stack(dict(zip(names, tables_np, strict=True)))
-        stack_np = {"emb": np.asarray(stack_np), "w": w_np}
+        stack_np = {"emb": jax.tree.map(np.asarray, stack_np), "w": w_np}
 
         def stacked(stack_np=stack_np):
           return jax.tree.map(jnp.asarray, stack_np)
