@@ -280,6 +280,16 @@ def _dedup_group(grads: list[SparseRows]) -> tuple[jax.Array, jax.Array]:
   return joined.indices, joined.values
 
 
+def _rule_on_rows(rule, g, ids, p, states, num_rows, materialize):
+  """The rule on gradient rows ``g`` of unique ``ids`` (padding
+  ``num_rows``) of one table: its parameter rows (``p`` the table, or None)
+  and state rows read, ``(update zero at padding, new state rows)``."""
+  pr = None if p is None else read_param_rows(p, ids)
+  new, update = rule(g, pr, *[read_state_rows(x, ids) for x in states])
+  u, new = _update_of(update, new, materialize)
+  return jnp.where(per_row(ids < num_rows, u.ndim), u, jnp.zeros_like(u)), new
+
+
 # A table's slice of at least _LOOP_MIN_IDS id slots, with a state of whole
 # rows, runs the rule on its unique rows only, _CHUNK at a time
 # (:func:`_update_unique`).
@@ -331,9 +341,7 @@ def _update_unique(rule, ids, values, p, states, num_rows, materialize):
   cids = jax.ShapeDtypeStruct((c,), ids.dtype)
 
   def call(g, i, p, states):
-    pr = None if p is None else read_param_rows(p, i)
-    new, update = rule(g, pr, *[read_state_rows(x, i) for x in states])
-    return _update_of(update, new, materialize)
+    return _rule_on_rows(rule, g, i, p, states, num_rows, materialize)
 
   # traced once (as the pass over every slot does): its update's dtype
   # decides the path, and the loop evaluates the traced rule
@@ -359,7 +367,6 @@ def _update_unique(rule, ids, values, p, states, num_rows, materialize):
     states = [
       write_state_rows(x, i, r) for x, r in zip(states, new, strict=True)
     ]
-    u = jnp.where(per_row(i < num_rows, u.ndim), u, jnp.zeros_like(u))
     return states, vals.at[k * c + rows].set(u, mode="drop")
 
   def zero(k, vals):
@@ -408,20 +415,11 @@ def _update_group(
       if done is not None:
         out[s.leaf] = done
         continue
-    p = read_param_rows(p_list[s.leaf], ids) if needs_params else None
-    old = [read_state_rows(x, ids) for x in states]
-    new, update = rule(values[s.start : s.stop], p, *old)
-    u, new = _update_of(update, new, materialize)
-    valid = per_row(ids < s.num_rows, u.ndim)
-    upd = SparseRows(
-      ids,
-      jnp.where(valid, u, jnp.zeros_like(u)),
-      s.num_rows,
-      unique=True,
-      normalized=True,
+    u, new = _rule_on_rows(
+      rule, values[s.start : s.stop], ids, p, states, s.num_rows, materialize
     )
     out[s.leaf] = (
-      upd,
+      SparseRows(ids, u, s.num_rows, unique=True, normalized=True),
       [write_state_rows(x, ids, r) for x, r in zip(states, new, strict=True)],
     )
   return out
