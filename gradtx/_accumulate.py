@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -300,6 +300,38 @@ def _check_state(state: Any, updates: Any) -> None:
   )
 
 
+def _stored_as_mapping(x: Any) -> bool:
+  """A SparseRows buffer as ``nnx.Optimizer`` stores it: ``{0: indices,
+  1: values}``."""
+  return isinstance(x, Mapping) and set(x.keys()) == {0, 1}
+
+
+def _rebuild_buffers(accumulator: Any, updates: Any) -> Any:
+  """The accumulator with its SparseRows buffers rebuilt where a model
+  library stored them as mappings.
+
+  ``nnx.Optimizer`` keeps its state in nnx Variables and, after each
+  update, turns every pytree node inside one (a buffer: ids and rows) into
+  an nnx State keyed by child position; the next update hands that back.
+  The buffer's row count is its gradient's."""
+  is_leaf = lambda x: is_update_leaf(x) or _stored_as_mapping(x)  # noqa: E731
+  leaves, treedef = jax.tree.flatten(accumulator, is_leaf=is_leaf)
+  if not any(_stored_as_mapping(a) for a in leaves):
+    return accumulator
+  try:
+    grads = treedef.flatten_up_to(updates)
+  except (ValueError, TypeError):
+    return accumulator  # _check_state says what does not match
+  return treedef.unflatten(
+    [
+      SparseRows(a[0], a[1], g.num_rows)
+      if _stored_as_mapping(a) and isinstance(g, SparseRows)
+      else a
+      for a, g in zip(leaves, grads, strict=True)
+    ]
+  )
+
+
 def _current_k(settings: _Settings, num_updates: jax.Array) -> jax.Array:
   """This window's k: the int, or the schedule at the updates emitted so
   far (checked at trace time for its type, at run time for its range)."""
@@ -533,6 +565,10 @@ def _update(
   **extra_args: Any,
 ) -> tuple[Any, AccumulateState]:
   """One call: add the gradient; on the window's last call, emit."""
+  if isinstance(state, AccumulateState):
+    state = state._replace(
+      accumulator=_rebuild_buffers(state.accumulator, updates)
+    )
   _check_state(state, updates)
   if settings.passthrough:
     return _passthrough_update(settings, updates, state, params, extra_args)

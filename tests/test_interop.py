@@ -741,3 +741,40 @@ def test_rows_per_step_from_a_report_of_an_nnx_module():
     acc = nnx.as_pure(tx.init(p).accumulator)
     assert acc["embed"]["embedding"].nnz == 2 * ids.size
     assert not isinstance(acc["head"]["kernel"], gtx.SparseRows)
+
+
+def test_accumulate_trains_inside_nnx_optimizer():
+  # nnx.Optimizer stores the state in nnx Variables and hands a SparseRows
+  # buffer back as {0: ids, 1: rows} from the second update on
+  y = jnp.asarray(Y)
+  model = Bag(nnx.Rngs(0))
+  report = gtx.sparsity_report(mse)(model, jnp.asarray(BAGS[0]), y)
+
+  def make():
+    return gtx.accumulate(gtx.lazy_adam(0.1), 2, rows_per_step=report)
+
+  optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+  graphdef, params = nnx.split(Bag(nnx.Rngs(0)), nnx.Param)
+  params = nnx.as_pure(params)
+  tx = make()
+  state = tx.init(params)
+
+  @nnx.jit
+  def step(model, optimizer, ids):
+    value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
+    optimizer.update(model, grads)
+    return value
+
+  @jax.jit
+  def reference_step(params, state, ids):
+    loss = lambda p: mse(nnx.merge(graphdef, p), ids, y)  # noqa: E731
+    value, grads = gtx.sparse_value_and_grad(loss)(params)
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state, value
+
+  for bag in BAGS * 3:  # three windows of two
+    got = step(model, optimizer, jnp.asarray(bag))
+    params, state, want = reference_step(params, state, jnp.asarray(bag))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert int(state.num_updates) == 3
+  _assert_states_close(nnx.as_pure(nnx.state(model, nnx.Param)), params)
