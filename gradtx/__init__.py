@@ -21,6 +21,7 @@ from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
 from gradtx._memory import bytes_per_row as bytes_per_row
+from gradtx._memory import reuse_host_memory as reuse_host_memory
 from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import AllReduce as AllReduce
 from gradtx._mirrored import Mirrored as Mirrored
@@ -113,6 +114,7 @@ __all__ = [
   "lookup",
   "partial_rowwise_adam",
   "reset_rows",
+  "reuse_host_memory",
   "row_transformation",
   "rowwise_adagrad",
   "scale",
