@@ -172,7 +172,7 @@ SECTIONS = [
   ),
   ("low_precision", "Low precision: the whole step's time", None),
   ("recsys", "Recommender scale: many tables", None),
-  ("stacks", "Table stacks: per-table vs stack vs torch", None),
+  ("stacks", "Table stacks: per-table vs stack vs torch and FBGEMM", None),
   ("vocab", "Open vocabularies: the id map's cost in the step", None),
   ("vocab_quality", "Open vocabularies: held-out loss", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),

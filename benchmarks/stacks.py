@@ -1,7 +1,7 @@
 """Table stacks: the whole training step of a recommender, per-table leaves
 against ``gtx.TableStack``, beside torch, on one-hot features and on
 multi-hot bags; then compile time and op counts against the number of
-features.
+features; then where a step's rows land on an 8-way row-sharded stack.
 
 Models (the loss returned, fresh ids every step, params and state donated):
 
@@ -17,12 +17,20 @@ Models (the loss returned, fresh ids every step, params and state donated):
 
 Systems: ``gtx per-table`` (a leaf per table, read ``p[t][ids]``), ``gtx
 stack`` (``stack.lookup``), ``torch`` (``nn.Embedding``/``nn.EmbeddingBag``
-``sparse=True`` with ``SparseAdam`` / sparse ``Adagrad``, 2 threads) where
-torch imports. Optimizers: ``lazy_adam`` (torch SparseAdam) and
-``rowwise_adagrad`` (torch Adagrad, which is element-wise: the anchor users
-would pick). Then ``trace + lower + compile`` of the criteo step at
-``--compile-features`` features (Criteo's cardinalities repeated, capped at
-20k rows, 32 wide, batch 1024) and the compiled step's op counts.
+``sparse=True``, 2 threads) where torch imports, and ``fbgemm`` (FBGEMM's
+table-batched module on the host, TorchRec's kernels, the optimizer fused
+into the backward) where ``fbgemm_gpu`` imports (package
+``fbgemm-gpu-cpu`` with its matching torch, e.g. 1.9.0 with torch 2.14.1,
+installed beside gradtx). Optimizers (``--optimizers``): ``lazy_adam``
+(torch SparseAdam; FBGEMM has no Adam on CPU), ``rowwise_adagrad`` (torch
+Adagrad, which is element-wise: the anchor users would pick; FBGEMM
+EXACT_ROWWISE_ADAGRAD), ``adagrad`` (torch Adagrad, FBGEMM EXACT_ADAGRAD)
+and ``sgd`` (``gtx.lazy_sgd``, torch SGD, FBGEMM EXACT_SGD). Then ``trace
++ lower + compile`` of the criteo step at ``--compile-features`` features
+(Criteo's cardinalities repeated, capped at 20k rows, 32 wide, batch 1024)
+and the compiled step's op counts, and the rows per device of an 8-way
+row-sharded stack. ``gtx.reuse_host_memory()`` is called first (for every
+system of the process) unless ``--fresh-memory``.
 
 Writes ``benchmarks/results/stacks.{md,json}``.
 
@@ -53,9 +61,25 @@ from benchmarks.recsys import CRITEO_KAGGLE
 from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 SEED = 0
+# name -> (gtx optimizer, torch's, learning rate, FBGEMM's EmbOptimType or
+# None: FBGEMM has no Adam on CPU)
 OPTIMIZERS = {
-  "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3),
-  "rowwise_adagrad": (lambda: gtx.rowwise_adagrad(1e-2), "Adagrad", 1e-2),
+  "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3, None),
+  "rowwise_adagrad": (
+    lambda: gtx.rowwise_adagrad(1e-2),
+    "Adagrad",
+    1e-2,
+    "EXACT_ROWWISE_ADAGRAD",
+  ),
+  "adagrad": (
+    lambda: gtx.adagrad(
+      1e-2, initial_accumulator_value=0.0, eps=1e-10, eps_outside_sqrt=True
+    ),
+    "Adagrad",
+    1e-2,
+    "EXACT_ADAGRAD",
+  ),
+  "sgd": (lambda: gtx.lazy_sgd(1e-2), "SGD", 1e-2, "EXACT_SGD"),
 }
 
 
@@ -196,7 +220,7 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
       torch.optim.Adam([w], lr=lr),
     ]
   else:
-    opts = [torch.optim.Adagrad(sparse_params + [w], lr=lr)]
+    opts = [getattr(torch.optim, opt_name)(sparse_params + [w], lr=lr)]
   tb = []
   for b, y in zip(batches, labels, strict=True):
     if bags:
@@ -246,6 +270,71 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
   return run
 
 
+def _fbgemm():
+  try:
+    import fbgemm_gpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def fbgemm_runner(torch, tables_np, w_np, optim, lr, batches, labels, bags):
+  """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
+  on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
+  tables in one module, looked up in one call on its own jagged input (flat
+  ids table-major, offsets, per-id weights), pooled by a sum (one-hot
+  features: bags of one id), the optimizer fused into the backward; the
+  head's ``w`` by torch's dense optimizer of the same kind."""
+  from benchmarks.fbgemm_anchor import _tbe
+
+  tbe = _tbe(
+    [t.shape[0] for t in tables_np], tables_np[0].shape[1], optim, "SUM", lr
+  )
+  with torch.no_grad():
+    for dst, t in zip(tbe.split_embedding_weights(), tables_np, strict=True):
+      dst.copy_(torch.from_numpy(t))
+  w = torch.nn.Parameter(torch.from_numpy(w_np.copy()))
+  head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
+  head = head([w], lr=lr)
+  num, dim = len(tables_np), tables_np[0].shape[1]
+  tb = []
+  for b, y in zip(batches, labels, strict=True):
+    if bags:
+      parts = [b[f"f{k}"] for k in range(num)]
+      ids = np.concatenate([p[0][: p[3]] for p in parts])
+      lengths = np.concatenate([p[1] for p in parts])
+      wt = torch.from_numpy(np.concatenate([p[2][: p[3]] for p in parts]))
+    else:
+      ids = np.concatenate([b[f"f{k}"] for k in range(num)])
+      lengths = np.ones(ids.shape[0], np.int64)
+      wt = None
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tb.append(
+      (
+        torch.from_numpy(ids.astype(np.int64)),
+        torch.from_numpy(offsets.astype(np.int64)),
+        wt,
+        torch.from_numpy(y),
+      )
+    )
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    ids, offsets, wt, y = tb[i[0] % len(tb)]
+    i[0] += 1
+    head.zero_grad(set_to_none=True)
+    x = tbe(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
+    logit = (x * w).sum(dim=(1, 2))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()  # the tables' optimizer runs fused in here
+    head.step()
+    return loss.item()
+
+  run()
+  if HUGE_PAGES[0]:
+    _torch_huge_pages(list(tbe.buffers()))
+  return run
+
+
 # ----------------------------------------------------------------------------
 # the step table
 
@@ -282,9 +371,11 @@ def floor_runner(torch, rows, dim, optimizer, unique_ids):
   and write back the step's unique rows of the parameter and of each
   state array, nothing computed; torch ``index_select`` / ``index_copy_``
   (2 threads) where torch imports, numpy otherwise. lazy_adam: the
-  parameter, m and v (``[rows, dim]`` each); rowwise_adagrad: the
-  parameter and one accumulator per row."""
-  shapes = [(rows, dim)] * (3 if optimizer == "lazy_adam" else 1)
+  parameter, m and v (``[rows, dim]`` each); adagrad: the parameter and
+  its accumulator; rowwise_adagrad: the parameter and one accumulator per
+  row; sgd: the parameter."""
+  full = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1)
+  shapes = [(rows, dim)] * full
   if optimizer == "rowwise_adagrad":
     shapes.append((rows,))
   rng = np.random.default_rng(SEED + 3)
@@ -369,7 +460,8 @@ def step_rows(args, torch) -> list[dict]:
       )
       unique = _unique_ids(flat, rows_np)
       uniq = float(np.mean([len(u) for u in unique]))
-      for opt, (make, torch_name, lr) in OPTIMIZERS.items():
+      for opt in args.optimizers:
+        make, torch_name, lr, fb_optim = OPTIMIZERS[opt]
         fns: dict[str, Callable[[], Any]] = {}
         per_table = {
           n: jnp.asarray(t) for n, t in zip(names, tables_np, strict=True)
@@ -401,6 +493,17 @@ def step_rows(args, torch) -> list[dict]:
             labels,
             model == "bags",
           )
+        if torch is not None and fb_optim and _fbgemm():
+          fns["fbgemm"] = fbgemm_runner(
+            torch,
+            tables_np,
+            w_np,
+            fb_optim,
+            lr,
+            raw if model == "bags" else batches,
+            labels,
+            model == "bags",
+          )
         tx = make()
         fns["gtx stack optimizer"] = optimizer_runner(
           stl, tx, stacked(), feeds["stack"], labels
@@ -419,6 +522,73 @@ def step_rows(args, torch) -> list[dict]:
         out.append(row)
         print(row, flush=True)
   return out
+
+
+# ----------------------------------------------------------------------------
+# row shards: where a step's rows land
+
+
+def shard_balance(args, shards: int = 8) -> list[dict]:
+  """Per device of a ``shards``-way row-sharded Criteo stack: the ids a
+  step reads there and its unique rows there, max over mean across the
+  devices (1.0 is even), with the stack's round-robin placement
+  (``TableStack(..., shards=8)``) and with tables stacked contiguously and
+  cut into ``shards`` blocks (where a small table's every read lands on one
+  device). ``zipf (rank ids)``: Zipf ids whose hot rows are the low ids
+  (vocabularies sorted by frequency)."""
+  rows = [min(c, args.cap) for c in CRITEO_KAGGLE]
+  names = [f"f{t}" for t in range(len(rows))]
+  specs = {
+    n: gtx.TableSpec(r, args.dim) for n, r in zip(names, rows, strict=True)
+  }
+  placements = {
+    "contiguous blocks": gtx.TableStack(specs),
+    "round-robin (shards=8)": gtx.TableStack(specs, shards=shards),
+  }
+  out = []
+  for dist in ("uniform", "zipf", "zipf (rank ids)"):
+    if dist == "zipf (rank ids)":
+      # make_ids' Zipf ids with the permutation undone: rank k is id k
+      cols = [
+        np.minimum(_zipf_ranks(r, args.batch, args.steps, SEED + t), r - 1)
+        for t, r in enumerate(rows)
+      ]
+    else:
+      cols = [
+        make_ids(r, args.batch, args.steps, dist, SEED + t)
+        for t, r in enumerate(rows)
+      ]
+    for place, stack in placements.items():
+      (plan,) = stack.stacks.values()
+      per_shard = plan.size // shards
+      ratios = {"ids": [], "unique rows": []}
+      for k in range(args.steps):
+        logical = np.concatenate(
+          [cols[t][k] + stack.location(n)[1] for t, n in enumerate(names)]
+        )
+        device = np.asarray(plan.physical(logical)) // per_shard
+        uniq = np.unique(logical)
+        udev = np.asarray(plan.physical(uniq)) // per_shard
+        for what, d in (("ids", device), ("unique rows", udev)):
+          counts = np.bincount(d, minlength=shards)
+          ratios[what].append(counts.max() / counts.mean())
+      row = {"dist": dist, "placement": place}
+      row.update({k: float(np.mean(v)) for k, v in ratios.items()})
+      out.append(row)
+      print(row, flush=True)
+  return out
+
+
+def _zipf_ranks(rows, n, steps, seed):
+  from benchmarks.train_step import ZIPF_S
+
+  rng = np.random.default_rng(seed)
+  cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S)
+  cdf /= cdf[-1]
+  return [
+    np.searchsorted(cdf, rng.random(n), side="right").astype(np.int32)
+    for _ in range(steps)
+  ]
 
 
 # ----------------------------------------------------------------------------
@@ -466,12 +636,14 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
   except ImportError:
     print("matplotlib not installed: no plot")
     return
-  fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5))
-  systems = ["gtx per-table", "gtx stack", "torch"]
+  fig, (ax, bx) = plt.subplots(
+    1, 2, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 1]}
+  )
+  systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
   labels = [f"{r['model']}\n{r['dist']}\n{r['optimizer']}" for r in steps]
-  width = 0.27
+  width = 0.2
   for k, sys_ in enumerate(systems):
-    xs = [i + (k - 1) * width for i in range(len(steps))]
+    xs = [i + (k - 1.5) * width for i in range(len(steps))]
     ax.bar(xs, [r.get(sys_, 0) for r in steps], width, label=sys_)
   ax.set_xticks(range(len(steps)), labels, fontsize=7)
   ax.set_ylabel("ms per whole step")
@@ -511,6 +683,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--bag-rows", type=int, default=200_000)
   ap.add_argument("--bag-batch", type=int, default=1024)
   ap.add_argument("--steps", type=int, default=6)
+  ap.add_argument(
+    "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
+  )
   ap.add_argument("--rounds", type=int, default=6)
   ap.add_argument(
     "--compile-features", type=int, nargs="+", default=[26, 104, 500]
@@ -527,13 +702,21 @@ def main(argv: list[str] | None = None) -> None:
     help="leave every table on 4 KiB pages (default: huge pages for all "
     "systems' tables and state, gtx.use_huge_pages)",
   )
+  ap.add_argument(
+    "--fresh-memory",
+    action="store_true",
+    help="leave malloc as it is (default: gtx.reuse_host_memory, for every "
+    "system of the process: each step's temporaries reuse freed pages)",
+  )
   args = ap.parse_args(argv)
   HUGE_PAGES[0] = not args.small_pages
+  reused = False if args.fresh_memory else gtx.reuse_host_memory()
   if args.quick:
     args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
     args.rounds, args.compile_features = 2, [26, 52]
   torch = _torch()
   steps = [] if args.no_steps else step_rows(args, torch)
+  balance = shard_balance(args)
   points = (
     []
     if args.no_compile
@@ -543,26 +726,25 @@ def main(argv: list[str] | None = None) -> None:
       for o in args.compile_optimizers
     ]
   )
-  systems = ["gtx per-table", "gtx stack", "torch"]
+  systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
   headers = ["model", "ids", "optimizer", "unique rows"]
   headers += [f"{s} ms" for s in systems]
   headers += ["stack / per-table speed", "stack / torch speed"]
+  headers += ["stack / fbgemm speed"]
   headers += ["stack optimizer ms", "floor ms", "optimizer / floor"]
   rows = []
   for r in steps:
-    torch_ms = r.get("torch")
+    torch_ms, fb_ms = r.get("torch"), r.get("fbgemm")
     rows.append(
       [
         r["model"],
         r["dist"],
         r["optimizer"],
         f"{r['unique_rows']:,.0f}",
-        *[
-          f"{r[s]:.2f}" if s in r else "n/a"
-          for s in ("gtx per-table", "gtx stack", "torch")
-        ],
+        *[f"{r[s]:.2f}" if s in r else "n/a" for s in systems],
         f"{r['gtx per-table'] / r['gtx stack']:.2f}x",
         f"{torch_ms / r['gtx stack']:.2f}x" if torch_ms else "n/a",
+        f"{fb_ms / r['gtx stack']:.2f}x" if fb_ms else "n/a",
         f"{r['gtx stack optimizer']:.2f}",
         f"{r['floor']:.2f}",
         f"{r['gtx stack optimizer'] / r['floor']:.2f}x",
@@ -595,7 +777,19 @@ def main(argv: list[str] | None = None) -> None:
     "Whole training step, loss returned, params and state donated, fresh "
     "ids every step; every system's tables and state on transparent huge "
     "pages (`gtx.use_huge_pages`; the same madvise for torch's tensors); "
-    "speed ratios > 1 mean the stack is faster. stack "
+    + (
+      "`gtx.reuse_host_memory()` called first, for the whole process "
+      "(every system's step reuses freed memory for its temporaries); "
+      if reused
+      else "malloc as it is (each step faults its temporaries in afresh); "
+    )
+    + "speed ratios > 1 mean the stack is faster. fbgemm: FBGEMM's "
+    "table-batched module on the host (`SplitTableBatchedEmbeddingBagsCodegen`"
+    ", fbgemm-gpu-cpu, 2 threads), all tables in one module, its own jagged "
+    "input, pooled by a sum, the optimizer fused into the backward; n/a for "
+    "lazy_adam (no Adam on CPU) or where fbgemm_gpu does not import. torch "
+    "and FBGEMM run the head's `w` with their dense optimizer of the same "
+    "kind (Adam for SparseAdam). stack "
     "optimizer: `tx.update` + `gtx.apply_updates` alone on the stack's "
     "real gradients (computed beforehand), jitted and donated. floor: the "
     "random-rows floor of that part (shared/ANCHORS.md): the step's unique "
@@ -605,15 +799,38 @@ def main(argv: list[str] | None = None) -> None:
     "trace + lower + XLA compile of the criteo step (20k-row cap, 32 wide, "
     "batch 1024, linear head), op counts of the compiled program.\n\n"
     + markdown_table(ch, crow)
+    + "\n\nRow shards: a step's Criteo ids (26 features, batch "
+    f"{args.batch}, the step table's cap) on an 8-way row-sharded stack, "
+    "per device max / mean over the 8 devices (1.00 is even), averaged "
+    "over the steps; contiguous blocks: the tables one after the other, cut "
+    "into 8 blocks; zipf (rank ids): the hot rows are the low ids "
+    "(vocabularies sorted by frequency).\n\n"
+    + markdown_table(
+      [
+        "ids",
+        "placement",
+        "ids per device, max / mean",
+        "unique rows per device, max / mean",
+      ],
+      [
+        [
+          b["dist"],
+          b["placement"],
+          f"{b['ids']:.2f}",
+          f"{b['unique rows']:.2f}",
+        ]
+        for b in balance
+      ],
+    )
   )
   _plot(steps, points)
   write_results(
     "stacks",
-    "Table stacks: whole step, per-table vs stack vs torch",
+    "Table stacks: whole step, per-table vs stack vs torch and FBGEMM",
     headers,
     rows,
     notes=notes,
-    extra={"steps": steps, "compile": points},
+    extra={"steps": steps, "compile": points, "shard_balance": balance},
   )
 
 
