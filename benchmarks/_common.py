@@ -105,6 +105,20 @@ class Schedule(NamedTuple):
     )
 
 
+def add_head_args(parser: Any, optimizers: Any) -> None:
+  """``--heads`` (linear, mlp) and ``--mlp-optimizers``: the recommender
+  benchmarks' heads, and which of ``optimizers`` also run with the mlp
+  one."""
+  parser.add_argument("--heads", nargs="+", default=["linear", "mlp"])
+  parser.add_argument(
+    "--mlp-optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=optimizers,
+    help="the optimizers that also run with the mlp head",
+  )
+
+
 def add_schedule_args(parser: Any) -> None:
   """``--rounds``, ``--burst`` and ``--settle`` of :func:`time_interleaved`."""
   parser.add_argument("--rounds", type=int, default=Schedule().rounds)

@@ -70,6 +70,7 @@ import gradtx as gtx
 from benchmarks._common import (
   RESULTS,
   Schedule,
+  add_head_args,
   add_schedule_args,
   compile_phases,
   load_note,
@@ -868,14 +869,7 @@ def main(argv: list[str] | None = None) -> None:
     "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
   )
   parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
-  parser.add_argument("--heads", nargs="+", default=["linear", "mlp"])
-  parser.add_argument(
-    "--mlp-optimizers",
-    nargs="+",
-    default=["lazy_adam", "rowwise_adagrad"],
-    choices=OPTIMIZERS,
-    help="the optimizers also run with the mlp head",
-  )
+  add_head_args(parser, OPTIMIZERS)
   parser.add_argument(
     "--torch-threads",
     type=int,

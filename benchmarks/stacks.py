@@ -7,7 +7,8 @@ Models (the loss returned, fresh ids every step, params and state donated):
 
 * ``criteo``: Criteo Kaggle's 26 cardinalities capped at ``--cap`` rows,
   ``--dim`` wide, batch ``--batch``, one id per example and feature
-  (uniform or Zipf), a linear logit per feature.
+  (uniform or Zipf), a linear logit per feature, and (``--heads``) a tanh
+  layer of 256 over the concatenated features for ``--mlp-optimizers``.
 * ``bags``: ``--bag-tables`` tables of ``--bag-rows`` x ``--dim``, batch
   ``--bag-batch``, a bag of 1-20 ids per example and feature (Zipf or
   uniform) with per-id weights, summed: gtx per table as users write it
@@ -51,6 +52,7 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   RESULTS,
+  add_head_args,
   compile_phases,
   markdown_table,
   time_interleaved,
@@ -83,14 +85,34 @@ OPTIMIZERS = {
 }
 
 
+HIDDEN = 256  # the mlp head's width
+
+
 def _bce(logit, y):
   return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
 
-def _head(emb: dict[str, jax.Array], w: jax.Array, names) -> jax.Array:
-  """A logit per feature, summed: ``[B, F, dim]`` against ``w [F, dim]``."""
-  x = jnp.stack([emb[n] for n in names], axis=1)
-  return jnp.sum(x * w, axis=(1, 2))
+def head_params(features: int, dim: int, head: str, rng) -> dict:
+  """The head's params (numpy): ``linear``, a logit weight vector per
+  feature; ``mlp``, one tanh layer of ``HIDDEN`` over the concatenated
+  features, then a logit."""
+  if head == "linear":
+    return {"w": (0.1 * rng.standard_normal((features, dim))).astype("f4")}
+  fan_in = features * dim
+  return {
+    "w1": (rng.standard_normal((fan_in, HIDDEN)) / fan_in**0.5).astype("f4"),
+    "b1": np.zeros(HIDDEN, np.float32),
+    "w2": (rng.standard_normal(HIDDEN) / HIDDEN**0.5).astype("f4"),
+  }
+
+
+def _logit(x, hp):
+  """The head on ``[B, F, dim]`` features (jax or torch arrays)."""
+  if "w" in hp:
+    return (x * hp["w"]).sum((1, 2))
+  hidden = x.reshape(x.shape[0], -1) @ hp["w1"] + hp["b1"]
+  hidden = jnp.tanh(hidden) if isinstance(hidden, jax.Array) else hidden.tanh()
+  return hidden @ hp["w2"]
 
 
 # ----------------------------------------------------------------------------
@@ -156,16 +178,17 @@ def criteo_models(rows, dim):
   # outside (their dense gradients and a concatenation of the pooled rows)
   stack = gtx.TableStack(specs)
 
+  # both read the features in the stack's concat order (under jit, the ids'
+  # dict keys sorted), so the head's params mean the same in both
   def per_table_loss(p, ids, y):
-    emb = {n: p[n][ids[n]] for n in names}
-    return _bce(_head(emb, p["w"], names), y)
+    order = stack.concat_order(ids)
+    x = jnp.stack([p[n][ids[n]] for n in order], axis=1)
+    return _bce(_logit(x, p["head"]), y)
 
   def stack_loss(p, ids, y):
-    # the pooled features as one array (FBGEMM's output), in names' order
+    # the pooled features as one array (FBGEMM's output)
     x = stack.lookup(p["emb"], ids, concat=True)
-    x = x.reshape(x.shape[0], len(names), dim)
-    w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
-    return _bce(jnp.sum(x * w, axis=(1, 2)), y)
+    return _bce(_logit(x.reshape(x.shape[0], len(names), dim), p["head"]), y)
 
   return stack, names, per_table_loss, stack_loss
 
@@ -175,17 +198,18 @@ def bag_models(tables, rows, dim, batch):
   stack = gtx.TableStack({n: gtx.TableSpec(rows, dim) for n in names})
 
   def per_table_loss(p, bags, y):
-    emb = {}
-    for n in names:
+    emb = []
+    for n in stack.concat_order(bags):
       ids, seg, w = bags[n]
       rows_ = p[n][ids] * w[:, None]
-      emb[n] = jax.ops.segment_sum(rows_, seg, batch, indices_are_sorted=True)
-    return _bce(_head(emb, p["w"], names), y)
+      emb.append(
+        jax.ops.segment_sum(rows_, seg, batch, indices_are_sorted=True)
+      )
+    return _bce(_logit(jnp.stack(emb, axis=1), p["head"]), y)
 
   def stack_loss(p, bags, y):
     x = stack.lookup(p["emb"], bags, concat=True).reshape(batch, -1, dim)
-    w = p["w"][np.array([names.index(f) for f in stack.concat_order(bags)])]
-    return _bce(jnp.sum(x * w, axis=(1, 2)), y)
+    return _bce(_logit(x, p["head"]), y)
 
   return stack, names, per_table_loss, stack_loss
 
@@ -203,7 +227,14 @@ def _torch():
   return torch
 
 
-def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
+def _torch_head(torch, hp_np):
+  """The head's params as torch Parameters (a dict, as ``_logit`` reads)."""
+  return {
+    k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in hp_np.items()
+  }
+
+
+def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
   tables = []
   for t in tables_np:
     cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
@@ -212,15 +243,16 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
     with torch.no_grad():
       e.weight.copy_(torch.from_numpy(t))
     tables.append(e)
-  w = torch.nn.Parameter(torch.from_numpy(w_np.copy()))
+  hp = _torch_head(torch, hp_np)
   sparse_params = [e.weight for e in tables]
   if opt_name == "SparseAdam":
     opts = [
       torch.optim.SparseAdam(sparse_params, lr=lr),
-      torch.optim.Adam([w], lr=lr),
+      torch.optim.Adam(list(hp.values()), lr=lr),
     ]
   else:
-    opts = [getattr(torch.optim, opt_name)(sparse_params + [w], lr=lr)]
+    opt = getattr(torch.optim, opt_name)
+    opts = [opt(sparse_params + list(hp.values()), lr=lr)]
   tb = []
   for b, y in zip(batches, labels, strict=True):
     if bags:
@@ -247,14 +279,17 @@ def torch_runner(torch, tables_np, w_np, opt_name, lr, batches, labels, bags):
     i[0] += 1
     for o in opts:
       o.zero_grad(set_to_none=True)
-    logit = 0
+    xs = []
     for k, e in enumerate(tables):
       if bags:
         ids, off, wt = step[k]
-        x = e(ids, off, per_sample_weights=wt)
+        xs.append(e(ids, off, per_sample_weights=wt))
       else:
-        x = e(step[k])
-      logit = logit + x @ w[k]
+        xs.append(e(step[k]))
+    if "w" in hp:  # a logit per feature, summed
+      logit = sum(x @ hp["w"][k] for k, x in enumerate(xs))
+    else:
+      logit = _logit(torch.cat(xs, dim=1), hp)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()
     for o in opts:
@@ -278,13 +313,13 @@ def _fbgemm():
   return True
 
 
-def fbgemm_runner(torch, tables_np, w_np, optim, lr, batches, labels, bags):
+def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
   """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
   on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
   tables in one module, looked up in one call on its own jagged input (flat
   ids table-major, offsets, per-id weights), pooled by a sum (one-hot
   features: bags of one id), the optimizer fused into the backward; the
-  head's ``w`` by torch's dense optimizer of the same kind."""
+  head by torch's dense optimizer of the same kind."""
   from benchmarks.fbgemm_anchor import _tbe
 
   tbe = _tbe(
@@ -293,9 +328,9 @@ def fbgemm_runner(torch, tables_np, w_np, optim, lr, batches, labels, bags):
   with torch.no_grad():
     for dst, t in zip(tbe.split_embedding_weights(), tables_np, strict=True):
       dst.copy_(torch.from_numpy(t))
-  w = torch.nn.Parameter(torch.from_numpy(w_np.copy()))
+  hp = _torch_head(torch, hp_np)
   head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
-  head = head([w], lr=lr)
+  head = head(list(hp.values()), lr=lr)
   num, dim = len(tables_np), tables_np[0].shape[1]
   tb = []
   for b, y in zip(batches, labels, strict=True):
@@ -323,7 +358,7 @@ def fbgemm_runner(torch, tables_np, w_np, optim, lr, batches, labels, bags):
     i[0] += 1
     head.zero_grad(set_to_none=True)
     x = tbe(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
-    logit = (x * w).sum(dim=(1, 2))
+    logit = _logit(x, hp)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()  # the tables' optimizer runs fused in here
     head.step()
@@ -455,25 +490,28 @@ def step_rows(args, torch) -> list[dict]:
         (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
         for r in rows_np
       ]
-      w_np = (0.1 * rng.standard_normal((len(names), args.dim))).astype(
-        np.float32
-      )
       unique = _unique_ids(flat, rows_np)
       uniq = float(np.mean([len(u) for u in unique]))
-      for opt in args.optimizers:
+      configs = [("linear", o) for o in args.optimizers]
+      if model == "criteo" and "mlp" in args.heads:
+        configs += [("mlp", o) for o in args.mlp_optimizers]
+      for head, opt in configs:
         make, torch_name, lr, fb_optim = OPTIMIZERS[opt]
+        hp_np = head_params(
+          len(names), args.dim, head, np.random.default_rng(SEED + 4)
+        )
         fns: dict[str, Callable[[], Any]] = {}
         per_table = {
           n: jnp.asarray(t) for n, t in zip(names, tables_np, strict=True)
         }
-        per_table["w"] = jnp.asarray(w_np)
+        per_table["head"] = jax.tree.map(jnp.asarray, hp_np)
         tx = make()
         fns["gtx per-table"] = _runner(
           whole_step(ptl, tx), per_table, tx, feeds["per-table"], labels
         )
 
         stack_np = stack.stack(dict(zip(names, tables_np, strict=True)))
-        stack_np = {"emb": jax.tree.map(np.asarray, stack_np), "w": w_np}
+        stack_np = {"emb": jax.tree.map(np.asarray, stack_np), "head": hp_np}
 
         def stacked(stack_np=stack_np):
           return jax.tree.map(jnp.asarray, stack_np)
@@ -486,7 +524,7 @@ def step_rows(args, torch) -> list[dict]:
           fns["torch"] = torch_runner(
             torch,
             tables_np,
-            w_np,
+            hp_np,
             torch_name,
             lr,
             raw if model == "bags" else batches,
@@ -497,7 +535,7 @@ def step_rows(args, torch) -> list[dict]:
           fns["fbgemm"] = fbgemm_runner(
             torch,
             tables_np,
-            w_np,
+            hp_np,
             fb_optim,
             lr,
             raw if model == "bags" else batches,
@@ -514,6 +552,7 @@ def step_rows(args, torch) -> list[dict]:
         )
         row = {
           "model": model,
+          "head": head,
           "dist": dist,
           "optimizer": opt,
           "unique_rows": uniq,
@@ -617,7 +656,7 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
       }
     else:
       p = {"emb": jax.eval_shape(stack.init, jax.random.key(0))}
-    p["w"] = jax.ShapeDtypeStruct((features, dim), jnp.float32)
+    p["head"] = {"w": jax.ShapeDtypeStruct((features, dim), jnp.float32)}
     tx = OPTIMIZERS[optimizer][0]()
     s = jax.eval_shape(tx.init, p)
     out[variant] = compile_phases(whole_step(loss, tx), p, s, ids, y)
@@ -640,7 +679,9 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
     1, 2, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 1]}
   )
   systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
-  labels = [f"{r['model']}\n{r['dist']}\n{r['optimizer']}" for r in steps]
+  labels = [
+    f"{r['model']} {r['head']}\n{r['dist']}\n{r['optimizer']}" for r in steps
+  ]
   width = 0.2
   for k, sys_ in enumerate(systems):
     xs = [i + (k - 1.5) * width for i in range(len(steps))]
@@ -687,6 +728,7 @@ def main(argv: list[str] | None = None) -> None:
     "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
   )
   ap.add_argument("--rounds", type=int, default=6)
+  add_head_args(ap, OPTIMIZERS)
   ap.add_argument(
     "--compile-features", type=int, nargs="+", default=[26, 104, 500]
   )
@@ -727,7 +769,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
   )
   systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
-  headers = ["model", "ids", "optimizer", "unique rows"]
+  headers = ["model", "head", "ids", "optimizer", "unique rows"]
   headers += [f"{s} ms" for s in systems]
   headers += ["stack / per-table speed", "stack / torch speed"]
   headers += ["stack / fbgemm speed"]
@@ -738,6 +780,7 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(
       [
         r["model"],
+        r["head"],
         r["dist"],
         r["optimizer"],
         f"{r['unique_rows']:,.0f}",
@@ -787,9 +830,11 @@ def main(argv: list[str] | None = None) -> None:
     "table-batched module on the host (`SplitTableBatchedEmbeddingBagsCodegen`"
     ", fbgemm-gpu-cpu, 2 threads), all tables in one module, its own jagged "
     "input, pooled by a sum, the optimizer fused into the backward; n/a for "
-    "lazy_adam (no Adam on CPU) or where fbgemm_gpu does not import. torch "
-    "and FBGEMM run the head's `w` with their dense optimizer of the same "
-    "kind (Adam for SparseAdam). stack "
+    "lazy_adam (no Adam on CPU) or where fbgemm_gpu does not import. Heads: "
+    f"linear (a logit weight vector per feature), mlp (a tanh layer of {HIDDEN}"
+    " over the concatenated features, then a logit); torch and FBGEMM run "
+    "the head with their dense optimizer of the same kind (Adam for "
+    "SparseAdam). stack "
     "optimizer: `tx.update` + `gtx.apply_updates` alone on the stack's "
     "real gradients (computed beforehand), jitted and donated. floor: the "
     "random-rows floor of that part (shared/ANCHORS.md): the step's unique "
