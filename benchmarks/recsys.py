@@ -135,6 +135,26 @@ def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
   return Data(ids, labels)
 
 
+def head_params(tables: int, dim: int, head: str, hidden: int, rng) -> dict:
+  """The head's dense leaves (numpy): ``linear``, a logit weight vector per
+  table and a bias; ``mlp``, a tanh layer of ``hidden`` over the
+  concatenated embeddings, then a logit."""
+  if head == "linear":
+    return {
+      "w": (0.1 * rng.standard_normal((tables, dim))).astype(np.float32),
+      "b": np.zeros((), np.float32),
+    }
+  fan_in = tables * dim
+  return {
+    "w1": (rng.standard_normal((fan_in, hidden)) / fan_in**0.5).astype(
+      np.float32
+    ),
+    "b1": np.zeros(hidden, np.float32),
+    "w2": (rng.standard_normal(hidden) / hidden**0.5).astype(np.float32),
+    "b2": np.zeros((), np.float32),
+  }
+
+
 def init_params(
   rows: list[int], dim: int, head: str, hidden: int
 ) -> dict[str, np.ndarray]:
@@ -144,18 +164,7 @@ def init_params(
     f"t{i}": (0.05 * rng.standard_normal((v, dim))).astype(np.float32)
     for i, v in enumerate(rows)
   }
-  tables = len(rows)
-  if head == "linear":
-    p["w"] = (0.1 * rng.standard_normal((tables, dim))).astype(np.float32)
-    p["b"] = np.zeros((), np.float32)
-  else:
-    fan_in = tables * dim
-    p["w1"] = (rng.standard_normal((fan_in, hidden)) / fan_in**0.5).astype(
-      np.float32
-    )
-    p["b1"] = np.zeros(hidden, np.float32)
-    p["w2"] = (rng.standard_normal(hidden) / hidden**0.5).astype(np.float32)
-    p["b2"] = np.zeros((), np.float32)
+  p.update(head_params(len(rows), dim, head, hidden, rng))
   return p
 
 

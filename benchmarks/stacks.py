@@ -59,7 +59,14 @@ from benchmarks._common import (
   write_results,
 )
 from benchmarks.compile_tables import whole_step
-from benchmarks.recsys import CRITEO_KAGGLE
+from benchmarks.recsys import (
+  CRITEO_KAGGLE,
+  _bce,
+  _logit,
+  _torch_head,
+  _torch_logit,
+  head_params,
+)
 from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 SEED = 0
@@ -86,33 +93,6 @@ OPTIMIZERS = {
 
 
 HIDDEN = 256  # the mlp head's width
-
-
-def _bce(logit, y):
-  return jnp.mean(jax.nn.softplus(logit) - y * logit)
-
-
-def head_params(features: int, dim: int, head: str, rng) -> dict:
-  """The head's params (numpy): ``linear``, a logit weight vector per
-  feature; ``mlp``, one tanh layer of ``HIDDEN`` over the concatenated
-  features, then a logit."""
-  if head == "linear":
-    return {"w": (0.1 * rng.standard_normal((features, dim))).astype("f4")}
-  fan_in = features * dim
-  return {
-    "w1": (rng.standard_normal((fan_in, HIDDEN)) / fan_in**0.5).astype("f4"),
-    "b1": np.zeros(HIDDEN, np.float32),
-    "w2": (rng.standard_normal(HIDDEN) / HIDDEN**0.5).astype("f4"),
-  }
-
-
-def _logit(x, hp):
-  """The head on ``[B, F, dim]`` features (jax or torch arrays)."""
-  if "w" in hp:
-    return (x * hp["w"]).sum((1, 2))
-  hidden = x.reshape(x.shape[0], -1) @ hp["w1"] + hp["b1"]
-  hidden = jnp.tanh(hidden) if isinstance(hidden, jax.Array) else hidden.tanh()
-  return hidden @ hp["w2"]
 
 
 # ----------------------------------------------------------------------------
@@ -183,12 +163,12 @@ def criteo_models(rows, dim):
   def per_table_loss(p, ids, y):
     order = stack.concat_order(ids)
     x = jnp.stack([p[n][ids[n]] for n in order], axis=1)
-    return _bce(_logit(x, p["head"]), y)
+    return _bce(_logit(p["head"], x), y)
 
   def stack_loss(p, ids, y):
     # the pooled features as one array (FBGEMM's output)
     x = stack.lookup(p["emb"], ids, concat=True)
-    return _bce(_logit(x.reshape(x.shape[0], len(names), dim), p["head"]), y)
+    return _bce(_logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
   return stack, names, per_table_loss, stack_loss
 
@@ -205,11 +185,11 @@ def bag_models(tables, rows, dim, batch):
       emb.append(
         jax.ops.segment_sum(rows_, seg, batch, indices_are_sorted=True)
       )
-    return _bce(_logit(jnp.stack(emb, axis=1), p["head"]), y)
+    return _bce(_logit(p["head"], jnp.stack(emb, axis=1)), y)
 
   def stack_loss(p, bags, y):
     x = stack.lookup(p["emb"], bags, concat=True).reshape(batch, -1, dim)
-    return _bce(_logit(x, p["head"]), y)
+    return _bce(_logit(p["head"], x), y)
 
   return stack, names, per_table_loss, stack_loss
 
@@ -227,13 +207,6 @@ def _torch():
   return torch
 
 
-def _torch_head(torch, hp_np):
-  """The head's params as torch Parameters (a dict, as ``_logit`` reads)."""
-  return {
-    k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in hp_np.items()
-  }
-
-
 def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
   tables = []
   for t in tables_np:
@@ -243,7 +216,7 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
     with torch.no_grad():
       e.weight.copy_(torch.from_numpy(t))
     tables.append(e)
-  hp = _torch_head(torch, hp_np)
+  hp = _torch_head(hp_np)
   sparse_params = [e.weight for e in tables]
   if opt_name == "SparseAdam":
     opts = [
@@ -286,10 +259,7 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
         xs.append(e(ids, off, per_sample_weights=wt))
       else:
         xs.append(e(step[k]))
-    if "w" in hp:  # a logit per feature, summed
-      logit = sum(x @ hp["w"][k] for k, x in enumerate(xs))
-    else:
-      logit = _logit(torch.cat(xs, dim=1), hp)
+    logit = _torch_logit(hp, torch.stack(xs, dim=1))
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()
     for o in opts:
@@ -328,7 +298,7 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
   with torch.no_grad():
     for dst, t in zip(tbe.split_embedding_weights(), tables_np, strict=True):
       dst.copy_(torch.from_numpy(t))
-  hp = _torch_head(torch, hp_np)
+  hp = _torch_head(hp_np)
   head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
   head = head(list(hp.values()), lr=lr)
   num, dim = len(tables_np), tables_np[0].shape[1]
@@ -358,7 +328,7 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
     i[0] += 1
     head.zero_grad(set_to_none=True)
     x = tbe(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
-    logit = _logit(x, hp)
+    logit = _torch_logit(hp, x)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()  # the tables' optimizer runs fused in here
     head.step()
@@ -498,7 +468,7 @@ def step_rows(args, torch) -> list[dict]:
       for head, opt in configs:
         make, torch_name, lr, fb_optim = OPTIMIZERS[opt]
         hp_np = head_params(
-          len(names), args.dim, head, np.random.default_rng(SEED + 4)
+          len(names), args.dim, head, HIDDEN, np.random.default_rng(SEED + 4)
         )
         fns: dict[str, Callable[[], Any]] = {}
         per_table = {
@@ -656,7 +626,10 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
       }
     else:
       p = {"emb": jax.eval_shape(stack.init, jax.random.key(0))}
-    p["head"] = {"w": jax.ShapeDtypeStruct((features, dim), jnp.float32)}
+    p["head"] = {
+      "w": jax.ShapeDtypeStruct((features, dim), jnp.float32),
+      "b": jax.ShapeDtypeStruct((), jnp.float32),
+    }
     tx = OPTIMIZERS[optimizer][0]()
     s = jax.eval_shape(tx.init, p)
     out[variant] = compile_phases(whole_step(loss, tx), p, s, ids, y)
@@ -831,8 +804,9 @@ def main(argv: list[str] | None = None) -> None:
     ", fbgemm-gpu-cpu, 2 threads), all tables in one module, its own jagged "
     "input, pooled by a sum, the optimizer fused into the backward; n/a for "
     "lazy_adam (no Adam on CPU) or where fbgemm_gpu does not import. Heads: "
-    f"linear (a logit weight vector per feature), mlp (a tanh layer of {HIDDEN}"
-    " over the concatenated features, then a logit); torch and FBGEMM run "
+    "linear (a logit weight vector per feature, a bias), mlp (a tanh layer "
+    f"of {HIDDEN} over the concatenated features, then a logit); torch and "
+    "FBGEMM run "
     "the head with their dense optimizer of the same kind (Adam for "
     "SparseAdam). stack "
     "optimizer: `tx.update` + `gtx.apply_updates` alone on the stack's "
