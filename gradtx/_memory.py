@@ -152,7 +152,9 @@ def reuse_host_memory() -> bool:
   page at a time. After this call, large blocks come from the heap (no
   ``mmap`` of their own), the heap is never trimmed, and threads share one
   arena (a thread's own arena gives large freed blocks back to the
-  system), so a step reuses the pages the previous step freed. Call it
+  system), so a step reuses the pages the previous step freed. (Now and
+  then a step still faults its temporaries in afresh: when a smaller
+  allocation has split a freed block, the heap grows once more.) Call it
   once, early (before the first step; threads that allocated already keep
   their arenas). It affects every library in the process (torch too).
 
