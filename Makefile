@@ -17,16 +17,18 @@ PYTEST := -m pytest -q -n 2 --dist worksteal
 
 .PHONY: test test-oldest test-newest lint fuzz demo bench docs clean
 
-# $(1): venv folder, $(2): the Python that creates it, $(3): constraints file
+comma := ,
+# $(1): venv folder, $(2): the Python that creates it, $(3): constraints
+# file, $(4): extras
 define venv_rule
 $(1)/.installed: pyproject.toml $(3)
 	test -x $(1)/bin/python || $(2) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[dev,ray]'
+	$(1)/bin/python -m pip install --quiet -c $(3) -e '.[$(4)]'
 	touch $$@
 endef
-$(eval $(call venv_rule,$(VENV),$(PYTHON_OLDEST),constraints/oldest.txt))
-$(eval $(call venv_rule,$(VENV_NEWEST),$(PYTHON_NEWEST),constraints/newest.txt))
+$(eval $(call venv_rule,$(VENV),$(PYTHON_OLDEST),constraints/oldest.txt,dev))
+$(eval $(call venv_rule,$(VENV_NEWEST),$(PYTHON_NEWEST),constraints/newest.txt,dev$(comma)ray))
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
@@ -37,13 +39,15 @@ test:
 	$(MAKE) --no-print-directory lint test-oldest test-newest
 
 # The published examples (docstrings, guides, README, the docs site, the
-# quickstart notebook) run on the newest environment, the one a new user
-# installs; everything else runs on both.
-DOCS_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py
+# quickstart notebook, the example programs: the demo and the Ray trainer)
+# run on the newest environment, the one a new user installs; everything
+# else, the library's own tests, runs on both.
+EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
+  --ignore=tests/test_demo.py --ignore=tests/test_ray.py
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY) $(PYTEST) $(DOCS_TESTS)
+	$(PY) $(PYTEST) $(EXAMPLE_TESTS)
 
 test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
