@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -40,9 +40,43 @@ _MIN_NEW = 64
 
 
 def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  # Flax's nn.Embed default: variance scaling over the row width.
+  """The default initializer as an initializer function (a hashed table's
+  rows given to new ids): normal with standard deviation ``1 / sqrt(dim)``,
+  Flax's ``nn.Embed`` default."""
   std = 1.0 / math.sqrt(shape[-1])
   return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _default_rows(
+  key: Any, tables: jax.Array, rows: jax.Array, dim: int, dtype: Any
+) -> jax.Array:
+  """``[n, dim]`` rows of the default initializer for
+  :meth:`TableStack.init`, the k-th drawn from its own key
+  ``fold_in(fold_in(key, tables[k]), rows[k])``: a row's
+  value depends on its table and row alone, so the rows of any number of
+  tables are drawn by one vectorized draw (one compiled program, whatever
+  the number of tables)."""
+
+  def one(t, r):
+    k = jax.random.fold_in(jax.random.fold_in(key, t), r)
+    return jax.random.normal(k, (dim,), jnp.float32)
+
+  std = 1.0 / math.sqrt(dim)
+  return (std * jax.vmap(one)(tables, rows)).astype(dtype)
+
+
+def _default_tables(
+  key: Any, index: Sequence[int], sizes: Sequence[int], dim: int, dtype: Any
+) -> jax.Array:
+  """The default rows of tables ``index`` (their positions in ``tables``)
+  of ``sizes`` rows, one after the other: ``[sum(sizes), dim]``."""
+  ends = np.cumsum(sizes)
+  i = lax.iota(jnp.int32, int(ends[-1]))
+  k = jnp.searchsorted(jnp.asarray(ends, jnp.int32), i, side="right")
+  starts = jnp.asarray(ends - np.asarray(sizes), jnp.int32)
+  return _default_rows(
+    key, jnp.asarray(index, jnp.int32)[k], i - starts[k], dim, dtype
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +90,8 @@ class TableSpec:
       ``dim`` and ``dtype`` share a stack.
     initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
       ``jax.nn.initializers`` function; default: normal with standard
-      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s). A hashed table
+      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s), each row drawn
+      from a key of its own (see :meth:`TableStack.init`). A hashed table
       draws a row given to a new id from it too.
     hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
       takes raw ids of any range, mapped to its ``rows`` rows by an id map
@@ -396,19 +431,77 @@ class TableStack:
   def init(self, key: Any) -> dict[str, jax.Array]:
     """The params: one array per stack and per table outside, each table's
     rows from its initializer with its own key (``fold_in(key, i)`` for
-    the ``i``-th table of ``tables``), so they do not depend on the plan."""
-    per_table = {}
-    for i, (name, spec) in enumerate(self.tables.items()):
-      init = spec.initializer or _default_init
-      per_table[name] = jnp.asarray(
-        init(
-          jax.random.fold_in(key, i),
-          (int(spec.rows), int(spec.dim)),
-          jnp.dtype(spec.dtype),
-        ),
-        spec.dtype,
+    the ``i``-th table of ``tables``; with the default initializer, row
+    ``r`` of it from ``fold_in(fold_in(key, i), r)``), so they do not
+    depend on the plan.
+
+    One compiled program makes every table (the initializers are traced,
+    as under ``jax.jit(model.init)``), and the default initializer draws
+    the rows of all the tables that use it at once: its cost does not grow
+    with the number of tables. (A table with an initializer of its own
+    adds that initializer's ops to the program.)"""
+    return jax.jit(self._init)(key)
+
+  def _init(self, key: Any) -> dict[str, jax.Array]:
+    index = {t: i for i, t in enumerate(self.tables)}
+
+    def rows_of(names: Sequence[str]) -> list[jax.Array]:
+      """The tables' rows, a run of default-initialized tables drawn at
+      once (their rows do not depend on the run: see _default_rows)."""
+      out, run = [], []
+
+      def flush():
+        if run:
+          spec = self.tables[run[0]]
+          sizes = [int(self.tables[t].rows) for t in run]
+          out.append(
+            _default_tables(
+              key, [index[t] for t in run], sizes, int(spec.dim), spec.dtype
+            )
+          )
+          run.clear()
+
+      for t in names:
+        spec = self.tables[t]
+        if spec.initializer is None:
+          run.append(t)
+          continue
+        flush()
+        out.append(
+          jnp.asarray(
+            spec.initializer(
+              jax.random.fold_in(key, index[t]),
+              (int(spec.rows), int(spec.dim)),
+              jnp.dtype(spec.dtype),
+            ),
+            spec.dtype,
+          )
+        )
+      flush()
+      return out
+
+    out = {}
+    for name, s in self.stacks.items():
+      parts = rows_of(s.tables)
+      out[name] = s.to_array(
+        jnp.concatenate(parts) if len(parts) > 1 else parts[0]
       )
-    return self.stack(per_table)
+    # the tables outside: those of one width and dtype with the default
+    # initializer drawn at once too, then split
+    alike: dict[Any, list[str]] = {}
+    for t in self.outside:
+      spec = self.tables[t]
+      if spec.initializer is None:
+        alike.setdefault((spec.dim, jnp.dtype(spec.dtype)), []).append(t)
+      else:
+        (out[t],) = rows_of([t])
+    for names in alike.values():
+      sizes = [int(self.tables[t].rows) for t in names]
+      (rows,) = rows_of(names)
+      out.update(
+        zip(names, jnp.split(rows, np.cumsum(sizes)[:-1]), strict=True)
+      )
+    return {t: out[t] for t in [*self.stacks, *self.outside]}
 
   def stack(self, per_table: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
     """Params from one array per table (a per-table model or checkpoint)."""
