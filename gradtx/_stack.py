@@ -443,65 +443,26 @@ class TableStack:
     return jax.jit(self._init)(key)
 
   def _init(self, key: Any) -> dict[str, jax.Array]:
-    index = {t: i for i, t in enumerate(self.tables)}
-
-    def rows_of(names: Sequence[str]) -> list[jax.Array]:
-      """The tables' rows, a run of default-initialized tables drawn at
-      once (their rows do not depend on the run: see _default_rows)."""
-      out, run = [], []
-
-      def flush():
-        if run:
-          spec = self.tables[run[0]]
-          sizes = [int(self.tables[t].rows) for t in run]
-          out.append(
-            _default_tables(
-              key, [index[t] for t in run], sizes, int(spec.dim), spec.dtype
-            )
-          )
-          run.clear()
-
-      for t in names:
-        spec = self.tables[t]
-        if spec.initializer is None:
-          run.append(t)
-          continue
-        flush()
-        out.append(
-          jnp.asarray(
-            spec.initializer(
-              jax.random.fold_in(key, index[t]),
-              (int(spec.rows), int(spec.dim)),
-              jnp.dtype(spec.dtype),
-            ),
-            spec.dtype,
-          )
-        )
-      flush()
-      return out
-
-    out = {}
-    for name, s in self.stacks.items():
-      parts = rows_of(s.tables)
-      out[name] = s.to_array(
-        jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-      )
-    # the tables outside: those of one width and dtype with the default
-    # initializer drawn at once too, then split
-    alike: dict[Any, list[str]] = {}
-    for t in self.outside:
-      spec = self.tables[t]
-      if spec.initializer is None:
-        alike.setdefault((spec.dim, jnp.dtype(spec.dtype)), []).append(t)
+    per_table, alike = {}, {}
+    names = list(self.tables)
+    for i, (t, spec) in enumerate(self.tables.items()):
+      shape, dtype = (int(spec.rows), int(spec.dim)), jnp.dtype(spec.dtype)
+      if spec.initializer is None:  # drawn below, with its width's tables
+        alike.setdefault((shape[1], dtype), []).append(i)
       else:
-        (out[t],) = rows_of([t])
-    for names in alike.values():
-      sizes = [int(self.tables[t].rows) for t in names]
-      (rows,) = rows_of(names)
-      out.update(
-        zip(names, jnp.split(rows, np.cumsum(sizes)[:-1]), strict=True)
-      )
-    return {t: out[t] for t in [*self.stacks, *self.outside]}
+        x = spec.initializer(jax.random.fold_in(key, i), shape, dtype)
+        per_table[t] = jnp.asarray(x, dtype)
+    for (dim, dtype), index in alike.items():
+      sizes = [int(self.tables[names[i]].rows) for i in index]
+      rows = _default_tables(key, index, sizes, dim, dtype)
+      # The group (every default table of this width and dtype) does not
+      # depend on the plan; kept out of the fusions of the stacks that
+      # consume it, its draw is the same program, bit for bit, whatever
+      # the plan.
+      rows = lax.optimization_barrier(rows)
+      parts = jnp.split(rows, np.cumsum(sizes)[:-1])
+      per_table.update(zip([names[i] for i in index], parts, strict=True))
+    return self.stack(per_table)
 
   def stack(self, per_table: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
     """Params from one array per table (a per-table model or checkpoint)."""
