@@ -30,8 +30,8 @@ and ``sgd`` (``gtx.lazy_sgd``, torch SGD, FBGEMM EXACT_SGD). Then ``trace
 + lower + compile`` of the criteo step at ``--compile-features`` features
 (Criteo's cardinalities repeated, capped at 20k rows, 32 wide, batch 1024)
 and the compiled step's op counts, and the rows per device of an 8-way
-row-sharded stack. ``gtx.reuse_host_memory()`` is called first (for every
-system of the process) unless ``--fresh-memory``.
+row-sharded stack. Host memory is reused as gradtx sets it at import (for
+every system of the process); ``--fresh-memory`` opts out.
 
 Writes ``benchmarks/results/stacks.{md,json}``.
 
@@ -720,12 +720,13 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument(
     "--fresh-memory",
     action="store_true",
-    help="leave malloc as it is (default: gtx.reuse_host_memory, for every "
-    "system of the process: each step's temporaries reuse freed pages)",
+    help="give malloc glibc's behaviour back (gtx.reuse_host_memory(False); "
+    "default: gradtx's, for every system of the process: each step's "
+    "temporaries reuse freed pages)",
   )
   args = ap.parse_args(argv)
   HUGE_PAGES[0] = not args.small_pages
-  reused = False if args.fresh_memory else gtx.reuse_host_memory()
+  reused = not (args.fresh_memory and gtx.reuse_host_memory(False))
   if args.quick:
     args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
     args.rounds, args.compile_features = 2, [26, 52]
@@ -794,7 +795,7 @@ def main(argv: list[str] | None = None) -> None:
     "ids every step; every system's tables and state on transparent huge "
     "pages (`gtx.use_huge_pages`; the same madvise for torch's tensors); "
     + (
-      "`gtx.reuse_host_memory()` called first, for the whole process "
+      "host memory reused as gradtx sets it at import, for the whole process "
       "(every system's step reuses freed memory for its temporaries); "
       if reused
       else "malloc as it is (each step faults its temporaries in afresh); "

@@ -15,12 +15,18 @@ A step's temporaries are the other cost: XLA allocates them with
 ``mmap`` and unmaps it when freed (or trims it off a heap), so each run
 faults every page of it in again, zeroed: about 5,400 page faults for one
 ``[86016, 64]`` float32 buffer. :func:`reuse_host_memory` keeps freed
-memory in the process instead.
+memory in the process instead; gradtx applies it when it is imported where
+JAX runs on the CPU (it must come before JAX starts its CPU threads), and
+``GRADTX_REUSE_HOST_MEMORY=0`` opts out.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import importlib.util
+import os
+import pkgutil
 import sys
 from typing import Any
 
@@ -136,38 +142,56 @@ def use_huge_pages(
   return tree
 
 
-# glibc's mallopt parameters
+# glibc's mallopt parameters and their defaults
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
+_REUSE = [(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_ARENA_MAX, 1)]
+_GLIBC_DEFAULTS = [(_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 128 * 1024)]
+
+# The opt-out of the default, read once when gradtx is imported.
+OPT_OUT_VARIABLE = "GRADTX_REUSE_HOST_MEMORY"
 
 
-def reuse_host_memory() -> bool:
+def reuse_host_memory(enable: bool = True) -> bool:
   """Keeps the memory this process frees for its next allocations (glibc).
 
-  Every run of a jitted step allocates its temporaries (gathered rows,
-  gradient rows, updates: tens of MiB for a table stack) and frees them at
-  the end. By default glibc maps each large block fresh and unmaps it when
-  freed, so every step faults all of its pages in again, zeroed, one 4 KiB
-  page at a time. After this call, large blocks come from the heap (no
-  ``mmap`` of their own), the heap is never trimmed, and threads share one
-  arena (a thread's own arena gives large freed blocks back to the
-  system), so a step reuses the pages the previous step freed. (Now and
-  then a step still faults its temporaries in afresh: when a smaller
-  allocation has split a freed block, the heap grows once more.) Call it
-  once, early (before the first step; threads that allocated already keep
-  their arenas). It affects every library in the process (torch too).
+  gradtx calls this itself when it is imported on a machine whose JAX
+  runs on the CPU (no GPU or TPU plugin installed, or ``JAX_PLATFORMS``
+  starting with ``cpu``), so a step is fast without any call of yours.
+  To keep glibc's own behaviour, set the environment variable
+  ``GRADTX_REUSE_HOST_MEMORY=0`` before Python imports gradtx, or call
+  ``gtx.reuse_host_memory(False)``.
+
+  Why: every run of a jitted step allocates its temporaries (gathered
+  rows, gradient rows, updates: tens of MiB for a table stack) and frees
+  them at the end. By default glibc maps each large block fresh and unmaps
+  it when freed, so every step faults all of its pages in again, zeroed,
+  one 4 KiB page at a time. With this setting large blocks come from the
+  heap (no ``mmap`` of their own), the heap is never trimmed, and threads
+  share one arena (a thread's own arena gives large freed blocks back to
+  the system), so a step reuses the pages the previous step freed. (Now
+  and then a step still faults its temporaries in afresh: when a smaller
+  allocation has split a freed block, the heap grows once more.) It takes
+  full effect only before JAX starts its CPU threads: threads that
+  allocated already keep their own arenas, which is why gradtx applies it
+  at import. It affects every library in the process (torch too).
 
   The cost: the process keeps its peak heap, so its resident memory does
   not shrink after a large temporary is freed. A no-op off Linux and where
   the C library is not glibc.
+
+  Args:
+    enable: ``True`` applies the setting; ``False`` gives glibc back its
+      defaults for large blocks and trimming (the opt-out; the one-arena
+      limit stays for threads that already share it).
 
   Returns:
     Whether the settings were applied.
 
   Examples:
     >>> import gradtx as gtx
-    >>> gtx.reuse_host_memory()  # once, at the start  # doctest: +SKIP
+    >>> gtx.reuse_host_memory(False)  # opt out  # doctest: +SKIP
     True
   """
   if not sys.platform.startswith("linux"):
@@ -178,12 +202,39 @@ def reuse_host_memory() -> bool:
     return False
   mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
   mallopt.restype = ctypes.c_int
-  settings = [
-    (_M_MMAP_MAX, 0),
-    (_M_TRIM_THRESHOLD, 2**31 - 1),
-    (_M_ARENA_MAX, 1),
-  ]
+  settings = _REUSE if enable else _GLIBC_DEFAULTS
   return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def _runs_on_cpu() -> bool:
+  """Whether JAX will run on the CPU, told without starting a backend."""
+  platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  plugins = importlib.metadata.entry_points(group="jax_plugins")
+  if len(plugins):
+    return False
+  try:
+    import jax_plugins  # a namespace package, where a plugin is installed
+  except ImportError:
+    jax_plugins = None
+  if jax_plugins is not None and any(
+    pkgutil.iter_modules(jax_plugins.__path__)
+  ):
+    return False
+  return importlib.util.find_spec("libtpu") is None
+
+
+def _reuse_by_default() -> bool:
+  value = os.environ.get(OPT_OUT_VARIABLE, "1").strip().lower()
+  if value in ("0", "false", "no", "off"):
+    return False
+  return _runs_on_cpu() and reuse_host_memory()
+
+
+# Applied at import, before JAX starts its CPU threads (see
+# reuse_host_memory); gradtx/__init__.py imports this module.
+REUSING_HOST_MEMORY = _reuse_by_default()
 
 
 def bytes_per_row(tx: Any, params: Any) -> dict[str, float]:

@@ -161,8 +161,8 @@ _FAULTS = """
 import resource, sys
 import jax, jax.numpy as jnp, numpy as np
 import gradtx as gtx
-if sys.argv[1] == "reuse":
-  assert gtx.reuse_host_memory()
+if sys.argv[1] == "opt-out":
+  assert gtx.reuse_host_memory(False)
 rows, dim, n = 200_000, 64, 65_536  # 16 MiB of gradient rows a feature
 stack = gtx.TableStack({t: gtx.TableSpec(rows, dim) for t in "ab"})
 tx = gtx.lazy_sgd(0.1)
@@ -194,14 +194,20 @@ print(sorted(faults[3:])[6])  # the median step after the warm-up
 
 
 def _faults_per_run(mode: str) -> int:
+  import os
   import subprocess
 
+  env = dict(os.environ)
+  env.pop("GRADTX_REUSE_HOST_MEMORY", None)
+  if mode == "env-opt-out":
+    env["GRADTX_REUSE_HOST_MEMORY"] = "0"
   out = subprocess.run(
     [sys.executable, "-c", _FAULTS, mode],
     capture_output=True,
     text=True,
     check=True,
     timeout=120,
+    env=env,
   )
   return int(out.stdout.split()[-1])
 
@@ -210,12 +216,33 @@ def _faults_per_run(mode: str) -> int:
   not sys.platform.startswith("linux") or _libc() != "glibc",
   reason="reuse_host_memory tunes glibc's malloc",
 )
-def test_reuse_host_memory_stops_the_page_faults_of_each_step():
+def test_host_memory_is_reused_by_default_with_an_opt_out():
   # A stack step's temporaries: tens of MiB, about 17,000 pages of 4 KiB.
-  # The median step counts: with reuse_host_memory most steps fault nothing,
-  # and a step now and then faults its temporaries in afresh (a freed block
-  # split by a smaller allocation, so the heap grows once more).
-  default = _faults_per_run("default")
-  if default < 4096:  # this malloc keeps freed blocks already
-    pytest.skip(f"{default} page faults a step without reuse_host_memory")
-  assert _faults_per_run("reuse") < default / 4
+  # The median step counts: with the memory reused most steps fault
+  # nothing, and a step now and then faults its temporaries in afresh (a
+  # freed block split by a smaller allocation, so the heap grows once
+  # more). gradtx applies the setting at import; both opt-outs (the
+  # environment variable, the call) give glibc's behaviour back.
+  fresh = _faults_per_run("env-opt-out")
+  if fresh < 4096:  # this malloc keeps freed blocks already
+    pytest.skip(f"{fresh} page faults a step with glibc's own settings")
+  assert _faults_per_run("default") < fresh / 4
+  assert _faults_per_run("opt-out") > fresh / 2
+
+
+def test_reuse_host_memory_by_default_only_where_jax_runs_on_cpu(
+  monkeypatch,
+):
+  from gradtx import _memory
+
+  calls = []
+  monkeypatch.setattr(_memory, "reuse_host_memory", lambda: calls.append(1))
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  monkeypatch.delenv("GRADTX_REUSE_HOST_MEMORY", raising=False)
+  assert not _memory._reuse_by_default()
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  _memory._reuse_by_default()
+  assert calls == [1]
+  monkeypatch.setenv("GRADTX_REUSE_HOST_MEMORY", "0")
+  assert not _memory._reuse_by_default()
+  assert calls == [1]
