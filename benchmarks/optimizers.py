@@ -275,14 +275,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
   parser.add_argument("--no-dense", action="store_true")
   parser.add_argument(
-    "--small-pages",
+    "--huge-pages",
     action="store_true",
-    help="leave every table on 4 KiB pages (default: huge pages for all "
-    "systems, as in benchmarks.train_step)",
+    help="back every system's tables and state by huge pages "
+    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
+    "4 KiB pages, as a user's step runs)",
   )
   parser.add_argument("--smoke", "--quick", action="store_true")
   args = parser.parse_args(argv)
-  HUGE_PAGES[0] = not args.small_pages
+  HUGE_PAGES[0] = args.huge_pages
   if args.smoke:
     args.rows, args.ids, args.rounds = 20_000, 256, 3
   with_torch = _available("torch")
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
       "Every system's table and optimizer state on transparent huge pages "
       "(`gtx.use_huge_pages`; the same madvise for torch's tensors)."
       if HUGE_PAGES[0]
-      else "Tables on the OS's default 4 KiB pages (`--small-pages`)."
+      else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
     )
   )
   write_results(

@@ -912,7 +912,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--label", default="", help="added to the title, e.g. which code this is"
   )
-  parser.add_argument("--small-pages", action="store_true")
+  parser.add_argument("--huge-pages", action="store_true")
   parser.add_argument("--quick", "--smoke", action="store_true")
   parser.add_argument(
     "--replot",
@@ -926,7 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.replot).with_suffix(".png")
     _plot(data["groups"], data["compile"], tables, path)
     return
-  HUGE_PAGES[0] = not args.small_pages
+  HUGE_PAGES[0] = args.huge_pages
   if args.quick:
     os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
     args.tables, args.cap, args.dim, args.batch, args.hidden = (

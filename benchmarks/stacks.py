@@ -712,10 +712,11 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
   ap.add_argument(
-    "--small-pages",
+    "--huge-pages",
     action="store_true",
-    help="leave every table on 4 KiB pages (default: huge pages for all "
-    "systems' tables and state, gtx.use_huge_pages)",
+    help="back every system's tables and state by huge pages "
+    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
+    "4 KiB pages, as a user's step runs)",
   )
   ap.add_argument(
     "--fresh-memory",
@@ -725,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
     "temporaries reuse freed pages)",
   )
   args = ap.parse_args(argv)
-  HUGE_PAGES[0] = not args.small_pages
+  HUGE_PAGES[0] = args.huge_pages
   reused = not (args.fresh_memory and gtx.reuse_host_memory(False))
   if args.quick:
     args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
@@ -792,8 +793,13 @@ def main(argv: list[str] | None = None) -> None:
       )
   notes = (
     "Whole training step, loss returned, params and state donated, fresh "
-    "ids every step; every system's tables and state on transparent huge "
-    "pages (`gtx.use_huge_pages`; the same madvise for torch's tensors); "
+    "ids every step; "
+    + (
+      "every system's tables and state on transparent huge pages "
+      "(`gtx.use_huge_pages`; the same madvise for torch's tensors); "
+      if HUGE_PAGES[0]
+      else "tables on the OS's default pages (`--huge-pages` not given); "
+    )
     + (
       "host memory reused as gradtx sets it at import, for the whole process "
       "(every system's step reuses freed memory for its temporaries); "

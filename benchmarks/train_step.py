@@ -53,10 +53,10 @@ from benchmarks._common import (
 )
 
 LR = 1e-3
-# Back every system's tables and optimizer state by transparent huge pages
-# (gtx.use_huge_pages; the same madvise for torch's tensors); --small-pages
-# turns it off for all of them.
-HUGE_PAGES = [True]
+# --huge-pages backs every system's tables and optimizer state by
+# transparent huge pages (gtx.use_huge_pages; the same madvise for torch's
+# tensors); the default is the OS's pages, the step a user runs.
+HUGE_PAGES = [False]
 ZIPF_S = 1.05
 SEED = 0
 
@@ -360,10 +360,11 @@ def main(argv: list[str] | None = None) -> None:
   )
   parser.add_argument("--no-torch", action="store_true")
   parser.add_argument(
-    "--small-pages",
+    "--huge-pages",
     action="store_true",
-    help="leave every table on the OS's default (4 KiB) pages instead of "
-    "huge pages (gtx.use_huge_pages, the same madvise for torch)",
+    help="back every system's tables and state by huge pages "
+    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
+    "4 KiB pages, as a user's step runs)",
   )
   parser.add_argument(
     "--profile",
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     "--smoke", "--quick", action="store_true", help="tiny shapes, no files"
   )
   args = parser.parse_args(argv)
-  HUGE_PAGES[0] = not args.small_pages
+  HUGE_PAGES[0] = args.huge_pages
   if args.smoke:
     args.rows, args.ids, args.rounds = [5_000], 256, 3
     os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     "transparent huge pages (`gtx.use_huge_pages`; the same madvise for "
     "torch's tensors)."
     if HUGE_PAGES[0]
-    else "Tables on the OS's default 4 KiB pages (`--small-pages`)."
+    else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
   )
   caution = oversubscribed(
     "so every figure is inflated (compare with a quiet run) and torch's "
