@@ -824,8 +824,10 @@ def test_a_module_with_dropout_and_batch_norm_straight_in(argnums, jit):
   assert int(ours.drop.rngs.count[...]) == len(BAGS)
 
 
-def test_sparse_grad_and_has_aux_with_a_module_straight_in():
+@pytest.mark.parametrize("argnums", ["int", "DiffState"])
+def test_sparse_grad_and_has_aux_with_a_module_straight_in(argnums):
   ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  argnums = 0 if argnums == "int" else nnx.DiffState(0, nnx.Param)
   ours = DropoutBatchNormBag(nnx.Rngs(0))
   theirs = DropoutBatchNormBag(nnx.Rngs(0))
 
@@ -833,8 +835,10 @@ def test_sparse_grad_and_has_aux_with_a_module_straight_in():
     out = model(ids)
     return jnp.mean((out - y) ** 2), out
 
-  grads, aux = gtx.sparse_grad(loss, has_aux=True)(ours, ids, y)
-  want, want_aux = nnx.grad(loss, has_aux=True)(theirs, ids, y)
+  grads, aux = gtx.sparse_grad(loss, argnums=argnums, has_aux=True)(
+    ours, ids, y
+  )
+  want, want_aux = nnx.grad(loss, argnums=argnums, has_aux=True)(theirs, ids, y)
   np.testing.assert_allclose(aux, want_aux, rtol=1e-6)
   _assert_states_close(_sparse_to_dense(grads), want)
   _assert_same_rest(ours, theirs)
@@ -996,3 +1000,36 @@ def test_diff_state_on_an_argument_that_is_no_module_is_refused():
       make(loss, argnums=nnx.DiffState(0, nnx.Param))(params, ids)
   with pytest.raises(ValueError, match="`argnums` .* out of range"):
     gtx.sparse_grad(loss, argnums=nnx.DiffState(2, nnx.Param))(params, ids)
+
+
+def test_labels_of_a_diff_state_filter_fit_nnx_optimizer_with_that_wrt():
+  y, lr = jnp.asarray(Y), 0.1
+  tables = nnx.All(nnx.Param, nnx.PathContains("embed"))
+  argnums = nnx.DiffState(0, tables)
+
+  def run(make_tx, grad):
+    model = DropoutBatchNormBag(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_tx(model), wrt=tables)
+
+    @nnx.jit
+    def step(model, optimizer, ids):
+      optimizer.update(model, grad(mse, argnums=argnums)(model, ids, y))
+
+    for bag in BAGS:
+      step(model, optimizer, jnp.asarray(bag))
+    return model
+
+  def labelled(model):
+    labels = gtx.sparse_labels(mse, argnums=argnums)(
+      model, jnp.asarray(BAGS[0]), y
+    )
+    assert nnx.to_pure_dict(labels) == {"embed": {"embedding": "sparse"}}
+    return optax.multi_transform({"sparse": gtx.lazy_sgd(lr)}, labels)
+
+  got = run(labelled, gtx.sparse_grad)
+  want = run(lambda _: optax.sgd(lr), nnx.grad)
+  _assert_states_close(nnx.state(got), nnx.state(want))
+  assert not np.allclose(  # the table trained
+    got.embed.embedding[...],
+    DropoutBatchNormBag(nnx.Rngs(0)).embed.embedding[...],
+  )
