@@ -508,12 +508,14 @@ def _prepare(
     # be a use of the table other than its row reads (a dense gradient).
     return value, (aux, nnx.split(merged, differentiated, ...)[2])
 
+  modules = [i in filters for i in positions]  # per differentiated argument
+
+  def spell(path):
+    module = modules[0] if single else modules[path[0].idx]
+    return attribute_path(path) if module else jax.tree_util.keystr(path)
+
   return plain._replace(
-    fun=of_states,
-    args=tuple(states),
-    has_aux=True,
-    spell=attribute_path,
-    nodes=nodes,
+    fun=of_states, args=tuple(states), has_aux=True, spell=spell, nodes=nodes
   )
 
 

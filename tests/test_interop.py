@@ -966,10 +966,10 @@ def test_rngs_beside_the_module_advance_as_with_nnx_value_and_grad():
 
 def test_diff_state_filters_and_tuples_as_nnx_value_and_grad():
   ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
-  scale = jnp.asarray(2.0)
+  scale = {"scale": jnp.asarray(2.0)}
 
   def loss(model, scale, ids, y):
-    return scale * mse(model, ids, y)
+    return scale["scale"] * mse(model, ids, y)
 
   embed_only = nnx.DiffState(0, nnx.All(nnx.Param, nnx.PathContains("embed")))
   for argnums in (embed_only, (nnx.DiffState(0, nnx.Param), 1)):
@@ -983,8 +983,12 @@ def test_diff_state_filters_and_tuples_as_nnx_value_and_grad():
     )
     np.testing.assert_allclose(value, want_value, rtol=1e-6)
     if isinstance(argnums, tuple):
-      np.testing.assert_allclose(grads[1], want[1], rtol=1e-6)
+      np.testing.assert_allclose(grads[1]["scale"], want[1]["scale"], rtol=1e-6)
       grads, want = grads[0], want[0]
+      report = gtx.sparsity_report(loss, argnums=argnums)(ours, scale, ids, y)
+      # each argument's paths as it spells them: the module's attributes
+      assert report.sparse_paths == ("[0].embed.embedding.value",)
+      assert report[-1].path == "[1]['scale']"
     else:
       assert list(grads) == ["embed"]
     _assert_states_close(_sparse_to_dense(grads), want)
