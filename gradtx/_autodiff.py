@@ -1,9 +1,13 @@
 """Row-sparse gradients of unmodified losses: ``sparse_value_and_grad``,
-``sparse_grad``, ``sparsity_report``, and ``lookup``, the explicit read.
+``sparse_grad``, ``sparsity_report``, ``sparse_labels``, and ``lookup``,
+the explicit read.
 
 The jaxpr reading lives in :mod:`gradtx._jaxpr`; this module plans the
 gradient (which leaves come out sparse), checks what the user required,
-and differentiates the rewritten loss.
+and differentiates the rewritten loss. Flax nnx modules are taken as
+``nnx.value_and_grad`` takes them (their ``nnx.Param`` state, or an
+``nnx.DiffState``'s, differentiated; the rest written back), through flax's
+public API, looked up only when the caller imported it.
 """
 
 from __future__ import annotations
