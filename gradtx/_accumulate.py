@@ -14,7 +14,7 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from gradtx import _sharded
-from gradtx._autodiff import SparsityReport
+from gradtx._autodiff import SparsityReport, attribute_path
 from gradtx._conditional import apply_if, zeros_like_update
 from gradtx._sparse_rows import SparseRows
 from gradtx._static import is_int
@@ -82,16 +82,8 @@ def _spellings(keys: tuple[Any, ...]) -> set[str]:
   """The ways a report may spell a leaf's path: ``keystr`` of its keys, or
   of their attribute form (an nnx module's ``.embed`` for its state's
   ``['embed']``), each with and without nnx's trailing ``.value``."""
-  attr = tuple(
-    jax.tree_util.GetAttrKey(k.key)
-    if isinstance(k, jax.tree_util.DictKey)
-    and isinstance(k.key, str)
-    and k.key.isidentifier()
-    else k
-    for k in keys
-  )
   out = set()
-  for path in (jax.tree_util.keystr(keys), jax.tree_util.keystr(attr)):
+  for path in (jax.tree_util.keystr(keys), attribute_path(keys)):
     out |= {path, path.removesuffix(".value")}
   return out
 

@@ -1,9 +1,13 @@
 """Row-sparse gradients of unmodified losses: ``sparse_value_and_grad``,
-``sparse_grad``, ``sparsity_report``, and ``lookup``, the explicit read.
+``sparse_grad``, ``sparsity_report``, ``sparse_labels``, and ``lookup``,
+the explicit read.
 
 The jaxpr reading lives in :mod:`gradtx._jaxpr`; this module plans the
 gradient (which leaves come out sparse), checks what the user required,
-and differentiates the rewritten loss.
+and differentiates the rewritten loss. Flax nnx modules are taken as
+``nnx.value_and_grad`` takes them (their ``nnx.Param`` state, or an
+``nnx.DiffState``'s, differentiated; the rest written back), through flax's
+public API, looked up only when the caller imported it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ from gradtx._update_trees import map_updates
 # Leaves named by path (``jax.tree_util.keystr``; nnx's ``.value`` optional),
 # several paths, or a predicate on the path: ``require_sparse`` and ``dense``.
 PathSelector = str | Sequence[str] | Callable[[str], bool] | None
+
+# The differentiated positional arguments: an int, an ``nnx.DiffState`` (a
+# module's variables by filter), or a sequence of them; Any, as gradtx does
+# not import flax.
+Argnums = int | Sequence[int] | Any
 
 # ----------------------------------------------------------------------------
 # lookup
@@ -290,17 +299,39 @@ _NEEDS_CONCRETE = (
 )
 
 
-def _normalize_argnums(
-  argnums: int | Sequence[int],
-) -> tuple[tuple[int, ...], bool]:
-  if isinstance(argnums, int):
+def _is_diff_state(a: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(a, nnx.DiffState)
+
+
+def _normalize_argnums(argnums: Any) -> tuple[tuple[Any, ...], bool]:
+  """``argnums`` as a tuple of ints and ``nnx.DiffState``s, and whether it
+  was one (the gradients are then not a tuple)."""
+  if isinstance(argnums, int) or _is_diff_state(argnums):
     return (argnums,), True
   argnums = tuple(argnums)
-  if not argnums or not all(isinstance(a, int) for a in argnums):
+  if not argnums or not all(
+    isinstance(a, int) or _is_diff_state(a) for a in argnums
+  ):
     raise TypeError(
-      f"`argnums` must be an int or a non-empty tuple of ints; got {argnums}."
+      f"`argnums` must be an int or a non-empty tuple of ints (an "
+      f"nnx.DiffState in place of an int for an nnx module); got {argnums}."
     )
   return argnums, False
+
+
+def _check_argnums(argnums: tuple[int, ...], single: bool, nargs: int) -> None:
+  for a in argnums:
+    if a >= nargs or a < -nargs:
+      raise ValueError(
+        f"`argnums` {argnums[0] if single else argnums} out of range for "
+        f"{nargs} positional arguments."
+      )
+  if len({a % nargs for a in argnums}) != len(argnums):
+    raise TypeError(  # jax.value_and_grad fails on it too (a TypeError)
+      f"`argnums` {argnums} names the same argument twice; differentiate "
+      "each argument once."
+    )
 
 
 # A table read at least this many times per row in one step gets one summed
@@ -372,37 +403,149 @@ def _selected(spec: Any, paths: Sequence[str], arg: str) -> set[str]:
   return {by_name[n] for n in names}
 
 
-def _plan(
+# ----------------------------------------------------------------------------
+# nnx modules
+
+
+class _Call(NamedTuple):
+  """One call of the loss as the rewrite sees it: ``fun(*args, **kwargs)``
+  differentiated with respect to the positional ``args`` at ``argnums``."""
+
+  fun: Callable[..., Any]
+  args: tuple[Any, ...]
+  kwargs: dict[str, Any]
+  argnums: tuple[int, ...]
+  single: bool
+  has_aux: bool
+  # a leaf's path from its keys: keystr, or an nnx module's attribute form
+  spell: Callable[[tuple[Any, ...]], str] = jax.tree_util.keystr
+  # the nnx objects among the arguments (None: none), whose state other
+  # than the differentiated variables the loss's aux carries back
+  nodes: tuple[Any, ...] | None = None
+
+
+def attribute_path(keys: tuple[Any, ...]) -> str:
+  """The path of a leaf of an ``nnx.State`` as the module spells it:
+  ``.embed.embedding.value`` for ``['embed']['embedding'].value``."""
+  return jax.tree_util.keystr(
+    tuple(
+      jax.tree_util.GetAttrKey(k.key)
+      if isinstance(k, jax.tree_util.DictKey)
+      and isinstance(k.key, str)
+      and k.key.isidentifier()
+      else k
+      for k in keys
+    )
+  )
+
+
+def _prepare(
   fun: Callable[..., Any],
-  args: Sequence[Any],
-  kwargs: dict[str, Any],
-  argnums: tuple[int, ...],
+  argnums: tuple[Any, ...],
   single: bool,
   has_aux: bool,
-  dense: Any = None,
-  require: Any = None,
-) -> _Plan:
-  for a in argnums:
-    if a >= len(args) or a < -len(args):
-      raise ValueError(
-        f"`argnums` {argnums[0] if single else argnums} out of range for "
-        f"{len(args)} positional arguments."
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+) -> _Call:
+  """The call to rewrite. Plain arguments pass as they are. nnx objects
+  (modules, ``nnx.Rngs``) are handled as ``nnx.value_and_grad`` handles
+  them: a differentiated module stands for its ``nnx.Param`` state (or the
+  variables of an ``nnx.DiffState``'s filter), and every other variable of
+  every nnx argument (Dropout's RNG counts, BatchNorm's statistics) is
+  merged back in a copy the loss may update, whose new values the aux
+  carries out to be written back (:func:`_finish`)."""
+  positions = tuple(a.argnum if _is_diff_state(a) else a for a in argnums)
+  _check_argnums(positions, single, len(args))
+  positions = tuple(a % len(args) for a in positions)
+  # Whoever passed nnx objects imported flax: look it up, never import it.
+  nnx = sys.modules.get("flax.nnx")
+  keys: list[int | str] = []
+  if nnx is not None:
+    keys = [i for i, a in enumerate(args) if isinstance(a, nnx.Pytree)]
+    keys += [k for k, v in kwargs.items() if isinstance(v, nnx.Pytree)]
+  filters = {}
+  for a, i in zip(argnums, positions, strict=True):
+    if i in keys:
+      # as nnx.value_and_grad: an int differentiates the nnx.Param state
+      filters[i] = a.filter if _is_diff_state(a) else nnx.Param
+    elif _is_diff_state(a):
+      raise TypeError(
+        f"`argnums` nnx.DiffState({a.argnum}, ...) names positional "
+        f"argument {a.argnum}, a {type(args[i]).__name__}: an "
+        "nnx.DiffState selects variables of an nnx module. Pass the "
+        "module there, or give an int for an argument that is a pytree "
+        "(an nnx.State included)."
       )
-  if len({a % len(args) for a in argnums}) != len(argnums):
-    raise TypeError(  # jax.value_and_grad fails on it too (a TypeError)
-      f"`argnums` {argnums} names the same argument twice; differentiate "
-      "each argument once."
-    )
+  plain = _Call(fun, args, kwargs, positions, single, has_aux)
+  if not keys:
+    return plain
+  node_of = {key: n for n, key in enumerate(keys)}
+  predicates = {
+    node_of[i]: nnx.filterlib.to_predicate(f) for i, f in filters.items()
+  }
+
+  def differentiated(path, variable):
+    is_diff = predicates.get(path[0])
+    return is_diff is not None and is_diff(path[1:], variable)
+
+  nodes = tuple(args[k] if isinstance(k, int) else kwargs[k] for k in keys)
+  graphdef, diff, rest = nnx.split(nodes, differentiated, ...)
+  states = list(args)
+  for i in filters:
+    n = node_of[i]
+    states[i] = diff[n] if n in diff else nnx.State({})
+
+  def of_states(*args_, **kwargs_):
+    joint = nnx.State({node_of[i]: args_[i] for i in filters})
+    # A copy: the loss runs under gradtx's trace, and nnx lets a variable
+    # change only under the trace that made it.
+    merged = nnx.merge(graphdef, joint, rest, copy=True)
+    args_, kwargs_ = list(args_), dict(kwargs_)
+    for key, node in zip(keys, merged, strict=True):
+      if isinstance(key, int):
+        args_[key] = node
+      else:
+        kwargs_[key] = node
+    out = fun(*args_, **kwargs_)
+    value, aux = out if has_aux else (out, None)
+    # Only the state that is not differentiated: a table in the aux would
+    # be a use of the table other than its row reads (a dense gradient).
+    return value, (aux, nnx.split(merged, differentiated, ...)[2])
+
+  modules = [i in filters for i in positions]  # per differentiated argument
+
+  def spell(path):
+    module = modules[0] if single else modules[path[0].idx]
+    return attribute_path(path) if module else jax.tree_util.keystr(path)
+
+  return plain._replace(
+    fun=of_states, args=tuple(states), has_aux=True, spell=spell, nodes=nodes
+  )
+
+
+def _finish(call: _Call, has_aux: bool, out: Any) -> Any:
+  """``fun``'s output from the rewritten call's: for nnx arguments, their
+  updated state written back to them and the user's aux (if any)."""
+  if call.nodes is None:
+    return out
+  value, (aux, rest) = out
+  sys.modules["flax.nnx"].update(call.nodes, rest)
+  return (value, aux) if has_aux else value
+
+
+def _plan(call: _Call, dense: Any = None, require: Any = None) -> _Plan:
+  fun, args, kwargs, argnums = call.fun, call.args, call.kwargs, call.argnums
+  single, has_aux = call.single, call.has_aux
   diff = tuple(args[a] for a in argnums)
   leaves, treedef = jax.tree.flatten(diff)
   paths = [
-    jax.tree_util.keystr(p)
+    call.spell(p)
     for p, _ in jax.tree_util.tree_flatten_with_path(
       diff[0] if single else diff
     )[0]
   ]
 
-  def call(new_leaves):
+  def call_fun(new_leaves):
     new_args = list(args)
     new_diff = jax.tree.unflatten(treedef, new_leaves)
     for a, d in zip(argnums, new_diff, strict=True):
@@ -410,7 +553,7 @@ def _plan(
     out = fun(*new_args, **kwargs)
     return out if has_aux else (out, None)
 
-  closed, out_tree = _jaxpr.trace(call, leaves)
+  closed, out_tree = _jaxpr.trace(call_fun, leaves)
   avals = _jaxpr.input_avals(closed)
   candidates = [
     jnp.issubdtype(a.dtype, jnp.floating) and len(a.shape) >= 1 for a in avals
@@ -458,13 +601,125 @@ def _warn_unknown(report: SparsityReport, uses: Sequence[Any]) -> None:
         "gradient: "
         f"{r.reason}{at}.",
         _jaxpr.SparsityWarning,
-        stacklevel=3,
+        stacklevel=4,
       )
+
+
+def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
+  """:func:`sparse_value_and_grad` of one prepared call."""
+  fun, args, kwargs, single = call.fun, call.args, call.kwargs, call.single
+  argnums, has_aux = call.argnums[0] if single else call.argnums, call.has_aux
+  try:
+    plan = _plan(call, dense, require_sparse)
+  except _NEEDS_CONCRETE as e:
+    # Eager-only Python (a concrete jnp.unique, numpy indexing) cannot be
+    # traced; jax.value_and_grad runs it eagerly, and raises as it would.
+    out = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+      *args, **kwargs
+    )
+    warnings.warn(
+      "gradtx.sparse_value_and_grad: the loss needs concrete values of "
+      "arrays it computes (eager-only Python: "
+      f"{type(e).__name__}), so gradtx cannot trace it; every gradient "
+      "is jax.value_and_grad's dense one. Make the loss traceable "
+      "(jit-compatible) to get SparseRows.",
+      _jaxpr.SparsityWarning,
+      stacklevel=3,
+    )
+    return out
+  _check_required(require_sparse, plan.report)
+  _warn_unknown(plan.report, plan.uses)
+  leaves = plan.leaves
+  frozen = [i for i, r in enumerate(plan.report) if r.frozen]
+  sparse = [
+    i
+    for i, r in enumerate(plan.report)
+    if r.sparse and not (r.frozen or r.every_row)
+  ]
+  if not sparse and not frozen:  # nothing to do: exactly jax's gradients
+    out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+      *args, **kwargs
+    )
+    if any(r.every_row for r in plan.report):
+      flat = plan.treedef.flatten_up_to((grads,) if single else grads)
+      grads = jax.tree.unflatten(plan.treedef, _every_row(flat, plan))
+      grads = grads[0] if single else grads
+    # As below: no table copy when a dense gradient skips the reads.
+    return out, _order_after(grads, out[0] if has_aux else out)
+  dense_slots = [
+    i for i in range(len(leaves)) if i not in sparse and i not in frozen
+  ]
+  sinks: dict[int, list[jax.Array]] = {}
+  made: dict[Any, jax.Array] = {}  # reads of one shape share one sink array
+  for s in sparse:
+    t = leaves[s]
+    sinks[s] = []
+    for r in plan.uses[s].reads:
+      # Under shard_map's type checks the sink must vary over the same
+      # mesh axes as the rows it is added to.
+      vma = tuple(sorted(r.vma))
+      key = (r.ids_shape + tuple(t.shape[1:]), jnp.dtype(t.dtype), vma)
+      if key not in made:
+        # -0.0: adding it leaves every row as it is, -0.0 rows included
+        sink = jnp.full(key[0], -0.0, t.dtype)
+        made[key] = lax.pcast(sink, vma, to="varying") if vma else sink
+      sinks[s].append(made[key])
+
+  def inner(dense_leaves, sinks_):
+    full = list(leaves)
+    for i, x in zip(dense_slots, dense_leaves, strict=True):
+      full[i] = x
+    outs, ids = _jaxpr.evaluate(plan.analysis, plan.closed, full, sinks_)
+    loss, aux = jax.tree.unflatten(plan.out_tree, outs)
+    return loss, (aux, ids)
+
+  (value, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(
+    inner, argnums=(0, 1), has_aux=True
+  )([leaves[i] for i in dense_slots], sinks)
+
+  out = [None] * len(leaves)
+  for i, g in zip(dense_slots, g_dense, strict=True):
+    out[i] = g
+  for s in sparse:
+    t = leaves[s]
+    row = tuple(t.shape[1:])
+    idx = _concat(
+      [
+        _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
+        for r, i in zip(plan.uses[s].reads, ids[s], strict=True)
+      ]
+    )
+    vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
+    # As jax.grad: under shard_map's type checks the gradient of a
+    # replicated table is the sum over the axes its ids vary along, which
+    # for rows is the gather of every replica's rows.
+    axes = frozenset().union(*(r.vma for r in plan.uses[s].reads))
+    axes = tuple(sorted(axes - varying_axes(t)))
+    if axes:
+      idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
+      vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
+    out[s] = SparseRows(idx, vals, t.shape[0])
+  for f in frozen:  # no gradient: no row for an optimizer to touch
+    t = leaves[f]
+    out[f] = SparseRows(
+      jnp.zeros([0], jnp.int32),
+      jnp.zeros((0, *t.shape[1:]), t.dtype),
+      t.shape[0],
+      unique=True,
+      normalized=True,
+    )
+  grads = jax.tree.unflatten(plan.treedef, _every_row(out, plan))
+  grads = grads[0] if single else grads
+  # Every forward read of a table before any in-place write of its update:
+  # else XLA copies a donated table when the gradient does not read the
+  # rows (a loss linear in the table). See _order_after.
+  grads = _order_after(grads, value)
+  return ((value, aux), grads) if has_aux else (value, grads)
 
 
 def sparse_value_and_grad(
   fun: Callable[..., Any],
-  argnums: int | Sequence[int] = 0,
+  argnums: Argnums = 0,
   has_aux: bool = False,
   *,
   require_sparse: PathSelector = None,
@@ -527,9 +782,21 @@ def sparse_value_and_grad(
   out clipped, like the rows they read. Under ``shard_map(check_vma=True)``
   the rows of every replica are gathered, as ``jax.grad`` sums them.
 
+  Flax nnx modules are passed in as to ``nnx.value_and_grad``. A module
+  at an int of ``argnums`` is differentiated with respect to its
+  ``nnx.Param`` variables (``nnx.DiffState(i, filter)`` in place of ``i``
+  picks the variables ``filter`` selects) and its gradients are an
+  ``nnx.State`` of those variables. The loss may update every other
+  variable of every nnx argument, differentiated or not (the RNG counts of
+  ``nnx.Dropout``, the batch statistics of ``nnx.BatchNorm``): the new
+  values are written back to the modules, as ``nnx.value_and_grad`` does.
+  Paths (in ``require_sparse``, ``dense`` and the report) are spelled as
+  the module names its attributes: ``".embed.embedding.value"``.
+
   Args:
     fun: the loss; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
-    argnums: which positional argument(s) to differentiate.
+    argnums: which positional argument(s) to differentiate: an int, an
+      ``nnx.DiffState`` for an nnx module, or a tuple of them.
     has_aux: as in ``jax.value_and_grad``.
     require_sparse: leaves that must come out sparse: a path
       (``jax.tree_util.keystr`` of the leaf, as :func:`sparsity_report`
@@ -559,121 +826,16 @@ def sparse_value_and_grad(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def value_and_grad_fn(*args, **kwargs):
-    try:
-      plan = _plan(
-        fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
-      )
-    except _NEEDS_CONCRETE as e:
-      # Eager-only Python (a concrete jnp.unique, numpy indexing) cannot be
-      # traced; jax.value_and_grad runs it eagerly, and raises as it would.
-      out = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
-        *args, **kwargs
-      )
-      warnings.warn(
-        "gradtx.sparse_value_and_grad: the loss needs concrete values of "
-        "arrays it computes (eager-only Python: "
-        f"{type(e).__name__}), so gradtx cannot trace it; every gradient "
-        "is jax.value_and_grad's dense one. Make the loss traceable "
-        "(jit-compatible) to get SparseRows.",
-        _jaxpr.SparsityWarning,
-        stacklevel=2,
-      )
-      return out
-    _check_required(require_sparse, plan.report)
-    _warn_unknown(plan.report, plan.uses)
-    leaves = plan.leaves
-    frozen = [i for i, r in enumerate(plan.report) if r.frozen]
-    sparse = [
-      i
-      for i, r in enumerate(plan.report)
-      if r.sparse and not (r.frozen or r.every_row)
-    ]
-    if not sparse and not frozen:  # nothing to do: exactly jax's gradients
-      out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
-        *args, **kwargs
-      )
-      if any(r.every_row for r in plan.report):
-        flat = plan.treedef.flatten_up_to((grads,) if single else grads)
-        grads = jax.tree.unflatten(plan.treedef, _every_row(flat, plan))
-        grads = grads[0] if single else grads
-      # As below: no table copy when a dense gradient skips the reads.
-      return out, _order_after(grads, out[0] if has_aux else out)
-    dense_slots = [
-      i for i in range(len(leaves)) if i not in sparse and i not in frozen
-    ]
-    sinks: dict[int, list[jax.Array]] = {}
-    made: dict[Any, jax.Array] = {}  # reads of one shape share one sink array
-    for s in sparse:
-      t = leaves[s]
-      sinks[s] = []
-      for r in plan.uses[s].reads:
-        # Under shard_map's type checks the sink must vary over the same
-        # mesh axes as the rows it is added to.
-        vma = tuple(sorted(r.vma))
-        key = (r.ids_shape + tuple(t.shape[1:]), jnp.dtype(t.dtype), vma)
-        if key not in made:
-          # -0.0: adding it leaves every row as it is, -0.0 rows included
-          sink = jnp.full(key[0], -0.0, t.dtype)
-          made[key] = lax.pcast(sink, vma, to="varying") if vma else sink
-        sinks[s].append(made[key])
-
-    def inner(dense_leaves, sinks_):
-      full = list(leaves)
-      for i, x in zip(dense_slots, dense_leaves, strict=True):
-        full[i] = x
-      outs, ids = _jaxpr.evaluate(plan.analysis, plan.closed, full, sinks_)
-      loss, aux = jax.tree.unflatten(plan.out_tree, outs)
-      return loss, (aux, ids)
-
-    (value, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(
-      inner, argnums=(0, 1), has_aux=True
-    )([leaves[i] for i in dense_slots], sinks)
-
-    out = [None] * len(leaves)
-    for i, g in zip(dense_slots, g_dense, strict=True):
-      out[i] = g
-    for s in sparse:
-      t = leaves[s]
-      row = tuple(t.shape[1:])
-      idx = _concat(
-        [
-          _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
-          for r, i in zip(plan.uses[s].reads, ids[s], strict=True)
-        ]
-      )
-      vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
-      # As jax.grad: under shard_map's type checks the gradient of a
-      # replicated table is the sum over the axes its ids vary along, which
-      # for rows is the gather of every replica's rows.
-      axes = frozenset().union(*(r.vma for r in plan.uses[s].reads))
-      axes = tuple(sorted(axes - varying_axes(t)))
-      if axes:
-        idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
-        vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
-      out[s] = SparseRows(idx, vals, t.shape[0])
-    for f in frozen:  # no gradient: no row for an optimizer to touch
-      t = leaves[f]
-      out[f] = SparseRows(
-        jnp.zeros([0], jnp.int32),
-        jnp.zeros((0, *t.shape[1:]), t.dtype),
-        t.shape[0],
-        unique=True,
-        normalized=True,
-      )
-    grads = jax.tree.unflatten(plan.treedef, _every_row(out, plan))
-    grads = grads[0] if single else grads
-    # Every forward read of a table before any in-place write of its update:
-    # else XLA copies a donated table when the gradient does not read the
-    # rows (a loss linear in the table). See _order_after.
-    grads = _order_after(grads, value)
-    return ((value, aux), grads) if has_aux else (value, grads)
+    call = _prepare(fun, argnum_tuple, single, has_aux, args, kwargs)
+    out, grads = _value_and_grad(call, dense, require_sparse)
+    return _finish(call, has_aux, out), grads
 
   return value_and_grad_fn
 
 
 def sparse_grad(
   fun: Callable[..., Any],
-  argnums: int | Sequence[int] = 0,
+  argnums: Argnums = 0,
   has_aux: bool = False,
   *,
   require_sparse: PathSelector = None,
@@ -709,7 +871,7 @@ def sparse_grad(
 
 def sparsity_report(
   fun: Callable[..., Any],
-  argnums: int | Sequence[int] = 0,
+  argnums: Argnums = 0,
   has_aux: bool = False,
   *,
   require_sparse: PathSelector = None,
@@ -725,11 +887,13 @@ def sparsity_report(
 
   Args:
     fun: the loss, as for :func:`sparse_value_and_grad`.
-    argnums: which positional argument(s) are differentiated.
+    argnums: which positional argument(s) are differentiated, as for
+      :func:`sparse_value_and_grad` (an ``nnx.DiffState`` for a module).
     has_aux: whether ``fun`` returns ``(loss, aux)``.
 
   Returns:
-    A function with ``fun``'s signature returning the report.
+    A function with ``fun``'s signature returning the report. Tracing
+    leaves nnx arguments as they were (no RNG count advances).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -747,16 +911,15 @@ def sparsity_report(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def report_fn(*args, **kwargs):
-    return _plan(
-      fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
-    ).report
+    call = _prepare(fun, argnum_tuple, single, has_aux, args, kwargs)
+    return _plan(call, dense, require_sparse).report
 
   return report_fn
 
 
 def sparse_labels(
   fun: Callable[..., Any],
-  argnums: int | Sequence[int] = 0,
+  argnums: Argnums = 0,
   has_aux: bool = False,
   *,
   sparse_label: Any = "sparse",
@@ -777,7 +940,8 @@ def sparse_labels(
 
   Args:
     fun: the loss, as for :func:`sparse_value_and_grad`.
-    argnums: which positional argument(s) are differentiated.
+    argnums: which positional argument(s) are differentiated, as for
+      :func:`sparse_value_and_grad` (an ``nnx.DiffState`` for a module).
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     sparse_label: the label of the sparse leaves.
     dense_label: the label of every other leaf.
@@ -787,12 +951,15 @@ def sparse_labels(
   Returns:
     A function with ``fun``'s signature returning the labels, a tree shaped
     like the differentiated argument (a tuple of them for a tuple
-    ``argnums``). For an ``nnx.State`` or an nnx module the labels are in
-    the form ``nnx.Optimizer`` hands its transformation, the pure state
-    (``nnx.as_pure(nnx.state(...))``, no ``nnx.Param`` wrappers), so
+    ``argnums``). For an nnx module the labels are those of the variables
+    :func:`sparse_value_and_grad` differentiates (its ``nnx.Param`` state,
+    or an ``nnx.DiffState``'s), and for a module or an ``nnx.State`` they
+    are in the form ``nnx.Optimizer`` hands its transformation, the pure
+    state (``nnx.as_pure``, no ``nnx.Param`` wrappers): so
     ``nnx.Optimizer(model, optax.multi_transform(transforms, labels),
-    wrt=nnx.Param)`` takes them as they are when the differentiated
-    argument holds the ``wrt`` variables only.
+    wrt=nnx.Param)`` (``wrt=`` a ``DiffState``'s filter) takes them as they
+    are. Tracing leaves nnx arguments
+    as they were (no RNG count advances).
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -811,18 +978,14 @@ def sparse_labels(
   argnum_tuple, single = _normalize_argnums(argnums)
 
   def labels_fn(*args, **kwargs):
-    plan = _plan(
-      fun, args, kwargs, argnum_tuple, single, has_aux, dense, require_sparse
-    )
+    call = _prepare(fun, argnum_tuple, single, has_aux, args, kwargs)
+    plan = _plan(call, dense, require_sparse)
     labels = [sparse_label if r.sparse else dense_label for r in plan.report]
     tree = jax.tree.unflatten(plan.treedef, labels)
     # Whoever passed nnx objects imported flax: look it up, never import it.
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None:
-      tree = tuple(
-        nnx.as_pure(nnx.state(t) if isinstance(t, nnx.Module) else t)
-        for t in tree
-      )
+      tree = tuple(nnx.as_pure(t) for t in tree)
     return tree[0] if single else tree
 
   return labels_fn

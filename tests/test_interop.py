@@ -607,6 +607,15 @@ def param_only_value_and_grad(model, ids, y):
   return value, grads
 
 
+@nnx.jit
+def reference_step(model, optimizer, ids, y):
+  """nnx's own step: the nnx.Param gradients of ``mse``, then the update."""
+  diff = nnx.DiffState(0, nnx.Param)
+  value, grads = nnx.value_and_grad(mse, argnums=diff)(model, ids, y)
+  optimizer.update(model, grads)
+  return value, grads
+
+
 BAGS = [
   np.array([[3, 7], [3, 0], [9, 22]]),
   np.array([[7, 22], [5, 5], [1, 2]]),
@@ -711,18 +720,11 @@ def test_param_only_training_step_under_jit_with_nnx_optimizer():
   want = DropoutBatchNormBag(nnx.Rngs(1))
   reference = nnx.Optimizer(want, optax.sgd(lr), wrt=nnx.Param)
 
-  @nnx.jit
-  def reference_step(model, optimizer, ids, y):
-    diff = nnx.DiffState(0, nnx.Param)
-    value, grads = nnx.value_and_grad(mse, argnums=diff)(model, ids, y)
-    optimizer.update(model, grads)
-    return value
-
   table = model.embed.embedding.get_value()
   for bag in BAGS + BAGS:
     got = step(model, optimizer, jnp.asarray(bag), y)
     np.testing.assert_allclose(
-      got, reference_step(want, reference, jnp.asarray(bag), y), rtol=1e-5
+      got, reference_step(want, reference, jnp.asarray(bag), y)[0], rtol=1e-5
     )
   assert table.is_deleted()  # donated: updated in place
   assert int(optimizer.step[...]) == 2 * len(BAGS)
@@ -778,3 +780,260 @@ def test_accumulate_trains_inside_nnx_optimizer():
     np.testing.assert_allclose(got, want, rtol=1e-6)
   assert int(state.num_updates) == 3
   _assert_states_close(nnx.as_pure(nnx.state(model, nnx.Param)), params)
+
+
+# ----------------------------------------------------------------------------
+# NNX modules with Dropout and BatchNorm passed straight in, as to
+# nnx.value_and_grad: the nnx.Param state differentiated, the RNG counts and
+# batch statistics the loss updates written back
+
+
+def _rest(model):
+  """The state that is not differentiated: RNG keys and counts, BatchNorm's
+  statistics."""
+  return nnx.state(model, nnx.Not(nnx.Param))
+
+
+def _assert_same_rest(got, want):
+  _assert_states_close(_rest(got), _rest(want))
+  assert not np.allclose(got.bn.mean[...], 0)  # the statistics moved
+  assert int(got.drop.rngs.count[...]) > 0  # a dropout mask was drawn
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("argnums", ["int", "DiffState"])
+def test_a_module_with_dropout_and_batch_norm_straight_in(argnums, jit):
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  argnums = 0 if argnums == "int" else nnx.DiffState(0, nnx.Param)
+  ours = DropoutBatchNormBag(nnx.Rngs(0))
+  theirs = DropoutBatchNormBag(nnx.Rngs(0))
+  vg = gtx.sparse_value_and_grad(mse, argnums=argnums)
+  reference = nnx.value_and_grad(mse, argnums=argnums)
+  if jit:
+    vg, reference = nnx.jit(vg), nnx.jit(reference)
+  for bag in BAGS:  # a second call draws the next dropout mask
+    ids = jnp.asarray(bag)
+    value, grads = vg(ours, ids, y)
+    want_value, want = reference(theirs, ids, y)
+    assert isinstance(grads, nnx.State)
+    assert isinstance(grads["embed"]["embedding"].get_value(), gtx.SparseRows)
+    assert "mean" not in grads["bn"] and "drop" not in grads
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    _assert_states_close(_sparse_to_dense(grads), want)
+    _assert_same_rest(ours, theirs)
+  assert int(ours.drop.rngs.count[...]) == len(BAGS)
+
+
+@pytest.mark.parametrize("argnums", ["int", "DiffState"])
+def test_sparse_grad_and_has_aux_with_a_module_straight_in(argnums):
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  argnums = 0 if argnums == "int" else nnx.DiffState(0, nnx.Param)
+  ours = DropoutBatchNormBag(nnx.Rngs(0))
+  theirs = DropoutBatchNormBag(nnx.Rngs(0))
+
+  def loss(model, ids, y):
+    out = model(ids)
+    return jnp.mean((out - y) ** 2), out
+
+  grads, aux = gtx.sparse_grad(loss, argnums=argnums, has_aux=True)(
+    ours, ids, y
+  )
+  want, want_aux = nnx.grad(loss, argnums=argnums, has_aux=True)(theirs, ids, y)
+  np.testing.assert_allclose(aux, want_aux, rtol=1e-6)
+  _assert_states_close(_sparse_to_dense(grads), want)
+  _assert_same_rest(ours, theirs)
+
+
+def test_labels_and_report_of_a_module_with_dropout_leave_it_as_it_was():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  model = DropoutBatchNormBag(nnx.Rngs(0))
+  before = nnx.state(model)
+  for argnums in (0, nnx.DiffState(0, nnx.Param)):
+    labels = gtx.sparse_labels(mse, argnums=argnums)(model, ids, y)
+    # the labels of nnx.state(model, nnx.Param), the tree
+    # nnx.Optimizer(wrt=nnx.Param) hands its transformation
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    assert jax.tree.structure(labels) == jax.tree.structure(params)
+    assert labels["embed"]["embedding"] == "sparse"
+    assert labels["bn"]["scale"] == labels["head"]["kernel"] == "dense"
+    report = gtx.sparsity_report(
+      mse, argnums=argnums, require_sparse=".embed.embedding"
+    )(model, ids, y)
+    assert report.sparse_paths == (".embed.embedding.value",)
+    assert len(report) == len(jax.tree.leaves(params))
+  _assert_states_close(nnx.state(model), before, rtol=0, atol=0)
+
+
+class RecsysModel(nnx.Module):
+  """nnx.Embed, BatchNorm, Dropout, Linear: a small recommender tower."""
+
+  def __init__(self, rows, rngs):
+    self.embed = nnx.Embed(rows, 4, rngs=rngs)
+    self.bn = nnx.BatchNorm(4, rngs=rngs)
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
+    self.hidden = nnx.Linear(4, 8, rngs=rngs)
+    self.head = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, ids):
+    h = self.bn(self.embed(ids).mean(1))
+    return self.head(jax.nn.relu(self.hidden(self.drop(h))))[:, 0]
+
+
+def test_recsys_training_straight_through_matches_nnx_value_and_grad():
+  lr, rows, steps = 0.05, 8, 4
+  # every step reads every row (twice at most): lazy_adam then updates
+  # every row, as optax.adam does, and the reference is optax.adam itself
+  rng = np.random.default_rng(0)
+  batches = [
+    np.concatenate([rng.permutation(rows), rng.integers(0, rows, 4)])
+    .reshape(4, 3)
+    .astype(np.int32)
+    for _ in range(steps)
+  ]
+  ys = rng.normal(size=(steps, 4)).astype(np.float32)
+  model = RecsysModel(rows, nnx.Rngs(3))
+  labels = gtx.sparse_labels(mse)(model, jnp.asarray(batches[0]), ys[0])
+  tx = optax.multi_transform(
+    {"sparse": gtx.lazy_adam(lr), "dense": optax.adam(lr)}, labels
+  )
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def step(model, optimizer, ids, y):
+    value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
+    optimizer.update(model, grads)
+    return value, grads
+
+  want = RecsysModel(rows, nnx.Rngs(3))
+  reference = nnx.Optimizer(want, optax.adam(lr), wrt=nnx.Param)
+
+  table = model.embed.embedding.get_value()
+  for ids, y in zip(batches, ys, strict=True):
+    value, grads = step(model, optimizer, jnp.asarray(ids), jnp.asarray(y))
+    assert isinstance(grads["embed"]["embedding"].get_value(), gtx.SparseRows)
+    want_value, want_grads = reference_step(
+      want, reference, jnp.asarray(ids), jnp.asarray(y)
+    )
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    _assert_states_close(_sparse_to_dense(grads), want_grads, 1e-5, 1e-6)
+    _assert_same_rest(model, want)
+  assert table.is_deleted()  # donated: the table updated in place
+  assert int(model.drop.rngs.count[...]) == steps
+  _assert_states_close(nnx.state(model), nnx.state(want), 1e-5, 1e-6)
+
+
+class CallerRngs(nnx.Module):
+  """Dropout whose RNG stream the caller passes in."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    self.head = nnx.Linear(D, 1, rngs=rngs)
+
+  def __call__(self, ids, rngs):
+    return self.head(self.drop(self.embed(ids).mean(1), rngs=rngs))[:, 0]
+
+
+def test_rngs_beside_the_module_advance_as_with_nnx_value_and_grad():
+  y = jnp.asarray(Y)
+
+  def positional(model, rngs, ids):
+    return jnp.mean((model(ids, rngs) - y) ** 2)
+
+  def keyword(model, ids, rngs):  # passed by keyword (nnx: by position)
+    return positional(model, rngs, ids)
+
+  for loss in (positional, keyword):
+    ours, ours_rngs = CallerRngs(nnx.Rngs(0)), nnx.Rngs(dropout=7)
+    theirs, their_rngs = CallerRngs(nnx.Rngs(0)), nnx.Rngs(dropout=7)
+    for bag in BAGS:
+      ids = jnp.asarray(bag)
+      if loss is positional:
+        value, grads = gtx.sparse_value_and_grad(loss)(ours, ours_rngs, ids)
+        want_value, want = nnx.value_and_grad(loss)(theirs, their_rngs, ids)
+      else:
+        value, grads = gtx.sparse_value_and_grad(loss)(
+          ours, ids, rngs=ours_rngs
+        )
+        want_value, want = nnx.value_and_grad(loss)(
+          theirs, ids, rngs=their_rngs
+        )
+      np.testing.assert_allclose(value, want_value, rtol=1e-6)
+      _assert_states_close(_sparse_to_dense(grads), want)
+    assert int(ours_rngs.dropout.count[...]) == len(BAGS)
+    _assert_states_close(nnx.state(ours_rngs), nnx.state(their_rngs))
+
+
+def test_diff_state_filters_and_tuples_as_nnx_value_and_grad():
+  ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
+  scale = {"scale": jnp.asarray(2.0)}
+
+  def loss(model, scale, ids, y):
+    return scale["scale"] * mse(model, ids, y)
+
+  embed_only = nnx.DiffState(0, nnx.All(nnx.Param, nnx.PathContains("embed")))
+  for argnums in (embed_only, (nnx.DiffState(0, nnx.Param), 1)):
+    ours = DropoutBatchNormBag(nnx.Rngs(0))
+    theirs = DropoutBatchNormBag(nnx.Rngs(0))
+    value, grads = gtx.sparse_value_and_grad(loss, argnums=argnums)(
+      ours, scale, ids, y
+    )
+    want_value, want = nnx.value_and_grad(loss, argnums=argnums)(
+      theirs, scale, ids, y
+    )
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    if isinstance(argnums, tuple):
+      np.testing.assert_allclose(grads[1]["scale"], want[1]["scale"], rtol=1e-6)
+      grads, want = grads[0], want[0]
+      report = gtx.sparsity_report(loss, argnums=argnums)(ours, scale, ids, y)
+      # each argument's paths as it spells them: the module's attributes
+      assert report.sparse_paths == ("[0].embed.embedding.value",)
+      assert report[-1].path == "[1]['scale']"
+    else:
+      assert list(grads) == ["embed"]
+    _assert_states_close(_sparse_to_dense(grads), want)
+    _assert_same_rest(ours, theirs)
+
+
+def test_diff_state_on_an_argument_that_is_no_module_is_refused():
+  params = {"emb": jnp.ones((V, D))}
+  loss = lambda p, ids: p["emb"][ids].sum()  # noqa: E731
+  ids = jnp.asarray(BAGS[0])
+  for make in (gtx.sparse_value_and_grad, gtx.sparse_grad, gtx.sparse_labels):
+    with pytest.raises(TypeError, match=r"`argnums` nnx.DiffState\(0, ...\)"):
+      make(loss, argnums=nnx.DiffState(0, nnx.Param))(params, ids)
+  with pytest.raises(ValueError, match="`argnums` .* out of range"):
+    gtx.sparse_grad(loss, argnums=nnx.DiffState(2, nnx.Param))(params, ids)
+
+
+def test_labels_of_a_diff_state_filter_fit_nnx_optimizer_with_that_wrt():
+  y, lr = jnp.asarray(Y), 0.1
+  tables = nnx.All(nnx.Param, nnx.PathContains("embed"))
+  argnums = nnx.DiffState(0, tables)
+
+  def run(make_tx, grad):
+    model = DropoutBatchNormBag(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_tx(model), wrt=tables)
+
+    @nnx.jit
+    def step(model, optimizer, ids):
+      optimizer.update(model, grad(mse, argnums=argnums)(model, ids, y))
+
+    for bag in BAGS:
+      step(model, optimizer, jnp.asarray(bag))
+    return model
+
+  def labelled(model):
+    labels = gtx.sparse_labels(mse, argnums=argnums)(
+      model, jnp.asarray(BAGS[0]), y
+    )
+    assert nnx.to_pure_dict(labels) == {"embed": {"embedding": "sparse"}}
+    return optax.multi_transform({"sparse": gtx.lazy_sgd(lr)}, labels)
+
+  got = run(labelled, gtx.sparse_grad)
+  want = run(lambda _: optax.sgd(lr), nnx.grad)
+  _assert_states_close(nnx.state(got), nnx.state(want))
+  assert not np.allclose(  # the table trained
+    got.embed.embedding[...],
+    DropoutBatchNormBag(nnx.Rngs(0)).embed.embedding[...],
+  )
