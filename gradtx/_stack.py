@@ -191,8 +191,32 @@ class _Stack(NamedTuple):
     return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
 
 
-def _stack_name(dim: int, dtype: str) -> str:
-  return f"{dtype}x{dim}"
+def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
+  return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
+
+
+def _lanes(
+  names: list[str],
+  readers: Mapping[str, int],
+  tables: Mapping[str, TableSpec],
+  lanes: int,
+) -> list[list[str]]:
+  """The tables of one width and dtype spread over at most ``lanes``
+  stacks, balanced by the features that read them (a step's ids), then by
+  rows; each lane keeps the declared order."""
+  if lanes == 1 or len(names) == 1:
+    return [names]
+  lanes = min(lanes, len(names))
+  load = [(0, 0)] * lanes
+  lane_of = {}
+  heavy_first = sorted(
+    names, key=lambda t: (-readers.get(t, 0), -int(tables[t].rows))
+  )
+  for t in heavy_first:
+    k = min(range(lanes), key=lambda i: load[i])
+    lane_of[t] = k
+    load[k] = (load[k][0] + readers.get(t, 0), load[k][1] + int(tables[t].rows))
+  return [[t for t in names if lane_of[t] == k] for k in range(lanes)]
 
 
 class TableStack:
@@ -219,6 +243,13 @@ class TableStack:
     batch_size: the examples per step, if known: tables read at least 4
       times per row at this batch (one id per example and feature) stay
       outside the stacks.
+    shards: the devices each stack's rows are split over (a row-sharded
+      stack): every table's rows are spread evenly over them.
+    lanes: the most stacks the tables of one width and dtype are spread
+      over (``"<dtype>x<dim>"``, then ``"<dtype>x<dim>_lane1"``, ...),
+      balanced by the features that read them. Each stack is one chain
+      of gather, update and scatter; independent chains can run on
+      different cores of a CPU, one chain cannot.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -244,6 +275,7 @@ class TableStack:
     *,
     batch_size: int | None = None,
     shards: int = 1,
+    lanes: int = 1,
   ):
     if not isinstance(tables, Mapping) or not tables:
       raise ValueError(
@@ -307,8 +339,21 @@ class TableStack:
     for name, spec in self.tables.items():
       if name not in self.outside:
         by_key.setdefault(spec.key, []).append(name)
+    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)):
+      lanes = 0
+    if lanes < 1:
+      raise ValueError(
+        f"gradtx.TableStack `lanes` must be a positive int (the stacks the "
+        f"tables of one width and dtype are spread over); got {lanes!r}."
+      )
+    self.lanes = int(lanes)
     self.stacks: dict[str, _Stack] = {}
-    for (dim, dtype), names in by_key.items():
+    lanes_of = {
+      (dim, dtype, k): part
+      for (dim, dtype), names in by_key.items()
+      for k, part in enumerate(_lanes(names, readers, self.tables, lanes))
+    }
+    for (dim, dtype, lane), names in lanes_of.items():
       offsets, start = [], 0
       for n in names:
         offsets.append(start)
@@ -320,7 +365,7 @@ class TableStack:
           "some of them another dtype or split them over two TableStacks."
         )
       stack = _Stack(
-        _stack_name(dim, dtype),
+        _stack_name(dim, dtype, lane),
         dim,
         dtype,
         tuple(names),

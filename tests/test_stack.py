@@ -666,3 +666,55 @@ def test_concat_gives_the_features_as_one_array_in_concat_order():
   np.testing.assert_array_equal(
     flat, jnp.concatenate([by_feature[f] for f in order], -1)
   )
+
+
+def test_lanes_spread_a_width_over_stacks_and_train_as_one_stack():
+  # 6 tables, 8 features (two read "a"): lanes balance the features that
+  # read each table, then rows; each lane keeps the declared order.
+  specs = {t: gtx.TableSpec(20 + 3 * i, 4) for i, t in enumerate("abcdef")}
+  features = {**{t: t for t in "abcdef"}, "a2": "a", "b2": "b"}
+  one = gtx.TableStack(specs, features)
+  three = gtx.TableStack(specs, features, lanes=3)
+  assert list(three.stacks) == [
+    "float32x4",
+    "float32x4_lane1",
+    "float32x4_lane2",
+  ]
+  assert [s.tables for s in three.stacks.values()] == [
+    ("b", "c"),
+    ("a", "d"),
+    ("e", "f"),
+  ]
+  assert "float32x4_lane2" in str(three)
+  # more lanes than tables: a lane per table
+  assert len(gtx.TableStack(specs, lanes=9).stacks) == 6
+  with pytest.raises(ValueError, match="`lanes` must be a positive int"):
+    gtx.TableStack(specs, lanes=0)
+
+  rng = np.random.default_rng(0)
+  ids = {f: jnp.asarray(rng.integers(0, 20, 5)) for f in features}
+  tx = gtx.lazy_adam(0.1)
+
+  def trained(stack):
+    params = stack.init(jax.random.key(1))
+
+    def loss(p):
+      return sum(jnp.sum(jnp.sin(e)) for e in stack.lookup(p, ids).values())
+
+    @jax.jit
+    def step(p, s):
+      v, g = gtx.sparse_value_and_grad(loss)(p)
+      u, s = tx.update(g, s, p)
+      return gtx.apply_updates(p, u), s, v
+
+    state = tx.init(params)
+    values = []
+    for _ in range(2):
+      params, state, v = step(params, state)
+      values.append(float(v))
+    return stack.unstack(params), values
+
+  (p1, v1), (p3, v3) = trained(one), trained(three)
+  np.testing.assert_allclose(v3, v1, rtol=1e-6)
+  for t in specs:
+    np.testing.assert_allclose(p3[t], p1[t], rtol=1e-6, atol=1e-7)
