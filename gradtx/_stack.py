@@ -26,7 +26,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _vocab
 from gradtx._autodiff import lookup
-from gradtx._vocab import FreshRows, Hashed, VocabState, Words
+from gradtx._vocab import DEFAULT_MAX_NEW, FreshRows, Hashed, VocabState, Words
 
 __all__ = ["Jagged", "TableSpec", "TableStack"]
 
@@ -35,8 +35,6 @@ COMBINERS = ("sum", "mean", "sqrtn")
 # stacks (the reason is sparse_value_and_grad's: one summed gradient row
 # per table row is then smaller than a row per read).
 _READS_PER_ROW_OUTSIDE = 4
-# the least new ids a fractional `max_new` lets a step place
-_MIN_NEW = 64
 
 
 def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -533,7 +531,7 @@ class TableStack:
     ids: Mapping[str, Any],
     *,
     weights: Mapping[str, ArrayLike] | None = None,
-    max_new: int | float = 0.125,
+    max_new: int | float | Mapping[str, int | float] = DEFAULT_MAX_NEW,
   ) -> tuple[dict[str, Any], dict[str, VocabState], dict[str, FreshRows]]:
     """Maps the raw ids of hashed features to rows, giving new ids rows.
 
@@ -557,14 +555,17 @@ class TableStack:
         table's features take raw ids: int32, uint32, int64 (with
         ``jax_enable_x64``) or :class:`gradtx.Words`.
       weights: per-id weights of ``[B, L]`` features (0: padding).
-      max_new: the most new ids a stack places in one step: an int, or a
-        float, that fraction of the stack's id slots in ``ids`` (at least
-        64). The first
-        in order compete for rows; the others read zeros for this step
-        (counted in ``rejected``) and are placed when read again. Its work
-        (the placement, the fresh rows' values and :func:`reset_rows`)
-        follows this bound, not the ids: raise it when ``rejected`` stays
-        high while the table has room.
+      max_new: the most new ids each hashed table places in one step,
+        every table its own bound: an int, or a float, that fraction of
+        the table's own id slots in ``ids`` (at least 64, or all of them
+        when there are fewer); or a dict table name -> int or float, the
+        tables it does not name at the default 0.125. A table's first new
+        ids in order compete for its rows; the others read zeros for
+        this step (counted in ``rejected``) and are placed when read
+        again. No table's new ids take another's share. Its work (the
+        placement, the fresh rows' values and :func:`reset_rows`) follows
+        the sum of the bounds, not the ids: raise a table's bound when
+        its ``rejected`` stays high while it has room (``starved``).
 
     Returns:
       ``(ids, vocab, fresh)``: the features' ids as rows for :meth:`lookup`
@@ -572,14 +573,7 @@ class TableStack:
       :class:`gradtx.FreshRows` (the rows given out and their new values).
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
-    if isinstance(max_new, bool) or not (
-      (isinstance(max_new, (int, np.integer)) and max_new >= 1)
-      or (isinstance(max_new, float) and 0 < max_new <= 1)
-    ):
-      raise ValueError(
-        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
-        f"(0, 1] (a fraction of the id slots); got {max_new!r}."
-      )
+    self._check_max_new(max_new)
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
@@ -587,21 +581,45 @@ class TableStack:
       if slots is None:
         continue
       state = vocab[name]
-      n = slots.tab.shape[0]
-      m = max_new
-      if not isinstance(max_new, (int, np.integer)):  # a fraction, >= 64
-        m = max(min(n, _MIN_NEW), math.ceil(n * max_new))
+      bound = _vocab.budgets(layout, slots.tab, max_new)
       rows, new_vocab[name], placed, tab = _vocab.admit(
-        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, int(m)
+        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
       )
       out.update(slots.rebuild(rows))
       fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
+  def _check_max_new(self, max_new: Any) -> None:
+    def ok(v):
+      return not isinstance(v, bool) and (
+        (isinstance(v, (int, np.integer)) and v >= 1)
+        or (isinstance(v, float) and 0 < v <= 1)
+      )
+
+    hashed = [t for layout in self.maps.values() for t in layout.tables]
+    if isinstance(max_new, Mapping):
+      unknown = [t for t in max_new if t not in hashed]
+      if unknown:
+        raise ValueError(
+          f"gradtx.TableStack.admit `max_new` names {unknown}, which are not "
+          f"hashed tables; the hashed tables are {hashed}."
+        )
+      bad = {t: v for t, v in max_new.items() if not ok(v)}
+    else:
+      bad = None if ok(max_new) else max_new
+    if bad is not None and bad != {}:
+      raise ValueError(
+        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
+        "(0, 1] (a fraction of each table's id slots), or a dict of them per "
+        f"hashed table; got {bad!r}."
+      )
+
   def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
     """What to watch, per hashed table (cheap and jittable): ``live`` rows
     and ``occupancy``, the last step's ``inserted`` new ids, ``evicted``
     live ids and ``rejected`` id reads (no row: padding for that step),
+    ``starved`` (the consecutive steps, up to the last, in which the
+    table turned reads away while it had free rows and placed no new id),
     ``mean_age`` (steps since the row was given out) and ``mean_count``
     (reads of its id), and the live rows' ``age_buckets``,
     ``idle_buckets`` (steps since last read) and ``count_buckets`` in

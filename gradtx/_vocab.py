@@ -36,6 +36,7 @@ optimizer state, so that the new id inherits nothing from the old one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -55,6 +56,10 @@ POLICIES = ("lru", "lfu")
 _INT_MAX = np.iinfo(np.int32).max
 _U32 = np.uint32
 _SKETCH_DEPTH = 2
+# admit's default `max_new`: a fraction of each table's id slots in the step
+DEFAULT_MAX_NEW = 0.125
+# the least new ids a fractional `max_new` lets a table place in a step
+MIN_NEW = 64
 # key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
 MAP_BYTES_PER_ROW = 24
 
@@ -158,6 +163,11 @@ class VocabState(NamedTuple):
     inserted, evicted, rejected: int32 ``[tables]``, the last step's new ids
       given a row, of them those that evicted a live id, and the id reads
       that found no row (per hashed table, in the stack's order).
+    live: int32 ``[tables]``, the rows owned by an id.
+    starved: int32 ``[tables]``, the consecutive steps, up to the last,
+      in which the table turned reads away while it had free rows and
+      placed no new id (0 after a step that placed one, or had nothing
+      to turn away, or no free row).
     sketch: int32 ``[2, width]``, the count-min sketch of the ids waiting
       for admission (width 1, unused, when no table has ``min_count`` > 1).
     rng: uint32 ``[2]``, the key data of the fresh rows' initializer.
@@ -173,6 +183,8 @@ class VocabState(NamedTuple):
   inserted: jax.Array
   evicted: jax.Array
   rejected: jax.Array
+  live: jax.Array
+  starved: jax.Array
   sketch: jax.Array
   rng: jax.Array
 
@@ -304,6 +316,8 @@ def init_state(layout: Layout, key: Any) -> VocabState:
     inserted=jnp.zeros(t, jnp.int32),
     evicted=jnp.zeros(t, jnp.int32),
     rejected=jnp.zeros(t, jnp.int32),
+    live=jnp.zeros(t, jnp.int32),
+    starved=jnp.zeros(t, jnp.int32),
     sketch=jnp.zeros((_SKETCH_DEPTH, width), jnp.int32),
     rng=rng,
   )
@@ -370,6 +384,25 @@ def _hashes(layout: Layout, hi, lo, tab: np.ndarray) -> jax.Array:
   return hash_words(hi, lo, jnp.asarray(seeds[tab]))
 
 
+def budgets(layout: Layout, tab: np.ndarray, max_new: Any) -> np.ndarray:
+  """Each hashed table's bound of new ids for a step (static ints):
+  ``max_new`` per table (an int, or a fraction of the table's own id
+  slots, at least ``MIN_NEW`` or all of them when there are fewer),
+  never more than its slots."""
+  slots = np.bincount(tab, minlength=len(layout.tables))
+  out = []
+  for t, n in zip(layout.tables, slots, strict=True):
+    v = (
+      max_new.get(t, DEFAULT_MAX_NEW)
+      if isinstance(max_new, Mapping)
+      else max_new
+    )
+    if not isinstance(v, (int, np.integer)):  # a fraction
+      v = max(min(n, MIN_NEW), math.ceil(n * v))
+    out.append(min(int(v), int(n)))
+  return np.asarray(out, np.int32)
+
+
 def admit(
   state: VocabState,
   layout: Layout,
@@ -377,18 +410,23 @@ def admit(
   lo,
   tab: np.ndarray,
   valid,
-  max_new: int,
-) -> tuple[jax.Array, VocabState, jax.Array, jax.Array]:
+  max_new: np.ndarray,
+) -> tuple[jax.Array, VocabState, jax.Array, np.ndarray]:
   """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
-  fresh array rows [max_new] with ``layout.size`` for none, their hashed
-  tables [max_new])``.
+  fresh array rows [sum(max_new)] with ``layout.size`` for none, their
+  hashed tables [sum(max_new)], static)``.
 
   ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
-  padding); ``tab``: static ``[n]``, each slot's hashed table. The first
-  ``max_new`` slots of new admitted ids (in slot order) compete for rows;
-  the others wait for a later step, unless a duplicate placed theirs."""
+  padding); ``tab``: static ``[n]``, each slot's hashed table;
+  ``max_new``: static, each table's bound (:func:`budgets`). The first
+  ``max_new[t]`` slots of new admitted ids of table ``t`` (in slot order)
+  compete for its rows, each table in its own part of the placement
+  buffer; the others wait for a later step, unless a duplicate placed
+  theirs."""
   n, size, ntab = hi.shape[0], layout.size, len(layout.tables)
-  m = max(1, min(int(max_new), n))
+  tab = np.asarray(tab, np.int32)
+  bound = np.asarray(max_new, np.int32)
+  m = max(1, int(bound.sum()))
   check_not_split(state)
   now = state.step
   h = _hashes(layout, hi, lo, tab)
@@ -401,23 +439,32 @@ def admit(
   last_seen = state.last_seen.at[at].set(now, mode="drop")
   new = valid & ~found
   admitted, sketch = _admission(state, layout, tab, h, new, now)
-  # the first m admitted slots, compacted in slot order
-  pos = jnp.cumsum(admitted.astype(jnp.int32)) - 1
-  take = admitted & (pos < m)
+  # per table, its first bound[t] admitted slots, compacted in slot order
+  # into the table's part of the buffer (the slots sorted by table, a
+  # static order, and counted from the table's first slot)
+  order = np.argsort(tab, kind="stable").astype(np.int32)
+  by_tab = tab[order]
+  first = np.searchsorted(by_tab, np.arange(ntab)).clip(0, n - 1)
+  a = admitted[order].astype(jnp.int32)
+  before = jnp.cumsum(a) - a
+  pos = before - before[first][by_tab]
+  take = (a > 0) & (pos < bound[by_tab])
+  part = np.concatenate([[0], np.cumsum(bound)[:-1]]).astype(np.int32)
   slot = jnp.full(m, n, jnp.int32)
-  slot = slot.at[jnp.where(take, pos, m)].set(
-    jnp.arange(n, dtype=jnp.int32), mode="drop"
+  slot = slot.at[jnp.where(take, part[by_tab] + pos, m)].set(
+    jnp.asarray(order), mode="drop"
   )
   used = slot < n
   k = jnp.minimum(slot, n - 1)
+  btab = np.repeat(np.arange(ntab, dtype=np.int32), bound)
+  btab = np.pad(btab, (0, m - btab.shape[0]))
   bhi, blo = hi[k], lo[k]
-  btab = jnp.asarray(tab)[k]
   bp = _Probe(p.local[k], p.phys[k], p.inwin[k] & used[:, None])
   rank = jnp.arange(m, dtype=jnp.int32)
   settings = layout.settings
-  lfu = jnp.asarray(np.asarray([s.policy == "lfu" for s in settings]))[btab]
+  lfu = np.asarray([s.policy == "lfu" for s in settings])[btab]
   ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
-  ttl = jnp.asarray(ttl)[btab]
+  ttl = ttl[btab]
 
   def cond(c):
     return c[-1] & c[5].any()
@@ -490,6 +537,11 @@ def admit(
   def per_table(x, t):
     return jax.ops.segment_sum(x.astype(jnp.int32), t, ntab)
 
+  inserted = per_table(placed, btab)
+  evicted = per_table(evicted, btab)
+  rejected = per_table(valid & ~got, tab)
+  live = state.live + inserted - evicted
+  held = (rejected > 0) & (inserted == 0) & (live < np.asarray(layout.rows))
   new_state = VocabState(
     step=jnp.minimum(now, _INT_MAX - 1) + 1,
     key_hi=key_hi,
@@ -498,9 +550,11 @@ def admit(
     count=count,
     born=born,
     claim=claim,
-    inserted=per_table(placed, btab),
-    evicted=per_table(evicted, btab),
-    rejected=per_table(valid & ~got, jnp.asarray(tab)),
+    inserted=inserted,
+    evicted=evicted,
+    rejected=rejected,
+    live=live,
+    starved=jnp.where(held, jnp.minimum(state.starved, _INT_MAX - 1) + 1, 0),
     sketch=sketch,
     rng=state.rng,
   )
@@ -562,8 +616,9 @@ def _log2_buckets(x: jax.Array, live: jax.Array, buckets: int) -> jax.Array:
 
 def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
   """Per hashed table: occupancy, the last step's inserted / evicted /
-  rejected, and the age, idle time and read-count distributions of the live
-  rows (log2 buckets: 0, 1, 2-3, 4-7, ...)."""
+  rejected, the steps it has been starved, and the age, idle time and
+  read-count distributions of the live rows (log2 buckets: 0, 1, 2-3,
+  4-7, ...)."""
   out = {}
   for k, (t, off, rows) in enumerate(
     zip(layout.tables, layout.offsets, layout.rows, strict=True)
@@ -582,6 +637,7 @@ def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
       "inserted": state.inserted[k],
       "evicted": state.evicted[k],
       "rejected": state.rejected[k],
+      "starved": state.starved[k],
       "mean_age": age.sum().astype(jnp.float32) / denom,
       "mean_count": count.astype(jnp.float32).sum() / denom,
       "age_buckets": _log2_buckets(age, live, buckets),

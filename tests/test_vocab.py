@@ -76,17 +76,27 @@ def test_the_map_follows_its_numpy_reference(shards):
   )
   vocab = stack.init_vocab(jax.random.key(0))
   (name,) = vocab
-  admit = jax.jit(stack.admit, static_argnames="max_new")
+  # a bound below the new ids some steps (one for every table, or one per
+  # table, the others at the default), the default (1/8) others
+  settings = [0.125, 5, {"a": 3, "c": 2}]
+  admits = [
+    jax.jit(lambda v, i, w, m=m: stack.admit(v, i, weights=w, max_new=m))
+    for m in settings
+  ]
+  per_table = [4 * B, 14, B]  # each hashed table's id slots
+  bounds = [
+    per_table,  # under 64 slots: all
+    [5, 5, 5],
+    [3, per_table[1], 2],
+  ]
   rng = np.random.RandomState(0)
   sizes = [B, 3 * B, 14, B]
   saw_eviction = saw_rejection = False
   fresh_seen = []
-  for _ in range(STEPS):
+  for i in range(STEPS):
     ids, weights = _raw_batch(rng)
-    # a bound below the new ids some steps, the default (1/8) others
-    max_new = 5 if len(fresh_seen) % 2 else 0.125
-    got, vocab, fresh = admit(vocab, ids, weights=weights, max_new=max_new)
-    bound = 5 if max_new == 5 else sum(sizes)  # under 64 slots: all
+    got, vocab, fresh = admits[i % 3](vocab, ids, weights)
+    bound = bounds[i % 3]
     rows, fresh_ref, stats = ref.step_ids(_reference_slots(ids, weights), bound)
     fresh_seen.append(fresh_ref)
     parts = np.split(np.asarray(rows), np.cumsum(sizes)[:-1])
@@ -97,7 +107,6 @@ def test_the_map_follows_its_numpy_reference(shards):
     np.testing.assert_array_equal(got["c1"], parts[3])
     np.testing.assert_array_equal(got["d1"], ids["d1"])  # not hashed
     want_fresh = [layout.size if r is None else r for r in fresh_ref]
-    want_fresh += [layout.size] * (bound - len(want_fresh))
     np.testing.assert_array_equal(fresh[name].rows, want_fresh)
     s = vocab[name]
     np.testing.assert_array_equal(s.last_seen, ref.last)
@@ -109,6 +118,8 @@ def test_the_map_follows_its_numpy_reference(shards):
     np.testing.assert_array_equal(
       np.stack([s.inserted, s.evicted, s.rejected], 1), stats
     )
+    np.testing.assert_array_equal(s.live, ref.live)
+    np.testing.assert_array_equal(s.starved, ref.starved)
     assert (np.asarray(s.claim) == 2**31 - 1).all()
     saw_eviction |= bool(np.asarray(s.evicted).any())
     saw_rejection |= bool(np.asarray(s.rejected).any())
@@ -123,6 +134,8 @@ def test_the_map_follows_its_numpy_reference(shards):
   st = stack.vocab_stats(vocab)
   assert set(st) == {"a", "b", "c"}
   live_a = int(st["a"]["live"])
+  assert live_a == ref.live[0]
+  assert int(st["c"]["starved"]) == ref.starved[2]
   assert int(st["a"]["age_buckets"].sum()) == live_a
   assert int(st["a"]["count_buckets"].sum()) == live_a
   np.testing.assert_allclose(st["a"]["occupancy"], live_a / 12)
@@ -441,6 +454,18 @@ def test_bad_input_names_the_argument():
     )
   with pytest.raises(TypeError, match="float32"):
     stack.admit(stack.init_vocab(jax.random.key(0)), {"a1": np.zeros(2)})
+  for bad, match in (
+    (0, "max_new"),
+    (1.5, "max_new"),
+    ({"d": 4}, "not hashed"),
+    ({"a": 0.0}, "max_new"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      stack.admit(
+        stack.init_vocab(jax.random.key(0)),
+        {"a1": np.zeros(2, np.int32)},
+        max_new=bad,
+      )
   with pytest.raises(ValueError, match="prefix"):
     gtx.reset_rows(
       None,
@@ -449,3 +474,65 @@ def test_bad_input_names_the_argument():
       {"nope": None}
       | {"x": gtx.FreshRows(jnp.zeros(1, jnp.int32), jnp.zeros((1, 4)))},
     )
+
+
+def _churn(order):
+  """Three steps of 512 user ids, all new, and 512 reads of 40 query ids:
+  each step's rows, stats and distinct query ids."""
+  tables = {
+    "user": gtx.TableSpec(1024, 2, hashed=gtx.Hashed()),
+    "query": gtx.TableSpec(256, 2, hashed=gtx.Hashed()),
+  }
+  stack = gtx.TableStack(tables, features={f: f for f in order})
+  vocab = stack.init_vocab(jax.random.key(0))
+  admit = jax.jit(stack.admit)
+  rng = np.random.RandomState(0)
+  queries = rng.randint(0, 2**31 - 1, 40).astype(np.int32)
+  out = []
+  for step in range(3):
+    raw = {
+      "user": (np.arange(512) + 512 * step).astype(np.int32),
+      "query": queries[rng.randint(0, 40, 512)],
+    }
+    ids, vocab, _ = admit(vocab, raw)
+    out.append((ids, stack.vocab_stats(vocab), len(set(raw["query"]))))
+  return out
+
+
+def test_a_churning_table_does_not_starve_another():
+  """Every user id is new each step, and the user feature comes first: the
+  query table still places all of its ids in the first step, each table
+  within its own bound, whatever the features' order."""
+  first = _churn(["user", "query"])
+  for step, (_, st, _) in enumerate(first):
+    # the user table's own bound: 1/8 of its 512 slots
+    assert int(st["user"]["inserted"]) == 64
+    assert int(st["user"]["live"]) == 64 * (step + 1)
+    # the query table's: its first 64 new slots (duplicates included)
+    assert int(st["query"]["inserted"]) > 0 or step > 0
+    assert int(st["query"]["starved"]) == 0
+  ids, st, distinct = first[-1]
+  assert distinct == 40
+  assert int(st["query"]["live"]) == 40
+  assert int(st["query"]["rejected"]) == 0
+  assert (np.asarray(ids["query"]) >= 0).all()
+  # the same rows with the features in the other order
+  for (a, _, _), (b, _, _) in zip(
+    first, _churn(["query", "user"]), strict=True
+  ):
+    np.testing.assert_array_equal(a["user"], b["user"])
+    np.testing.assert_array_equal(a["query"], b["query"])
+
+
+def test_vocab_stats_counts_the_steps_a_table_is_starved():
+  """min_count=3 turns a new id away twice while the table has room: two
+  starved steps, then the id gets its row and the count is back to 0."""
+  stack = gtx.TableStack(
+    {"q": gtx.TableSpec(8, 2, hashed=gtx.Hashed(min_count=3, probes=8))}
+  )
+  vocab = stack.init_vocab(jax.random.key(0))
+  starved = []
+  for _ in range(4):
+    _, vocab, _ = stack.admit(vocab, {"q": np.array([5], np.int32)})
+    starved.append(int(stack.vocab_stats(vocab)["q"]["starved"]))
+  assert starved == [1, 2, 0, 0]
