@@ -552,8 +552,11 @@ class TableStack:
     Args:
       vocab: the maps (:meth:`init_vocab`).
       ids: feature name -> ids, as :meth:`lookup` takes them; a hashed
-        table's features take raw ids: int32, uint32, int64 (with
-        ``jax_enable_x64``) or :class:`gradtx.Words`.
+        table's features take raw ids: int32, uint32, int64 or uint64
+        (numpy ones split on the host when ``jax_enable_x64`` is off;
+        inside a jitted step pass :meth:`gradtx.Words.of` of them) or
+        :class:`gradtx.Words`. Every value of an unsigned type or of
+        Words is an id; a negative one of a signed type is padding.
       weights: per-id weights of ``[B, L]`` features (0: padding).
       max_new: the most new ids each hashed table places in one step,
         every table its own bound: an int, or a float, that fraction of

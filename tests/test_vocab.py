@@ -333,14 +333,66 @@ def test_fresh_rows_take_the_initializer_and_lookup_reads_read_only():
   row8 = int(got["h"][1])
   np.testing.assert_array_equal(emb["h"][0], new[name][row8])
   np.testing.assert_array_equal(emb["h"][1], np.zeros(2))
-  # 64-bit ids: int64 under x64 and gtx.Words map alike
-  big = np.array([2**40 + 5, -1, 2**33], np.int64)
-  words = gtx.Words((big >> 32).astype(np.uint32), big.astype(np.uint32))
-  by_words, _, _ = admit(vocab, {"h": words})
+
+
+# ids 2**40 + 1 and 2**40 + 2**32 + 1 share their low word; 2**45 and
+# 2**63 + 5 have a low word whose top bit is clear but their own top bits
+# set; the last, past the int32 range, reads as a negative int32 if cut
+BIG = [2**40 + 1, 2**40 + 2**32 + 1, 2**45, 2**63 + 5, 2**64 - 1, 2**40 + 2**31]
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_64_bit_ids_are_ids_whichever_way_they_come(x64):
+  """numpy int64 / uint64 (split on the host with x64 off), jax int64 /
+  uint64 under x64, and gtx.Words (jitted) all give the numpy reference's
+  rows: every value of an unsigned type is an id, a negative signed one is
+  padding."""
+  stack = gtx.TableStack(
+    {"h": gtx.TableSpec(16, 2, hashed=gtx.Hashed(probes=16))}
+  )
+  vocab = stack.init_vocab(jax.random.key(0))
+  unsigned = np.array(BIG, np.uint64)
+  signed = np.array([2**40 + 1, -1, 2**40 + 2**32 + 1, 2**50, -(2**40)])
+  ref = NumpyMap([Table("h", 0, 16, probes=16)], 16)
+  want_u, _, _ = ref.step_ids([(0, int(x), True) for x in BIG], len(BIG))
+  want_s, _, _ = ref.step_ids([(0, int(x), x >= 0) for x in signed], 5)
+  assert len(set(want_u)) == len(BIG) and min(want_u) >= 0
+  admit = jax.jit(stack.admit)
+  with jax.enable_x64(x64):
+    got_u, v1, _ = stack.admit(vocab, {"h": unsigned})  # eager, numpy
+    got_s, v2, _ = stack.admit(v1, {"h": signed})
+    np.testing.assert_array_equal(got_u["h"], want_u)
+    np.testing.assert_array_equal(got_s["h"], want_s)
+    assert int(stack.vocab_stats(v2)["h"]["live"]) == len(BIG) + 1  # 2**50
+    # jitted: gtx.Words split on the host, or 64-bit arrays under x64
+    feed = (lambda x: jnp.asarray(x)) if x64 else gtx.Words.of
+    got_u, v1, _ = admit(vocab, {"h": feed(unsigned)})
+    np.testing.assert_array_equal(got_u["h"], want_u)
+    if x64:
+      got_s, _, _ = admit(v1, {"h": jnp.asarray(signed)})
+      np.testing.assert_array_equal(got_s["h"], want_s)
+  # read-only lookups see the same ids
+  params = stack.init(jax.random.key(1))
+  emb = stack.lookup(params, {"h": unsigned}, vocab=v2)
+  (name,) = params
+  np.testing.assert_array_equal(emb["h"], params[name][np.asarray(want_u)])
+
+
+def test_64_bit_ids_are_never_truncated():
+  """A traced 64-bit id with x64 off cannot be split: refused, naming
+  gtx.Words and jax_enable_x64; Words.of refuses negative ids."""
+  stack = gtx.TableStack({"h": gtx.TableSpec(4, 2, hashed=True)})
+  vocab = stack.init_vocab(jax.random.key(0))
+
+  def narrowed(x):
+    with jax.enable_x64(False):
+      return stack.admit(vocab, {"h": x})[0]
+
   with jax.enable_x64(True):
-    by_int64, _, _ = admit(vocab, {"h": jnp.asarray(big)})
-  np.testing.assert_array_equal(by_words["h"], by_int64["h"])
-  assert int(by_words["h"][1]) == -1  # negative: padding
+    with pytest.raises(TypeError, match="gradtx.Words.*jax_enable_x64"):
+      jax.jit(narrowed)(np.array([2**40], np.int64))
+  with pytest.raises(ValueError, match="weight 0"):
+    gtx.Words.of(np.array([3, -1], np.int64))
 
 
 def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
