@@ -36,6 +36,7 @@ optimizer state, so that the new id inherits nothing from the old one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Mapping
@@ -712,21 +713,49 @@ def _is_node(x: Any) -> bool:
   return isinstance(x, SparseRows)
 
 
-def _row_leaves(optimizer: Any, params: Any, where: int) -> list[bool]:
-  """Which leaves of ``optimizer.init(params)`` (SparseRows whole) follow
-  the rows of params leaf ``where``: their leading axis (a SparseRows: its
-  ``num_rows``) grows with that leaf's rows."""
-  leaves, treedef = jax.tree.flatten(params)
-  abstract = [
-    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves
+def _abstract(params: Any) -> list[jax.ShapeDtypeStruct]:
+  return [
+    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    for x in jax.tree.leaves(params)
   ]
-  grown = list(abstract)
-  x = abstract[where]
+
+
+def _check_state(optimizer: Any, opt_state: Any, params: Any) -> list[Any]:
+  """``opt_state`` has the structure and shapes ``optimizer.init(params)``
+  gives; returns that state's abstract leaves (SparseRows whole)."""
+  if not hasattr(optimizer, "init"):
+    raise TypeError(
+      "gradtx.reset_rows: `optimizer` must be the optax transformation "
+      f"whose state `opt_state` is; got {type(optimizer).__name__}."
+    )
+  treedef = jax.tree.structure(params)
+  want = jax.eval_shape(optimizer.init, treedef.unflatten(_abstract(params)))
+  same = jax.tree.structure(opt_state, is_leaf=_is_node) == jax.tree.structure(
+    want, is_leaf=_is_node
+  ) and [jnp.shape(x) for x in jax.tree.leaves(opt_state)] == [
+    x.shape for x in jax.tree.leaves(want)
+  ]
+  if not same:
+    raise ValueError(
+      "gradtx.reset_rows: `opt_state` is not the state that `optimizer` "
+      "builds for `params` (its tree or shapes differ): pass the "
+      "transformation whose `init(params)` made `opt_state`, the one its "
+      "`update` runs with."
+    )
+  return jax.tree.leaves(want, is_leaf=_is_node)
+
+
+def _row_leaves(
+  optimizer: Any, params: Any, where: int, base: list[Any]
+) -> list[bool]:
+  """Which leaves of ``optimizer.init(params)`` (SparseRows whole, their
+  abstract values ``base``) follow the rows of params leaf ``where``:
+  their leading axis (a SparseRows: its ``num_rows``) grows with that
+  leaf's rows."""
+  treedef = jax.tree.structure(params)
+  grown = _abstract(params)
+  x = grown[where]
   grown[where] = jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype)
-  base = jax.tree.leaves(
-    jax.eval_shape(optimizer.init, treedef.unflatten(abstract)),
-    is_leaf=_is_node,
-  )
   more = jax.tree.leaves(
     jax.eval_shape(optimizer.init, treedef.unflatten(grown)), is_leaf=_is_node
   )
@@ -763,7 +792,8 @@ def reset_rows(
   treats rows alike (every gradtx and optax one), inside ``jit``.
 
   Args:
-    optimizer: the transformation ``opt_state`` is the state of.
+    optimizer: the transformation ``opt_state`` is the state of (a state
+      that its ``init(params)`` would not build is refused).
     opt_state: its state.
     params: the params (a dict or any pytree).
     fresh: a tree prefix of ``params`` (a dict with some of its keys) whose
@@ -807,12 +837,13 @@ def reset_rows(
   params = treedef.unflatten(new_leaves)
   if opt_state is None:
     return params, None
+  base = _check_state(optimizer, opt_state, treedef.unflatten(leaves))
   state_leaves, state_def = jax.tree.flatten(opt_state, is_leaf=_is_node)
   fresh_state = None
   for i, m in enumerate(marks):
     if m is None:
       continue
-    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i)
+    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i, base)
     if fresh_state is None:
       fresh_state = jax.tree.leaves(
         optimizer.init(treedef.unflatten(small)), is_leaf=_is_node
@@ -837,11 +868,43 @@ def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
   return scatter_rows(leaf, rows, init, unique=False)
 
 
-def check_vocab(vocab: Any, names: Mapping[str, Any], what: str) -> None:
-  """``vocab`` is the dict of :class:`VocabState` the plan wants."""
-  if not isinstance(vocab, Mapping) or set(vocab) != set(names):
+def check_vocab(vocab: Any, maps: Mapping[str, Layout], what: str) -> None:
+  """``vocab`` is the dict of :class:`VocabState` the plan wants: its keys,
+  and each map's shapes those of the stack's layout."""
+  if not isinstance(vocab, Mapping) or set(vocab) != set(maps):
     got = list(vocab) if isinstance(vocab, Mapping) else type(vocab).__name__
     raise ValueError(
       f"gradtx.TableStack.{what}: `vocab` must be the dict "
-      f"`stack.init_vocab(key)` returns, with keys {list(names)}; got {got}."
+      f"`stack.init_vocab(key)` returns, with keys {list(maps)}; got {got}."
     )
+  for name, layout in maps.items():
+    state = vocab[name]
+    want = _shapes(layout)
+    got = (
+      tuple(tuple(jnp.shape(x)) for x in state)
+      if isinstance(state, VocabState)
+      else None
+    )
+    if got != want:
+      if got is None:
+        found = type(state).__name__
+      elif len(got[1]) == 1 and len(got[7]) == 1:
+        found = f"a map of {got[1][0]} rows and {got[7][0]} hashed table(s)"
+      else:
+        found = "a map of other shapes"
+      raise ValueError(
+        f"gradtx.TableStack.{what}: `vocab[{name!r}]` is not this stack's id "
+        f"map: its hashed tables {list(layout.tables)} need a map of "
+        f"{layout.size} rows and {len(layout.tables)} hashed table(s); got "
+        f"{found}. Pass the maps this stack's `init_vocab(key)` made (the "
+        "map of another stack or plan would give ids other rows)."
+      )
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
+  """The shape of each field of ``layout``'s map."""
+  state = jax.eval_shape(
+    lambda k: init_state(layout, k), jnp.zeros(2, jnp.uint32)
+  )
+  return tuple(tuple(x.shape) for x in state)

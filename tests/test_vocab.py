@@ -588,3 +588,47 @@ def test_vocab_stats_counts_the_steps_a_table_is_starved():
     _, vocab, _ = stack.admit(vocab, {"q": np.array([5], np.int32)})
     starved.append(int(stack.vocab_stats(vocab)["q"]["starved"]))
   assert starved == [1, 2, 0, 0]
+
+
+def test_a_vocab_of_another_stack_or_state_of_another_optimizer_is_refused():
+  """A map of 32 rows for a stack of 164 (admit, read-only lookup), and an
+  optimizer state given with another optimizer: each error names the
+  argument and the fix."""
+  big = gtx.TableStack(
+    {
+      "u": gtx.TableSpec(100, 4, hashed=True),
+      "q": gtx.TableSpec(64, 4, hashed=True),
+    }
+  )
+  small = gtx.TableStack({"u": gtx.TableSpec(32, 4, hashed=True)})
+  other = small.init_vocab(jax.random.key(0))
+  raw = {"u": np.array([7, 8], np.int32)}
+  with pytest.raises(ValueError, match=r"`vocab\['float32x4'\]`.*init_vocab"):
+    big.admit(other, raw)
+  params = big.init(jax.random.key(0))
+  with pytest.raises(ValueError, match=r"164 rows.*got a map of 32 rows"):
+    big.lookup(params, raw, vocab=other)
+  with pytest.raises(ValueError, match=r"`vocab\['float32x4'\]`"):
+    jax.jit(big.admit)(
+      {"float32x4": tuple(big.init_vocab(jax.random.key(0))["float32x4"])},
+      raw,
+    )
+  # the same tables, another plan: each row shard padded
+  sharded = gtx.TableStack(
+    {"u": gtx.TableSpec(100, 4, hashed=True), "q": gtx.TableSpec(64, 4)},
+    shards=3,
+  )
+  with pytest.raises(ValueError, match="init_vocab"):
+    sharded.admit(big.init_vocab(jax.random.key(0)), raw)
+  vocab = big.init_vocab(jax.random.key(0))
+  ids, _, fresh = big.admit(vocab, raw)
+  adam, adagrad = gtx.lazy_adam(0.1), gtx.adagrad(0.1)
+  with pytest.raises(ValueError, match="`opt_state`.*`optimizer`"):
+    gtx.reset_rows(adam, adagrad.init(params), params, fresh)
+  with pytest.raises(ValueError, match="`opt_state`.*`optimizer`"):
+    gtx.reset_rows(adam, adam.init({"x": jnp.zeros((3, 4))}), params, fresh)
+  with pytest.raises(TypeError, match="`optimizer`"):
+    gtx.reset_rows(None, adam.init(params), params, fresh)
+  # the right pairs pass
+  gtx.reset_rows(adam, adam.init(params), params, fresh)
+  big.lookup(params, raw, vocab=vocab)
