@@ -26,6 +26,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _vocab
 from gradtx._autodiff import lookup
+from gradtx._sharded import is_split, split_like, unsplit
 from gradtx._vocab import DEFAULT_MAX_NEW, FreshRows, Hashed, VocabState, Words
 
 __all__ = ["Jagged", "TableSpec", "TableStack"]
@@ -649,7 +650,10 @@ class TableStack:
       x, w = ids[f], weights.get(f)
       jag = isinstance(x, Jagged)
       raw = x.ids if jag else x
-      hi, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      split, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      # the map's work is over the whole step's ids: split over a data-
+      # parallel batch, they are gathered first, and the rows split back
+      hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
       shape = hi.shape
       ok = ~pad
       if jag:
@@ -658,7 +662,7 @@ class TableStack:
             f"gradtx.TableStack.{what}: feature {f!r}: Jagged `ids` must be "
             f"[capacity]; got {shape}."
           )
-        total = jnp.sum(jnp.asarray(x.lengths).astype(jnp.int32))
+        total = jnp.sum(unsplit(jnp.asarray(x.lengths)).astype(jnp.int32))
         ok = ok & (jnp.arange(shape[0]) < total)
         w = x.weights
       elif hi.ndim not in (1, 2):
@@ -667,12 +671,12 @@ class TableStack:
           "pass [B] ids, [B, L] bags or a gradtx.Jagged."
         )
       if w is not None:
-        ok = ok & (jnp.asarray(w) != 0)
+        ok = ok & (unsplit(jnp.asarray(w)) != 0)
       his.append(hi.reshape(-1))
       los.append(lo.reshape(-1))
       oks.append(ok.reshape(-1))
       tabs.append(np.full(hi.size, layout.tables.index(self.features[f])))
-      backs.append((f, shape, x if jag else None))
+      backs.append((f, split, x if jag else None))
     sizes = [h.shape[0] for h in his]
 
     def rebuild(rows: jax.Array) -> dict[str, Any]:
@@ -680,8 +684,8 @@ class TableStack:
         jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
       )
       out = {}
-      for (f, shape, jag), r in zip(backs, parts, strict=True):
-        r = r.reshape(shape)
+      for (f, split, jag), r in zip(backs, parts, strict=True):
+        r = split_like(r.reshape(split.shape), split)
         out[f] = jag._replace(ids=r) if jag is not None else r
       return out
 
@@ -952,6 +956,14 @@ def _pool(table, bags, offsets, rows, stack, combiner):
   ids are joined first and offset, checked and placed by one elementwise
   pass against per-slot constants, so the program does not grow with the
   number of features."""
+  split = [b.ids for b in bags if is_split(b.ids)]
+  if split:  # a batch split over Explicit axes: pooled whole, split back
+    whole = [
+      _Bag(*(None if v is None else unsplit(v) for v in b[:3]), *b[3:])
+      for b in bags
+    ]
+    pooled = _pool(table, whole, offsets, rows, stack, combiner)
+    return split_like(pooled, split[0])
   batch, nf = bags[0].batch, len(bags)
   any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
   one_hot = all(b.per_example == 1 for b in bags)

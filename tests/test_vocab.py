@@ -632,3 +632,83 @@ def test_a_vocab_of_another_stack_or_state_of_another_optimizer_is_refused():
   # the right pairs pass
   gtx.reset_rows(adam, adam.init(params), params, fresh)
   big.lookup(params, raw, vocab=vocab)
+
+
+def _dp_batch(rng, n=16):
+  """A data-parallel batch of raw ids: [n] ids, [n, 3] bags with weights,
+  64-bit Words, plain ids, labels."""
+  b = rng.randint(0, 25, n).astype(np.uint64) * np.uint64(3_000_000_019)
+  raw = {
+    "a1": (rng.randint(-2, 30, n) * 1_000_003).astype(np.int32),
+    "a2": rng.randint(-1, 30, (n, 3)).astype(np.int32),
+    "b1": gtx.Words.of(b),
+    "c1": rng.randint(0, 12, n).astype(np.int32),
+    "d1": rng.randint(0, 7, n).astype(np.int32),
+  }
+  weights = {"a2": (rng.rand(n, 3) > 0.3).astype(np.float32)}
+  return raw, weights, (rng.rand(n) > 0.5).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_data_parallel_batch_on_8_devices_equals_one_device(kind):
+  """The open-vocabularies guide's step (admit, reset_rows, the loss's
+  sparse gradient, multi_transform) with the raw ids, weights and labels
+  split over the batch, P("d"), the params and maps replicated."""
+  import optax
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES)
+  tx = optax.multi_transform(
+    {"sparse": gtx.lazy_adam(0.1), "dense": optax.adam(0.01)},
+    {"emb": "sparse", "w": "dense"},
+  )
+
+  def loss(p, ids, weights, labels):
+    emb = stack.lookup(p["emb"], ids, weights=weights)
+    x = jnp.stack([emb[f] for f in MAP_FEATURES], 1)
+    logit = jnp.sum(x * p["w"][None], axis=(1, 2))
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logit, labels))
+
+  @jax.jit
+  def step(params, opt_state, vocab, raw, weights, labels):
+    ids, vocab, fresh = stack.admit(vocab, raw, weights=weights)
+    params, opt_state = gtx.reset_rows(tx, opt_state, params, {"emb": fresh})
+    value, grads = gtx.sparse_value_and_grad(loss)(params, ids, weights, labels)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = gtx.apply_updates(params, updates)
+    return params, opt_state, vocab, value, ids
+
+  def run(place=lambda x: x, replicate=lambda x: x):
+    params = {
+      "emb": stack.init(jax.random.key(0)),
+      "w": jnp.full((len(MAP_FEATURES), 4), 0.1),
+    }
+    params = replicate(params)
+    opt_state = replicate(tx.init(params))
+    vocab = replicate(stack.init_vocab(jax.random.key(1)))
+    rng = np.random.RandomState(7)
+    out = []
+    for _ in range(4):
+      batch = place(_dp_batch(rng))
+      params, opt_state, vocab, value, ids = step(
+        params, opt_state, vocab, *batch
+      )
+      out.append((value, ids))
+    return params, vocab, out
+
+  want = run()
+  mesh = jax.make_mesh(
+    (8,),
+    ("d",),
+    axis_types=(AxisType.Explicit if kind == "explicit" else AxisType.Auto,),
+  )
+  with jax.set_mesh(mesh):
+    got = run(
+      lambda t: jax.device_put(t, NamedSharding(mesh, P("d"))),
+      lambda t: jax.device_put(t, NamedSharding(mesh, P())),
+    )
+  if kind == "explicit":  # the ids admit returns keep the batch's split
+    assert jax.typeof(got[2][-1][1]["a1"]).sharding.spec == P("d")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
