@@ -593,6 +593,46 @@ class TableStack:
       fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
+  def drop_reassigned(
+    self,
+    grads: Mapping[str, Any],
+    vocab: Mapping[str, VocabState],
+    since: ArrayLike | Mapping[str, ArrayLike],
+  ) -> dict[str, Any]:
+    """Drops the gradient rows of hashed tables whose rows were given to
+    another id after the gradient's ids were mapped.
+
+    A gradient computed from the ids that :meth:`admit` mapped at the
+    map's step ``s`` (the ``step`` of the maps it was given) and applied
+    later (asynchronous training, :func:`gradtx.drop_stale`) may hold
+    rows that a later ``admit`` gave to new ids: applied, the old id's
+    gradient would train the new owner. The map records when each row
+    was given out (``VocabState.born``); this keeps the gradient's rows
+    given out at ``s`` or before and drops the others (a SparseRows entry
+    becomes padding, a dense row zeros). Rows of plain tables are kept.
+    Apply it to the gradient before the optimizer's ``update``; with
+    :func:`gradtx.accumulate`, entries already in its buffer were dropped
+    by :func:`gradtx.reset_rows` when their rows were given out.
+
+    Args:
+      grads: the stack's gradient, a dict with the keys of :meth:`init`'s
+        params (SparseRows or arrays; a subset allowed).
+      vocab: the maps now (:meth:`init_vocab`).
+      since: the maps' ``step`` when the gradient's ids were mapped (the
+        ``vocab[name].step`` that ``admit`` was given): an int scalar for
+        every stack, or a dict stack name -> scalar.
+
+    Returns:
+      ``grads`` with those rows dropped.
+    """
+    _vocab.check_vocab(vocab, self.maps, "drop_reassigned")
+    out = dict(grads)
+    for name in self.maps:
+      if name in out:
+        s = since[name] if isinstance(since, Mapping) else since
+        out[name] = _vocab.drop_reassigned(out[name], vocab[name].born, s)
+    return out
+
   def _check_max_new(self, max_new: Any) -> None:
     def ok(v):
       return not isinstance(v, bool) and (

@@ -708,6 +708,21 @@ def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
   return out
 
 
+# -- gradients of rows given out since ---------------------------------------
+def drop_reassigned(grad: Any, born: jax.Array, since: Any) -> Any:
+  """``grad`` (a SparseRows or an array of the stack's rows) without its
+  rows given out after the map's step ``since``: ``born[row] > since``."""
+  since = jnp.asarray(since, jnp.int32)
+  if isinstance(grad, SparseRows):
+    idx = grad.indices
+    gone = (idx < born.shape[0]) & (
+      born[jnp.clip(idx, 0, born.shape[0] - 1)] > since
+    )
+    return _without(grad, gone)
+  gone = (born > since).reshape((-1,) + (1,) * (jnp.ndim(grad) - 1))
+  return jnp.where(gone, jnp.zeros((), jnp.result_type(grad)), grad)
+
+
 # -- fresh rows in the params and every optimizer state -----------------------
 def _is_node(x: Any) -> bool:
   return isinstance(x, SparseRows)
@@ -858,14 +873,18 @@ def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
   if isinstance(leaf, SparseRows):
     ordered = jnp.sort(rows)
     at = jnp.clip(jnp.searchsorted(ordered, leaf.indices), 0, rows.shape[0] - 1)
-    hit = ordered[at] == leaf.indices
-    shape = (-1,) + (1,) * (leaf.values.ndim - 1)
-    return SparseRows(
-      jnp.where(hit, leaf.num_rows, leaf.indices).astype(leaf.indices.dtype),
-      jnp.where(hit.reshape(shape), 0, leaf.values).astype(leaf.values.dtype),
-      leaf.num_rows,
-    )
+    return _without(leaf, ordered[at] == leaf.indices)
   return scatter_rows(leaf, rows, init, unique=False)
+
+
+def _without(g: SparseRows, drop: jax.Array) -> SparseRows:
+  """``g`` with the entries ``drop`` marks made padding (no row, zeros)."""
+  shape = (-1,) + (1,) * (g.values.ndim - 1)
+  return SparseRows(
+    jnp.where(drop, g.num_rows, g.indices).astype(g.indices.dtype),
+    jnp.where(drop.reshape(shape), 0, g.values).astype(g.values.dtype),
+    g.num_rows,
+  )
 
 
 def check_vocab(vocab: Any, maps: Mapping[str, Layout], what: str) -> None:
