@@ -18,9 +18,11 @@ steps. No two live ids ever share a row; an id that finds no row (its
 window is full of rows this step reads, or admission turns it away) is
 padding for this step: it reads zeros and gets no gradient.
 
-The new ids of a step are placed in rounds, all at once: each takes its best
-row, and where two want one row the first in the step's id order gets it
-(a scatter-min of positions into the map's ``claim`` scratch, which is back
+Each hashed table has its own budget of new ids a step (:func:`budgets`),
+so the new ids of one table never take another's share. The new ids of a
+step are placed in rounds, all at once: each takes its best row, and
+where two want one row the first in the step's id order gets it (a
+scatter-min of positions into the map's ``claim`` scratch, which is back
 to its resting value after every step); the others look again, and a
 duplicate of a placed id then finds it. Each round an id either gets a row,
 finds its twin's, or loses one of its ``probes`` rows, so there are at most
@@ -30,7 +32,9 @@ every backend.
 A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
 its new values (the table's initializer) as :class:`FreshRows`, and
 :func:`reset_rows` writes them into the params and resets the row in every
-optimizer state, so that the new id inherits nothing from the old one.
+optimizer state, so that the new id inherits nothing from the old one, and
+:func:`drop_reassigned` keeps a gradient computed before a row was given out
+(a late one, in asynchronous training) off its new owner.
 """
 
 from __future__ import annotations
