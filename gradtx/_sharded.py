@@ -6,7 +6,8 @@ module reads such types (:func:`row_axes`, :func:`is_split`, and the spec,
 mesh and Explicit axes of an array), places optimizer state with the rows
 it belongs to (:func:`owner_sharding`, :func:`per_row_full`), replicates
 the ids and rows of a sparse gradient where they are needed whole
-(deduplication, accumulation: :func:`unsplit`), and builds a sharded
+(deduplication, accumulation: :func:`unsplit`, and back:
+:func:`split_like`), and builds a sharded
 state (:func:`gradtx.sharded_init`). The owner-local reads and writes of
 row-sharded tables are in :mod:`gradtx._rowio`.
 
@@ -149,6 +150,18 @@ def unsplit(x: jax.Array) -> jax.Array:
   if not any(a in explicit for e in spec for a in entry_axes(e)):
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, P()))
+
+
+def split_like(x: jax.Array, like: Any) -> jax.Array:
+  """``x`` with its leading axis split as ``like``'s type splits its
+  leading axis over Explicit mesh axes (the way back of :func:`unsplit`
+  for an array computed whole, by example, from a split batch); ``x``
+  itself otherwise."""
+  if not is_split(like):
+    return x
+  lead = explicit_spec(like, jnp.ndim(like))[0]
+  spec = P(lead, *([None] * (jnp.ndim(x) - 1)))
+  return jax.sharding.reshard(x, NamedSharding(mesh_of(like), spec))
 
 
 def sharded_init(tx: Any, params: Any) -> Any:

@@ -26,7 +26,8 @@ from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _vocab
 from gradtx._autodiff import lookup
-from gradtx._vocab import FreshRows, Hashed, VocabState, Words
+from gradtx._sharded import is_split, split_like, unsplit
+from gradtx._vocab import DEFAULT_MAX_NEW, FreshRows, Hashed, VocabState, Words
 
 __all__ = ["Jagged", "TableSpec", "TableStack"]
 
@@ -35,8 +36,6 @@ COMBINERS = ("sum", "mean", "sqrtn")
 # stacks (the reason is sparse_value_and_grad's: one summed gradient row
 # per table row is then smaller than a row per read).
 _READS_PER_ROW_OUTSIDE = 4
-# the least new ids a fractional `max_new` lets a step place
-_MIN_NEW = 64
 
 
 def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -578,7 +577,7 @@ class TableStack:
     ids: Mapping[str, Any],
     *,
     weights: Mapping[str, ArrayLike] | None = None,
-    max_new: int | float = 0.125,
+    max_new: int | float | Mapping[str, int | float] = DEFAULT_MAX_NEW,
   ) -> tuple[dict[str, Any], dict[str, VocabState], dict[str, FreshRows]]:
     """Maps the raw ids of hashed features to rows, giving new ids rows.
 
@@ -599,17 +598,23 @@ class TableStack:
     Args:
       vocab: the maps (:meth:`init_vocab`).
       ids: feature name -> ids, as :meth:`lookup` takes them; a hashed
-        table's features take raw ids: int32, uint32, int64 (with
-        ``jax_enable_x64``) or :class:`gradtx.Words`.
+        table's features take raw ids: int32, uint32, int64 or uint64
+        (numpy ones split on the host when ``jax_enable_x64`` is off;
+        inside a jitted step pass :meth:`gradtx.Words.of` of them) or
+        :class:`gradtx.Words`. Every value of an unsigned type or of
+        Words is an id; a negative one of a signed type is padding.
       weights: per-id weights of ``[B, L]`` features (0: padding).
-      max_new: the most new ids a stack places in one step: an int, or a
-        float, that fraction of the stack's id slots in ``ids`` (at least
-        64). The first
-        in order compete for rows; the others read zeros for this step
-        (counted in ``rejected``) and are placed when read again. Its work
-        (the placement, the fresh rows' values and :func:`reset_rows`)
-        follows this bound, not the ids: raise it when ``rejected`` stays
-        high while the table has room.
+      max_new: the most new ids each hashed table places in one step,
+        every table its own bound: an int, or a float, that fraction of
+        the table's own id slots in ``ids`` (at least 64, or all of them
+        when there are fewer); or a dict table name -> int or float, the
+        tables it does not name at the default 0.125. A table's first new
+        ids in order compete for its rows; the others read zeros for
+        this step (counted in ``rejected``) and are placed when read
+        again. No table's new ids take another's share. Its work (the
+        placement, the fresh rows' values and :func:`reset_rows`) follows
+        the sum of the bounds, not the ids: raise a table's bound when
+        its ``rejected`` stays high while it has room (``starved``).
 
     Returns:
       ``(ids, vocab, fresh)``: the features' ids as rows for :meth:`lookup`
@@ -617,14 +622,7 @@ class TableStack:
       :class:`gradtx.FreshRows` (the rows given out and their new values).
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
-    if isinstance(max_new, bool) or not (
-      (isinstance(max_new, (int, np.integer)) and max_new >= 1)
-      or (isinstance(max_new, float) and 0 < max_new <= 1)
-    ):
-      raise ValueError(
-        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
-        f"(0, 1] (a fraction of the id slots); got {max_new!r}."
-      )
+    self._check_max_new(max_new)
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
@@ -632,21 +630,85 @@ class TableStack:
       if slots is None:
         continue
       state = vocab[name]
-      n = slots.tab.shape[0]
-      m = max_new
-      if not isinstance(max_new, (int, np.integer)):  # a fraction, >= 64
-        m = max(min(n, _MIN_NEW), math.ceil(n * max_new))
+      bound = _vocab.budgets(layout, slots.tab, max_new)
       rows, new_vocab[name], placed, tab = _vocab.admit(
-        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, int(m)
+        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
       )
       out.update(slots.rebuild(rows))
       fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
+  def drop_reassigned(
+    self,
+    grads: Mapping[str, Any],
+    vocab: Mapping[str, VocabState],
+    since: ArrayLike | Mapping[str, ArrayLike],
+  ) -> dict[str, Any]:
+    """Drops the gradient rows of hashed tables whose rows were given to
+    another id after the gradient's ids were mapped.
+
+    A gradient computed from the ids that :meth:`admit` mapped at the
+    map's step ``s`` (the ``step`` of the maps it was given) and applied
+    later (asynchronous training, :func:`gradtx.drop_stale`) may hold
+    rows that a later ``admit`` gave to new ids: applied, the old id's
+    gradient would train the new owner. The map records when each row
+    was given out (``VocabState.born``); this keeps the gradient's rows
+    given out at ``s`` or before and drops the others (a SparseRows entry
+    becomes padding, a dense row zeros). Rows of plain tables are kept.
+    Apply it to the gradient before the optimizer's ``update``; with
+    :func:`gradtx.accumulate`, entries already in its buffer were dropped
+    by :func:`gradtx.reset_rows` when their rows were given out.
+
+    Args:
+      grads: the stack's gradient, a dict with the keys of :meth:`init`'s
+        params (SparseRows or arrays; a subset allowed).
+      vocab: the maps now (:meth:`init_vocab`).
+      since: the maps' ``step`` when the gradient's ids were mapped (the
+        ``vocab[name].step`` that ``admit`` was given): an int scalar for
+        every stack, or a dict stack name -> scalar.
+
+    Returns:
+      ``grads`` with those rows dropped.
+    """
+    _vocab.check_vocab(vocab, self.maps, "drop_reassigned")
+    out = dict(grads)
+    for name in self.maps:
+      if name in out:
+        s = since[name] if isinstance(since, Mapping) else since
+        out[name] = _vocab.drop_reassigned(out[name], vocab[name].born, s)
+    return out
+
+  def _check_max_new(self, max_new: Any) -> None:
+    def ok(v):
+      return not isinstance(v, bool) and (
+        (isinstance(v, (int, np.integer)) and v >= 1)
+        or (isinstance(v, float) and 0 < v <= 1)
+      )
+
+    hashed = [t for layout in self.maps.values() for t in layout.tables]
+    if isinstance(max_new, Mapping):
+      unknown = [t for t in max_new if t not in hashed]
+      if unknown:
+        raise ValueError(
+          f"gradtx.TableStack.admit `max_new` names {unknown}, which are not "
+          f"hashed tables; the hashed tables are {hashed}."
+        )
+      bad = {t: v for t, v in max_new.items() if not ok(v)}
+    else:
+      bad = None if ok(max_new) else max_new
+    if bad is not None and bad != {}:
+      raise ValueError(
+        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
+        "(0, 1] (a fraction of each table's id slots), or a dict of them per "
+        f"hashed table; got {bad!r}."
+      )
+
   def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
     """What to watch, per hashed table (cheap and jittable): ``live`` rows
     and ``occupancy``, the last step's ``inserted`` new ids, ``evicted``
     live ids and ``rejected`` id reads (no row: padding for that step),
+    ``starved`` (the consecutive steps, up to the last, in which the
+    table turned reads away while it had free rows and placed no new id),
     ``mean_age`` (steps since the row was given out) and ``mean_count``
     (reads of its id), and the live rows' ``age_buckets``,
     ``idle_buckets`` (steps since last read) and ``count_buckets`` in
@@ -673,7 +735,10 @@ class TableStack:
       x, w = ids[f], weights.get(f)
       jag = isinstance(x, Jagged)
       raw = x.ids if jag else x
-      hi, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      split, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      # the map's work is over the whole step's ids: split over a data-
+      # parallel batch, they are gathered first, and the rows split back
+      hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
       shape = hi.shape
       ok = ~pad
       if jag:
@@ -682,7 +747,7 @@ class TableStack:
             f"gradtx.TableStack.{what}: feature {f!r}: Jagged `ids` must be "
             f"[capacity]; got {shape}."
           )
-        total = jnp.sum(jnp.asarray(x.lengths).astype(jnp.int32))
+        total = jnp.sum(unsplit(jnp.asarray(x.lengths)).astype(jnp.int32))
         ok = ok & (jnp.arange(shape[0]) < total)
         w = x.weights
       elif hi.ndim not in (1, 2):
@@ -691,12 +756,12 @@ class TableStack:
           "pass [B] ids, [B, L] bags or a gradtx.Jagged."
         )
       if w is not None:
-        ok = ok & (jnp.asarray(w) != 0)
+        ok = ok & (unsplit(jnp.asarray(w)) != 0)
       his.append(hi.reshape(-1))
       los.append(lo.reshape(-1))
       oks.append(ok.reshape(-1))
       tabs.append(np.full(hi.size, layout.tables.index(self.features[f])))
-      backs.append((f, shape, x if jag else None))
+      backs.append((f, split, x if jag else None))
     sizes = [h.shape[0] for h in his]
 
     def rebuild(rows: jax.Array) -> dict[str, Any]:
@@ -704,8 +769,8 @@ class TableStack:
         jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
       )
       out = {}
-      for (f, shape, jag), r in zip(backs, parts, strict=True):
-        r = r.reshape(shape)
+      for (f, split, jag), r in zip(backs, parts, strict=True):
+        r = split_like(r.reshape(split.shape), split)
         out[f] = jag._replace(ids=r) if jag is not None else r
       return out
 
@@ -976,6 +1041,14 @@ def _pool(table, bags, offsets, rows, stack, combiner):
   ids are joined first and offset, checked and placed by one elementwise
   pass against per-slot constants, so the program does not grow with the
   number of features."""
+  split = [b.ids for b in bags if is_split(b.ids)]
+  if split:  # a batch split over Explicit axes: pooled whole, split back
+    whole = [
+      _Bag(*(None if v is None else unsplit(v) for v in b[:3]), *b[3:])
+      for b in bags
+    ]
+    pooled = _pool(table, whole, offsets, rows, stack, combiner)
+    return split_like(pooled, split[0])
   batch, nf = bags[0].batch, len(bags)
   any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
   one_hot = all(b.per_example == 1 for b in bags)

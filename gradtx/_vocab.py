@@ -18,9 +18,11 @@ steps. No two live ids ever share a row; an id that finds no row (its
 window is full of rows this step reads, or admission turns it away) is
 padding for this step: it reads zeros and gets no gradient.
 
-The new ids of a step are placed in rounds, all at once: each takes its best
-row, and where two want one row the first in the step's id order gets it
-(a scatter-min of positions into the map's ``claim`` scratch, which is back
+Each hashed table has its own budget of new ids a step (:func:`budgets`),
+so the new ids of one table never take another's share. The new ids of a
+step are placed in rounds, all at once: each takes its best row, and
+where two want one row the first in the step's id order gets it (a
+scatter-min of positions into the map's ``claim`` scratch, which is back
 to its resting value after every step); the others look again, and a
 duplicate of a placed id then finds it. Each round an id either gets a row,
 finds its twin's, or loses one of its ``probes`` rows, so there are at most
@@ -30,12 +32,16 @@ every backend.
 A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
 its new values (the table's initializer) as :class:`FreshRows`, and
 :func:`reset_rows` writes them into the params and resets the row in every
-optimizer state, so that the new id inherits nothing from the old one.
+optimizer state, so that the new id inherits nothing from the old one, and
+:func:`drop_reassigned` keeps a gradient computed before a row was given out
+(a late one, in asynchronous training) off its new owner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -55,6 +61,10 @@ POLICIES = ("lru", "lfu")
 _INT_MAX = np.iinfo(np.int32).max
 _U32 = np.uint32
 _SKETCH_DEPTH = 2
+# admit's default `max_new`: a fraction of each table's id slots in the step
+DEFAULT_MAX_NEW = 0.125
+# the least new ids a fractional `max_new` lets a table place in a step
+MIN_NEW = 64
 # key_hi, key_lo, last_seen, count, born, claim: 4 bytes each
 MAP_BYTES_PER_ROW = 24
 
@@ -131,16 +141,45 @@ class Hashed:
 
 class Words(NamedTuple):
   """64-bit raw ids as two uint32 words, for JAX without ``jax_enable_x64``:
-  ``id = hi * 2**32 + lo``. An id whose ``hi`` has its top bit set (a
-  negative int64) is padding.
+  ``id = hi * 2**32 + lo``. Every value is an id (mark padding with a
+  weight 0, or a :class:`gradtx.Jagged`'s lengths).
+
+  A jitted step receives a numpy ``int64`` or ``uint64`` argument as a
+  32-bit array (JAX narrows it before the step's code runs), so split
+  64-bit ids on the host, in the data pipeline: ``Words.of(ids)``.
 
   Attributes:
     hi: uint32 high words, any shape.
     lo: uint32 low words, the shape of ``hi``.
+
+  Examples:
+    >>> import numpy as np
+    >>> import gradtx as gtx
+    >>> w = gtx.Words.of(np.array([2**40 + 7, 2**64 - 1], np.uint64))
+    >>> w.hi
+    array([       256, 4294967295], dtype=uint32)
+    >>> w.lo
+    array([         7, 4294967295], dtype=uint32)
   """
 
   hi: Any
   lo: Any
+
+  @classmethod
+  def of(cls, ids: Any) -> Words:
+    """Integer ids (numpy, any integer dtype: ``int64``, ``uint64``, ...)
+    as Words, split on the host: the same rows as the ids themselves
+    under ``jax_enable_x64``. A negative id is refused: Words has no
+    padding value."""
+    hi, lo, pad = host_words(ids, "gradtx.Words.of `ids`")
+    if pad.any():
+      raise ValueError(
+        "gradtx.Words.of `ids` has negative ids, and every value of a "
+        "gradtx.Words is an id: mark padding with a weight 0 (`weights=` of "
+        "a [B, L] feature, `gtx.Jagged(..., weights=)`) and give it any "
+        "non-negative id."
+      )
+    return cls(hi, lo)
 
 
 class VocabState(NamedTuple):
@@ -158,6 +197,11 @@ class VocabState(NamedTuple):
     inserted, evicted, rejected: int32 ``[tables]``, the last step's new ids
       given a row, of them those that evicted a live id, and the id reads
       that found no row (per hashed table, in the stack's order).
+    live: int32 ``[tables]``, the rows owned by an id.
+    starved: int32 ``[tables]``, the consecutive steps, up to the last,
+      in which the table turned reads away while it had free rows and
+      placed no new id (0 after a step that placed one, or had nothing
+      to turn away, or no free row).
     sketch: int32 ``[2, width]``, the count-min sketch of the ids waiting
       for admission (width 1, unused, when no table has ``min_count`` > 1).
     rng: uint32 ``[2]``, the key data of the fresh rows' initializer.
@@ -173,6 +217,8 @@ class VocabState(NamedTuple):
   inserted: jax.Array
   evicted: jax.Array
   rejected: jax.Array
+  live: jax.Array
+  starved: jax.Array
   sketch: jax.Array
   rng: jax.Array
 
@@ -214,9 +260,33 @@ def table_seed(name: str, seed: int) -> int:
     )
 
 
+def host_words(x: Any, what: str) -> tuple[np.ndarray, ...]:
+  """Integer ids on the host -> numpy ``(hi, lo, padding)``: the uint32
+  words of each id as a 64-bit integer (two's complement) and where it is
+  padding (a negative value of a signed type)."""
+  a = np.asarray(x)
+  if not np.issubdtype(a.dtype, np.integer):
+    raise TypeError(_not_int(what, a.dtype))
+  v = a.astype(np.int64).view(np.uint64) if a.dtype.kind == "i" else a
+  v = v.astype(np.uint64)
+  pad = a < 0 if a.dtype.kind == "i" else np.zeros(a.shape, bool)
+  return (v >> np.uint64(32)).astype(np.uint32), v.astype(np.uint32), pad
+
+
+def _not_int(what: str, dtype: Any) -> str:
+  return (
+    f"gradtx: {what} has ids of dtype {dtype}; raw ids of a hashed table "
+    "are integers (int32, uint32, int64 or uint64) or gradtx.Words."
+  )
+
+
 def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Raw ids -> ``(hi, lo, padding)``: uint32 words of the 64-bit id and
-  where it is padding (a negative signed id)."""
+  where it is padding (a negative value of a signed type; every value of
+  an unsigned type or of :class:`Words` is an id).
+
+  64-bit ids while ``jax_enable_x64`` is off: a host array (numpy) is
+  split on the host, exactly; a traced one cannot be, and is refused."""
   if isinstance(x, Words):
     hi, lo = jnp.asarray(x.hi), jnp.asarray(x.lo)
     if hi.shape != lo.shape or any(v.dtype != jnp.uint32 for v in (hi, lo)):
@@ -224,18 +294,25 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
         f"gradtx.Words for {what}: `hi` and `lo` must be uint32 arrays of one "
         f"shape; got {hi.dtype}{list(hi.shape)} and {lo.dtype}{list(lo.shape)}."
       )
-    return hi, lo, hi >= _U32(2**31)
+    return hi, lo, jnp.zeros(hi.shape, bool)
+  dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+  wide = np.issubdtype(dtype, np.integer) and dtype.itemsize == 8
+  if wide and not jax.config.jax_enable_x64:
+    if isinstance(x, jax.core.Tracer):
+      raise TypeError(
+        f"gradtx: {what} has traced 64-bit ids while jax_enable_x64 is off, "
+        "which JAX cannot hold: pass them as gradtx.Words (`gtx.Words.of("
+        "ids)` on the host), or turn jax_enable_x64 on."
+      )
+    return tuple(jnp.asarray(v) for v in host_words(x, what))
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(
-      f"gradtx: {what} has ids of dtype {x.dtype}; raw ids of a hashed table "
-      "are integers (int32, uint32, int64 with jax_enable_x64) or gradtx.Words."
-    )
+    raise TypeError(_not_int(what, x.dtype))
   if x.dtype.itemsize == 8:
     lo = (x & 0xFFFFFFFF).astype(jnp.uint32)
     hi = ((x >> 32) & 0xFFFFFFFF).astype(jnp.uint32)
-    pad = x < 0 if jnp.issubdtype(x.dtype, jnp.signedinteger) else hi >= 2**31
-    return hi, lo, pad
+    signed = jnp.issubdtype(x.dtype, jnp.signedinteger)
+    return hi, lo, (x < 0) if signed else jnp.zeros(x.shape, bool)
   signed = jnp.issubdtype(x.dtype, jnp.signedinteger)
   wide = x.astype(jnp.int32 if signed else jnp.uint32)
   lo = lax.bitcast_convert_type(wide, jnp.uint32) if signed else wide
@@ -304,6 +381,8 @@ def init_state(layout: Layout, key: Any) -> VocabState:
     inserted=jnp.zeros(t, jnp.int32),
     evicted=jnp.zeros(t, jnp.int32),
     rejected=jnp.zeros(t, jnp.int32),
+    live=jnp.zeros(t, jnp.int32),
+    starved=jnp.zeros(t, jnp.int32),
     sketch=jnp.zeros((_SKETCH_DEPTH, width), jnp.int32),
     rng=rng,
   )
@@ -370,6 +449,25 @@ def _hashes(layout: Layout, hi, lo, tab: np.ndarray) -> jax.Array:
   return hash_words(hi, lo, jnp.asarray(seeds[tab]))
 
 
+def budgets(layout: Layout, tab: np.ndarray, max_new: Any) -> np.ndarray:
+  """Each hashed table's bound of new ids for a step (static ints):
+  ``max_new`` per table (an int, or a fraction of the table's own id
+  slots, at least ``MIN_NEW`` or all of them when there are fewer),
+  never more than its slots."""
+  slots = np.bincount(tab, minlength=len(layout.tables))
+  out = []
+  for t, n in zip(layout.tables, slots, strict=True):
+    v = (
+      max_new.get(t, DEFAULT_MAX_NEW)
+      if isinstance(max_new, Mapping)
+      else max_new
+    )
+    if not isinstance(v, (int, np.integer)):  # a fraction
+      v = max(min(n, MIN_NEW), math.ceil(n * v))
+    out.append(min(int(v), int(n)))
+  return np.asarray(out, np.int32)
+
+
 def admit(
   state: VocabState,
   layout: Layout,
@@ -377,18 +475,23 @@ def admit(
   lo,
   tab: np.ndarray,
   valid,
-  max_new: int,
-) -> tuple[jax.Array, VocabState, jax.Array, jax.Array]:
+  max_new: np.ndarray,
+) -> tuple[jax.Array, VocabState, jax.Array, np.ndarray]:
   """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
-  fresh array rows [max_new] with ``layout.size`` for none, their hashed
-  tables [max_new])``.
+  fresh array rows [sum(max_new)] with ``layout.size`` for none, their
+  hashed tables [sum(max_new)], static)``.
 
   ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
-  padding); ``tab``: static ``[n]``, each slot's hashed table. The first
-  ``max_new`` slots of new admitted ids (in slot order) compete for rows;
-  the others wait for a later step, unless a duplicate placed theirs."""
+  padding); ``tab``: static ``[n]``, each slot's hashed table;
+  ``max_new``: static, each table's bound (:func:`budgets`). The first
+  ``max_new[t]`` slots of new admitted ids of table ``t`` (in slot order)
+  compete for its rows, each table in its own part of the placement
+  buffer; the others wait for a later step, unless a duplicate placed
+  theirs."""
   n, size, ntab = hi.shape[0], layout.size, len(layout.tables)
-  m = max(1, min(int(max_new), n))
+  tab = np.asarray(tab, np.int32)
+  bound = np.asarray(max_new, np.int32)
+  m = max(1, int(bound.sum()))
   check_not_split(state)
   now = state.step
   h = _hashes(layout, hi, lo, tab)
@@ -401,23 +504,32 @@ def admit(
   last_seen = state.last_seen.at[at].set(now, mode="drop")
   new = valid & ~found
   admitted, sketch = _admission(state, layout, tab, h, new, now)
-  # the first m admitted slots, compacted in slot order
-  pos = jnp.cumsum(admitted.astype(jnp.int32)) - 1
-  take = admitted & (pos < m)
+  # per table, its first bound[t] admitted slots, compacted in slot order
+  # into the table's part of the buffer (the slots sorted by table, a
+  # static order, and counted from the table's first slot)
+  order = np.argsort(tab, kind="stable").astype(np.int32)
+  by_tab = tab[order]
+  first = np.searchsorted(by_tab, np.arange(ntab)).clip(0, n - 1)
+  a = admitted[order].astype(jnp.int32)
+  before = jnp.cumsum(a) - a
+  pos = before - before[first][by_tab]
+  take = (a > 0) & (pos < bound[by_tab])
+  part = np.concatenate([[0], np.cumsum(bound)[:-1]]).astype(np.int32)
   slot = jnp.full(m, n, jnp.int32)
-  slot = slot.at[jnp.where(take, pos, m)].set(
-    jnp.arange(n, dtype=jnp.int32), mode="drop"
+  slot = slot.at[jnp.where(take, part[by_tab] + pos, m)].set(
+    jnp.asarray(order), mode="drop"
   )
   used = slot < n
   k = jnp.minimum(slot, n - 1)
+  btab = np.repeat(np.arange(ntab, dtype=np.int32), bound)
+  btab = np.pad(btab, (0, m - btab.shape[0]))
   bhi, blo = hi[k], lo[k]
-  btab = jnp.asarray(tab)[k]
   bp = _Probe(p.local[k], p.phys[k], p.inwin[k] & used[:, None])
   rank = jnp.arange(m, dtype=jnp.int32)
   settings = layout.settings
-  lfu = jnp.asarray(np.asarray([s.policy == "lfu" for s in settings]))[btab]
+  lfu = np.asarray([s.policy == "lfu" for s in settings])[btab]
   ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
-  ttl = jnp.asarray(ttl)[btab]
+  ttl = ttl[btab]
 
   def cond(c):
     return c[-1] & c[5].any()
@@ -490,6 +602,11 @@ def admit(
   def per_table(x, t):
     return jax.ops.segment_sum(x.astype(jnp.int32), t, ntab)
 
+  inserted = per_table(placed, btab)
+  evicted = per_table(evicted, btab)
+  rejected = per_table(valid & ~got, tab)
+  live = state.live + inserted - evicted
+  held = (rejected > 0) & (inserted == 0) & (live < np.asarray(layout.rows))
   new_state = VocabState(
     step=jnp.minimum(now, _INT_MAX - 1) + 1,
     key_hi=key_hi,
@@ -498,9 +615,11 @@ def admit(
     count=count,
     born=born,
     claim=claim,
-    inserted=per_table(placed, btab),
-    evicted=per_table(evicted, btab),
-    rejected=per_table(valid & ~got, jnp.asarray(tab)),
+    inserted=inserted,
+    evicted=evicted,
+    rejected=rejected,
+    live=live,
+    starved=jnp.where(held, jnp.minimum(state.starved, _INT_MAX - 1) + 1, 0),
     sketch=sketch,
     rng=state.rng,
   )
@@ -562,8 +681,9 @@ def _log2_buckets(x: jax.Array, live: jax.Array, buckets: int) -> jax.Array:
 
 def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
   """Per hashed table: occupancy, the last step's inserted / evicted /
-  rejected, and the age, idle time and read-count distributions of the live
-  rows (log2 buckets: 0, 1, 2-3, 4-7, ...)."""
+  rejected, the steps it has been starved, and the age, idle time and
+  read-count distributions of the live rows (log2 buckets: 0, 1, 2-3,
+  4-7, ...)."""
   out = {}
   for k, (t, off, rows) in enumerate(
     zip(layout.tables, layout.offsets, layout.rows, strict=True)
@@ -582,6 +702,7 @@ def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
       "inserted": state.inserted[k],
       "evicted": state.evicted[k],
       "rejected": state.rejected[k],
+      "starved": state.starved[k],
       "mean_age": age.sum().astype(jnp.float32) / denom,
       "mean_count": count.astype(jnp.float32).sum() / denom,
       "age_buckets": _log2_buckets(age, live, buckets),
@@ -591,26 +712,69 @@ def stats(state: VocabState, layout: Layout, buckets: int = 24) -> dict:
   return out
 
 
+# -- gradients of rows given out since ---------------------------------------
+def drop_reassigned(grad: Any, born: jax.Array, since: Any) -> Any:
+  """``grad`` (a SparseRows or an array of the stack's rows) without its
+  rows given out after the map's step ``since``: ``born[row] > since``."""
+  since = jnp.asarray(since, jnp.int32)
+  if isinstance(grad, SparseRows):
+    idx = grad.indices
+    gone = (idx < born.shape[0]) & (
+      born[jnp.clip(idx, 0, born.shape[0] - 1)] > since
+    )
+    return _without(grad, gone)
+  gone = (born > since).reshape((-1,) + (1,) * (jnp.ndim(grad) - 1))
+  return jnp.where(gone, jnp.zeros((), jnp.result_type(grad)), grad)
+
+
 # -- fresh rows in the params and every optimizer state -----------------------
 def _is_node(x: Any) -> bool:
   return isinstance(x, SparseRows)
 
 
-def _row_leaves(optimizer: Any, params: Any, where: int) -> list[bool]:
-  """Which leaves of ``optimizer.init(params)`` (SparseRows whole) follow
-  the rows of params leaf ``where``: their leading axis (a SparseRows: its
-  ``num_rows``) grows with that leaf's rows."""
-  leaves, treedef = jax.tree.flatten(params)
-  abstract = [
-    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves
+def _abstract(params: Any) -> list[jax.ShapeDtypeStruct]:
+  return [
+    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    for x in jax.tree.leaves(params)
   ]
-  grown = list(abstract)
-  x = abstract[where]
+
+
+def _check_state(optimizer: Any, opt_state: Any, params: Any) -> list[Any]:
+  """``opt_state`` has the structure and shapes ``optimizer.init(params)``
+  gives; returns that state's abstract leaves (SparseRows whole)."""
+  if not hasattr(optimizer, "init"):
+    raise TypeError(
+      "gradtx.reset_rows: `optimizer` must be the optax transformation "
+      f"whose state `opt_state` is; got {type(optimizer).__name__}."
+    )
+  treedef = jax.tree.structure(params)
+  want = jax.eval_shape(optimizer.init, treedef.unflatten(_abstract(params)))
+  same = jax.tree.structure(opt_state, is_leaf=_is_node) == jax.tree.structure(
+    want, is_leaf=_is_node
+  ) and [jnp.shape(x) for x in jax.tree.leaves(opt_state)] == [
+    x.shape for x in jax.tree.leaves(want)
+  ]
+  if not same:
+    raise ValueError(
+      "gradtx.reset_rows: `opt_state` is not the state that `optimizer` "
+      "builds for `params` (its tree or shapes differ): pass the "
+      "transformation whose `init(params)` made `opt_state`, the one its "
+      "`update` runs with."
+    )
+  return jax.tree.leaves(want, is_leaf=_is_node)
+
+
+def _row_leaves(
+  optimizer: Any, params: Any, where: int, base: list[Any]
+) -> list[bool]:
+  """Which leaves of ``optimizer.init(params)`` (SparseRows whole, their
+  abstract values ``base``) follow the rows of params leaf ``where``:
+  their leading axis (a SparseRows: its ``num_rows``) grows with that
+  leaf's rows."""
+  treedef = jax.tree.structure(params)
+  grown = _abstract(params)
+  x = grown[where]
   grown[where] = jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype)
-  base = jax.tree.leaves(
-    jax.eval_shape(optimizer.init, treedef.unflatten(abstract)),
-    is_leaf=_is_node,
-  )
   more = jax.tree.leaves(
     jax.eval_shape(optimizer.init, treedef.unflatten(grown)), is_leaf=_is_node
   )
@@ -647,7 +811,8 @@ def reset_rows(
   treats rows alike (every gradtx and optax one), inside ``jit``.
 
   Args:
-    optimizer: the transformation ``opt_state`` is the state of.
+    optimizer: the transformation ``opt_state`` is the state of (a state
+      that its ``init(params)`` would not build is refused).
     opt_state: its state.
     params: the params (a dict or any pytree).
     fresh: a tree prefix of ``params`` (a dict with some of its keys) whose
@@ -691,12 +856,13 @@ def reset_rows(
   params = treedef.unflatten(new_leaves)
   if opt_state is None:
     return params, None
+  base = _check_state(optimizer, opt_state, treedef.unflatten(leaves))
   state_leaves, state_def = jax.tree.flatten(opt_state, is_leaf=_is_node)
   fresh_state = None
   for i, m in enumerate(marks):
     if m is None:
       continue
-    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i)
+    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i, base)
     if fresh_state is None:
       fresh_state = jax.tree.leaves(
         optimizer.init(treedef.unflatten(small)), is_leaf=_is_node
@@ -711,21 +877,57 @@ def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
   if isinstance(leaf, SparseRows):
     ordered = jnp.sort(rows)
     at = jnp.clip(jnp.searchsorted(ordered, leaf.indices), 0, rows.shape[0] - 1)
-    hit = ordered[at] == leaf.indices
-    shape = (-1,) + (1,) * (leaf.values.ndim - 1)
-    return SparseRows(
-      jnp.where(hit, leaf.num_rows, leaf.indices).astype(leaf.indices.dtype),
-      jnp.where(hit.reshape(shape), 0, leaf.values).astype(leaf.values.dtype),
-      leaf.num_rows,
-    )
+    return _without(leaf, ordered[at] == leaf.indices)
   return scatter_rows(leaf, rows, init, unique=False)
 
 
-def check_vocab(vocab: Any, names: Mapping[str, Any], what: str) -> None:
-  """``vocab`` is the dict of :class:`VocabState` the plan wants."""
-  if not isinstance(vocab, Mapping) or set(vocab) != set(names):
+def _without(g: SparseRows, drop: jax.Array) -> SparseRows:
+  """``g`` with the entries ``drop`` marks made padding (no row, zeros)."""
+  shape = (-1,) + (1,) * (g.values.ndim - 1)
+  return SparseRows(
+    jnp.where(drop, g.num_rows, g.indices).astype(g.indices.dtype),
+    jnp.where(drop.reshape(shape), 0, g.values).astype(g.values.dtype),
+    g.num_rows,
+  )
+
+
+def check_vocab(vocab: Any, maps: Mapping[str, Layout], what: str) -> None:
+  """``vocab`` is the dict of :class:`VocabState` the plan wants: its keys,
+  and each map's shapes those of the stack's layout."""
+  if not isinstance(vocab, Mapping) or set(vocab) != set(maps):
     got = list(vocab) if isinstance(vocab, Mapping) else type(vocab).__name__
     raise ValueError(
       f"gradtx.TableStack.{what}: `vocab` must be the dict "
-      f"`stack.init_vocab(key)` returns, with keys {list(names)}; got {got}."
+      f"`stack.init_vocab(key)` returns, with keys {list(maps)}; got {got}."
     )
+  for name, layout in maps.items():
+    state = vocab[name]
+    want = _shapes(layout)
+    got = (
+      tuple(tuple(jnp.shape(x)) for x in state)
+      if isinstance(state, VocabState)
+      else None
+    )
+    if got != want:
+      if got is None:
+        found = type(state).__name__
+      elif len(got[1]) == 1 and len(got[7]) == 1:
+        found = f"a map of {got[1][0]} rows and {got[7][0]} hashed table(s)"
+      else:
+        found = "a map of other shapes"
+      raise ValueError(
+        f"gradtx.TableStack.{what}: `vocab[{name!r}]` is not this stack's id "
+        f"map: its hashed tables {list(layout.tables)} need a map of "
+        f"{layout.size} rows and {len(layout.tables)} hashed table(s); got "
+        f"{found}. Pass the maps this stack's `init_vocab(key)` made (the "
+        "map of another stack or plan would give ids other rows)."
+      )
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
+  """The shape of each field of ``layout``'s map."""
+  state = jax.eval_shape(
+    lambda k: init_state(layout, k), jnp.zeros(2, jnp.uint32)
+  )
+  return tuple(tuple(x.shape) for x in state)

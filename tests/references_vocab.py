@@ -54,6 +54,8 @@ class NumpyMap:
     self.count = [0] * size
     self.born = [0] * size
     self.step = 0
+    self.live = [0] * len(tables)
+    self.starved = [0] * len(tables)
     self.sketch = {t.name: np.zeros((2, t.rows), np.int64) for t in tables}
 
   def physical(self, q: int) -> int:
@@ -75,11 +77,15 @@ class NumpyMap:
         return local, r
     return None
 
-  def step_ids(self, slots: list[tuple[int, int, bool]], max_new: int):
+  def step_ids(self, slots: list[tuple[int, int, bool]], max_new):
     """``slots``: (table index, signed raw id, valid), the step's ids in
-    order; the first ``max_new`` slots of new admitted ids compete for
-    rows. Returns (local row or -1 per slot, the array row each competing
-    slot got or None, per-table (inserted, evicted, rejected))."""
+    order; ``max_new``: an int, or one per table: the first ``max_new[t]``
+    slots of new admitted ids of table ``t`` compete for its rows.
+    Returns (local row or -1 per slot, the array row each competing slot
+    got or None, table by table, each padded with None to its bound,
+    per-table (inserted, evicted, rejected))."""
+    if isinstance(max_new, int):
+      max_new = [max_new] * len(self.tables)
     now = self.step
     n = len(slots)
     row = [-1] * n
@@ -118,7 +124,11 @@ class NumpyMap:
       t = info[k][0]
       est = min(self.sketch[t.name][d, c[d]] for d in range(2))
       admitted[k] = admitted[k] and est >= t.min_count
-    competing = [k for k in range(n) if admitted[k]][:max_new]
+    parts = [
+      [k for k in range(n) if admitted[k] and slots[k][0] == ti][:bound]
+      for ti, bound in enumerate(max_new)
+    ]
+    competing = sorted(k for part in parts for k in part)
     pending = list(competing)
     evicted = [False] * n
     while pending:
@@ -185,5 +195,13 @@ class NumpyMap:
         sum(evicted[k] for k in mine),
         sum(info[k][3] and row[k] < 0 for k in mine),
       ))  # fmt: skip
+    for ti, t in enumerate(self.tables):
+      ins, ev, rej = stats[ti]
+      self.live[ti] += ins - ev
+      held = rej > 0 and ins == 0 and self.live[ti] < t.rows
+      self.starved[ti] = self.starved[ti] + 1 if held else 0
     self.step += 1
-    return row, [fresh[k] for k in competing], stats
+    placed = []
+    for part, bound in zip(parts, max_new, strict=True):
+      placed += [fresh[k] for k in part] + [None] * (bound - len(part))
+    return row, placed, stats
