@@ -730,7 +730,9 @@ class TableStack:
       weights: feature name -> per-id weights of a ``[B, L]`` feature.
       combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
       concat: return one ``[B, sum of dims]`` array, the features in
-        :meth:`concat_order` (FBGEMM's pooled output): a head that reads
+        :meth:`concat_order`, the stack's declared feature order grouped by
+        stack, whatever the order of ``ids``' keys (FBGEMM's pooled
+        output): a head that reads
         all the features at once then reads the stack's pooled rows as
         they are, with no split into features and no stacking back.
       vocab: the id maps (:meth:`init_vocab`): the features of hashed
@@ -802,14 +804,17 @@ class TableStack:
 
   def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
-    each table outside; features in the order given."""
+    each table outside; features in the order of ``features`` declared to
+    the stack (never the order given: ``jax.jit`` sorts a dict's keys)."""
+    given = set(features)
+    declared = [f for f in self.features if f in given]
     groups = []
     for name, s in self.stacks.items():
-      feats = [f for f in features if self.features[f] in s.tables]
+      feats = [f for f in declared if self.features[f] in s.tables]
       if feats:
         groups.append((name, feats))
     for t in self.outside:
-      feats = [f for f in features if self.features[f] == t]
+      feats = [f for f in declared if self.features[f] == t]
       if feats:
         groups.append((t, feats))
     return groups
@@ -817,7 +822,10 @@ class TableStack:
   def concat_order(self, ids: Any) -> list[str]:
     """The features of ``lookup(..., concat=True)``'s array, in order:
     grouped by stack (in the order of ``stacks``, then the tables outside),
-    each group in the order of ``ids``."""
+    each group in the order of the stack's ``features``. The order depends
+    only on which features ``ids`` holds, not on the order of its keys, so
+    it is the same eagerly and under ``jax.jit`` (which sorts a dict's
+    keys)."""
     return [f for _, feats in self._groups(ids) for f in feats]
 
 

@@ -666,3 +666,30 @@ def test_concat_gives_the_features_as_one_array_in_concat_order():
   np.testing.assert_array_equal(
     flat, jnp.concatenate([by_feature[f] for f in order], -1)
   )
+
+
+def test_concat_order_is_the_declared_order_eagerly_and_under_jit():
+  # declared zeta first; a dict's insertion order and jit's sorted keys
+  # both differ from it
+  stack = gtx.TableStack(
+    {"t": gtx.TableSpec(10, 2)},
+    features={"zeta": "t", "mid": "t", "alpha": "t"},
+  )
+  params = stack.init(jax.random.key(0))
+  ids = {
+    "alpha": np.array([1, 2]),
+    "zeta": np.array([3, 4]),
+    "mid": np.array([5, 6]),
+  }
+  table = np.asarray(params["float32x2"])
+  want = np.concatenate([table[ids[f]] for f in ("zeta", "mid", "alpha")], 1)
+  assert stack.concat_order(ids) == ["zeta", "mid", "alpha"]
+  seen = []
+
+  def concat(p, x):
+    seen.append(stack.concat_order(x))
+    return stack.lookup(p, x, concat=True)
+
+  np.testing.assert_array_equal(concat(params, ids), want)
+  np.testing.assert_array_equal(jax.jit(concat)(params, ids), want)
+  assert seen == [["zeta", "mid", "alpha"]] * 2
