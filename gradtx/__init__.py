@@ -51,6 +51,8 @@ from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
 from gradtx._stack import Jagged as Jagged
+from gradtx._stack import Keyed as Keyed
+from gradtx._stack import KeyedJagged as KeyedJagged
 from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
 from gradtx._staleness import DropStaleState as DropStaleState
@@ -79,6 +81,8 @@ __all__ = [
   "FtrlState",
   "Hashed",
   "Jagged",
+  "Keyed",
+  "KeyedJagged",
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",

@@ -14,6 +14,7 @@ one scatter per state kind, whatever the number of features.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -28,7 +29,7 @@ from gradtx import _vocab
 from gradtx._autodiff import lookup
 from gradtx._vocab import FreshRows, Hashed, VocabState, Words
 
-__all__ = ["Jagged", "TableSpec", "TableStack"]
+__all__ = ["Jagged", "Keyed", "KeyedJagged", "TableSpec", "TableStack"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 # A table a step reads at least this many times per row stays outside the
@@ -149,6 +150,161 @@ class Jagged(NamedTuple):
   ids: ArrayLike
   lengths: ArrayLike
   weights: ArrayLike | None = None
+
+
+def _key_names(keys: Any, what: str) -> tuple[str, ...]:
+  keys = tuple(keys) if not isinstance(keys, str) else (keys,)
+  if not keys or any(not isinstance(k, str) for k in keys):
+    raise TypeError(
+      f"gradtx.{what} `keys` must be a non-empty sequence of feature names; "
+      f"got {keys!r}."
+    )
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"gradtx.{what} `keys` repeat a name: {list(keys)}.")
+  return keys
+
+
+class _KeyedMapping(Mapping):
+  """A keyed input as a read-only mapping of its features: ``names`` in
+  order, ``self[name]`` one feature's slice."""
+
+  names: tuple[str, ...]
+
+  def keys(self):
+    return list(self.names)
+
+  def __iter__(self):
+    return iter(self.names)
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def _index(self, key: str) -> int:
+    if key not in self.names:
+      raise KeyError(key)
+    return self.names.index(key)
+
+
+@jax.tree_util.register_pytree_node_class
+class Keyed(_KeyedMapping):
+  """Features as one array, keyed by name (TorchRec's ``KeyedTensor``):
+  axis 1 of ``values`` holds the features ``keys``, in that order.
+
+  As :meth:`TableStack.lookup`'s input, ``values`` are ids: ``[B, F]``
+  (one id per example and feature, how Criteo-like data arrives) or
+  ``[B, F, L]`` bags with optional ``[B, F, L]`` ``weights`` (a weight 0
+  marks padding). The lookup reads the whole array at once: the feature
+  offsets are one broadcast add, then one gather and one pooling, so the
+  traced program does not grow with ``F`` (a dict of ``F`` slices of the
+  same matrix adds ops per feature). As its output (``keyed=True``),
+  ``values`` are the pooled rows ``[B, F, dim]``, which a per-feature
+  head reads whole (``jnp.einsum("bfd,fd->b", out.values, w)``).
+
+  The names are static (pytree metadata), so a ``Keyed`` passes through
+  ``jax.jit`` as its arrays. It is a read-only mapping too: ``x[name]``
+  is that feature's slice of ``values`` (``[B]``, ``[B, L]`` or
+  ``[B, dim]``; its weights ``x.weights[:, i]``), and ``dict(x)`` the
+  dict form, one slice per feature.
+
+  Attributes:
+    names: the feature names (``keys``), one per index of axis 1.
+    values: ``[B, F, ...]`` ids or pooled rows.
+    weights: optional per-id weights, the shape of ``values``.
+  """
+
+  def __init__(
+    self, keys: Sequence[str], values: Any, weights: Any = None
+  ) -> None:
+    self.names = _key_names(keys, "Keyed")
+    self.values = values
+    self.weights = weights
+    shape = getattr(values, "shape", None)
+    if shape is not None and (len(shape) < 2 or shape[1] != len(self.names)):
+      raise ValueError(
+        f"gradtx.Keyed `values` must be [B, {len(self.names)}, ...] (axis 1 "
+        f"holds the {len(self.names)} keys); got shape {tuple(shape)}."
+      )
+    wshape = getattr(weights, "shape", None)
+    if wshape is not None and tuple(wshape) != tuple(shape):
+      raise ValueError(
+        f"gradtx.Keyed `weights` must have the shape of `values` "
+        f"{tuple(shape)}; got {tuple(wshape)}."
+      )
+
+  def tree_flatten(self):
+    return (self.values, self.weights), self.names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    out = object.__new__(cls)
+    out.names = names
+    out.values, out.weights = children
+    return out
+
+  def __getitem__(self, key: str) -> Any:
+    return self.values[:, self._index(key)]
+
+  def __repr__(self) -> str:
+    shape = getattr(self.values, "shape", "?")
+    return f"Keyed(keys={list(self.names)}, values: {shape})"
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyedJagged(_KeyedMapping):
+  """Jagged features as one flat array, keyed by name (TorchRec's
+  ``KeyedJaggedTensor``): the ids of feature ``keys[0]`` for every
+  example, then those of ``keys[1]``, ..., padded to a static capacity.
+
+  ``lengths[f, b]`` is the bag length of feature ``f`` for example ``b``
+  (TorchRec's flat ``lengths`` reshaped to ``[F, B]``); the slots past
+  ``sum(lengths)`` are padding. :meth:`TableStack.lookup` reads it in one
+  pass: each slot's bag is found by one search over the cumulative
+  lengths, its feature's offset added by one take, then one gather and
+  one segment sum, whatever the number of features.
+
+  It is a read-only mapping too: ``x[name]`` is that feature as a
+  :class:`Jagged` (its slots moved to the front), ``dict(x)`` the dict
+  form.
+
+  Attributes:
+    names: the feature names (``keys``), in the order of their slots.
+    ids: ``[capacity]`` integer ids.
+    lengths: ``[F, B]`` integer bag lengths.
+    weights: optional ``[capacity]`` per-id weights.
+  """
+
+  def __init__(
+    self, keys: Sequence[str], ids: Any, lengths: Any, weights: Any = None
+  ) -> None:
+    self.names = _key_names(keys, "KeyedJagged")
+    self.ids, self.lengths, self.weights = ids, lengths, weights
+    shape = getattr(lengths, "shape", None)
+    if shape is not None and (len(shape) != 2 or shape[0] != len(self.names)):
+      raise ValueError(
+        f"gradtx.KeyedJagged `lengths` must be [{len(self.names)}, B] (one "
+        f"row per key); got shape {tuple(shape)}."
+      )
+
+  def tree_flatten(self):
+    return (self.ids, self.lengths, self.weights), self.names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    out = object.__new__(cls)
+    out.names = names
+    out.ids, out.lengths, out.weights = children
+    return out
+
+  def __getitem__(self, key: str) -> Jagged:
+    k = self._index(key)
+    lengths = jnp.asarray(self.lengths).astype(jnp.int32)
+    start = jnp.sum(lengths[:k])
+    roll = lambda x: None if x is None else jnp.roll(jnp.asarray(x), -start)  # noqa: E731
+    return Jagged(roll(self.ids), lengths[k], roll(self.weights))
+
+  def __repr__(self) -> str:
+    shape = getattr(self.ids, "shape", "?")
+    return f"KeyedJagged(keys={list(self.names)}, ids: {shape})"
 
 
 class _Stack(NamedTuple):
@@ -699,13 +855,14 @@ class TableStack:
   def lookup(
     self,
     params: Mapping[str, jax.Array],
-    ids: Mapping[str, Any],
+    ids: Mapping[str, Any] | Keyed | KeyedJagged,
     *,
     weights: Mapping[str, ArrayLike] | None = None,
     combiner: str = "sum",
     concat: bool = False,
+    keyed: bool = False,
     vocab: Mapping[str, VocabState] | None = None,
-  ) -> dict[str, jax.Array] | jax.Array:
+  ) -> dict[str, jax.Array] | jax.Array | Keyed:
     """Every feature's pooled rows: one gather and one segment sum a stack.
 
     Ids per feature, all with the same batch ``B``:
@@ -716,6 +873,11 @@ class TableStack:
     * :class:`Jagged`: flat ids padded to a static capacity, per-example
       lengths and optional weights.
 
+    or every feature at once, keyed by name: a :class:`Keyed` ``[B, F]``
+    matrix (or ``[B, F, L]`` bags) or a :class:`KeyedJagged`, read whole
+    with no per-feature op, so the program's size does not grow with the
+    number of features (a dict adds a few ops per feature).
+
     An id outside ``[0, rows)`` of its table (negative ones included) is
     padding: it reads nothing and gets no gradient; so is an id of weight
     0. ``combiner`` pools a bag: ``"sum"`` (weighted sum), ``"mean"``
@@ -725,24 +887,33 @@ class TableStack:
 
     Args:
       params: the params of :meth:`init` (or any dict with those keys).
-      ids: feature name -> ids; every feature of ``features`` that a model
-        reads, a subset allowed.
-      weights: feature name -> per-id weights of a ``[B, L]`` feature.
+      ids: feature name -> ids, every feature of ``features`` that a model
+        reads, a subset allowed; or a :class:`Keyed` / :class:`KeyedJagged`
+        of such features.
+      weights: feature name -> per-id weights of a ``[B, L]`` feature (a
+        keyed input carries its own).
       combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
       concat: return one ``[B, sum of dims]`` array, the features in
         :meth:`concat_order`, the stack's declared feature order grouped by
         stack, whatever the order of ``ids``' keys (FBGEMM's pooled
-        output): a head that reads
-        all the features at once then reads the stack's pooled rows as
-        they are, with no split into features and no stacking back.
+        output): a head that reads all the features at once then reads the
+        stack's pooled rows as they are, with no split into features and no
+        stacking back.
+      keyed: return a :class:`Keyed` of the pooled rows, ``values``
+        ``[B, F, dim]`` in :meth:`concat_order` (every feature read must
+        have one ``dim``): a head that reads each feature with weights of
+        its own reads them as one array (``jnp.einsum("bfd,fd->b",
+        out.values, w)``), with no op per feature.
       vocab: the id maps (:meth:`init_vocab`): the features of hashed
         tables then take raw ids, read-only (evaluation): a known id reads
         its row, an unknown one zeros, and nothing is inserted or evicted.
-        Without it, they take the rows :meth:`admit` returned.
+        Without it, they take the rows :meth:`admit` returned. (A keyed
+        input is then read as its dict, feature by feature.)
 
     Returns:
-      feature name -> ``[B, dim]`` rows in the table's dtype, or with
-      ``concat`` one ``[B, sum of dims]`` array.
+      feature name -> ``[B, dim]`` rows in the table's dtype; with
+      ``concat`` one ``[B, sum of dims]`` array; with ``keyed`` a
+      :class:`Keyed`.
     """
     self._check_params(params, "lookup")
     if combiner not in COMBINERS:
@@ -750,8 +921,20 @@ class TableStack:
         f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}; "
         f"got {combiner!r}."
       )
+    if concat and keyed:
+      raise ValueError(
+        "gradtx.TableStack.lookup: pass `concat=True` (one [B, sum of dims] "
+        "array) or `keyed=True` (a gradtx.Keyed [B, F, dim]), not both."
+      )
     weights = dict(weights or {})
-    unknown = [f for f in list(ids) + list(weights) if f not in self.features]
+    whole = isinstance(ids, (Keyed, KeyedJagged))
+    if whole and weights:
+      raise ValueError(
+        "gradtx.TableStack.lookup: `ids` is keyed; put its weights in "
+        f"`gtx.{type(ids).__name__}(..., weights=...)`, not in `weights`."
+      )
+    names = list(ids.names) if whole else list(ids)
+    unknown = [f for f in names + list(weights) if f not in self.features]
     if unknown:
       raise ValueError(
         f"gradtx.TableStack.lookup: unknown features {unknown}; the "
@@ -759,7 +942,9 @@ class TableStack:
       )
     if vocab is not None:
       _vocab.check_vocab(vocab, self.maps, "lookup")
-      ids = dict(ids)
+      if isinstance(ids, Keyed) and ids.weights is not None:
+        weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
+      ids, whole = dict(ids), False
       for name, layout in self.maps.items():
         slots = self._raw_slots(name, ids, weights, "lookup")
         if slots is not None:
@@ -767,6 +952,46 @@ class TableStack:
             vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
           )
           ids.update(slots.rebuild(rows))
+    if whole:
+      batch, read = _keyed_batch(ids), _keyed_reader(ids)
+    else:
+      batch, read = self._dict_reader(ids, weights)
+    out, parts = {}, []
+    for where, feats in self._groups(names):
+      s = self.stacks.get(where)
+      tables = [self.features[f] for f in feats]
+      pooled = _pool(
+        params[where],
+        read(feats),
+        batch,
+        [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
+        [self.tables[t].rows for t in tables],
+        s,
+        combiner,
+      )
+      if concat:
+        parts.append(pooled.reshape(pooled.shape[0], -1))
+      elif keyed:
+        parts.append(pooled)
+      else:
+        out.update(_split_features(pooled, feats))
+    if keyed:
+      dims = {p.shape[-1] for p in parts}
+      if len(dims) > 1:
+        raise ValueError(
+          "gradtx.TableStack.lookup `keyed=True` needs features of one "
+          f"width; these have widths {sorted(dims)}. Pass `concat=True` "
+          "(one [B, sum of dims] array) or read the dict."
+        )
+      values = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+      return Keyed(self.concat_order(names), values)
+    if concat:
+      return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    return {f: out[f] for f in names}
+
+  def _dict_reader(self, ids, weights):
+    """``(batch, read)`` of a dict of features: ``read(feats)`` gives the
+    :class:`_Slots` of those features."""
     for f, x in ids.items():
       if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
         raise TypeError(
@@ -782,25 +1007,8 @@ class TableStack:
         f"{ {f: b.batch for f, b in bags.items()} }. Give every feature the "
         "same leading axis."
       )
-    out, parts = {}, []
-    for where, feats in self._groups(bags):
-      s = self.stacks.get(where)
-      tables = [self.features[f] for f in feats]
-      pooled = _pool(
-        params[where],
-        [bags[f] for f in feats],
-        [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
-        [self.tables[t].rows for t in tables],
-        s,
-        combiner,
-      )
-      if concat:
-        parts.append(pooled.reshape(pooled.shape[0], -1))
-      else:
-        out.update(_split_features(pooled, feats))
-    if concat:
-      return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    return {f: out[f] for f in ids}
+    batch = sizes.pop()
+    return batch, lambda feats: _dict_slots([bags[f] for f in feats], batch)
 
   def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
@@ -925,8 +1133,148 @@ def _joined(parts: list[jax.Array]) -> jax.Array:
   return lax.optimization_barrier(jnp.concatenate(parts))
 
 
-def _pool(table, bags, offsets, rows, stack, combiner):
-  """One gather of every feature's rows from ``table`` (features offset into
+class _Slots(NamedTuple):
+  """A group's ids laid out for its one gather: ``segment`` None, ``ids``
+  ``[B, F]`` one-hot and example-major (the rows gathered are the pooled
+  rows); else slots of any shape pooled into ``segment``, ``feature * B +
+  example`` (at or past ``B * F``: no example)."""
+
+  ids: jax.Array  # int32
+  weight: jax.Array | None  # float32, ids' shape; None: every slot 1
+  feature: Any  # the slot's feature in the group (numpy or jax ints,
+  # broadcastable to ids); F: none of the group's
+  segment: jax.Array | None
+  sorted: bool  # segment nondecreasing over the slots
+  ok: Any = True  # False: the slot belongs to no example (padding)
+
+
+def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
+  """The slots of a dict's features: their ids joined, one-hot ones
+  example-major."""
+  nf = len(bags)
+  weighted = any(b.weight is not None for b in bags)
+  weights = [
+    jnp.ones(b.ids.shape, jnp.float32) if b.weight is None else b.weight
+    for b in bags
+  ]
+  weight = (
+    _joined([w.astype(jnp.float32) for w in weights]) if weighted else None
+  )
+  ids = _joined([_int32_ids(b.ids) for b in bags])
+  if all(b.per_example == 1 for b in bags):
+    if weight is not None:
+      weight = weight.reshape(nf, batch).T
+    feature = np.arange(nf, dtype=np.int32)[None]
+    return _Slots(ids.reshape(nf, batch).T, weight, feature, None, True)
+  sizes = [b.ids.shape[0] for b in bags]
+  seg = []
+  for b in bags:
+    if b.segment is None:
+      example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
+      seg.append(jnp.asarray(example))
+    else:  # jagged: slots past the last bag belong to no example
+      seg.append(b.segment)
+  example = _joined(seg)
+  feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
+  # feature-major segments follow the slots' order: a sorted segment sum
+  segment = feature * batch + jnp.minimum(example, batch - 1)
+  return _Slots(ids, weight, feature, segment, True, example < batch)
+
+
+def _keyed_batch(x: Keyed | KeyedJagged) -> int:
+  """The batch of a keyed input, its arrays' forms checked."""
+  what = type(x).__name__
+  arrays = (x.values,) if isinstance(x, Keyed) else (x.ids, x.lengths)
+  if any(isinstance(a, Words) for a in arrays):
+    raise TypeError(
+      f"gradtx.TableStack.lookup: the gradtx.{what} holds raw gradtx.Words "
+      "ids; pass `vocab=` to map them read-only, or the ids `stack.admit` "
+      "returned."
+    )
+  if isinstance(x, Keyed):
+    v = jnp.asarray(x.values)
+    _check_int(f"{what}", v, "values")
+    if v.ndim not in (2, 3):
+      raise ValueError(
+        "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
+        f"[B, F] or [B, F, L]; got {v.shape}."
+      )
+    return v.shape[0]
+  ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
+  _check_int(what, ids)
+  _check_int(what, lengths, "lengths")
+  if ids.ndim != 1:
+    raise ValueError(
+      f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
+      f"[capacity]; got {ids.shape}."
+    )
+  if x.weights is not None and jnp.shape(x.weights) != ids.shape:
+    raise ValueError(
+      "gradtx.TableStack.lookup: gradtx.KeyedJagged `weights` must have the "
+      f"ids' shape {ids.shape}; got {jnp.shape(x.weights)}."
+    )
+  return lengths.shape[1]
+
+
+def _keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
+  """``read(feats)``: the slots of features ``feats`` (a group, in its
+  order) of a keyed input, with no op per feature."""
+  if isinstance(x, KeyedJagged):
+    return _jagged_reader(x)
+  values = _int32_ids(jnp.asarray(x.values))
+  weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
+  batch, width = values.shape[:2]
+
+  def read(feats: list[str]) -> _Slots:
+    cols = [x.names.index(f) for f in feats]
+    v, w = values, weights
+    if cols != list(range(width)):  # one gather of the group's columns
+      v = v[:, np.asarray(cols)]
+      w = None if w is None else w[:, np.asarray(cols)]
+    nf = len(cols)
+    if v.ndim == 2:
+      feature = np.arange(nf, dtype=np.int32)[None]
+      return _Slots(v, w, feature, None, True)
+    # bags: feature-major [F, B, L], so the segments are sorted
+    v = jnp.swapaxes(v, 0, 1)
+    w = None if w is None else jnp.swapaxes(w, 0, 1)
+    shape = v.shape
+    segment = lax.broadcasted_iota(jnp.int32, shape, 0) * batch
+    segment = segment + lax.broadcasted_iota(jnp.int32, shape, 1)
+    feature = np.arange(nf, dtype=np.int32)[:, None, None]
+    return _Slots(v, w, feature, segment, True)
+
+  return read
+
+
+def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
+  ids = _int32_ids(jnp.asarray(x.ids))
+  lengths = jnp.asarray(x.lengths).astype(jnp.int32)
+  weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
+  keys, batch = len(x.names), lengths.shape[1]
+  # each slot's bag (key-major: key * B + example), by one search
+  ends = jnp.cumsum(lengths.reshape(-1))
+  slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
+  bag = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+  key, example = bag // batch, bag % batch  # key == keys: past the bags
+
+  def read(feats: list[str]) -> _Slots:
+    # each key's position in the group (len(feats): not in it, or none)
+    where = np.full(keys + 1, len(feats), np.int32)
+    for k, f in enumerate(feats):
+      where[x.names.index(f)] = k
+    identity = np.array_equal(where[:-1], np.arange(keys))
+    feature = key if identity else jnp.asarray(where)[key]
+    segment = feature * batch + example
+    return _Slots(
+      ids, weight, feature, segment, bool(np.all(np.diff(where) >= 0))
+    )
+
+  return read
+
+
+def _pool(table, slots, batch, offsets, rows, stack, combiner):
+  """One gather of a group's rows from ``table`` (features offset into
   its logical rows, placed by ``stack``; padding = the table's row count:
   out of range, a zero row and no gradient) and one segment sum into
   ``[B, F, dim]``.
@@ -935,65 +1283,44 @@ def _pool(table, bags, offsets, rows, stack, combiner):
   a head that concatenates or stacks the features reads: one-hot features
   are gathered in that order directly, with no segment sum; bags are
   summed feature by feature (the slots' own order, a sorted segment sum)
-  and the ``[F, B, dim]`` sums transposed. The features'
-  ids are joined first and offset, checked and placed by one elementwise
-  pass against per-slot constants, so the program does not grow with the
-  number of features."""
-  batch, nf = bags[0].batch, len(bags)
-  any_weight = any(b.weight is not None for b in bags) or combiner != "sum"
-  one_hot = all(b.per_example == 1 for b in bags)
-  ones = [jnp.ones(b.ids.shape, jnp.float32) for b in bags]
-  weights = [
-    ones[k] if b.weight is None else b.weight for k, b in enumerate(bags)
-  ]
-  if one_hot:  # [B, F]: example-major, one row per (example, feature)
-    ids = _joined([_int32_ids(b.ids) for b in bags]).reshape(nf, batch).T
-    off = np.asarray(offsets, np.int32)[None]
-    lim = np.asarray(rows, np.int32)[None]
-    weight = _joined([w.astype(jnp.float32) for w in weights])
-    weight = weight.reshape(nf, batch).T
-    seg_ids, seg_ok = None, True
+  and the ``[F, B, dim]`` sums transposed. The ids are offset, checked
+  and placed by one elementwise pass against each slot's feature's
+  constants, so the program does not grow with the number of features."""
+  nf = len(offsets)
+  # per feature, and a last entry for "none of the group's": no row valid
+  off = np.asarray([*offsets, 0], np.int32)
+  lim = np.asarray([*rows, 0], np.int32)
+  if isinstance(slots.feature, np.ndarray):
+    off, lim = off[slots.feature], lim[slots.feature]
   else:
-    ids = _joined([_int32_ids(b.ids) for b in bags])
-    sizes = [b.ids.shape[0] for b in bags]
-    off = np.repeat(np.asarray(offsets, np.int32), sizes)
-    lim = np.repeat(np.asarray(rows, np.int32), sizes)
-    weight = _joined([w.astype(jnp.float32) for w in weights])
-    seg = []
-    for b in bags:
-      if b.segment is None:
-        example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
-        seg.append(jnp.asarray(example))
-      else:  # jagged: slots past the last bag belong to no example
-        seg.append(b.segment)
-    example = _joined(seg)
-    seg_ok = example < batch
-    feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
-    # feature-major segments follow the slots' order: a sorted segment sum
-    seg_ids = feature * batch + jnp.minimum(example, batch - 1)
-  valid = (ids >= 0) & (ids < lim) & seg_ok
-  if any(b.weight is not None for b in bags):
+    off, lim = jnp.asarray(off)[slots.feature], jnp.asarray(lim)[slots.feature]
+  ids, weight = slots.ids, slots.weight
+  valid = (ids >= 0) & (ids < lim) & slots.ok
+  if weight is not None:
     valid = valid & (weight != 0)
   row = ids + off
   row = row if stack is None else stack.physical(row)
   got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
-  if one_hot and not any_weight:
+  one_hot = slots.segment is None
+  if one_hot and weight is None and combiner == "sum":
     pooled = got  # padding read zeros
   else:
+    if weight is None:
+      weight = jnp.ones(ids.shape, jnp.float32)
     weight = jnp.where(valid, weight, 0.0).reshape(-1)
     vals = got.astype(jnp.float32) * weight[:, None]
-    if one_hot:
-      pooled = vals
-    else:
-      pooled = jax.ops.segment_sum(
-        vals, seg_ids, batch * nf, indices_are_sorted=True
-      )
+    segment = None if one_hot else slots.segment.reshape(-1)
+    pool = functools.partial(
+      jax.ops.segment_sum,
+      segment_ids=segment,
+      num_segments=batch * nf,
+      indices_are_sorted=slots.sorted,
+    )
+    pooled = vals if one_hot else pool(vals)
     if combiner != "sum":
       norm = weight if combiner == "mean" else weight * weight
       if not one_hot:
-        norm = jax.ops.segment_sum(
-          norm, seg_ids, batch * nf, indices_are_sorted=True
-        )
+        norm = pool(norm)
       if combiner == "sqrtn":
         norm = jnp.sqrt(norm)
       pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]

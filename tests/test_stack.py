@@ -693,3 +693,145 @@ def test_concat_order_is_the_declared_order_eagerly_and_under_jit():
   np.testing.assert_array_equal(concat(params, ids), want)
   np.testing.assert_array_equal(jax.jit(concat)(params, ids), want)
   assert seen == [["zeta", "mid", "alpha"]] * 2
+
+
+def _jagged_parts(seed, keys, cap):
+  """Per key a gtx.Jagged of ``cap`` slots, and the same bags as one
+  gtx.KeyedJagged (key-major, padded to ``len(keys) * cap``)."""
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(0, 4, (len(keys), B)).astype(np.int32)
+  lengths[:, 1] = 0  # empty bags
+  per, flat, flat_w = {}, [], []
+  for k, f in enumerate(keys):
+    n = int(lengths[k].sum())
+    ids = rng.randint(-1, 20, n).astype(np.int32)
+    w = rng.rand(n).astype(np.float32)
+    pad = cap - n
+    per[f] = gtx.Jagged(
+      np.concatenate([ids, rng.randint(0, 20, pad)]).astype(np.int32),
+      lengths[k],
+      np.concatenate([w, np.ones(pad, np.float32)]),
+    )
+    flat.append(ids)
+    flat_w.append(w)
+  ids, w = np.concatenate(flat), np.concatenate(flat_w)
+  pad = len(keys) * cap - ids.shape[0]
+  keyed = gtx.KeyedJagged(
+    keys,
+    np.concatenate([ids, rng.randint(0, 20, pad)]).astype(np.int32),
+    lengths,
+    np.concatenate([w, np.ones(pad, np.float32)]),
+  )
+  return keyed, per
+
+
+def _keyed_cases():
+  """(name, stack, keyed input, the same features as a dict, weights)."""
+  ids, weights = _batch(21)
+  one_hot = ["country", "item_id", "user_id"]  # not the declared order
+  cases = []
+  for kw in ({}, {"batch_size": 16}):  # country stacked, then outside
+    cases.append(
+      (
+        f"one-hot {kw}",
+        _stack(**kw),
+        gtx.Keyed(one_hot, np.stack([ids[f] for f in one_hot], 1)),
+        {f: ids[f] for f in one_hot},
+        {},
+      )
+    )
+  tags = np.concatenate([ids["tags"], np.full((B, 2), -1)], 1)
+  bag_w = {"history": weights["history"], "tags": np.ones((B, 5), np.float32)}
+  cases.append(
+    (
+      "bags",
+      _stack(),
+      gtx.Keyed(
+        ["tags", "history"],
+        np.stack([tags, ids["history"]], 1),
+        np.stack([bag_w["tags"], bag_w["history"]], 1),
+      ),
+      {"tags": tags, "history": ids["history"]},
+      bag_w,
+    )
+  )
+  # clicks before user_id: not the declared order; tags: another stack
+  keyed, per = _jagged_parts(22, ["clicks", "user_id", "tags"], 18)
+  cases.append(("jagged", _stack(), keyed, per, {}))
+  keyed, per = _jagged_parts(23, ["user_id", "history"], 18)
+  cases.append(("jagged in order", _stack(), keyed, per, {}))
+  return cases
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_keyed_input_gives_the_dict_forms_loss_and_gradients(case):
+  name, stack, keyed, as_dict, weights = _keyed_cases()[case]
+  params = stack.init(jax.random.key(case))
+
+  def loss(p, x, w, combiner):
+    emb = stack.lookup(p, x, weights=w, combiner=combiner)
+    return sum(
+      jnp.sum(jnp.tanh(emb[f]) * (k + 1)) for k, f in enumerate(sorted(as_dict))
+    )
+
+  run = jax.jit(gtx.sparse_value_and_grad(loss), static_argnums=3)
+  for combiner in gtx_combiners():
+    v, g = run(params, keyed, {}, combiner)
+    want_v, want_g = run(params, as_dict, weights, combiner)
+    np.testing.assert_allclose(v, want_v, rtol=1e-6, err_msg=name)
+    assert set(g) == set(want_g)
+    for k in g:
+      got, want = g[k], want_g[k]
+      if isinstance(want, gtx.SparseRows):
+        got, want = got.to_dense(), want.to_dense()
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+  if name != "bags":  # as a mapping: the dict form, feature by feature
+    np.testing.assert_allclose(
+      stack.lookup(params, dict(keyed), concat=True),
+      stack.lookup(params, keyed, concat=True),
+      rtol=1e-6,
+    )
+  # the pooled rows as one keyed array, in concat order
+  flat = stack.lookup(params, as_dict, weights=weights, concat=True)
+  order = stack.concat_order(as_dict)
+  assert order == stack.concat_order(keyed)
+  if len({stack.tables[stack.features[f]].dim for f in order}) == 1:
+    out = jax.jit(lambda p, x: stack.lookup(p, x, keyed=True))(params, keyed)
+    assert isinstance(out, gtx.Keyed) and list(out.keys()) == order
+    np.testing.assert_allclose(
+      out.values.reshape(B, -1), flat, rtol=1e-6, err_msg=name
+    )
+    np.testing.assert_array_equal(out[order[-1]], out.values[:, -1])
+  else:
+    with pytest.raises(ValueError, match="concat=True"):
+      stack.lookup(params, keyed, keyed=True)
+
+
+@pytest.mark.parametrize("form", ["one-hot", "bags", "jagged"])
+def test_a_keyed_lookup_traces_the_same_program_for_any_number_of_features(
+  form,
+):
+  def eqns(nf):
+    stack = gtx.TableStack(
+      {f"t{i}": gtx.TableSpec(10 + i, 4) for i in range(nf)}
+    )
+    names = list(stack.features)[::-1]  # any order
+    if form == "one-hot":
+      x = gtx.Keyed(names, jnp.zeros((B, nf), jnp.int32))
+    elif form == "bags":
+      x = gtx.Keyed(
+        names, jnp.zeros((B, nf, 3), jnp.int32), jnp.ones((B, nf, 3))
+      )
+    else:
+      x = gtx.KeyedJagged(
+        names, jnp.zeros(7 * nf, jnp.int32), jnp.ones((nf, B), jnp.int32)
+      )
+    params = jax.eval_shape(stack.init, jax.random.key(0))
+
+    def loss(p, x):
+      return jnp.sum(stack.lookup(p, x, keyed=True).values ** 2)
+
+    jaxpr = jax.make_jaxpr(gtx.sparse_value_and_grad(loss))(params, x)
+    return len(jaxpr.eqns)
+
+  assert eqns(3) == eqns(40)
