@@ -55,6 +55,7 @@ from gradtx._stack import Keyed as Keyed
 from gradtx._stack import KeyedJagged as KeyedJagged
 from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
+from gradtx._stack import pad_batch as pad_batch
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
@@ -116,6 +117,7 @@ __all__ = [
   "lazy_sgd",
   "lazy_trace",
   "lookup",
+  "pad_batch",
   "partial_rowwise_adam",
   "reset_rows",
   "reuse_host_memory",

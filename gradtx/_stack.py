@@ -8,7 +8,10 @@ gather and pools them with one segment sum. The stack is an ordinary
 array leaf of the params, read only as whole rows, so
 :func:`gradtx.sparse_value_and_grad` gives it one SparseRows gradient, and
 every gradtx optimizer updates it with one deduplication, one rule call and
-one scatter per state kind, whatever the number of features.
+one scatter per state kind, whatever the number of features. Features
+arrive as a dict, or keyed in one array (:class:`Keyed`,
+:class:`KeyedJagged`) that the lookup reads with no op per feature;
+:func:`pad_batch` pads a short batch to the step's shape.
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _vocab
 from gradtx._autodiff import lookup
+from gradtx._static import is_int
 from gradtx._vocab import FreshRows, Hashed, VocabState, Words
 
-__all__ = ["Jagged", "Keyed", "KeyedJagged", "TableSpec", "TableStack"]
+__all__ = [
+  "Jagged",
+  "Keyed",
+  "KeyedJagged",
+  "TableSpec",
+  "TableStack",
+  "pad_batch",
+]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 # A table a step reads at least this many times per row stays outside the
@@ -305,6 +316,119 @@ class KeyedJagged(_KeyedMapping):
   def __repr__(self) -> str:
     shape = getattr(self.ids, "shape", "?")
     return f"KeyedJagged(keys={list(self.names)}, ids: {shape})"
+
+
+def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
+  """A short batch padded to ``batch_size`` examples, and the mask of the
+  real ones: the last batch of an epoch then runs the compiled step
+  instead of compiling another.
+
+  Every array of ``batch`` (any pytree: a dict of ids, weights, labels,
+  dense features) is padded along its leading batch axis: signed integer
+  ids with -1 (padding: no row read, no gradient), floats with 0 (a weight
+  0 is padding too; labels and dense features 0), bools with False. A
+  :class:`Jagged`'s ``lengths`` (and a :class:`KeyedJagged`'s, along
+  ``B``) get empty bags; its flat ids keep their capacity. A
+  :class:`Keyed` is padded like its arrays. Scalars pass unchanged.
+
+  The padded examples read zero rows, so :meth:`TableStack.lookup` and
+  the sparse gradients are those of the short batch; the loss must not
+  count them: weight each example's loss by the mask, and divide by the
+  mask's sum for a mean (``jnp.sum(mask * l) / jnp.sum(mask)``). Then the
+  loss, the gradients and every optimizer's updates are the short
+  batch's.
+
+  Args:
+    batch: the short batch: arrays whose leading axis is its ``B``
+      examples (numpy arrays stay numpy, host-side).
+    batch_size: the compiled step's batch, at least ``B``.
+
+  Returns:
+    ``(padded, mask)``: the batch with ``batch_size`` examples, and a bool
+    ``[batch_size]`` array, True for the ``B`` real examples.
+
+  Examples:
+    >>> import numpy as np
+    >>> import gradtx as gtx
+    >>> ids = {"user": np.array([3, 7]), "history": np.array([[1, 2]] * 2),
+    ...        "clicks": gtx.Jagged(np.array([4, 5, 6]), np.array([2, 1]))}
+    >>> padded, mask = gtx.pad_batch(ids, 4)
+    >>> padded["user"], padded["clicks"].lengths
+    (array([ 3,  7, -1, -1]), array([2, 1, 0, 0]))
+    >>> mask
+    array([ True,  True, False, False])
+  """
+  if not is_int(batch_size) or batch_size < 1:
+    raise ValueError(
+      f"gradtx.pad_batch `batch_size` must be a positive int; got "
+      f"{batch_size!r}."
+    )
+  special = (Jagged, Keyed, KeyedJagged, Words)
+  is_special = lambda x: isinstance(x, special)  # noqa: E731
+  sizes: dict[str, int] = {}
+
+  def axis0(path, x, axis=0):
+    shape = np.shape(x)
+    if len(shape) > axis:
+      sizes[jax.tree_util.keystr(path)] = shape[axis]
+
+  def collect(path, x):
+    if isinstance(x, Words):
+      raise TypeError(
+        f"gradtx.pad_batch: `batch{jax.tree_util.keystr(path)}` holds "
+        "gradtx.Words: every value of a 64-bit id is an id, so none pads. "
+        "Give the feature weights (0 pads it) and pad its ids yourself."
+      )
+    if isinstance(x, Jagged):
+      axis0(path, x.lengths)
+    elif isinstance(x, KeyedJagged):
+      axis0(path, x.lengths, 1)
+    elif isinstance(x, Keyed):
+      axis0(path, x.values)
+    elif x is not None:
+      axis0(path, x)
+
+  jax.tree_util.tree_map_with_path(collect, batch, is_leaf=is_special)
+  if len(set(sizes.values())) > 1:
+    raise ValueError(
+      "gradtx.pad_batch: the arrays of `batch` have different leading "
+      f"(batch) axes: {sizes}."
+    )
+  b = next(iter(sizes.values()), batch_size)
+  if b > batch_size:
+    raise ValueError(
+      f"gradtx.pad_batch: `batch` has {b} examples, more than `batch_size` "
+      f"{batch_size}."
+    )
+
+  def pad(x, fill, axis=0):
+    if x is None or np.ndim(x) <= axis:
+      return x
+    xp = np if isinstance(x, np.ndarray) else jnp
+    dtype = xp.asarray(x).dtype
+    if fill == -1 and not jnp.issubdtype(dtype, jnp.signedinteger):
+      if jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+          f"gradtx.pad_batch: ids of dtype {dtype} have no padding value "
+          "(every unsigned value is an id); give the feature weights (0 "
+          "pads it) and pad its ids yourself, or pass signed ids."
+        )
+      fill = False if dtype == jnp.bool_ else 0
+    widths = [(0, 0)] * np.ndim(x)
+    widths[axis] = (0, batch_size - b)
+    return xp.pad(x, widths, constant_values=fill)
+
+  def one(x):
+    if isinstance(x, Jagged):
+      return x._replace(lengths=pad(x.lengths, 0))
+    if isinstance(x, KeyedJagged):
+      return KeyedJagged(x.names, x.ids, pad(x.lengths, 0, 1), x.weights)
+    if isinstance(x, Keyed):
+      return Keyed(x.names, pad(x.values, -1), pad(x.weights, 0))
+    return pad(x, -1)
+
+  padded = jax.tree.map(one, batch, is_leaf=is_special)
+  return padded, np.arange(batch_size) < b
 
 
 class _Stack(NamedTuple):
@@ -1133,6 +1257,30 @@ def _joined(parts: list[jax.Array]) -> jax.Array:
   return lax.optimization_barrier(jnp.concatenate(parts))
 
 
+# features a column block of _columns holds
+_COLUMN_BLOCK = 32
+
+
+def _columns(parts: list[jax.Array]) -> jax.Array:
+  """The ``[B]`` ``parts`` as the columns of one ``[B, F]`` array, joined
+  by blocks of 32 columns, each kept out of its consumers' fusions as in
+  :func:`_joined`. Columns sliced in order from one ``[B, F]`` matrix
+  (``{f: m[:, i] ...}``) then join back into one slice of it per block
+  (XLA merges a concatenation of adjacent slices), so a sliced dict does
+  not compile a copy per feature; the blocks keep each concatenation
+  along the minor axis small, whose compile time grows steeply with its
+  operands."""
+  if len(parts) == 1:
+    return parts[0][:, None]
+  blocks = [
+    lax.optimization_barrier(jnp.stack(parts[i : i + _COLUMN_BLOCK], axis=1))
+    for i in range(0, len(parts), _COLUMN_BLOCK)
+  ]
+  if len(blocks) == 1:
+    return blocks[0]
+  return lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
+
+
 class _Slots(NamedTuple):
   """A group's ids laid out for its one gather: ``segment`` None, ``ids``
   ``[B, F]`` one-hot and example-major (the rows gathered are the pooled
@@ -1157,15 +1305,14 @@ def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
     jnp.ones(b.ids.shape, jnp.float32) if b.weight is None else b.weight
     for b in bags
   ]
-  weight = (
-    _joined([w.astype(jnp.float32) for w in weights]) if weighted else None
-  )
-  ids = _joined([_int32_ids(b.ids) for b in bags])
+  weights = [w.astype(jnp.float32) for w in weights]
+  ids = [_int32_ids(b.ids) for b in bags]
   if all(b.per_example == 1 for b in bags):
-    if weight is not None:
-      weight = weight.reshape(nf, batch).T
+    weight = _columns(weights) if weighted else None
     feature = np.arange(nf, dtype=np.int32)[None]
-    return _Slots(ids.reshape(nf, batch).T, weight, feature, None, True)
+    return _Slots(_columns(ids), weight, feature, None, True)
+  weight = _joined(weights) if weighted else None
+  ids = _joined(ids)
   sizes = [b.ids.shape[0] for b in bags]
   seg = []
   for b in bags:

@@ -835,3 +835,100 @@ def test_a_keyed_lookup_traces_the_same_program_for_any_number_of_features(
     return len(jaxpr.eqns)
 
   assert eqns(3) == eqns(40)
+
+
+def _short_batches():
+  """name -> (ids, weights) of a batch of 4 examples, the step's B = 6."""
+  ids, weights = _batch(31)
+  clicks = ids["clicks"]
+  short_jagged = clicks._replace(lengths=clicks.lengths[:4])
+  as_dict = {
+    "user_id": ids["user_id"][:4],
+    "history": ids["history"][:4],
+    "clicks": short_jagged,
+  }
+  keyed, _ = _jagged_parts(32, ["clicks", "user_id"], 18)
+  return {
+    "dict": (as_dict, {"history": weights["history"][:4]}),
+    "keyed": (
+      gtx.Keyed(
+        ["item_id", "user_id"],
+        np.stack([ids["item_id"][:4], ids["user_id"][:4]], 1),
+      ),
+      {},
+    ),
+    "keyed jagged": (
+      gtx.KeyedJagged(
+        keyed.names, keyed.ids, keyed.lengths[:, :4], keyed.weights
+      ),
+      {},
+    ),
+  }
+
+
+@pytest.mark.parametrize("form", ["dict", "keyed", "keyed jagged"])
+def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates(form):
+  stack = _stack()
+  ids, weights = _short_batches()[form]
+  width = 4 * len(ids)
+  params = {
+    "emb": stack.init(jax.random.key(1)),
+    "w": 0.3 * jax.random.normal(jax.random.key(2), (width,)),
+    "b": jnp.asarray(0.1),
+  }
+  labels = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+  tx = gtx.lazy_adam(0.1)  # Adam on the dense leaves
+
+  def loss(p, ids, weights, labels, mask):
+    x = stack.lookup(p["emb"], ids, weights=weights, concat=True)
+    logit = jnp.tanh(x) @ p["w"] + p["b"]
+    per_example = jax.nn.softplus(logit) - labels * logit
+    return jnp.sum(mask * per_example) / jnp.sum(mask)
+
+  @jax.jit
+  def step(p, s, ids, weights, labels, mask):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids, weights, labels, mask)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  state = tx.init(params)
+  want = step(params, state, ids, weights, labels, np.ones(4, bool))
+  padded, mask = gtx.pad_batch((ids, weights, labels), B)
+  np.testing.assert_array_equal(mask, [True] * 4 + [False] * 2)
+  got = step(params, state, *padded, mask)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_pad_batch_refuses_what_it_cannot_pad():
+  with pytest.raises(ValueError, match="more than `batch_size`"):
+    gtx.pad_batch({"a": np.zeros(5, np.int32)}, 4)
+  with pytest.raises(ValueError, match="different leading"):
+    gtx.pad_batch({"a": np.zeros(3, np.int32), "b": np.zeros(2)}, 4)
+  with pytest.raises(TypeError, match="weights"):
+    gtx.pad_batch({"a": np.zeros(3, np.uint32)}, 4)
+  with pytest.raises(ValueError, match="batch_size"):
+    gtx.pad_batch({"a": np.zeros(3, np.int32)}, 0)
+
+
+def test_admit_and_a_read_only_lookup_take_a_keyed_input_as_its_dict():
+  stack = gtx.TableStack(
+    {"h": gtx.TableSpec(16, 2, hashed=True), "t": gtx.TableSpec(8, 2)},
+    features={"user": "h", "page": "t"},
+  )
+  params = stack.init(jax.random.key(0))
+  vocab = stack.init_vocab(jax.random.key(1))
+  m = np.array([[1000, 3], [2000, 5], [1000, 7]], np.int32)
+  keyed = gtx.Keyed(["user", "page"], m)
+  as_dict = {"user": m[:, 0], "page": m[:, 1]}
+  rows, v1, _ = stack.admit(vocab, keyed)
+  want_rows, want_v1, _ = stack.admit(vocab, as_dict)
+  for f in as_dict:
+    np.testing.assert_array_equal(rows[f], want_rows[f])
+  for a, b in zip(jax.tree.leaves(v1), jax.tree.leaves(want_v1), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+    stack.lookup(params, keyed, vocab=v1, concat=True),
+    stack.lookup(params, as_dict, vocab=v1, concat=True),
+  )
