@@ -255,17 +255,24 @@ def forms_main(args: argparse.Namespace) -> None:
   """The ``--forms`` table (see the module docstring)."""
   for fn, *xs in form_programs(2, 10, 4, 8).values():  # first calls
     compile_phases(fn, *xs)
-  results: dict[int, dict] = {}
-  for t in args.tables:
-    results[t] = {}
-    for form, (fn, *xs) in form_programs(
-      t, args.cap, args.dim, args.batch
-    ).items():
-      c0 = time.process_time()
-      r = compile_phases(fn, *xs)
-      r["cpu_s"] = time.process_time() - c0
-      results[t][form] = r
-      print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
+  samples: dict[int, dict[str, list]] = {t: {} for t in args.tables}
+  for _ in range(args.repeats):  # the sizes alternate within a repeat
+    for t in args.tables:
+      for form, (fn, *xs) in form_programs(
+        t, args.cap, args.dim, args.batch
+      ).items():
+        c0 = time.process_time()
+        r = compile_phases(fn, *xs)
+        r["cpu_s"] = time.process_time() - c0
+        samples[t].setdefault(form, []).append(r)
+        print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
+  results = {
+    t: {
+      form: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+      for form, runs in by_form.items()
+    }
+    for t, by_form in samples.items()
+  }
   base, last = args.tables[0], args.tables[-1]
   rows = []
   for form in results[base]:
@@ -288,7 +295,8 @@ def forms_main(args: argparse.Namespace) -> None:
     f"One gtx.TableStack of Criteo's cardinalities capped at {args.cap:,} "
     f"rows, {args.dim} wide, batch {args.batch}, gtx.lazy_adam, the whole "
     "step (sparse_value_and_grad, update, apply_updates, donated) traced, "
-    "lowered and compiled on abstract arguments, one run; `s`: wall "
+    f"lowered and compiled on abstract arguments, median of {args.repeats} "
+    "runs (26 and 500 alternating); `s`: wall "
     "seconds, `cpu s`: CPU seconds of this process (the ratio is of CPU "
     f"seconds); kernels: the compiled step's launches "
     "(`benchmarks._common.hlo_op_counts`). The jagged form holds "
