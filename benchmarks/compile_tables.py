@@ -22,6 +22,17 @@ function, the persistent compilation cache is off.
 
   python -m benchmarks.compile_tables [--tables 26 52 104] [--repeats 1]
       [--quick]
+
+``--forms`` times instead the whole step of one ``gtx.TableStack`` over
+the same tables for each input and output form users write (issue 48):
+a dict of ``[B]`` inputs, one ``[B, F]`` matrix sliced per feature into
+that dict, the matrix passed whole as a ``gtx.Keyed``, jagged features as
+one ``gtx.KeyedJagged``; the pooled rows read as one ``concat=True``
+array or per feature (a logit weight vector per feature: the dict's
+entries one by one, or ``keyed=True``'s ``[B, F, dim]`` in one einsum),
+at 26 and 500 features (``results/compile_tables_forms.md``).
+
+  python -m benchmarks.compile_tables --forms [--tables 26 500]
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import load_note, write_results
+from benchmarks._common import compile_phases, load_note, write_results
 
 # Criteo Kaggle's 26 categorical cardinalities (DLRM's dlrm_s_criteo_kaggle)
 CRITEO = (
@@ -158,6 +169,161 @@ def measure(tables: int, args: argparse.Namespace) -> dict:
   }
 
 
+def _bce(logit, y):
+  return jnp.mean(jax.nn.softplus(logit) - y * logit)
+
+
+def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
+  """form -> (its whole step, abstract arguments): one gtx.TableStack of
+  Criteo's capped tables, each input and output form."""
+  rows = cardinalities(features, cap)
+  names = [f"f{i}" for i in range(features)]
+  stack = gtx.TableStack(
+    {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
+  )
+  p = {
+    "emb": jax.eval_shape(stack.init, jax.random.key(0)),
+    "w": jax.ShapeDtypeStruct((features, dim), jnp.float32),
+    "b": jax.ShapeDtypeStruct((), jnp.float32),
+  }
+  tx = gtx.lazy_adam(1e-3)
+  s = jax.eval_shape(tx.init, p)
+  y = jax.ShapeDtypeStruct((batch,), jnp.float32)
+  matrix = jax.ShapeDtypeStruct((batch, features), jnp.int32)
+  per_dict = {n: jax.ShapeDtypeStruct((batch,), jnp.int32) for n in names}
+  cap_ = features * batch  # one id a bag on average
+  jagged = (
+    jax.ShapeDtypeStruct((cap_,), jnp.int32),
+    jax.ShapeDtypeStruct((features, batch), jnp.int32),
+  )
+
+  def concat_head(p, emb_ids):
+    x = stack.lookup(p["emb"], emb_ids, concat=True)
+    x = x.reshape(batch, features, dim)  # in concat order: names
+    return jnp.einsum("bfd,fd->b", x, p["w"]) + p["b"]
+
+  def per_feature_head(p, emb):
+    logit = p["b"]
+    for i, n in enumerate(names):
+      logit = logit + emb[n] @ p["w"][i]
+    return logit
+
+  def sliced(m):
+    return {n: m[:, i] for i, n in enumerate(names)}
+
+  losses = {
+    "dict of [B], concat": (lambda p, x, y: concat_head(p, x), per_dict),
+    "[B, F] sliced to a dict, concat": (
+      lambda p, m, y: concat_head(p, sliced(m)),
+      matrix,
+    ),
+    "[B, F] sliced to a dict, dict out per feature": (
+      lambda p, m, y: per_feature_head(p, stack.lookup(p["emb"], sliced(m))),
+      matrix,
+    ),
+    "gtx.Keyed [B, F], concat": (
+      lambda p, m, y: concat_head(p, gtx.Keyed(names, m)),
+      matrix,
+    ),
+    "gtx.Keyed [B, F], keyed out per feature": (
+      lambda p, m, y: (
+        jnp.einsum(
+          "bfd,fd->b",
+          stack.lookup(p["emb"], gtx.Keyed(names, m), keyed=True).values,
+          p["w"],
+        )
+        + p["b"]
+      ),
+      matrix,
+    ),
+    "gtx.KeyedJagged, concat": (
+      lambda p, j, y: concat_head(p, gtx.KeyedJagged(names, *j)),
+      jagged,
+    ),
+  }
+  out = {}
+  for form, (logit, x) in losses.items():
+
+    def loss(p, x, y, logit=logit):
+      return _bce(logit(p, x, y), y)
+
+    out[form] = (whole_step(loss, tx), p, s, x, y)
+  return out
+
+
+def forms_main(args: argparse.Namespace) -> None:
+  """The ``--forms`` table (see the module docstring)."""
+  for fn, *xs in form_programs(2, 10, 4, 8).values():  # first calls
+    compile_phases(fn, *xs)
+  samples: dict[int, dict[str, list]] = {t: {} for t in args.tables}
+  for _ in range(args.repeats):  # the sizes alternate within a repeat
+    for t in args.tables:
+      for form, (fn, *xs) in form_programs(
+        t, args.cap, args.dim, args.batch
+      ).items():
+        c0 = time.process_time()
+        r = compile_phases(fn, *xs)
+        r["cpu_s"] = time.process_time() - c0
+        samples[t].setdefault(form, []).append(r)
+        print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
+  results = {
+    t: {
+      form: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+      for form, runs in by_form.items()
+    }
+    for t, by_form in samples.items()
+  }
+  base, last = args.tables[0], args.tables[-1]
+  rows = []
+  for form in results[base]:
+    a, z = results[base][form], results[last][form]
+    rows.append(
+      [
+        form,
+        f"{a['total_s']:.2f}",
+        f"{z['total_s']:.2f}",
+        f"{a['cpu_s']:.2f}",
+        f"{z['cpu_s']:.2f}",
+        f"{z['cpu_s'] / a['cpu_s']:.2f}",
+        a["kernels"],
+        z["kernels"],
+        a["hlo_lines"],
+        z["hlo_lines"],
+      ]
+    )
+  notes = (
+    f"One gtx.TableStack of Criteo's cardinalities capped at {args.cap:,} "
+    f"rows, {args.dim} wide, batch {args.batch}, gtx.lazy_adam, the whole "
+    "step (sparse_value_and_grad, update, apply_updates, donated) traced, "
+    f"lowered and compiled on abstract arguments, median of {args.repeats} "
+    "runs (26 and 500 alternating); `s`: wall "
+    "seconds, `cpu s`: CPU seconds of this process (the ratio is of CPU "
+    f"seconds); kernels: the compiled step's launches "
+    "(`benchmarks._common.hlo_op_counts`). The jagged form holds "
+    f"{args.batch} ids a feature (capacity F x B). Load average "
+    f"{load_note()}. {args.note}"
+  ).strip()
+  write_results(
+    "compile_tables_forms",
+    "Trace and compile time of a stack's step, by input and output form",
+    [
+      "form",
+      f"{base} s",
+      f"{last} s",
+      f"{base} cpu s",
+      f"{last} cpu s",
+      f"{last}/{base} cpu",
+      f"kernels {base}",
+      f"kernels {last}",
+      f"HLO lines {base}",
+      f"HLO lines {last}",
+    ],
+    rows,
+    notes=notes,
+    extra={"results": {str(t): r for t, r in results.items()}},
+  )
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--tables", type=int, nargs="+", default=[26, 52, 104])
@@ -167,12 +333,20 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--quick", action="store_true", help="4 and 8 tables")
   parser.add_argument(
+    "--forms", action="store_true", help="a stack's input and output forms"
+  )
+  parser.add_argument(
     "--note", default="", help="a sentence on the machine's state"
   )
   args = parser.parse_args(argv)
   if args.quick:
     args.tables, args.batch = [4, 8], 64
   jax.config.update("jax_enable_compilation_cache", False)
+  if args.forms:
+    if args.tables == [26, 52, 104]:
+      args.tables = [26, 500]
+    forms_main(args)
+    return
   for fn, *xs in programs(2, 10, 4, 8).values():  # JAX's own first calls
     timed(fn, *xs)
 

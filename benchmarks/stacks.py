@@ -158,8 +158,8 @@ def criteo_models(rows, dim):
   # outside (their dense gradients and a concatenation of the pooled rows)
   stack = gtx.TableStack(specs)
 
-  # both read the features in the stack's concat order (under jit, the ids'
-  # dict keys sorted), so the head's params mean the same in both
+  # both read the features in the stack's concat order (its declared
+  # order), so the head's params mean the same in both
   def per_table_loss(p, ids, y):
     order = stack.concat_order(ids)
     x = jnp.stack([p[n][ids[n]] for n in order], axis=1)

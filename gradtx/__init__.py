@@ -51,8 +51,11 @@ from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
 from gradtx._stack import Jagged as Jagged
+from gradtx._stack import Keyed as Keyed
+from gradtx._stack import KeyedJagged as KeyedJagged
 from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
+from gradtx._stack import pad_batch as pad_batch
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
@@ -79,6 +82,8 @@ __all__ = [
   "FtrlState",
   "Hashed",
   "Jagged",
+  "Keyed",
+  "KeyedJagged",
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",
@@ -112,6 +117,7 @@ __all__ = [
   "lazy_sgd",
   "lazy_trace",
   "lookup",
+  "pad_batch",
   "partial_rowwise_adam",
   "reset_rows",
   "reuse_host_memory",

@@ -718,3 +718,269 @@ def test_lanes_spread_a_width_over_stacks_and_train_as_one_stack():
   np.testing.assert_allclose(v3, v1, rtol=1e-6)
   for t in specs:
     np.testing.assert_allclose(p3[t], p1[t], rtol=1e-6, atol=1e-7)
+
+
+def test_concat_order_is_the_declared_order_eagerly_and_under_jit():
+  # declared zeta first; a dict's insertion order and jit's sorted keys
+  # both differ from it
+  stack = gtx.TableStack(
+    {"t": gtx.TableSpec(10, 2)},
+    features={"zeta": "t", "mid": "t", "alpha": "t"},
+  )
+  params = stack.init(jax.random.key(0))
+  ids = {
+    "alpha": np.array([1, 2]),
+    "zeta": np.array([3, 4]),
+    "mid": np.array([5, 6]),
+  }
+  table = np.asarray(params["float32x2"])
+  want = np.concatenate([table[ids[f]] for f in ("zeta", "mid", "alpha")], 1)
+  assert stack.concat_order(ids) == ["zeta", "mid", "alpha"]
+  seen = []
+
+  def concat(p, x):
+    seen.append(stack.concat_order(x))
+    return stack.lookup(p, x, concat=True)
+
+  np.testing.assert_array_equal(concat(params, ids), want)
+  np.testing.assert_array_equal(jax.jit(concat)(params, ids), want)
+  assert seen == [["zeta", "mid", "alpha"]] * 2
+
+
+def _jagged_parts(seed, keys, cap):
+  """Per key a gtx.Jagged of ``cap`` slots, and the same bags as one
+  gtx.KeyedJagged (key-major, padded to ``len(keys) * cap``)."""
+  rng = np.random.RandomState(seed)
+  lengths = rng.randint(0, 4, (len(keys), B)).astype(np.int32)
+  lengths[:, 1] = 0  # empty bags
+  per, flat, flat_w = {}, [], []
+  for k, f in enumerate(keys):
+    n = int(lengths[k].sum())
+    ids = rng.randint(-1, 20, n).astype(np.int32)
+    w = rng.rand(n).astype(np.float32)
+    pad = cap - n
+    per[f] = gtx.Jagged(
+      np.concatenate([ids, rng.randint(0, 20, pad)]).astype(np.int32),
+      lengths[k],
+      np.concatenate([w, np.ones(pad, np.float32)]),
+    )
+    flat.append(ids)
+    flat_w.append(w)
+  ids, w = np.concatenate(flat), np.concatenate(flat_w)
+  pad = len(keys) * cap - ids.shape[0]
+  keyed = gtx.KeyedJagged(
+    keys,
+    np.concatenate([ids, rng.randint(0, 20, pad)]).astype(np.int32),
+    lengths,
+    np.concatenate([w, np.ones(pad, np.float32)]),
+  )
+  return keyed, per
+
+
+def _keyed_cases():
+  """(name, stack, keyed input, the same features as a dict, weights)."""
+  ids, weights = _batch(21)
+  one_hot = ["country", "item_id", "user_id"]  # not the declared order
+  cases = []
+  for kw in ({}, {"batch_size": 16}):  # country stacked, then outside
+    cases.append(
+      (
+        f"one-hot {kw}",
+        _stack(**kw),
+        gtx.Keyed(one_hot, np.stack([ids[f] for f in one_hot], 1)),
+        {f: ids[f] for f in one_hot},
+        {},
+      )
+    )
+  tags = np.concatenate([ids["tags"], np.full((B, 2), -1)], 1)
+  bag_w = {"history": weights["history"], "tags": np.ones((B, 5), np.float32)}
+  cases.append(
+    (
+      "bags",
+      _stack(),
+      gtx.Keyed(
+        ["tags", "history"],
+        np.stack([tags, ids["history"]], 1),
+        np.stack([bag_w["tags"], bag_w["history"]], 1),
+      ),
+      {"tags": tags, "history": ids["history"]},
+      bag_w,
+    )
+  )
+  # clicks before user_id: not the declared order; tags: another stack
+  keyed, per = _jagged_parts(22, ["clicks", "user_id", "tags"], 18)
+  cases.append(("jagged", _stack(), keyed, per, {}))
+  keyed, per = _jagged_parts(23, ["user_id", "history"], 18)
+  cases.append(("jagged in order", _stack(), keyed, per, {}))
+  return cases
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_keyed_input_gives_the_dict_forms_loss_and_gradients(case):
+  name, stack, keyed, as_dict, weights = _keyed_cases()[case]
+  params = stack.init(jax.random.key(case))
+
+  def loss(p, x, w, combiner):
+    emb = stack.lookup(p, x, weights=w, combiner=combiner)
+    return sum(
+      jnp.sum(jnp.tanh(emb[f]) * (k + 1)) for k, f in enumerate(sorted(as_dict))
+    )
+
+  run = jax.jit(gtx.sparse_value_and_grad(loss), static_argnums=3)
+  for combiner in gtx_combiners():
+    v, g = run(params, keyed, {}, combiner)
+    want_v, want_g = run(params, as_dict, weights, combiner)
+    np.testing.assert_allclose(v, want_v, rtol=1e-6, err_msg=name)
+    assert set(g) == set(want_g)
+    for k in g:
+      got, want = g[k], want_g[k]
+      if isinstance(want, gtx.SparseRows):
+        got, want = got.to_dense(), want.to_dense()
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+  if name != "bags":  # as a mapping: the dict form, feature by feature
+    np.testing.assert_allclose(
+      stack.lookup(params, dict(keyed), concat=True),
+      stack.lookup(params, keyed, concat=True),
+      rtol=1e-6,
+    )
+  # the pooled rows as one keyed array, in concat order
+  flat = stack.lookup(params, as_dict, weights=weights, concat=True)
+  order = stack.concat_order(as_dict)
+  assert order == stack.concat_order(keyed)
+  if len({stack.tables[stack.features[f]].dim for f in order}) == 1:
+    out = jax.jit(lambda p, x: stack.lookup(p, x, keyed=True))(params, keyed)
+    assert isinstance(out, gtx.Keyed) and list(out.keys()) == order
+    np.testing.assert_allclose(
+      out.values.reshape(B, -1), flat, rtol=1e-6, err_msg=name
+    )
+    np.testing.assert_array_equal(out[order[-1]], out.values[:, -1])
+  else:
+    with pytest.raises(ValueError, match="concat=True"):
+      stack.lookup(params, keyed, keyed=True)
+
+
+@pytest.mark.parametrize("form", ["one-hot", "bags", "jagged"])
+def test_a_keyed_lookup_traces_the_same_program_for_any_number_of_features(
+  form,
+):
+  def eqns(nf):
+    stack = gtx.TableStack(
+      {f"t{i}": gtx.TableSpec(10 + i, 4) for i in range(nf)}
+    )
+    names = list(stack.features)[::-1]  # any order
+    if form == "one-hot":
+      x = gtx.Keyed(names, jnp.zeros((B, nf), jnp.int32))
+    elif form == "bags":
+      x = gtx.Keyed(
+        names, jnp.zeros((B, nf, 3), jnp.int32), jnp.ones((B, nf, 3))
+      )
+    else:
+      x = gtx.KeyedJagged(
+        names, jnp.zeros(7 * nf, jnp.int32), jnp.ones((nf, B), jnp.int32)
+      )
+    params = jax.eval_shape(stack.init, jax.random.key(0))
+
+    def loss(p, x):
+      return jnp.sum(stack.lookup(p, x, keyed=True).values ** 2)
+
+    jaxpr = jax.make_jaxpr(gtx.sparse_value_and_grad(loss))(params, x)
+    return len(jaxpr.eqns)
+
+  assert eqns(3) == eqns(40)
+
+
+def _short_batches():
+  """name -> (ids, weights) of a batch of 4 examples, the step's B = 6."""
+  ids, weights = _batch(31)
+  clicks = ids["clicks"]
+  short_jagged = clicks._replace(lengths=clicks.lengths[:4])
+  as_dict = {
+    "user_id": ids["user_id"][:4],
+    "history": ids["history"][:4],
+    "clicks": short_jagged,
+  }
+  keyed, _ = _jagged_parts(32, ["clicks", "user_id"], 18)
+  return {
+    "dict": (as_dict, {"history": weights["history"][:4]}),
+    "keyed": (
+      gtx.Keyed(
+        ["item_id", "user_id"],
+        np.stack([ids["item_id"][:4], ids["user_id"][:4]], 1),
+      ),
+      {},
+    ),
+    "keyed jagged": (
+      gtx.KeyedJagged(
+        keyed.names, keyed.ids, keyed.lengths[:, :4], keyed.weights
+      ),
+      {},
+    ),
+  }
+
+
+@pytest.mark.parametrize("form", ["dict", "keyed", "keyed jagged"])
+def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates(form):
+  stack = _stack()
+  ids, weights = _short_batches()[form]
+  width = 4 * len(ids)
+  params = {
+    "emb": stack.init(jax.random.key(1)),
+    "w": 0.3 * jax.random.normal(jax.random.key(2), (width,)),
+    "b": jnp.asarray(0.1),
+  }
+  labels = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+  tx = gtx.lazy_adam(0.1)  # Adam on the dense leaves
+
+  def loss(p, ids, weights, labels, mask):
+    x = stack.lookup(p["emb"], ids, weights=weights, concat=True)
+    logit = jnp.tanh(x) @ p["w"] + p["b"]
+    per_example = jax.nn.softplus(logit) - labels * logit
+    return jnp.sum(mask * per_example) / jnp.sum(mask)
+
+  @jax.jit
+  def step(p, s, ids, weights, labels, mask):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids, weights, labels, mask)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  state = tx.init(params)
+  want = step(params, state, ids, weights, labels, np.ones(4, bool))
+  padded, mask = gtx.pad_batch((ids, weights, labels), B)
+  np.testing.assert_array_equal(mask, [True] * 4 + [False] * 2)
+  got = step(params, state, *padded, mask)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_pad_batch_refuses_what_it_cannot_pad():
+  with pytest.raises(ValueError, match="more than `batch_size`"):
+    gtx.pad_batch({"a": np.zeros(5, np.int32)}, 4)
+  with pytest.raises(ValueError, match="different leading"):
+    gtx.pad_batch({"a": np.zeros(3, np.int32), "b": np.zeros(2)}, 4)
+  with pytest.raises(TypeError, match="weights"):
+    gtx.pad_batch({"a": np.zeros(3, np.uint32)}, 4)
+  with pytest.raises(ValueError, match="batch_size"):
+    gtx.pad_batch({"a": np.zeros(3, np.int32)}, 0)
+
+
+def test_admit_and_a_read_only_lookup_take_a_keyed_input_as_its_dict():
+  stack = gtx.TableStack(
+    {"h": gtx.TableSpec(16, 2, hashed=True), "t": gtx.TableSpec(8, 2)},
+    features={"user": "h", "page": "t"},
+  )
+  params = stack.init(jax.random.key(0))
+  vocab = stack.init_vocab(jax.random.key(1))
+  m = np.array([[1000, 3], [2000, 5], [1000, 7]], np.int32)
+  keyed = gtx.Keyed(["user", "page"], m)
+  as_dict = {"user": m[:, 0], "page": m[:, 1]}
+  rows, v1, _ = stack.admit(vocab, keyed)
+  want_rows, want_v1, _ = stack.admit(vocab, as_dict)
+  for f in as_dict:
+    np.testing.assert_array_equal(rows[f], want_rows[f])
+  for a, b in zip(jax.tree.leaves(v1), jax.tree.leaves(want_v1), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+    stack.lookup(params, keyed, vocab=v1, concat=True),
+    stack.lookup(params, as_dict, vocab=v1, concat=True),
+  )
