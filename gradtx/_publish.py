@@ -4,11 +4,12 @@
 the updates through and records, for every row of a table (a params leaf
 of at least two dimensions, as :func:`gradtx.bytes_per_row` counts them),
 the step that last changed it (int32, 4 bytes a row), and for every other
-leaf the step it last changed. A row changes when the update gives it a
-row with a nonzero element: the valid ids of a SparseRows update, the
-nonzero rows of a dense one. An all-zero update row (an accumulate
-micro-step, a dropped stale gradient, a zero gradient under SGD) keeps
-every value, so it is not recorded.
+leaf the step it last changed. A row changes when the update writes it:
+every row a SparseRows update carries (a valid id, whatever its values:
+checking them would read the update's rows once more), and every row of a
+dense update with a nonzero element. Accumulate's micro-steps and dropped
+stale gradients carry no row (all padding, or dense zeros), so they record
+nothing.
 
 :func:`delta` reads that record wherever it sits in an optimizer state
 (chains, ``optax.multi_transform``, :func:`gradtx.accumulate`,
@@ -135,13 +136,13 @@ def _record(u: Any, rec: jax.Array, step: jax.Array) -> jax.Array:
   if u is None:
     return rec
   if isinstance(u, SparseRows):
+    # Every row the update carries, without reading its values: a check of
+    # the values would read (or recompute) the update's rows once more.
     idx = u.valid_indices()
-    hit = _nonzero_rows(u.values) & (idx < u.num_rows)
     if rec.ndim == 0:
-      return jnp.where(jnp.any(hit), step, rec)
-    at = jnp.where(hit, idx, u.num_rows)
-    stamps = jnp.broadcast_to(step, at.shape)
-    return scatter_rows(rec, at, stamps, unique=u.unique)
+      return jnp.where(jnp.any(idx < u.num_rows), step, rec)
+    stamps = jnp.broadcast_to(step, idx.shape)
+    return scatter_rows(rec, idx, stamps, unique=u.unique)
   u = jnp.asarray(u)
   if rec.ndim == 0:
     return jnp.where(jnp.any(u != 0), step, rec)
@@ -155,12 +156,14 @@ def track_changes(per_row: Any = None) -> optax.GradientTransformationExtraArgs:
   as they are, and its state records, per row of each table, the step
   (the count of its ``update`` calls, from 1) that last changed the row,
   and for every other leaf the step that last changed it. A row changes
-  when the update gives it a nonzero element; an all-zero update row
-  (accumulate's micro-steps, a dropped stale gradient) adds zero, which
-  keeps every value, so it is not recorded. The work is a reduction over
-  the update's rows and one int32 scatter; the state is 4 bytes a row of
-  each table (counted by :func:`gradtx.bytes_per_row`) and 4 bytes a
-  dense leaf, split with the rows of a row-sharded table. The state is
+  when the update writes it: every row a SparseRows update carries (its
+  valid ids; the values are not read), every row of a dense update with a
+  nonzero element, a dense leaf whose update has one. Accumulate's
+  micro-steps and a dropped stale gradient carry no row, so they record
+  nothing. The work is one int32 scatter of the update's ids per table;
+  the state is 4 bytes a row of each table (counted by
+  :func:`gradtx.bytes_per_row`) and 4 bytes a dense leaf, split with the
+  rows of a row-sharded table. The state is
   checkpointed with the rest of the optimizer state, so a resumed run
   publishes what the uninterrupted run would.
 
@@ -498,7 +501,7 @@ def delta(
   whole when it changed; ``step`` is where the next delta starts. Applying
   every delta in order (:func:`apply_delta`) to a copy of the initial
   params gives ``params`` bit for bit, and a delta holds only rows that
-  an update changed (a nonzero update row) or the id map gave out.
+  an update wrote after ``since`` or the id map gave out since.
 
   Call it outside ``jit``, between steps. It compiles small programs (a
   count, the ids, a gather) once per table shape and size bucket, reads
