@@ -563,10 +563,16 @@ def delta(
     if _is_skip(p):
       out.append(None)
       continue
+    m = maps.pop(path, None)
     if rec.ndim == 0:
+      if m is not None:
+        raise ValueError(
+          "gradtx.delta `vocab` has a map for the params leaf "
+          f"{jax.tree_util.keystr(path)}, which gradtx.track_changes records "
+          "whole; record it row by row (`per_row` True for it)."
+        )
       out.append(np.asarray(p) if int(rec) > since else None)
       continue
-    m = maps.pop(path, None)
     rec = _whole(rec)
     if m is None:
       mask = _changed_mask(rec, since_arr)

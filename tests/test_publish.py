@@ -244,6 +244,11 @@ def test_state_is_four_bytes_a_row_and_bytes_per_row_counts_it():
     ),
   )
   assert whole.init(params)[1].changed["w"].shape == ()
+  state = whole.init(params)
+  u, state = whole.update(make_grads(0), state, params)
+  d = gtx.delta(gtx.apply_updates(params, u), state)
+  assert d.params["w"].shape == SHAPES["w"]
+  assert d.params["emb"]["ids"].shape[0] < SHAPES["emb"][0]
 
 
 def test_delta_errors_name_the_fix():
