@@ -35,6 +35,7 @@ BENCHMARKS = [
   "compile_tables",
   "stacks",
   "vocab",
+  "publish",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 

@@ -48,6 +48,11 @@ from gradtx._partial_rowwise_adam import (
 )
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
+from gradtx._publish import Delta as Delta
+from gradtx._publish import TrackChangesState as TrackChangesState
+from gradtx._publish import apply_delta as apply_delta
+from gradtx._publish import delta as delta
+from gradtx._publish import track_changes as track_changes
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
 from gradtx._stack import Jagged as Jagged
@@ -77,6 +82,7 @@ __version__ = "0.1.0"
 __all__ = [
   "AccumulateState",
   "AllReduce",
+  "Delta",
   "DropStaleState",
   "FreshRows",
   "FtrlState",
@@ -99,15 +105,18 @@ __all__ = [
   "SparsityWarning",
   "TableSpec",
   "TableStack",
+  "TrackChangesState",
   "VocabState",
   "Words",
   "accumulate",
   "adagrad",
   "add_decayed_weights",
   "all_reduce",
+  "apply_delta",
   "apply_updates",
   "bytes_per_row",
   "clip_by_global_norm",
+  "delta",
   "densify",
   "drop_stale",
   "ftrl",
@@ -136,5 +145,6 @@ __all__ = [
   "sparsity_report",
   "staleness_stats",
   "stochastic_round",
+  "track_changes",
   "use_huge_pages",
 ]

@@ -19,6 +19,7 @@ from gradtx._conditional import apply_if, zeros_like_update
 from gradtx._sparse_rows import SparseRows
 from gradtx._static import is_int
 from gradtx._update_trees import (
+  broadcast_prefix,
   check_tree_match,
   is_update_leaf,
   map_updates,
@@ -129,13 +130,8 @@ def _resolve_rows_per_step(rows_per_step: Any, params: Any) -> Any:
     n = _check_rows(rows_per_step, "")
     return tree_map(lambda p: None if p is None else n, params)
   try:
-    return jax.tree.map(
-      lambda n, sub: tree_map(lambda p: None if p is None else n, sub),
-      rows_per_step,
-      params,
-      is_leaf=lambda x: x is None,
-    )
-  except (ValueError, TypeError) as e:
+    return broadcast_prefix(rows_per_step, params)
+  except ValueError as e:
     raise ValueError(
       "gradtx.accumulate `rows_per_step` must be an int (every leaf is a "
       "sparse table) or a pytree prefix of params with an int for each "

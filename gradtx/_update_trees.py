@@ -76,6 +76,22 @@ def tree_leaves(tree: Any) -> list[Any]:
   ]
 
 
+def broadcast_prefix(prefix: Any, tree: Any) -> Any:
+  """A tree like ``tree`` with each leaf of ``prefix`` (a pytree prefix of
+  it, None a leaf) repeated over its subtree; None leaves of ``tree`` stay
+  None. Raises ``ValueError`` when ``prefix`` is not a prefix of ``tree``
+  (callers say which argument it was)."""
+  try:
+    return jax.tree.map(
+      lambda x, sub: tree_map(lambda p: None if p is None else x, sub),
+      prefix,
+      tree,
+      is_leaf=lambda x: x is None,
+    )
+  except (ValueError, TypeError) as e:
+    raise ValueError(str(e)) from e
+
+
 def zero_counter() -> jax.Array:
   """A fresh int32 scalar counter (a new buffer each call)."""
   return jnp.zeros([], jnp.int32)

@@ -3,7 +3,7 @@
 tests/test_conformance.py runs it, once for every transformation:
 
 * :data:`CHECKS` on every case of :data:`CASES` (the sparse-aware
-  transforms, accumulate, drop_stale, all_reduce) and of
+  transforms, accumulate, drop_stale, all_reduce, track_changes) and of
   :data:`OPTIMIZERS`: jit agrees with eager; init from
   ``jax.ShapeDtypeStruct``; no state leaf aliases params or another state
   leaf, and a jitted step donating them (replicated on 8 devices) runs in a
@@ -1104,6 +1104,9 @@ CASES = [
     ),
     extra_args=lagging,
   ),
+  # track_changes passes the updates through; its record's checks:
+  # tests/test_publish.py.
+  Case("track_changes", lambda: gtx.track_changes()),
   # all_reduce alone; its chains with optimizers: check_mirrored.
   Case("all_reduce_mean", lambda: _bound_to_unit_axis(gtx.all_reduce("r"))),
 ]
