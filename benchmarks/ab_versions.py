@@ -1,80 +1,102 @@
-"""Whole-step speed of this checkout against an earlier commit, in one run.
+"""Whole-step speed of this checkout against earlier commits, in separate
+processes.
 
-The earlier commit's ``gradtx`` package is materialized from git into a
-temporary folder as ``gradtx_before`` (its imports renamed), so both
-versions run side by side in one process: the whole training step users
-run (forward with the loss returned, sparse backward, optimizer, apply;
-jitted and donated; fresh uniform ids every step), alternating in rounds.
-``--after REV`` takes the later version from git too (``gradtx_after``),
-so that uncommitted work in the checkout stays out of the comparison.
+Each version's ``gradtx`` package is exported from git into a folder of its
+own, and every measurement is a fresh process that imports one version,
+builds one step, runs it and exits: no version inherits another's
+allocator state, compiled programs or warm caches (one process holding
+both versions once showed a change 10% faster that fresh processes showed
+slower). The processes alternate, version after version, over
+``--rounds`` rounds, the order reversed every other round so that drift in
+the machine's load falls on every version alike; a version's figure is the
+median of its rounds' medians, and the table gives their spread (lowest
+to highest round) and the spread of the round-by-round ratio to the
+baseline (the first ``--before``), which pairs runs made at the same
+time.
 
-Every built-in optimizer runs, and a user-written one: the guide's lazy
-Lion (docs/guides/custom_optimizer.md) through ``gtx.row_transformation``.
+The step is the whole one users run (forward with the loss returned,
+sparse backward, optimizer, apply; jitted, params and state donated; fresh
+uniform ids every step, pre-generated), on the default path (no opt-in
+call). Every built-in optimizer runs, and a user-written one: the guide's
+lazy Lion (docs/guides/custom_optimizer.md) through
+``gtx.row_transformation``; then the DLRM-shaped step of
+``benchmarks.recsys`` on ``--tables`` tables. torch's
+``nn.Embedding(sparse=True)`` + ``SparseAdam`` runs beside lazy Adam, in
+processes of its own, with ``--torch-python`` (default: ``.venv-bench``'s
+python where it exists, else this one where torch imports).
 
-  python -m benchmarks.ab_versions --before REV [--after REV]
-      [--rows 1000000] [--dim 64] [--ids 8192]
+  python -m benchmarks.ab_versions --before REV [REV ...] [--after REV]
+      [--rows 1000000] [--dim 64] [--ids 8192] [--rounds 5] [--steps 30]
+      [--only TEXT] [--tables 26] [--torch-python PATH | --no-torch]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-import gradtx
-from benchmarks._common import (
-  Schedule,
-  add_schedule_args,
-  hlo_op_counts,
-  ratio_rows,
-  table_runner,
-  table_step,
-  uniform_batches,
-  write_results,
-)
+from benchmarks._common import RESULTS, load_note, write_results
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+CHECKOUT = "this checkout"
+TORCH = "torch SparseAdam"
+WARMUP = 5
 
 
 def load_version(rev: str, name: str = "gradtx_before") -> Any:
-  """``gradtx`` as of ``rev``, imported as ``name``."""
+  """``gradtx`` as of ``rev``, imported as ``name`` in this process."""
   out = pathlib.Path(tempfile.mkdtemp()) / name
   out.mkdir()
-  names = subprocess.run(
-    ["git", "ls-tree", "--name-only", rev, "gradtx/"],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-    text=True,
-  ).stdout.split()
-  for name in names:
-    if not name.endswith(".py"):
-      continue
-    text = subprocess.run(
-      ["git", "show", f"{rev}:{name}"],
-      cwd=ROOT,
-      check=True,
-      capture_output=True,
-      text=True,
-    ).stdout
+  for path, text in _version_files(rev):
     text = re.sub(r"\bgradtx\b(?=[._ ])", out.name, text)
-    (out / pathlib.Path(name).name).write_text(text)
+    (out / path.name).write_text(text)
   sys.path.insert(0, str(out.parent))
   return importlib.import_module(out.name)
+
+
+def export_version(rev: str) -> str:
+  """A folder holding ``gradtx`` as of ``rev``, for a process to import;
+  ``rev`` may be such a folder itself (another checkout)."""
+  if (pathlib.Path(rev) / "gradtx" / "__init__.py").exists():
+    return str(pathlib.Path(rev).resolve())
+  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx"
+  out.mkdir()
+  for path, text in _version_files(rev):
+    (out / path.name).write_text(text)
+  return str(out.parent)
+
+
+def _version_files(rev: str) -> list[tuple[pathlib.PurePath, str]]:
+  def git(*args: str) -> str:
+    return subprocess.run(
+      ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+  names = git("ls-tree", "--name-only", rev, "gradtx/").split()
+  return [
+    (pathlib.PurePath(n), git("show", f"{rev}:{n}"))
+    for n in names
+    if n.endswith(".py")
+  ]
 
 
 def lazy_lion(
   gtx: Any, learning_rate: float, b1=0.9, b2=0.99, weight_decay=0.0
 ) -> Any:
   """The guide's lazy Lion, a user's rule on ``gtx.row_transformation``."""
+  import jax.numpy as jnp
 
   def init(p):
     return (jnp.zeros_like(p),)
@@ -87,21 +109,277 @@ def lazy_lion(
   return gtx.row_transformation(rule, init, needs_params=True)
 
 
+# the single-table steps: name -> the optimizer, from the version's gtx
+SINGLE = {
+  "lazy_adam": lambda g: g.lazy_adam(1e-3),
+  "lazy_adamw": lambda g: g.lazy_adamw(1e-3, weight_decay=1e-4),
+  "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
+  "adagrad": lambda g: g.adagrad(1e-2),
+  "ftrl": lambda g: g.ftrl(0.05, l1_regularization_strength=1e-4),
+  "lazy_sgd_momentum": lambda g: g.lazy_sgd(1e-2, momentum=0.9),
+  "lazy_adam_catch_up": lambda g: g.lazy_adam(1e-3, catch_up=True),
+  "user lazy_lion (row_transformation)": lambda g: lazy_lion(
+    g, 1e-4, weight_decay=1e-4
+  ),
+}
+# the recsys steps on --tables tables
+MANY = {
+  "lazy_adam": lambda g: g.lazy_adam(1e-3),
+  "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
+}
+
+
+# ----------------------------------------------------------------------------
+# one process: one version, one step
+
+
+def _single_data(spec: dict) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The table and every step's fresh uniform ids, alike in every
+  process (jax's and torch's)."""
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((spec["rows"], spec["dim"]), dtype=np.float32)
+  batches = [
+    rng.integers(0, spec["rows"], spec["ids"]).astype(np.int32)
+    for _ in range(WARMUP + spec["steps"])
+  ]
+  return table, batches
+
+
+def _gtx_single(spec: dict) -> tuple[Any, dict]:
+  import jax.numpy as jnp
+
+  import gradtx as gtx
+  from benchmarks._common import table_step
+
+  table, batches = _single_data(spec)
+  tx = SINGLE[spec["case"]](gtx)
+  params = {"emb": jnp.asarray(table)}
+  del table
+  ids = [jnp.asarray(b) for b in batches]
+  return _compiled_runner(
+    table_step(gtx, tx), params, tx.init(params), ids, lambda b: (b,)
+  )
+
+
+def _gtx_many(spec: dict) -> tuple[Any, dict]:
+  import jax
+  import jax.numpy as jnp
+
+  import gradtx as gtx
+  from benchmarks import recsys
+
+  rows = recsys.table_rows(spec["tables"], 100_000)
+  data = recsys.make_data(rows, 2048, WARMUP + spec["steps"], "zipf")
+  params = jax.tree.map(jnp.asarray, recsys.init_params(rows, 64, "linear", 0))
+  loss = recsys.per_table_loss(spec["tables"])
+  tx = MANY[spec["case"]](gtx)
+
+  def step(p, s, ids, y):
+    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s, value
+
+  batches = list(zip(data.ids, data.labels, strict=True))
+  return _compiled_runner(
+    jax.jit(step, donate_argnums=(0, 1)),
+    params,
+    tx.init(params),
+    batches,
+    lambda b: b,
+  )
+
+
+def _compiled_runner(jitted, params, state, batches, args) -> tuple[Any, dict]:
+  """``(run(k), op counts)``: the step compiled once, run on batch ``k``
+  with its donated params and state, waiting for the loss."""
+  from benchmarks._common import hlo_op_counts
+
+  compiled = jitted.lower(params, state, *args(batches[0])).compile()
+  box = [params, state]
+
+  def run(k: int) -> None:
+    box[0], box[1], loss = compiled(box[0], box[1], *args(batches[k]))
+    loss.block_until_ready()
+
+  return run, hlo_op_counts(compiled.as_text())
+
+
+def _torch_single(spec: dict) -> tuple[Any, dict]:
+  """torch's twin of the lazy Adam step: ``nn.Embedding(sparse=True)``,
+  the same loss, ``SparseAdam``, two threads, ``loss.item()`` returned."""
+  import torch
+
+  torch.set_num_threads(2)
+  table, batches = _single_data(spec)
+  emb = torch.nn.Embedding(*table.shape, sparse=True)
+  with torch.no_grad():
+    emb.weight.copy_(torch.from_numpy(table))
+  del table
+  opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+  ids = [torch.from_numpy(b.astype(np.int64)) for b in batches]
+
+  def run(k: int) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss = (torch.tanh(emb(ids[k])) * 0.01).sum()
+    loss.backward()
+    opt.step()
+    loss.item()
+
+  return run, {}
+
+
+def worker(spec: dict) -> dict:
+  """Runs one step ``WARMUP`` times, then ``spec["steps"]`` timed times on
+  fresh ids: wall and process CPU ms of each, and the op counts."""
+  if spec["path"] is None:
+    run, ops = _torch_single(spec)
+  else:
+    sys.path.insert(0, spec["path"])
+    make = _gtx_many if spec["kind"] == "many" else _gtx_single
+    run, ops = make(spec)
+  for k in range(WARMUP):
+    run(k)
+  wall, cpu = [], []
+  for k in range(WARMUP, WARMUP + spec["steps"]):
+    t0, c0 = time.perf_counter(), time.process_time()
+    run(k)
+    wall.append(1e3 * (time.perf_counter() - t0))
+    cpu.append(1e3 * (time.process_time() - c0))
+  return {"wall": wall, "cpu": cpu, "ops": ops}
+
+
+# ----------------------------------------------------------------------------
+# the parent: alternating processes
+
+
+def _spawn(python: str, spec: dict) -> dict:
+  env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+  out = subprocess.run(
+    [python, "-m", "benchmarks.ab_versions", "--worker", json.dumps(spec)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  if out.returncode:
+    raise RuntimeError(f"the step's process failed:\n{out.stderr}")
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _p10(xs: list[float]) -> float:
+  """The 10th percentile: the steps that ran while the process had the
+  cores, less exposed to other programs on a shared machine."""
+  return float(np.percentile(xs, 10))
+
+
+def _spread(xs: list[float]) -> str:
+  return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def measure(
+  label: str, kind: str, case: str, systems: dict, args: Any
+) -> list[list]:
+  """Rows for one step: every system in ``systems`` (label -> (python,
+  gradtx folder or None for torch)) alternating over ``args.rounds``
+  rounds of fresh processes."""
+  names = list(systems)
+  per: dict[str, list[dict]] = {n: [] for n in names}
+  for r in range(args.rounds):
+    for n in names if r % 2 == 0 else names[::-1]:
+      python, path = systems[n]
+      spec = {
+        "kind": kind,
+        "case": case,
+        "path": path,
+        "rows": args.rows,
+        "dim": args.dim,
+        "ids": args.ids,
+        "tables": args.tables,
+        "steps": args.steps,
+      }
+      per[n].append(_spawn(python, spec))
+      got = statistics.median(per[n][-1]["wall"])
+      print(f"{label} | {n} | round {r + 1}: {got:.2f} ms", file=sys.stderr)
+  wall = {n: [statistics.median(x["wall"]) for x in per[n]] for n in names}
+  cpu = {n: [statistics.median(x["cpu"]) for x in per[n]] for n in names}
+  p10 = {n: [_p10(x["wall"]) for x in per[n]] for n in names}
+  base = names[0]
+  rows = []
+  for n in names:
+    ratios = [a / b for a, b in zip(wall[n], wall[base], strict=True)]
+    ops = per[n][0]["ops"]
+    rows.append(
+      [
+        label,
+        n,
+        f"{statistics.median(wall[n]):.2f}",
+        _spread(wall[n]),
+        f"{statistics.median(wall[n]) / statistics.median(wall[base]):.3f}",
+        f"{min(ratios):.2f}-{max(ratios):.2f}",
+        f"{statistics.median(p10[n]):.2f}",
+        f"{statistics.median(cpu[n]):.2f}",
+        ops.get("kernels", "-"),
+        ops.get("scatter", "-"),
+      ]
+    )
+  return rows
+
+
+def _torch_python(args: Any) -> str | None:
+  if args.no_torch:
+    return None
+  candidates = [args.torch_python] if args.torch_python else []
+  candidates += [str(ROOT / ".venv-bench" / "bin" / "python"), sys.executable]
+  for python in candidates:
+    if not os.path.exists(python):
+      continue
+    ok = subprocess.run(
+      [python, "-c", "import torch"], capture_output=True
+    ).returncode
+    if ok == 0:
+      return python
+  return None
+
+
+def _with_previous(payload_path: pathlib.Path) -> tuple[str, dict | None]:
+  """The results now in ``ab_versions.md|json`` (before this run
+  overwrites them), kept below the new table: the last A/B run."""
+  md = payload_path.with_suffix(".md")
+  if not payload_path.exists() or not md.exists():
+    return "", None
+  old = json.loads(payload_path.read_text())
+  old.pop("previous", None)
+  text = md.read_text().split("\n### Previous run: ", 1)[0].strip()
+  return text.replace("## ", "### Previous run: ", 1), old
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--before", required=True)
+  parser.add_argument(
+    "--before",
+    nargs="+",
+    default=[],
+    help="earlier git revisions; the first is the baseline of the ratios",
+  )
   parser.add_argument(
     "--after",
     default=None,
-    help="the later version, a git revision (default: this checkout)",
+    help="the later version, a git revision (default: this checkout, "
+    "uncommitted work included)",
   )
   parser.add_argument("--rows", type=int, default=1_000_000)
   parser.add_argument("--dim", type=int, default=64)
   parser.add_argument("--ids", type=int, default=8192)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument(
+    "--steps", type=int, default=30, help="timed steps per process"
+  )
   parser.add_argument(
     "--only",
-    default="",
-    help="run only the optimizers whose name contains this text",
+    nargs="+",
+    default=None,
+    help="run only these steps (names as in the table's first column, "
+    "'lazy_adam, 26 tables' for a recsys step)",
   )
   parser.add_argument(
     "--tables",
@@ -110,122 +388,84 @@ def main(argv: list[str] | None = None) -> None:
     help="also the DLRM-shaped step of benchmarks.recsys on this many "
     "tables (linear head, Zipf ids); 0 to skip",
   )
-  add_schedule_args(parser)
+  parser.add_argument("--torch-python", default=None)
+  parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  sched = Schedule.from_args(args)
-  versions = {f"before ({args.before})": load_version(args.before)}
-  if args.after is None:
-    now = "this checkout"
-    versions["now"] = gradtx
-  else:
-    now = args.after
-    versions[f"after ({now})"] = load_version(now, "gradtx_after")
-  rng = np.random.RandomState(0)
-  batches = uniform_batches(rng, args.rows, args.ids)
-  makers = {
-    "lazy_adam": lambda g: g.lazy_adam(1e-3),
-    "lazy_adamw": lambda g: g.lazy_adamw(1e-3, weight_decay=1e-4),
-    "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
-    "adagrad": lambda g: g.adagrad(1e-2),
-    "ftrl": lambda g: g.ftrl(0.05, l1_regularization_strength=1e-4),
-    "lazy_sgd_momentum": lambda g: g.lazy_sgd(1e-2, momentum=0.9),
-    "lazy_adam_catch_up": lambda g: g.lazy_adam(1e-3, catch_up=True),
-    "user lazy_lion (row_transformation)": lambda g: lazy_lion(
-      g, 1e-4, weight_decay=1e-4
-    ),
+  if args.worker:
+    print(json.dumps(worker(json.loads(args.worker))))
+    return
+  if not args.before:
+    parser.error("--before: give at least one earlier git revision")
+  python = sys.executable
+  systems = {
+    f"before ({rev})": (python, export_version(rev)) for rev in args.before
   }
+  if args.after is None:
+    systems[CHECKOUT] = (python, str(ROOT))
+  else:
+    systems[f"after ({args.after})"] = (python, export_version(args.after))
+  torch_python = _torch_python(args)
+  load = load_note()
   rows = []
-  for name, make in makers.items():
-    if args.only not in name:
+  for case in SINGLE:
+    if args.only and case not in args.only:
       continue
-    fns, ops = {}, {}
-    for label, gtx in versions.items():
-      tx = make(gtx)
-      table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
-      step = table_step(gtx, tx)
-      ops[label] = _ops(step, {"emb": table}, tx, batches[0])
-      fns[label] = table_runner(step, tx, table, batches)
-    rows += _with_ops(ratio_rows(name, fns, sched), ops)
-  if args.tables:
-    rows += _many_tables(versions, args, sched)
-  write_results(
-    "ab_versions",
-    f"Whole step, {now} vs {args.before}: {args.rows:,} x "
-    f"{args.dim} table, {args.ids:,} fresh uniform ids per step",
-    ["optimizer", "version", "step ms", "vs before", "kernels", "scatters"],
-    rows,
-    notes=sched.describe() + "; both versions in one process. kernels, "
-    "scatters: what the compiled step launches (benchmarks._common."
-    "hlo_op_counts), the same on every machine.",
+    with_torch = dict(systems)
+    if case == "lazy_adam" and torch_python:
+      with_torch[TORCH] = (torch_python, None)
+    rows += measure(case, "single", case, with_torch, args)
+  for case in MANY if args.tables else ():
+    label = f"{case}, {args.tables} tables"
+    if not args.only or label in args.only:
+      rows += measure(label, "many", case, systems, args)
+  versions = " vs ".join(
+    reversed([n.split("(")[-1].rstrip(")") for n in systems])
   )
-
-
-def _ops(step: Any, params: Any, tx: Any, *args: Any) -> dict[str, int]:
-  """Static op counts of ``step``'s compiled program on these arguments."""
-  import jax
-
-  state = jax.eval_shape(tx.init, params)
-  return hlo_op_counts(step.lower(params, state, *args).compile().as_text())
-
-
-def _with_ops(rows: list, ops: dict[str, dict[str, int]]) -> list:
-  """``rows`` of :func:`ratio_rows` with each version's kernels and
-  scatters appended."""
-  return [
-    row + [ops[row[1]]["kernels"], ops[row[1]]["scatter"]] for row in rows
-  ]
-
-
-def _many_tables(versions: dict, args: Any, sched: Schedule) -> list:
-  """The recsys step (one leaf per table, Criteo's cardinalities capped at
-  100k, 64 wide, batch 2048, Zipf ids, linear head) for each version."""
-  import jax
-
-  from benchmarks import recsys
-
-  makers = [
-    (name, make)
-    for name, make in (
-      ("lazy_adam", lambda g: g.lazy_adam(1e-3)),
-      ("rowwise_adagrad", lambda g: g.rowwise_adagrad(1e-2)),
-    )
-    if args.only in name
-  ]
-  if not makers:
-    return []
-  table_rows = recsys.table_rows(args.tables, 100_000)
-  data = recsys.make_data(table_rows, 2048, 8, "zipf")
-  params_np = recsys.init_params(table_rows, 64, "linear", 0)
-  loss = recsys.per_table_loss(args.tables)
-  rows = []
-  for name, make in makers:
-    fns, ops = {}, {}
-    for label, gtx in versions.items():
-      tx = make(gtx)
-
-      def step(p, s, ids, y, gtx=gtx, tx=tx):
-        value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
-        u, s = tx.update(g, s, p)
-        return gtx.apply_updates(p, u), s, value
-
-      jitted = jax.jit(step, donate_argnums=(0, 1))
-      box = {"p": jax.tree.map(jnp.asarray, params_np), "k": 0}
-      box["s"] = tx.init(box["p"])
-      ops[label] = _ops(jitted, box["p"], tx, data.ids[0], data.labels[0])
-
-      def run(box=box, jitted=jitted):
-        box["k"] = (box["k"] + 1) % len(data.ids)
-        k = box["k"]
-        box["p"], box["s"], v = jitted(
-          box["p"], box["s"], data.ids[k], data.labels[k]
-        )
-        v.block_until_ready()
-
-      fns[label] = run
-    rows += _with_ops(
-      ratio_rows(f"{name}, {args.tables} tables", fns, sched), ops
-    )
-  return rows
+  name = "ab_versions" + os.environ.get("GRADTX_BENCH_SUFFIX", "")
+  previous_md, previous = _with_previous(RESULTS / f"{name}.json")
+  notes = (
+    f"{args.rounds} rounds of fresh processes, one per version and step, "
+    "alternating (the order reversed every other round); each process "
+    f"runs the step {WARMUP} times untimed, then {args.steps} timed steps "
+    "on fresh ids. step ms: the median over rounds of each round's median "
+    "step; spread: the lowest and highest round; vs before: against the "
+    "first version's median, and its spread the lowest and highest ratio "
+    "of two runs of the same round; p10 ms: the median over rounds of "
+    "each round's 10th-percentile step (the steps that had the cores, less "
+    "exposed to other programs on a shared machine); cpu ms: the "
+    "process's CPU time per step (its threads together; less sensitive "
+    "to other programs on the cores than wall time). kernels, scatters: "
+    "what the compiled step launches (benchmarks._common.hlo_op_counts), "
+    "the same on every machine. torch: nn.Embedding(sparse=True) + "
+    f"SparseAdam, 2 threads, the same loss and ids. Load average (1/5/15 "
+    f"min) before: {load}; "
+    f"after: {load_note()}."
+  )
+  if not torch_python:
+    notes += " torch did not import: no torch row."
+  md = write_results(
+    "ab_versions",
+    f"Whole step, {versions}: {args.rows:,} x {args.dim} table, "
+    f"{args.ids:,} fresh uniform ids per step",
+    [
+      "step",
+      "version",
+      "step ms",
+      "spread ms",
+      "vs before",
+      "spread",
+      "p10 ms",
+      "cpu ms",
+      "kernels",
+      "scatters",
+    ],
+    rows,
+    notes=notes,
+    extra={"previous": previous} if previous else None,
+  )
+  if previous_md:
+    (RESULTS / f"{name}.md").write_text(md + "\n" + previous_md + "\n")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ the only places that know JAX's internals:
 * the varying mesh axes of shard_map's types (``manual_axis_type``, or
   ``vma`` on older JAX): :func:`vma_of`, :func:`varying_axes`,
   :func:`cast_varying`, :func:`shape_struct`.
+* what XLA makes of ``lax.optimization_barrier``: older XLA:CPU (jax
+  0.10) expands barriers before fusion, newer keeps them through it;
+  :func:`barrier_computes_once` reads which from a small compiled program.
 * JAX's own source: ``source_info_util`` (the user's line of an equation),
   the modules of its collectives and tree utilities (the SparseRows flatten
   guard, :mod:`gradtx._flatten_guard`, walks the stack past them), and the
@@ -24,6 +27,7 @@ the only places that know JAX's internals:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -126,6 +130,39 @@ def shape_struct(aval: Any) -> jax.ShapeDtypeStruct:
     weak_type=aval.weak_type,
     manual_axis_type=getattr(aval, "manual_axis_type", None),
   )
+
+
+# ----------------------------------------------------------------------------
+# XLA's optimization barriers
+
+# A producer constant that nothing else in the probe holds.
+_PROBE_SCALE = 1.25
+
+
+@functools.cache
+def barrier_computes_once() -> bool:
+  """Whether XLA computes a value behind ``lax.optimization_barrier`` once,
+  with its producer's gather fused in, when two consumers read it (a
+  scatter and an elementwise op, as the row engine's new state rows).
+
+  Newer XLA keeps a barrier through fusion; older XLA:CPU (jax 0.10)
+  expands it before, and then duplicates the cheap producer into each
+  consumer and leaves the gather a kernel of its own, as if there were no
+  barrier. Read once, on JAX's default backend, from a small compiled
+  program: the producer's scale appears once in it when the barrier holds,
+  in each consumer when it does not.
+  """
+
+  def probe(t, i):
+    r = lax.optimization_barrier(jax.numpy.tanh(t[i]) * _PROBE_SCALE)
+    return t.at[i].set(r, unique_indices=True), r * 3.0
+
+  args = (
+    jax.ShapeDtypeStruct((64, 8), jax.numpy.float32),
+    jax.ShapeDtypeStruct((16,), jax.numpy.int32),
+  )
+  text = jax.jit(probe, donate_argnums=0).lower(*args).compile().as_text()
+  return text.count(f"constant({_PROBE_SCALE})") == 1
 
 
 # ----------------------------------------------------------------------------

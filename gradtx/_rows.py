@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from gradtx._jax_compat import varying_axes
+from gradtx._jax_compat import barrier_computes_once, varying_axes
 from gradtx._rowio import (
   per_row,
   read_param_rows,
@@ -164,14 +164,18 @@ def _materialize(x: jax.Array) -> jax.Array:
   consumers and stays a standalone gather kernel, slower per row than a
   gather fused into its one consumer's loop. Behind an optimization
   barrier the new rows are computed once, with the old rows' gather fused
-  in. Rows of one value each (``[n]``, row-wise state) are copied by a
-  scatter into a buffer of zeros instead: in cache, and the barrier
-  measured a little slower there. (A scatter copy of whole rows zeroes a
-  fresh ``[n, *row]`` buffer every step: lazy Adam's step on 26 tables was
-  1.2x slower with it.) Reading the rows back from the written table
-  does the same, but inside a ``lax.cond`` (accumulate, drop_stale,
-  optax.apply_if_finite) XLA then copies the whole table. Rows split over
-  mesh axes are left as they are.
+  in, where XLA keeps the barrier through fusion
+  (:func:`~gradtx._jax_compat.barrier_computes_once`). Elsewhere (older
+  XLA:CPU drops it before fusion, which leaves the gather standalone and
+  a buffer of new rows faulted in afresh each step), and for rows of one
+  value each (``[n]``, row-wise state: in cache, where the barrier
+  measured a little slower), the rows are copied by a scatter into a
+  buffer of zeros instead. (That copy of whole rows zeroes a fresh
+  ``[n, *row]`` buffer every step: lazy Adam's step on 26 tables was 1.2x
+  slower with it than with a kept barrier.) Reading the rows back from the
+  written table does the same, but inside a ``lax.cond`` (accumulate,
+  drop_stale, optax.apply_if_finite) XLA then copies the whole table. Rows
+  split over mesh axes are left as they are.
 
   No copy is made where it would be one more pass and nothing else: for an
   update the rule computed already (an array, which reads no new rows),
@@ -181,7 +185,7 @@ def _materialize(x: jax.Array) -> jax.Array:
   """
   if is_split(x):
     return x
-  if x.ndim > 1:
+  if x.ndim > 1 and barrier_computes_once():
     return lax.optimization_barrier(x)
   slots = lax.iota(jnp.int32, x.shape[0])
   return jnp.zeros_like(x).at[slots].set(x, mode="drop", unique_indices=True)

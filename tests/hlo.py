@@ -49,3 +49,30 @@ def dedups(compiled: Any) -> tuple[int, int]:
   loops = [x for x in lines if " while(" in x and f'{DEDUP_SCOPE}/while"' in x]
   sorts = [x for x in lines if re.search(r"\ssort\(", x)]
   return len(loops), len(sorts)
+
+
+def standalone_gathers(compiled: Any, rows: int) -> list[str]:
+  """Fusions of a compiled program that only gather rows of a ``[rows,
+  ...]`` operand (their root the gather, or a bitcast of it): a gather not
+  fused into the computation that reads the rows, one more pass over them."""
+  text = compiled.as_text()
+  out = []
+  for m in re.finditer(
+    r"\n(%[\w.\-]+) \(([^)]*)\) -> [^{]*\{\n(.*?)\n\}", text, re.S
+  ):
+    name, params, body = m.groups()
+    if not re.search(rf"\[{rows},", params):
+      continue
+    lines = body.splitlines()
+    root = next((x for x in lines if x.strip().startswith("ROOT ")), "")
+    ops = {
+      re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = \S+ (\w[\w\-]*)\(", x).group(1): x
+      for x in lines
+      if re.match(r"\s*(?:ROOT )?%[\w.\-]+ = \S+ \w[\w\-]*\(", x)
+    }
+    while root and re.search(r" (bitcast|reshape)\(", root):
+      src = re.search(r" (?:bitcast|reshape)\((%[\w.\-]+)\)", root)
+      root = ops.get(src.group(1), "") if src else ""
+    if re.search(r" gather\(", root):
+      out.append(name)
+  return out

@@ -481,3 +481,37 @@ def test_unique_row_loop_compacts_the_update_and_zeroes_its_tail(monkeypatch):
   np.testing.assert_array_equal(
     u16.indices, run(False, jnp.bfloat16)[0].indices
   )
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: gtx.lazy_adam(1e-3),
+    lambda: gtx.lazy_adamw(1e-3, weight_decay=1e-4),
+    lambda: gtx.adagrad(1e-2),
+    lambda: gtx.lazy_sgd(1e-2, momentum=0.9),
+    lambda: gtx.rowwise_adagrad(1e-2),
+  ],
+  ids=["lazy_adam", "lazy_adamw", "adagrad", "lazy_sgd_momentum", "rowwise"],
+)
+def test_state_rows_gathered_inside_the_new_rows_computation(make):
+  """The slot pass's new state rows read the old ones by a gather fused
+  into their computation, on every supported XLA (_rows._materialize: a
+  barrier where XLA keeps it through fusion, a scatter copy where it
+  expands it first, as XLA:CPU of jax 0.10 does, which left the gathers
+  standalone and the single-table step slower)."""
+  v, d, n = 5003, 16, 512
+  rng = np.random.RandomState(0)
+  p = {"t": jnp.asarray(rng.normal(size=(v, d)), jnp.float32)}
+  ids = jnp.asarray(rng.randint(0, v, n), jnp.int32)
+  g = {"t": gtx.SparseRows(ids, jnp.ones((n, d)), v)}
+  tx = make()
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1)).lower(p, tx.init(p), g).compile()
+  )
+  assert hlo.standalone_gathers(compiled, v) == []
