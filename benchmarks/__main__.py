@@ -34,6 +34,7 @@ BENCHMARKS = [
   "recsys",
   "compile_tables",
   "stacks",
+  "stack_lanes",
   "vocab",
   "publish",
 ]

@@ -1,0 +1,131 @@
+"""Lanes of a table stack: the Criteo step (26 one-hot features, a linear
+head, loss returned, params and state donated, fresh ids every step) with
+the tables one leaf each, one stack (``lanes=1``, the default) and
+``gtx.TableStack(..., lanes=L)``, side by side in one process, on the
+default path (no opt-in call, the OS's pages).
+
+Writes ``benchmarks/results/stack_lanes.{md,json}``.
+
+  python -m benchmarks.stack_lanes [--lanes 1 2 4] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gradtx as gtx
+from benchmarks._common import load_note, time_interleaved, write_results
+from benchmarks.compile_tables import whole_step
+from benchmarks.recsys import CRITEO_KAGGLE, _bce, _logit, head_params
+from benchmarks.stacks import (
+  HIDDEN,
+  OPTIMIZERS,
+  SEED,
+  _runner,
+  criteo_data,
+  criteo_models,
+)
+
+
+def lane_loss(specs, names, dim, lanes):
+  stack = gtx.TableStack(specs, lanes=lanes)
+
+  def loss(p, ids, y):
+    x = stack.lookup(p["emb"], ids, concat=True)
+    return _bce(_logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
+
+  return stack, loss
+
+
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--cap", type=int, default=100_000)
+  ap.add_argument("--dim", type=int, default=64)
+  ap.add_argument("--batch", type=int, default=2048)
+  ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--rounds", type=int, default=8)
+  ap.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4])
+  ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  ap.add_argument(
+    "--optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=OPTIMIZERS,
+  )
+  ap.add_argument("--quick", action="store_true")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.cap, args.batch, args.rounds, args.steps = 5000, 256, 2, 4
+  crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
+  rng = np.random.default_rng(SEED + 2)
+  tables_np = [
+    (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
+    for r in crows
+  ]
+  load_before, rows = load_note(), []
+  for dist in args.dists:
+    batches, labels = criteo_data(crows, args.batch, args.steps, dist)
+    _, names, per_table_loss, _ = criteo_models(crows, args.dim)
+    specs = {
+      n: gtx.TableSpec(r, args.dim) for n, r in zip(names, crows, strict=True)
+    }
+    per_table_np = dict(zip(names, tables_np, strict=True))
+    for opt in args.optimizers:
+      make = OPTIMIZERS[opt][0]
+      hp = head_params(
+        len(names), args.dim, "linear", HIDDEN, np.random.default_rng(SEED + 4)
+      )
+
+      def head(hp=hp):  # each system its own (its step donates them)
+        return jax.tree.map(jnp.asarray, hp)
+
+      per = {n: jnp.asarray(t) for n, t in per_table_np.items()}
+      tx = make()
+      fns = {
+        "per-table": _runner(
+          whole_step(per_table_loss, tx),
+          {**per, "head": head()},
+          tx,
+          batches,
+          labels,
+        )
+      }
+      for lanes in args.lanes:
+        stack, loss = lane_loss(specs, names, args.dim, lanes)
+        params = {"emb": stack.stack(per_table_np), "head": head()}
+        tx = make()
+        fns[f"lanes={lanes}"] = _runner(
+          whole_step(loss, tx), params, tx, batches, labels
+        )
+      t = time_interleaved(fns, warmup=2, rounds=args.rounds, burst=3, settle=1)
+      base = t["lanes=1"]
+      rows.append(
+        [dist, opt, f"{t['per-table'] * 1e3:.2f}"]
+        + [f"{t[f'lanes={k}'] * 1e3:.2f}" for k in args.lanes]
+        + [f"{base / t[f'lanes={k}']:.2f}x" for k in args.lanes if k != 1]
+      )
+      print(rows[-1], flush=True)
+  others = [k for k in args.lanes if k != 1]
+  write_results(
+    "stack_lanes",
+    "Lanes of a table stack: the Criteo whole step (ms, median)",
+    ["ids", "optimizer", "per-table ms"]
+    + [f"lanes={k} ms" for k in args.lanes]
+    + [f"lanes={k} / lanes=1 speed" for k in others],
+    rows,
+    notes=(
+      f"Criteo's 26 cardinalities capped at {args.cap:,}, {args.dim} wide, "
+      f"batch {args.batch}, a linear head; {args.rounds} round-robin "
+      "rounds of 3 timed steps after 1 untimed, medians. Default path: "
+      "no opt-in call (host memory reused as gradtx sets it at import), "
+      f"the OS's pages. Load before: {load_before}; after: {load_note()}."
+    ),
+  )
+
+
+if __name__ == "__main__":
+  main()
