@@ -12,6 +12,8 @@ from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
 from gradtx._autodiff import sparsity_report as sparsity_report
 from gradtx._custom import RowTransformationState as RowTransformationState
 from gradtx._custom import row_transformation as row_transformation
+from gradtx._fresh_rows import FreshRows as FreshRows
+from gradtx._fresh_rows import reset_rows as reset_rows
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
@@ -71,11 +73,9 @@ from gradtx._transforms import densify as densify
 from gradtx._transforms import global_norm as global_norm
 from gradtx._transforms import scale as scale
 from gradtx._transforms import scale_by_learning_rate as scale_by_learning_rate
-from gradtx._vocab import FreshRows as FreshRows
 from gradtx._vocab import Hashed as Hashed
 from gradtx._vocab import VocabState as VocabState
 from gradtx._vocab import Words as Words
-from gradtx._vocab import reset_rows as reset_rows
 
 __version__ = "0.1.0"
 

@@ -30,9 +30,10 @@ from jax.typing import ArrayLike, DTypeLike
 
 from gradtx import _vocab
 from gradtx._autodiff import lookup
+from gradtx._fresh_rows import FreshRows
 from gradtx._sharded import is_split, split_like, unsplit
 from gradtx._static import is_int
-from gradtx._vocab import DEFAULT_MAX_NEW, FreshRows, Hashed, VocabState, Words
+from gradtx._vocab import DEFAULT_MAX_NEW, Hashed, VocabState, Words
 
 __all__ = [
   "Jagged",
