@@ -48,6 +48,10 @@ from gradtx._partial_rowwise_adam import (
 from gradtx._partial_rowwise_adam import (
   scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
 )
+from gradtx._pooled import Jagged as Jagged
+from gradtx._pooled import Keyed as Keyed
+from gradtx._pooled import KeyedJagged as KeyedJagged
+from gradtx._pooled import pad_batch as pad_batch
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._publish import Delta as Delta
@@ -57,12 +61,8 @@ from gradtx._publish import delta as delta
 from gradtx._publish import track_changes as track_changes
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
-from gradtx._stack import Jagged as Jagged
-from gradtx._stack import Keyed as Keyed
-from gradtx._stack import KeyedJagged as KeyedJagged
 from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
-from gradtx._stack import pad_batch as pad_batch
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
