@@ -131,6 +131,18 @@ def reset_rows(
 
   Returns:
     ``(params, opt_state)`` with the rows fresh.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.ones((4, 2))}
+    >>> tx = gtx.lazy_adam(0.1)
+    >>> state = tx.init(params)
+    >>> # row 1 gets zeros; row 4 (the row count) is an unused slot
+    >>> fresh = {"emb": gtx.FreshRows(jnp.array([1, 4]), jnp.zeros((2, 2)))}
+    >>> params, state = gtx.reset_rows(tx, state, params, fresh)
+    >>> params["emb"][:, 0]
+    Array([1., 0., 1., 1.], dtype=float32)
   """
   is_fresh = lambda x: isinstance(x, FreshRows)  # noqa: E731
   where = {
