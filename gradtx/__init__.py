@@ -48,6 +48,9 @@ from gradtx._partial_rowwise_adam import (
 from gradtx._partial_rowwise_adam import (
   scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
 )
+from gradtx._plan import StackPlan as StackPlan
+from gradtx._plan import StackSpec as StackSpec
+from gradtx._plan import TableSpec as TableSpec
 from gradtx._pooled import Jagged as Jagged
 from gradtx._pooled import Keyed as Keyed
 from gradtx._pooled import KeyedJagged as KeyedJagged
@@ -61,7 +64,6 @@ from gradtx._publish import delta as delta
 from gradtx._publish import track_changes as track_changes
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
-from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
@@ -103,6 +105,8 @@ __all__ = [
   "SparseRows",
   "SparsityReport",
   "SparsityWarning",
+  "StackPlan",
+  "StackSpec",
   "TableSpec",
   "TableStack",
   "TrackChangesState",

@@ -1,8 +1,9 @@
 """Table stacks: the tables of one width and dtype stored as one array.
 
-:class:`TableStack` plans, once and in the open, which tables share a stack
-(FBGEMM's table-batched embeddings, SparseCore's table stacking): every
-table of one row width and dtype is a slice of rows of one array, and
+:class:`TableStack` keeps its tables by its plan (``_plan``'s
+:class:`gradtx.StackPlan`, made once and in the open: FBGEMM's
+table-batched embeddings, SparseCore's table stacking): every table of one
+row width and dtype is a slice of rows of one array, and
 :meth:`TableStack.lookup` reads all the features of a stack with one
 gather and pools them with one segment sum. The stack is an ordinary
 array leaf of the params, read only as whole rows, so
@@ -16,19 +17,25 @@ their forms and the pooled read are ``_pooled``'s.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 
 from gradtx import _vocab
 from gradtx._fresh_rows import FreshRows
+from gradtx._plan import (
+  StackPlan,
+  StackSpec,
+  TableSpec,
+  default_init,
+  default_tables,
+  plan_stacks,
+)
 from gradtx._pooled import (
   COMBINERS,
   Jagged,
@@ -42,174 +49,9 @@ from gradtx._pooled import (
   split_features,
 )
 from gradtx._sharded import is_split, split_like, unsplit
-from gradtx._vocab import DEFAULT_MAX_NEW, Hashed, VocabState
+from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
 
-__all__ = ["TableSpec", "TableStack"]
-
-# A table a step reads at least this many times per row stays outside the
-# stacks (the reason is sparse_value_and_grad's: one summed gradient row
-# per table row is then smaller than a row per read).
-_READS_PER_ROW_OUTSIDE = 4
-
-
-def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """The default initializer as an initializer function (a hashed table's
-  rows given to new ids): normal with standard deviation ``1 / sqrt(dim)``,
-  Flax's ``nn.Embed`` default."""
-  std = 1.0 / math.sqrt(shape[-1])
-  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def _default_rows(
-  key: Any, tables: jax.Array, rows: jax.Array, dim: int, dtype: Any
-) -> jax.Array:
-  """``[n, dim]`` rows of the default initializer for
-  :meth:`TableStack.init`, the k-th drawn from its own key
-  ``fold_in(fold_in(key, tables[k]), rows[k])``: a row's
-  value depends on its table and row alone, so the rows of any number of
-  tables are drawn by one vectorized draw (one compiled program, whatever
-  the number of tables)."""
-
-  def one(t, r):
-    k = jax.random.fold_in(jax.random.fold_in(key, t), r)
-    return jax.random.normal(k, (dim,), jnp.float32)
-
-  std = 1.0 / math.sqrt(dim)
-  return (std * jax.vmap(one)(tables, rows)).astype(dtype)
-
-
-def _default_tables(
-  key: Any, index: Sequence[int], sizes: Sequence[int], dim: int, dtype: Any
-) -> jax.Array:
-  """The default rows of tables ``index`` (their positions in ``tables``)
-  of ``sizes`` rows, one after the other: ``[sum(sizes), dim]``."""
-  ends = np.cumsum(sizes)
-  i = lax.iota(jnp.int32, int(ends[-1]))
-  k = jnp.searchsorted(jnp.asarray(ends, jnp.int32), i, side="right")
-  starts = jnp.asarray(ends - np.asarray(sizes), jnp.int32)
-  return _default_rows(
-    key, jnp.asarray(index, jnp.int32)[k], i - starts[k], dim, dtype
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSpec:
-  """One embedding table: its rows, width, dtype and initializer.
-
-  Args:
-    rows: the number of rows (ids ``0..rows-1``).
-    dim: the row width.
-    dtype: the table's dtype (float32, bfloat16, float16); tables of one
-      ``dim`` and ``dtype`` share a stack.
-    initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
-      ``jax.nn.initializers`` function; default: normal with standard
-      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s), each row drawn
-      from a key of its own (see :meth:`TableStack.init`). A hashed table
-      draws a row given to a new id from it too.
-    hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
-      takes raw ids of any range, mapped to its ``rows`` rows by an id map
-      (see :meth:`TableStack.admit`); None: ids are rows.
-  """
-
-  rows: int
-  dim: int
-  dtype: DTypeLike = jnp.float32
-  initializer: Callable[..., jax.Array] | None = None
-  hashed: Hashed | bool | None = None
-
-  def __post_init__(self):
-    if self.hashed is True:
-      object.__setattr__(self, "hashed", Hashed())
-    elif self.hashed is False:
-      object.__setattr__(self, "hashed", None)
-    elif self.hashed is not None and not isinstance(self.hashed, Hashed):
-      raise TypeError(
-        "gradtx.TableSpec `hashed` must be a gradtx.Hashed, True or None; "
-        f"got {type(self.hashed).__name__}."
-      )
-    for name in ("rows", "dim"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(
-          f"gradtx.TableSpec `{name}` must be a positive int; got {v!r}."
-        )
-    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
-      raise ValueError(
-        f"gradtx.TableSpec `dtype` must be a float dtype; got {self.dtype}."
-      )
-
-  @property
-  def key(self) -> tuple[int, str]:
-    """What tables of one stack share: the row width and the dtype."""
-    return int(self.dim), jnp.dtype(self.dtype).name
-
-
-class _Stack(NamedTuple):
-  """One stacked array: its name, tables and their first rows."""
-
-  name: str
-  dim: int
-  dtype: str
-  tables: tuple[str, ...]
-  offsets: tuple[int, ...]  # each table's first logical row in the stack
-  rows: int  # logical rows: the tables' rows
-  shards: int  # logical row p sits at row (p % shards) * (size / shards)
-  # + p // shards, so every table's rows spread evenly over the shards
-
-  @property
-  def size(self) -> int:
-    """Rows of the array: ``rows`` padded to a multiple of ``shards``."""
-    return -(-self.rows // self.shards) * self.shards
-
-  def physical(self, p: Any) -> Any:
-    """The array row of logical row ``p`` (numpy or jax ints)."""
-    if self.shards == 1:
-      return p
-    return (p % self.shards) * (self.size // self.shards) + p // self.shards
-
-  def to_array(self, logical: Any) -> Any:
-    """``[rows, ...]`` rows in logical order -> the stack's array."""
-    if self.shards == 1:
-      return logical
-    pad = [(0, self.size - self.rows)] + [(0, 0)] * (logical.ndim - 1)
-    x = jnp.pad(logical, pad)
-    x = x.reshape(self.size // self.shards, self.shards, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])
-
-  def to_logical(self, x: Any) -> Any:
-    """The stack's array (or a tree leaf shaped like it) -> logical rows."""
-    if self.shards == 1:
-      return x
-    x = x.reshape(self.shards, self.size // self.shards, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
-
-
-def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
-  return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
-
-
-def _lanes(
-  names: list[str],
-  readers: Mapping[str, int],
-  tables: Mapping[str, TableSpec],
-  lanes: int,
-) -> list[list[str]]:
-  """The tables of one width and dtype spread over at most ``lanes``
-  stacks, balanced by the features that read them (a step's ids), then by
-  rows; each lane keeps the declared order."""
-  if lanes == 1 or len(names) == 1:
-    return [names]
-  lanes = min(lanes, len(names))
-  load = [(0, 0)] * lanes
-  lane_of = {}
-  heavy_first = sorted(
-    names, key=lambda t: (-readers.get(t, 0), -int(tables[t].rows))
-  )
-  for t in heavy_first:
-    k = min(range(lanes), key=lambda i: load[i])
-    lane_of[t] = k
-    load[k] = (load[k][0] + readers.get(t, 0), load[k][1] + int(tables[t].rows))
-  return [[t for t in names if lane_of[t] == k] for k in range(lanes)]
+__all__ = ["TableStack"]
 
 
 class TableStack:
@@ -244,6 +86,12 @@ class TableStack:
       of gather, update and scatter; independent chains can run on
       different cores of a CPU, one chain cannot.
 
+  Attributes:
+    plan: the :class:`gradtx.StackPlan`: the tables, features, stacks and
+      the tables outside, printed by ``print(stack)``.
+    stacks: the plan's stacks, params key -> :class:`gradtx.StackSpec`.
+    tables, features, outside: the plan's.
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import gradtx as gtx
@@ -270,198 +118,27 @@ class TableStack:
     shards: int = 1,
     lanes: int = 1,
   ):
-    if not isinstance(tables, Mapping) or not tables:
-      raise ValueError(
-        "gradtx.TableStack `tables` must be a non-empty dict of table name "
-        f"-> gradtx.TableSpec; got {tables!r}."
-      )
-    for name, spec in tables.items():
-      if not isinstance(spec, TableSpec):
-        raise TypeError(
-          f"gradtx.TableStack `tables[{name!r}]` must be a gradtx.TableSpec; "
-          f"got {type(spec).__name__}."
-        )
-    self.tables: dict[str, TableSpec] = dict(tables)
-    if features is None:
-      features = {name: name for name in self.tables}
-    unknown = {f: t for f, t in features.items() if t not in self.tables}
-    if unknown:
-      raise ValueError(
-        f"gradtx.TableStack `features` name tables that are not in "
-        f"`tables`: {unknown}. The tables are {list(self.tables)}."
-      )
-    self.features: dict[str, str] = dict(features)
-    if batch_size is not None and (
-      isinstance(batch_size, bool)
-      or not isinstance(batch_size, (int, np.integer))
-      or batch_size < 1
-    ):
-      raise ValueError(
-        f"gradtx.TableStack `batch_size` must be a positive int or None; "
-        f"got {batch_size!r}."
-      )
-    self.batch_size = batch_size
-    if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)):
-      shards = 0
-    if shards < 1:
-      raise ValueError(
-        f"gradtx.TableStack `shards` must be a positive int (the devices a "
-        f"stack's rows are split over); got {shards!r}."
-      )
-    self.shards = int(shards)
-    readers: dict[str, int] = {}
-    for t in self.features.values():
-      readers[t] = readers.get(t, 0) + 1
-    self.outside: dict[str, str] = {}  # table -> why it is not stacked
-    for name, spec in self.tables.items():
-      if name not in readers:
-        self.outside[name] = "no feature reads it"
-        continue
-      reads = (batch_size or 0) * readers[name]
-      if (
-        batch_size is not None
-        and spec.hashed is None
-        and reads >= _READS_PER_ROW_OUTSIDE * spec.rows
-      ):
-        self.outside[name] = (
-          f"{reads:,} reads per step at batch_size {batch_size} for "
-          f"{spec.rows:,} rows: one summed gradient row per table row is "
-          "smaller than a row per read"
-        )
-    by_key: dict[tuple[int, str], list[str]] = {}
-    for name, spec in self.tables.items():
-      if name not in self.outside:
-        by_key.setdefault(spec.key, []).append(name)
-    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)):
-      lanes = 0
-    if lanes < 1:
-      raise ValueError(
-        f"gradtx.TableStack `lanes` must be a positive int (the stacks the "
-        f"tables of one width and dtype are spread over); got {lanes!r}."
-      )
-    self.lanes = int(lanes)
-    self.stacks: dict[str, _Stack] = {}
-    lanes_of = {
-      (dim, dtype, k): part
-      for (dim, dtype), names in by_key.items()
-      for k, part in enumerate(_lanes(names, readers, self.tables, lanes))
-    }
-    for (dim, dtype, lane), names in lanes_of.items():
-      offsets, start = [], 0
-      for n in names:
-        offsets.append(start)
-        start += int(self.tables[n].rows)
-      if start >= 2**31:
-        raise ValueError(
-          f"gradtx.TableStack: the {dtype} tables of width {dim} hold "
-          f"{start:,} rows, more than int32 ids address (2**31 - 1). Give "
-          "some of them another dtype or split them over two TableStacks."
-        )
-      stack = _Stack(
-        _stack_name(dim, dtype, lane),
-        dim,
-        dtype,
-        tuple(names),
-        tuple(offsets),
-        start,
-        self.shards,
-      )
-      self.stacks[stack.name] = stack
-    clash = set(self.stacks) & set(self.outside)
-    if clash:
-      raise ValueError(
-        f"gradtx.TableStack: tables named {sorted(clash)} clash with the "
-        "names of the stacks; rename them."
-      )
-    self._where = {
-      t: (s.name, off)
-      for s in self.stacks.values()
-      for t, off in zip(s.tables, s.offsets, strict=True)
-    }
-    # the id map of each stack with hashed tables
-    self.maps: dict[str, _vocab.Layout] = {}
-    for s in self.stacks.values():
-      hashed = [
-        (t, off)
-        for t, off in zip(s.tables, s.offsets, strict=True)
-        if self.tables[t].hashed is not None
-      ]
-      if hashed:
-        self.maps[s.name] = _vocab.Layout(
-          tuple(t for t, _ in hashed),
-          tuple(off for _, off in hashed),
-          tuple(int(self.tables[t].rows) for t, _ in hashed),
-          tuple(self.tables[t].hashed for t, _ in hashed),
-          s.size,
-          s.shards,
-        )
+    self.plan: StackPlan = plan_stacks(
+      tables, features, batch_size=batch_size, shards=shards, lanes=lanes
+    )
+    plan = self.plan
+    self.tables: dict[str, TableSpec] = plan.tables
+    self.features: dict[str, str] = plan.features
+    self.batch_size = plan.batch_size
+    self.shards = plan.shards
+    self.lanes = plan.lanes
+    self.stacks: dict[str, StackSpec] = plan.stacks
+    self.outside: dict[str, str] = plan.outside  # table -> why
+    self.maps: dict[str, _vocab.Layout] = plan.maps
 
   # -- the plan -------------------------------------------------------------
   def location(self, table: str) -> tuple[str, int]:
     """``(params key, first row)`` of ``table``: a stack's name and the
     table's offset in it, or the table's own name and 0 outside."""
-    if table not in self.tables:
-      raise KeyError(
-        f"gradtx.TableStack has no table {table!r}; the tables are "
-        f"{list(self.tables)}."
-      )
-    return self._where.get(table, (table, 0))
+    return self.plan.location(table)
 
   def __repr__(self) -> str:
-    lines = [
-      f"TableStack: {len(self.tables)} table(s), {len(self.features)} "
-      f"feature(s), {len(self.stacks)} stack(s), "
-      f"{len(self.outside)} outside"
-    ]
-    for s in self.stacks.values():
-      item = jnp.dtype(s.dtype).itemsize
-      spread = (
-        f", every table's rows spread over {s.shards} shards"
-        + (f" ({s.size - s.rows} padding rows)" if s.size > s.rows else "")
-        if s.shards > 1
-        else ""
-      )
-      lines.append(
-        f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
-        f"{_bytes(s.size * s.dim * item)}{spread}"
-      )
-      for t, off in zip(s.tables, s.offsets, strict=True):
-        feats = [f for f, tt in self.features.items() if tt == t]
-        h = self.tables[t].hashed
-        how = (
-          f"  hashed ({h.policy}"
-          + (f", ttl {h.ttl}" if h.ttl is not None else "")
-          + (f", min_count {h.min_count}" if h.min_count > 1 else "")
-          + (
-            f", admit_probability {h.admit_probability}"
-            if h.admit_probability < 1
-            else ""
-          )
-          + f", {h.probes} probes)"
-          if h is not None
-          else ""
-        )
-        lines.append(
-          f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
-          f"  features {feats}{how}"
-        )
-      if s.name in self.maps:
-        m = self.maps[s.name]
-        sketch = m.sketch_bytes
-        lines.append(
-          f"    id map of {len(m.tables)} hashed table(s): "
-          f"{_bytes(m.map_bytes)} "
-          f"({_vocab.MAP_BYTES_PER_ROW} B a row of the stack"
-          + (f", sketch {_bytes(sketch)}" if sketch else "")
-          + ")"
-        )
-    for t, why in self.outside.items():
-      spec = self.tables[t]
-      lines.append(
-        f"  outside {t!r}: {spec.rows:,} rows x {spec.dim} "
-        f"{jnp.dtype(spec.dtype).name}: {why}"
-      )
-    return "\n".join(lines)
+    return repr(self.plan)
 
   __str__ = __repr__
 
@@ -492,7 +169,7 @@ class TableStack:
         per_table[t] = jnp.asarray(x, dtype)
     for (dim, dtype), index in alike.items():
       sizes = [int(self.tables[names[i]].rows) for i in index]
-      rows = _default_tables(key, index, sizes, dim, dtype)
+      rows = default_tables(key, index, sizes, dim, dtype)
       # The group (every default table of this width and dtype) does not
       # depend on the plan; kept out of the fusions of the stacks that
       # consume it, its draw is the same program, bit for bit, whatever
@@ -788,7 +465,7 @@ class TableStack:
       groups.setdefault(self.tables[t].initializer, []).append(k)
     values = None
     for g, (init, members) in enumerate(groups.items()):
-      v = (init or _default_init)(
+      v = (init or default_init)(
         jax.random.fold_in(key, g), (n, s.dim), jnp.dtype(s.dtype)
       ).astype(s.dtype)
       if values is None:
@@ -984,11 +661,3 @@ class _RawSlots(NamedTuple):
   valid: jax.Array
   tab: np.ndarray
   rebuild: Callable[[jax.Array], dict[str, Any]]
-
-
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1024
-  return f"{n:,.1f} GiB"

@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 
 from gradtx._fresh_rows import drop_entries
-from gradtx._sharded import is_split
+from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
 
 __all__ = ["Hashed", "VocabState", "Words"]
@@ -321,13 +321,10 @@ class Layout:
   rows: tuple[int, ...]
   settings: tuple[Hashed, ...]
   size: int  # rows of the stack's array
-  shards: int  # the stack's round-robin split (see gradtx._stack)
+  shards: int  # the stack's round-robin split (_sharded.spread_row)
 
   def physical(self, p: Any) -> Any:
-    if self.shards == 1:
-      return p
-    per = self.size // self.shards
-    return (p % self.shards) * per + p // self.shards
+    return spread_row(p, self.size, self.shards)
 
   @property
   def probes(self) -> int:
