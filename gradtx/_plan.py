@@ -23,15 +23,12 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from gradtx._autodiff import DENSE_READS_PER_ROW, format_bytes
 from gradtx._sharded import spread_row
+from gradtx._static import is_int
 from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout
 
 __all__ = ["StackPlan", "StackSpec", "TableSpec"]
-
-# A table a step reads at least this many times per row stays outside the
-# stacks (the reason is sparse_value_and_grad's: one summed gradient row
-# per table row is then smaller than a row per read).
-_READS_PER_ROW_OUTSIDE = 4
 
 
 def default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -111,7 +108,7 @@ class TableSpec:
       )
     for name in ("rows", "dim"):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      if not is_int(v) or v < 1:
         raise ValueError(
           f"gradtx.TableSpec `{name}` must be a positive int; got {v!r}."
         )
@@ -219,8 +216,8 @@ class StackPlan:
     lanes: the most stacks of one width and dtype.
     stacks: stack name (its params key) -> :class:`StackSpec`.
     outside: table name -> why it is an array of its own: no feature reads
-      it, or a step at ``batch_size`` reads it at least 4 times per row
-      (never a hashed table).
+      it, or (not for a hashed table) a step at ``batch_size`` reads it at
+      least 4 times per row.
     maps: stack name -> the layout of the id map of its hashed tables.
 
   Examples:
@@ -273,7 +270,7 @@ class StackPlan:
       )
       lines.append(
         f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
-        f"{_bytes(s.size * s.dim * item)}{spread}"
+        f"{format_bytes(s.size * s.dim * item)}{spread}"
       )
       for t, off in zip(s.tables, s.offsets, strict=True):
         feats = [f for f, tt in self.features.items() if tt == t]
@@ -300,9 +297,9 @@ class StackPlan:
         sketch = m.sketch_bytes
         lines.append(
           f"    id map of {len(m.tables)} hashed table(s): "
-          f"{_bytes(m.map_bytes)} "
+          f"{format_bytes(m.map_bytes)} "
           f"({MAP_BYTES_PER_ROW} B a row of the stack"
-          + (f", sketch {_bytes(sketch)}" if sketch else "")
+          + (f", sketch {format_bytes(sketch)}" if sketch else "")
           + ")"
         )
     for t, why in self.outside.items():
@@ -347,23 +344,11 @@ def plan_stacks(
       f"`tables`: {unknown}. The tables are {list(tables)}."
     )
   features = dict(features)
-  if batch_size is not None and (
-    isinstance(batch_size, bool)
-    or not isinstance(batch_size, (int, np.integer))
-    or batch_size < 1
-  ):
-    raise ValueError(
-      f"gradtx.TableStack `batch_size` must be a positive int or None; "
-      f"got {batch_size!r}."
-    )
-  if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)):
-    shards = 0
-  if shards < 1:
-    raise ValueError(
-      f"gradtx.TableStack `shards` must be a positive int (the devices a "
-      f"stack's rows are split over); got {shards!r}."
-    )
-  shards = int(shards)
+  if batch_size is not None:
+    _check_count(batch_size, "batch_size", " or None")
+  shards = _check_count(
+    shards, "shards", " (the devices a stack's rows are split over)"
+  )
   readers: dict[str, int] = {}
   for t in features.values():
     readers[t] = readers.get(t, 0) + 1
@@ -376,7 +361,7 @@ def plan_stacks(
     if (
       batch_size is not None
       and spec.hashed is None
-      and reads >= _READS_PER_ROW_OUTSIDE * spec.rows
+      and reads >= DENSE_READS_PER_ROW * spec.rows
     ):
       outside[name] = (
         f"{reads:,} reads per step at batch_size {batch_size} for "
@@ -387,13 +372,11 @@ def plan_stacks(
   for name, spec in tables.items():
     if name not in outside:
       by_key.setdefault(spec.key, []).append(name)
-  if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)):
-    lanes = 0
-  if lanes < 1:
-    raise ValueError(
-      f"gradtx.TableStack `lanes` must be a positive int (the stacks the "
-      f"tables of one width and dtype are spread over); got {lanes!r}."
-    )
+  lanes = _check_count(
+    lanes,
+    "lanes",
+    " (the stacks the tables of one width and dtype are spread over)",
+  )
   stacks: dict[str, StackSpec] = {}
   lanes_of = {
     (dim, dtype, k): part
@@ -445,13 +428,14 @@ def plan_stacks(
         s.shards,
       )
   return StackPlan(
-    tables, features, batch_size, shards, int(lanes), stacks, outside, maps
+    tables, features, batch_size, shards, lanes, stacks, outside, maps
   )
 
 
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1024
-  return f"{n:,.1f} GiB"
+def _check_count(value: Any, name: str, what: str) -> int:
+  """``value`` as an int, or the error that names TableStack's ``name``."""
+  if not is_int(value) or value < 1:
+    raise ValueError(
+      f"gradtx.TableStack `{name}` must be a positive int{what}; got {value!r}."
+    )
+  return int(value)

@@ -49,6 +49,7 @@ from gradtx._pooled import (
   split_features,
 )
 from gradtx._sharded import is_split, split_like, unsplit
+from gradtx._static import is_int
 from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
 
 __all__ = ["TableStack"]
@@ -60,11 +61,14 @@ class TableStack:
   Tables of one ``dim`` and ``dtype`` are stacked into one array (a table's
   rows follow the previous table's); ``features`` name which table each
   input feature reads, so several features may share a table (a user's
-  history of items reads the item table). With ``batch_size`` a table that
-  a step would read at least 4 times per row (a 3-row table at batch 2048)
-  stays an array of its own: its gradient is then one summed row per table
-  row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row per
-  read inside the stack. ``print(stack)`` shows the plan.
+  history of items reads the item table). Two kinds of table stay an array
+  of their own, outside the stacks: one that no feature reads, and, with
+  ``batch_size``, one that a step would read at least 4 times per row (a
+  3-row table at batch 2048), whose gradient is then one summed row per
+  table row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row
+  per read inside the stack; a hashed table that a feature reads is always
+  stacked (its id map works on its stack's rows). ``print(stack)`` shows
+  the plan.
 
   The params are a dict of plain arrays: one ``[rows, dim]`` array per stack
   (named ``"<dtype>x<dim>"``) and one per table kept outside, so any model
@@ -351,10 +355,7 @@ class TableStack:
 
   def _check_max_new(self, max_new: Any) -> None:
     def ok(v):
-      return not isinstance(v, bool) and (
-        (isinstance(v, (int, np.integer)) and v >= 1)
-        or (isinstance(v, float) and 0 < v <= 1)
-      )
+      return (is_int(v) and v >= 1) or (isinstance(v, float) and 0 < v <= 1)
 
     hashed = [t for layout in self.maps.values() for t in layout.tables]
     if isinstance(max_new, Mapping):

@@ -55,6 +55,7 @@ from jax import lax
 from gradtx._fresh_rows import drop_entries
 from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
+from gradtx._static import is_int
 
 __all__ = ["Hashed", "VocabState", "Words"]
 
@@ -119,15 +120,11 @@ class Hashed:
       )
     for name, low in (("probes", 1), ("min_count", 1), ("seed", 0)):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+      if not is_int(v) or v < low:
         raise ValueError(
           f"gradtx.Hashed `{name}` must be an int >= {low}; got {v!r}."
         )
-    if self.ttl is not None and (
-      isinstance(self.ttl, bool)
-      or not isinstance(self.ttl, (int, np.integer))
-      or self.ttl < 0
-    ):
+    if self.ttl is not None and (not is_int(self.ttl) or self.ttl < 0):
       raise ValueError(
         f"gradtx.Hashed `ttl` must be None or an int >= 0 (steps); got "
         f"{self.ttl!r}."
@@ -416,7 +413,7 @@ def find(
   state: VocabState, layout: Layout, hi, lo, tab: np.ndarray, valid
 ) -> jax.Array:
   """Read-only: each id's table-local row, or -1 (unknown or padding)."""
-  check_not_split(state)
+  check_not_split(state, "lookup")
   p = _probe(layout, tab, _hashes(layout, hi, lo, tab))
   found, col = _match(state, p, hi, lo, valid)
   local, _ = _pick(p, col)
@@ -447,7 +444,7 @@ def budgets(layout: Layout, tab: np.ndarray, max_new: Any) -> np.ndarray:
       if isinstance(max_new, Mapping)
       else max_new
     )
-    if not isinstance(v, (int, np.integer)):  # a fraction
+    if not is_int(v):  # a fraction
       v = max(min(n, MIN_NEW), math.ceil(n * v))
     out.append(min(int(v), int(n)))
   return np.asarray(out, np.int32)
@@ -477,7 +474,7 @@ def admit(
   tab = np.asarray(tab, np.int32)
   bound = np.asarray(max_new, np.int32)
   m = max(1, int(bound.sum()))
-  check_not_split(state)
+  check_not_split(state, "admit")
   now = state.step
   h = _hashes(layout, hi, lo, tab)
   p = _probe(layout, tab, h)
@@ -578,7 +575,8 @@ def admit(
   l3, _ = _pick(p, c3)
   row = jnp.where(f3, l3, row)
   got = row >= 0
-  at = jnp.where(got, layout.physical(row + _offsets(layout, tab)), size)
+  off = np.asarray(layout.offsets, np.int32)[tab]
+  at = jnp.where(got, layout.physical(row + off), size)
   placed = fresh < size
   count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
   count = count.at[at].add(1, mode="drop")
@@ -611,19 +609,17 @@ def admit(
   return row, new_state, fresh, btab
 
 
-def check_not_split(state: VocabState) -> None:
+def check_not_split(state: VocabState, what: str) -> None:
+  """The map is not split over Explicit axes; ``what``: the TableStack
+  method that reads it (``"admit"``, ``"lookup"``), named in the error."""
   if is_split(state.key_hi):
     raise ValueError(
-      "gradtx.TableStack.admit: the id map's rows are split over Explicit "
-      "mesh axes, which its placement rounds do not support yet. Split them "
+      f"gradtx.TableStack.{what}: the id map's rows are split over Explicit "
+      "mesh axes, which its probing does not support yet. Split them "
       "over Auto axes (`jax.make_mesh(..., axis_types=(AxisType.Auto,))`), "
       "or keep the map replicated (`jax.device_put(vocab, "
       "NamedSharding(mesh, P()))`) while the params stay row-sharded."
     )
-
-
-def _offsets(layout: Layout, tab: np.ndarray) -> np.ndarray:
-  return np.asarray(layout.offsets, np.int32)[tab]
 
 
 def _admission(state, layout, tab, h, new, now):
