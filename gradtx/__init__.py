@@ -12,6 +12,8 @@ from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
 from gradtx._autodiff import sparsity_report as sparsity_report
 from gradtx._custom import RowTransformationState as RowTransformationState
 from gradtx._custom import row_transformation as row_transformation
+from gradtx._fresh_rows import FreshRows as FreshRows
+from gradtx._fresh_rows import reset_rows as reset_rows
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
@@ -46,6 +48,13 @@ from gradtx._partial_rowwise_adam import (
 from gradtx._partial_rowwise_adam import (
   scale_by_partial_rowwise_adam as scale_by_partial_rowwise_adam,
 )
+from gradtx._plan import StackPlan as StackPlan
+from gradtx._plan import StackSpec as StackSpec
+from gradtx._plan import TableSpec as TableSpec
+from gradtx._pooled import Jagged as Jagged
+from gradtx._pooled import Keyed as Keyed
+from gradtx._pooled import KeyedJagged as KeyedJagged
+from gradtx._pooled import pad_batch as pad_batch
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._publish import Delta as Delta
@@ -55,12 +64,7 @@ from gradtx._publish import delta as delta
 from gradtx._publish import track_changes as track_changes
 from gradtx._sharded import sharded_init as sharded_init
 from gradtx._sparse_rows import SparseRows as SparseRows
-from gradtx._stack import Jagged as Jagged
-from gradtx._stack import Keyed as Keyed
-from gradtx._stack import KeyedJagged as KeyedJagged
-from gradtx._stack import TableSpec as TableSpec
 from gradtx._stack import TableStack as TableStack
-from gradtx._stack import pad_batch as pad_batch
 from gradtx._staleness import DropStaleState as DropStaleState
 from gradtx._staleness import drop_stale as drop_stale
 from gradtx._staleness import staleness_stats as staleness_stats
@@ -71,11 +75,9 @@ from gradtx._transforms import densify as densify
 from gradtx._transforms import global_norm as global_norm
 from gradtx._transforms import scale as scale
 from gradtx._transforms import scale_by_learning_rate as scale_by_learning_rate
-from gradtx._vocab import FreshRows as FreshRows
 from gradtx._vocab import Hashed as Hashed
 from gradtx._vocab import VocabState as VocabState
 from gradtx._vocab import Words as Words
-from gradtx._vocab import reset_rows as reset_rows
 
 __version__ = "0.1.0"
 
@@ -103,6 +105,8 @@ __all__ = [
   "SparseRows",
   "SparsityReport",
   "SparsityWarning",
+  "StackPlan",
+  "StackSpec",
   "TableSpec",
   "TableStack",
   "TrackChangesState",

@@ -180,10 +180,13 @@ class LeafSparsity(NamedTuple):
     return self.reads > 0 or self.frozen
 
 
-def _mib(n: float) -> str:
-  if abs(n) < 2**20:
-    return f"{n / 2**10:,.1f} KiB"
-  return f"{n / 2**20:,.1f} MiB"
+def format_bytes(n: float) -> str:
+  """``n`` bytes for people: ``"512 B"``, ``"46.9 KiB"``, ``"1.5 GiB"``."""
+  for unit in ("B", "KiB", "MiB"):
+    if abs(n) < 1024:
+      return f"{int(n)} B" if unit == "B" else f"{n:,.1f} {unit}"
+    n /= 1024
+  return f"{n:,.1f} GiB"
 
 
 class SparsityReport(tuple):
@@ -222,7 +225,7 @@ class SparsityReport(tuple):
       f"{len(tables)} table(s): {len(sparse)} sparse, "
       f"{sum(not r.sparse for r in tables)} dense, "
       f"{sum(r.frozen for r in tables)} frozen; gradient bytes saved per "
-      f"step: {_mib(saved)}"
+      f"step: {format_bytes(saved)}"
     )
     names = [(r.path or "(array)", f"{r.dtype}{list(r.shape)}") for r in tables]
     wide = [max((len(n[k]) for n in names), default=0) for k in (0, 1)]

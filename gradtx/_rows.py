@@ -171,11 +171,11 @@ def _materialize(x: jax.Array) -> jax.Array:
   value each (``[n]``, row-wise state: in cache, where the barrier
   measured a little slower), the rows are copied by a scatter into a
   buffer of zeros instead. (That copy of whole rows zeroes a fresh
-  ``[n, *row]`` buffer every step: lazy Adam's step on 26 tables was 1.2x
-  slower with it than with a kept barrier.) Reading the rows back from the
-  written table does the same, but inside a ``lax.cond`` (accumulate,
-  drop_stale, optax.apply_if_finite) XLA then copies the whole table. Rows
-  split over mesh axes are left as they are.
+  ``[n, *row]`` buffer every step, slower than a kept barrier: the figure
+  is in ``benchmarks/results/design_figures.md``.) Reading the rows back
+  from the written table does the same, but inside a ``lax.cond``
+  (accumulate, drop_stale, optax.apply_if_finite) XLA then copies the whole
+  table. Rows split over mesh axes are left as they are.
 
   No copy is made where it would be one more pass and nothing else: for an
   update the rule computed already (an array, which reads no new rows),

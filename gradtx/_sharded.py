@@ -8,7 +8,8 @@ it belongs to (:func:`owner_sharding`, :func:`per_row_full`), replicates
 the ids and rows of a sparse gradient where they are needed whole
 (deduplication, accumulation: :func:`unsplit`, and back:
 :func:`split_like`), and builds a sharded
-state (:func:`gradtx.sharded_init`). The owner-local reads and writes of
+state (:func:`gradtx.sharded_init`), and spreads a table stack's rows
+over its shards (:func:`spread_row`). The owner-local reads and writes of
 row-sharded tables are in :mod:`gradtx._rowio`.
 
 On ``AxisType.Auto`` meshes the sharding is not in the type and XLA's
@@ -162,6 +163,16 @@ def split_like(x: jax.Array, like: Any) -> jax.Array:
   lead = explicit_spec(like, jnp.ndim(like))[0]
   spec = P(lead, *([None] * (jnp.ndim(x) - 1)))
   return jax.sharding.reshard(x, NamedSharding(mesh_of(like), spec))
+
+
+def spread_row(p: Any, size: int, shards: int) -> Any:
+  """The array row of logical row ``p`` (numpy or jax ints) of a table
+  stack of ``size`` rows split over ``shards`` devices: round robin, so
+  every table's rows spread evenly over the shards (the plan's
+  ``StackSpec.physical`` and the id map's ``Layout.physical``)."""
+  if shards == 1:
+    return p
+  return (p % shards) * (size // shards) + p // shards
 
 
 def sharded_init(tx: Any, params: Any) -> Any:

@@ -1,501 +1,58 @@
 """Table stacks: the tables of one width and dtype stored as one array.
 
-:class:`TableStack` plans, once and in the open, which tables share a stack
-(FBGEMM's table-batched embeddings, SparseCore's table stacking): every
-table of one row width and dtype is a slice of rows of one array, and
+:class:`TableStack` keeps its tables by its plan (``_plan``'s
+:class:`gradtx.StackPlan`, made once and in the open: FBGEMM's
+table-batched embeddings, SparseCore's table stacking): every table of one
+row width and dtype is a slice of rows of one array, and
 :meth:`TableStack.lookup` reads all the features of a stack with one
 gather and pools them with one segment sum. The stack is an ordinary
 array leaf of the params, read only as whole rows, so
 :func:`gradtx.sparse_value_and_grad` gives it one SparseRows gradient, and
 every gradtx optimizer updates it with one deduplication, one rule call and
 one scatter per state kind, whatever the number of features. Features
-arrive as a dict, or keyed in one array (:class:`Keyed`,
-:class:`KeyedJagged`) that the lookup reads with no op per feature;
-:func:`pad_batch` pads a short batch to the step's shape.
+arrive as a dict, or keyed in one array (:class:`gradtx.Keyed`,
+:class:`gradtx.KeyedJagged`) that the lookup reads with no op per feature;
+their forms and the pooled read are ``_pooled``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 
 from gradtx import _vocab
-from gradtx._autodiff import lookup
+from gradtx._fresh_rows import FreshRows
+from gradtx._plan import (
+  StackPlan,
+  StackSpec,
+  TableSpec,
+  default_init,
+  default_tables,
+  plan_stacks,
+)
+from gradtx._pooled import (
+  COMBINERS,
+  Jagged,
+  Keyed,
+  KeyedJagged,
+  dict_reader,
+  joined,
+  keyed_batch,
+  keyed_reader,
+  pool_rows,
+  split_features,
+)
 from gradtx._sharded import is_split, split_like, unsplit
 from gradtx._static import is_int
-from gradtx._vocab import DEFAULT_MAX_NEW, FreshRows, Hashed, VocabState, Words
+from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
 
-__all__ = [
-  "Jagged",
-  "Keyed",
-  "KeyedJagged",
-  "TableSpec",
-  "TableStack",
-  "pad_batch",
-]
-
-COMBINERS = ("sum", "mean", "sqrtn")
-# A table a step reads at least this many times per row stays outside the
-# stacks (the reason is sparse_value_and_grad's: one summed gradient row
-# per table row is then smaller than a row per read).
-_READS_PER_ROW_OUTSIDE = 4
-
-
-def _default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """The default initializer as an initializer function (a hashed table's
-  rows given to new ids): normal with standard deviation ``1 / sqrt(dim)``,
-  Flax's ``nn.Embed`` default."""
-  std = 1.0 / math.sqrt(shape[-1])
-  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def _default_rows(
-  key: Any, tables: jax.Array, rows: jax.Array, dim: int, dtype: Any
-) -> jax.Array:
-  """``[n, dim]`` rows of the default initializer for
-  :meth:`TableStack.init`, the k-th drawn from its own key
-  ``fold_in(fold_in(key, tables[k]), rows[k])``: a row's
-  value depends on its table and row alone, so the rows of any number of
-  tables are drawn by one vectorized draw (one compiled program, whatever
-  the number of tables)."""
-
-  def one(t, r):
-    k = jax.random.fold_in(jax.random.fold_in(key, t), r)
-    return jax.random.normal(k, (dim,), jnp.float32)
-
-  std = 1.0 / math.sqrt(dim)
-  return (std * jax.vmap(one)(tables, rows)).astype(dtype)
-
-
-def _default_tables(
-  key: Any, index: Sequence[int], sizes: Sequence[int], dim: int, dtype: Any
-) -> jax.Array:
-  """The default rows of tables ``index`` (their positions in ``tables``)
-  of ``sizes`` rows, one after the other: ``[sum(sizes), dim]``."""
-  ends = np.cumsum(sizes)
-  i = lax.iota(jnp.int32, int(ends[-1]))
-  k = jnp.searchsorted(jnp.asarray(ends, jnp.int32), i, side="right")
-  starts = jnp.asarray(ends - np.asarray(sizes), jnp.int32)
-  return _default_rows(
-    key, jnp.asarray(index, jnp.int32)[k], i - starts[k], dim, dtype
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSpec:
-  """One embedding table: its rows, width, dtype and initializer.
-
-  Args:
-    rows: the number of rows (ids ``0..rows-1``).
-    dim: the row width.
-    dtype: the table's dtype (float32, bfloat16, float16); tables of one
-      ``dim`` and ``dtype`` share a stack.
-    initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
-      ``jax.nn.initializers`` function; default: normal with standard
-      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s), each row drawn
-      from a key of its own (see :meth:`TableStack.init`). A hashed table
-      draws a row given to a new id from it too.
-    hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
-      takes raw ids of any range, mapped to its ``rows`` rows by an id map
-      (see :meth:`TableStack.admit`); None: ids are rows.
-  """
-
-  rows: int
-  dim: int
-  dtype: DTypeLike = jnp.float32
-  initializer: Callable[..., jax.Array] | None = None
-  hashed: Hashed | bool | None = None
-
-  def __post_init__(self):
-    if self.hashed is True:
-      object.__setattr__(self, "hashed", Hashed())
-    elif self.hashed is False:
-      object.__setattr__(self, "hashed", None)
-    elif self.hashed is not None and not isinstance(self.hashed, Hashed):
-      raise TypeError(
-        "gradtx.TableSpec `hashed` must be a gradtx.Hashed, True or None; "
-        f"got {type(self.hashed).__name__}."
-      )
-    for name in ("rows", "dim"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(
-          f"gradtx.TableSpec `{name}` must be a positive int; got {v!r}."
-        )
-    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
-      raise ValueError(
-        f"gradtx.TableSpec `dtype` must be a float dtype; got {self.dtype}."
-      )
-
-  @property
-  def key(self) -> tuple[int, str]:
-    """What tables of one stack share: the row width and the dtype."""
-    return int(self.dim), jnp.dtype(self.dtype).name
-
-
-class Jagged(NamedTuple):
-  """A jagged feature, as a data pipeline gives it (TorchRec's
-  ``KeyedJaggedTensor`` for one key): the ids of every example one after
-  the other, padded to a static capacity.
-
-  Example ``b``'s ids are ``ids[offsets[b]:offsets[b] + lengths[b]]`` with
-  ``offsets`` the exclusive cumulative sum of ``lengths``; the slots past
-  ``sum(lengths)`` are padding.
-
-  Attributes:
-    ids: ``[capacity]`` integer ids.
-    lengths: ``[B]`` integer bag lengths.
-    weights: optional ``[capacity]`` per-id weights.
-  """
-
-  ids: ArrayLike
-  lengths: ArrayLike
-  weights: ArrayLike | None = None
-
-
-def _key_names(keys: Any, what: str) -> tuple[str, ...]:
-  keys = tuple(keys) if not isinstance(keys, str) else (keys,)
-  if not keys or any(not isinstance(k, str) for k in keys):
-    raise TypeError(
-      f"gradtx.{what} `keys` must be a non-empty sequence of feature names; "
-      f"got {keys!r}."
-    )
-  if len(set(keys)) != len(keys):
-    raise ValueError(f"gradtx.{what} `keys` repeat a name: {list(keys)}.")
-  return keys
-
-
-class _KeyedMapping(Mapping):
-  """A keyed input as a read-only mapping of its features: ``names`` in
-  order, ``self[name]`` one feature's slice."""
-
-  names: tuple[str, ...]
-
-  def keys(self):
-    return list(self.names)
-
-  def __iter__(self):
-    return iter(self.names)
-
-  def __len__(self) -> int:
-    return len(self.names)
-
-  def _index(self, key: str) -> int:
-    if key not in self.names:
-      raise KeyError(key)
-    return self.names.index(key)
-
-
-@jax.tree_util.register_pytree_node_class
-class Keyed(_KeyedMapping):
-  """Features as one array, keyed by name (TorchRec's ``KeyedTensor``):
-  axis 1 of ``values`` holds the features ``keys``, in that order.
-
-  As :meth:`TableStack.lookup`'s input, ``values`` are ids: ``[B, F]``
-  (one id per example and feature, how Criteo-like data arrives) or
-  ``[B, F, L]`` bags with optional ``[B, F, L]`` ``weights`` (a weight 0
-  marks padding). The lookup reads the whole array at once: the feature
-  offsets are one broadcast add, then one gather and one pooling, so the
-  traced program does not grow with ``F`` (a dict of ``F`` slices of the
-  same matrix adds ops per feature). As its output (``keyed=True``),
-  ``values`` are the pooled rows ``[B, F, dim]``, which a per-feature
-  head reads whole (``jnp.einsum("bfd,fd->b", out.values, w)``).
-
-  The names are static (pytree metadata), so a ``Keyed`` passes through
-  ``jax.jit`` as its arrays. It is a read-only mapping too: ``x[name]``
-  is that feature's slice of ``values`` (``[B]``, ``[B, L]`` or
-  ``[B, dim]``; its weights ``x.weights[:, i]``), and ``dict(x)`` the
-  dict form, one slice per feature.
-
-  Attributes:
-    names: the feature names (``keys``), one per index of axis 1.
-    values: ``[B, F, ...]`` ids or pooled rows.
-    weights: optional per-id weights, the shape of ``values``.
-  """
-
-  def __init__(
-    self, keys: Sequence[str], values: Any, weights: Any = None
-  ) -> None:
-    self.names = _key_names(keys, "Keyed")
-    self.values = values
-    self.weights = weights
-    shape = getattr(values, "shape", None)
-    if shape is not None and (len(shape) < 2 or shape[1] != len(self.names)):
-      raise ValueError(
-        f"gradtx.Keyed `values` must be [B, {len(self.names)}, ...] (axis 1 "
-        f"holds the {len(self.names)} keys); got shape {tuple(shape)}."
-      )
-    wshape = getattr(weights, "shape", None)
-    if wshape is not None and tuple(wshape) != tuple(shape):
-      raise ValueError(
-        f"gradtx.Keyed `weights` must have the shape of `values` "
-        f"{tuple(shape)}; got {tuple(wshape)}."
-      )
-
-  def tree_flatten(self):
-    return (self.values, self.weights), self.names
-
-  @classmethod
-  def tree_unflatten(cls, names, children):
-    out = object.__new__(cls)
-    out.names = names
-    out.values, out.weights = children
-    return out
-
-  def __getitem__(self, key: str) -> Any:
-    return self.values[:, self._index(key)]
-
-  def __repr__(self) -> str:
-    shape = getattr(self.values, "shape", "?")
-    return f"Keyed(keys={list(self.names)}, values: {shape})"
-
-
-@jax.tree_util.register_pytree_node_class
-class KeyedJagged(_KeyedMapping):
-  """Jagged features as one flat array, keyed by name (TorchRec's
-  ``KeyedJaggedTensor``): the ids of feature ``keys[0]`` for every
-  example, then those of ``keys[1]``, ..., padded to a static capacity.
-
-  ``lengths[f, b]`` is the bag length of feature ``f`` for example ``b``
-  (TorchRec's flat ``lengths`` reshaped to ``[F, B]``); the slots past
-  ``sum(lengths)`` are padding. :meth:`TableStack.lookup` reads it in one
-  pass: each slot's bag is found by one search over the cumulative
-  lengths, its feature's offset added by one take, then one gather and
-  one segment sum, whatever the number of features.
-
-  It is a read-only mapping too: ``x[name]`` is that feature as a
-  :class:`Jagged` (its slots moved to the front), ``dict(x)`` the dict
-  form.
-
-  Attributes:
-    names: the feature names (``keys``), in the order of their slots.
-    ids: ``[capacity]`` integer ids.
-    lengths: ``[F, B]`` integer bag lengths.
-    weights: optional ``[capacity]`` per-id weights.
-  """
-
-  def __init__(
-    self, keys: Sequence[str], ids: Any, lengths: Any, weights: Any = None
-  ) -> None:
-    self.names = _key_names(keys, "KeyedJagged")
-    self.ids, self.lengths, self.weights = ids, lengths, weights
-    shape = getattr(lengths, "shape", None)
-    if shape is not None and (len(shape) != 2 or shape[0] != len(self.names)):
-      raise ValueError(
-        f"gradtx.KeyedJagged `lengths` must be [{len(self.names)}, B] (one "
-        f"row per key); got shape {tuple(shape)}."
-      )
-
-  def tree_flatten(self):
-    return (self.ids, self.lengths, self.weights), self.names
-
-  @classmethod
-  def tree_unflatten(cls, names, children):
-    out = object.__new__(cls)
-    out.names = names
-    out.ids, out.lengths, out.weights = children
-    return out
-
-  def __getitem__(self, key: str) -> Jagged:
-    k = self._index(key)
-    lengths = jnp.asarray(self.lengths).astype(jnp.int32)
-    start = jnp.sum(lengths[:k])
-    roll = lambda x: None if x is None else jnp.roll(jnp.asarray(x), -start)  # noqa: E731
-    return Jagged(roll(self.ids), lengths[k], roll(self.weights))
-
-  def __repr__(self) -> str:
-    shape = getattr(self.ids, "shape", "?")
-    return f"KeyedJagged(keys={list(self.names)}, ids: {shape})"
-
-
-def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
-  """A short batch padded to ``batch_size`` examples, and the mask of the
-  real ones: the last batch of an epoch then runs the compiled step
-  instead of compiling another.
-
-  Every array of ``batch`` (any pytree: a dict of ids, weights, labels,
-  dense features) is padded along its leading batch axis: signed integer
-  ids with -1 (padding: no row read, no gradient), floats with 0 (a weight
-  0 is padding too; labels and dense features 0), bools with False. A
-  :class:`Jagged`'s ``lengths`` (and a :class:`KeyedJagged`'s, along
-  ``B``) get empty bags; its flat ids keep their capacity. A
-  :class:`Keyed` is padded like its arrays. Scalars pass unchanged.
-
-  The padded examples read zero rows, so :meth:`TableStack.lookup` and
-  the sparse gradients are those of the short batch; the loss must not
-  count them: weight each example's loss by the mask, and divide by the
-  mask's sum for a mean (``jnp.sum(mask * l) / jnp.sum(mask)``). Then the
-  loss, the gradients and every optimizer's updates are the short
-  batch's.
-
-  Args:
-    batch: the short batch: arrays whose leading axis is its ``B``
-      examples (numpy arrays stay numpy, host-side).
-    batch_size: the compiled step's batch, at least ``B``.
-
-  Returns:
-    ``(padded, mask)``: the batch with ``batch_size`` examples, and a bool
-    ``[batch_size]`` array, True for the ``B`` real examples.
-
-  Examples:
-    >>> import numpy as np
-    >>> import gradtx as gtx
-    >>> ids = {"user": np.array([3, 7]), "history": np.array([[1, 2]] * 2),
-    ...        "clicks": gtx.Jagged(np.array([4, 5, 6]), np.array([2, 1]))}
-    >>> padded, mask = gtx.pad_batch(ids, 4)
-    >>> padded["user"], padded["clicks"].lengths
-    (array([ 3,  7, -1, -1]), array([2, 1, 0, 0]))
-    >>> mask
-    array([ True,  True, False, False])
-  """
-  if not is_int(batch_size) or batch_size < 1:
-    raise ValueError(
-      f"gradtx.pad_batch `batch_size` must be a positive int; got "
-      f"{batch_size!r}."
-    )
-  special = (Jagged, Keyed, KeyedJagged, Words)
-  is_special = lambda x: isinstance(x, special)  # noqa: E731
-  sizes: dict[str, int] = {}
-
-  def axis0(path, x, axis=0):
-    shape = np.shape(x)
-    if len(shape) > axis:
-      sizes[jax.tree_util.keystr(path)] = shape[axis]
-
-  def collect(path, x):
-    if isinstance(x, Words):
-      raise TypeError(
-        f"gradtx.pad_batch: `batch{jax.tree_util.keystr(path)}` holds "
-        "gradtx.Words: every value of a 64-bit id is an id, so none pads. "
-        "Give the feature weights (0 pads it) and pad its ids yourself."
-      )
-    if isinstance(x, Jagged):
-      axis0(path, x.lengths)
-    elif isinstance(x, KeyedJagged):
-      axis0(path, x.lengths, 1)
-    elif isinstance(x, Keyed):
-      axis0(path, x.values)
-    elif x is not None:
-      axis0(path, x)
-
-  jax.tree_util.tree_map_with_path(collect, batch, is_leaf=is_special)
-  if len(set(sizes.values())) > 1:
-    raise ValueError(
-      "gradtx.pad_batch: the arrays of `batch` have different leading "
-      f"(batch) axes: {sizes}."
-    )
-  b = next(iter(sizes.values()), batch_size)
-  if b > batch_size:
-    raise ValueError(
-      f"gradtx.pad_batch: `batch` has {b} examples, more than `batch_size` "
-      f"{batch_size}."
-    )
-
-  def pad(x, fill, axis=0):
-    if x is None or np.ndim(x) <= axis:
-      return x
-    xp = np if isinstance(x, np.ndarray) else jnp
-    dtype = xp.asarray(x).dtype
-    if fill == -1 and not jnp.issubdtype(dtype, jnp.signedinteger):
-      if jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(
-          f"gradtx.pad_batch: ids of dtype {dtype} have no padding value "
-          "(every unsigned value is an id); give the feature weights (0 "
-          "pads it) and pad its ids yourself, or pass signed ids."
-        )
-      fill = False if dtype == jnp.bool_ else 0
-    widths = [(0, 0)] * np.ndim(x)
-    widths[axis] = (0, batch_size - b)
-    return xp.pad(x, widths, constant_values=fill)
-
-  def one(x):
-    if isinstance(x, Jagged):
-      return x._replace(lengths=pad(x.lengths, 0))
-    if isinstance(x, KeyedJagged):
-      return KeyedJagged(x.names, x.ids, pad(x.lengths, 0, 1), x.weights)
-    if isinstance(x, Keyed):
-      return Keyed(x.names, pad(x.values, -1), pad(x.weights, 0))
-    return pad(x, -1)
-
-  padded = jax.tree.map(one, batch, is_leaf=is_special)
-  return padded, np.arange(batch_size) < b
-
-
-class _Stack(NamedTuple):
-  """One stacked array: its name, tables and their first rows."""
-
-  name: str
-  dim: int
-  dtype: str
-  tables: tuple[str, ...]
-  offsets: tuple[int, ...]  # each table's first logical row in the stack
-  rows: int  # logical rows: the tables' rows
-  shards: int  # logical row p sits at row (p % shards) * (size / shards)
-  # + p // shards, so every table's rows spread evenly over the shards
-
-  @property
-  def size(self) -> int:
-    """Rows of the array: ``rows`` padded to a multiple of ``shards``."""
-    return -(-self.rows // self.shards) * self.shards
-
-  def physical(self, p: Any) -> Any:
-    """The array row of logical row ``p`` (numpy or jax ints)."""
-    if self.shards == 1:
-      return p
-    return (p % self.shards) * (self.size // self.shards) + p // self.shards
-
-  def to_array(self, logical: Any) -> Any:
-    """``[rows, ...]`` rows in logical order -> the stack's array."""
-    if self.shards == 1:
-      return logical
-    pad = [(0, self.size - self.rows)] + [(0, 0)] * (logical.ndim - 1)
-    x = jnp.pad(logical, pad)
-    x = x.reshape(self.size // self.shards, self.shards, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])
-
-  def to_logical(self, x: Any) -> Any:
-    """The stack's array (or a tree leaf shaped like it) -> logical rows."""
-    if self.shards == 1:
-      return x
-    x = x.reshape(self.shards, self.size // self.shards, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
-
-
-def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
-  return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
-
-
-def _lanes(
-  names: list[str],
-  readers: Mapping[str, int],
-  tables: Mapping[str, TableSpec],
-  lanes: int,
-) -> list[list[str]]:
-  """The tables of one width and dtype spread over at most ``lanes``
-  stacks, balanced by the features that read them (a step's ids), then by
-  rows; each lane keeps the declared order."""
-  if lanes == 1 or len(names) == 1:
-    return [names]
-  lanes = min(lanes, len(names))
-  load = [(0, 0)] * lanes
-  lane_of = {}
-  heavy_first = sorted(
-    names, key=lambda t: (-readers.get(t, 0), -int(tables[t].rows))
-  )
-  for t in heavy_first:
-    k = min(range(lanes), key=lambda i: load[i])
-    lane_of[t] = k
-    load[k] = (load[k][0] + readers.get(t, 0), load[k][1] + int(tables[t].rows))
-  return [[t for t in names if lane_of[t] == k] for k in range(lanes)]
+__all__ = ["TableStack"]
 
 
 class TableStack:
@@ -504,11 +61,14 @@ class TableStack:
   Tables of one ``dim`` and ``dtype`` are stacked into one array (a table's
   rows follow the previous table's); ``features`` name which table each
   input feature reads, so several features may share a table (a user's
-  history of items reads the item table). With ``batch_size`` a table that
-  a step would read at least 4 times per row (a 3-row table at batch 2048)
-  stays an array of its own: its gradient is then one summed row per table
-  row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row per
-  read inside the stack. ``print(stack)`` shows the plan.
+  history of items reads the item table). Two kinds of table stay an array
+  of their own, outside the stacks: one that no feature reads, and, with
+  ``batch_size``, one that a step would read at least 4 times per row (a
+  3-row table at batch 2048), whose gradient is then one summed row per
+  table row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row
+  per read inside the stack; a hashed table that a feature reads is always
+  stacked (its id map works on its stack's rows). ``print(stack)`` shows
+  the plan.
 
   The params are a dict of plain arrays: one ``[rows, dim]`` array per stack
   (named ``"<dtype>x<dim>"``) and one per table kept outside, so any model
@@ -529,6 +89,12 @@ class TableStack:
       balanced by the features that read them. Each stack is one chain
       of gather, update and scatter; independent chains can run on
       different cores of a CPU, one chain cannot.
+
+  Attributes:
+    plan: the :class:`gradtx.StackPlan`: the tables, features, stacks and
+      the tables outside, printed by ``print(stack)``.
+    stacks: the plan's stacks, params key -> :class:`gradtx.StackSpec`.
+    tables, features, outside: the plan's.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -556,198 +122,27 @@ class TableStack:
     shards: int = 1,
     lanes: int = 1,
   ):
-    if not isinstance(tables, Mapping) or not tables:
-      raise ValueError(
-        "gradtx.TableStack `tables` must be a non-empty dict of table name "
-        f"-> gradtx.TableSpec; got {tables!r}."
-      )
-    for name, spec in tables.items():
-      if not isinstance(spec, TableSpec):
-        raise TypeError(
-          f"gradtx.TableStack `tables[{name!r}]` must be a gradtx.TableSpec; "
-          f"got {type(spec).__name__}."
-        )
-    self.tables: dict[str, TableSpec] = dict(tables)
-    if features is None:
-      features = {name: name for name in self.tables}
-    unknown = {f: t for f, t in features.items() if t not in self.tables}
-    if unknown:
-      raise ValueError(
-        f"gradtx.TableStack `features` name tables that are not in "
-        f"`tables`: {unknown}. The tables are {list(self.tables)}."
-      )
-    self.features: dict[str, str] = dict(features)
-    if batch_size is not None and (
-      isinstance(batch_size, bool)
-      or not isinstance(batch_size, (int, np.integer))
-      or batch_size < 1
-    ):
-      raise ValueError(
-        f"gradtx.TableStack `batch_size` must be a positive int or None; "
-        f"got {batch_size!r}."
-      )
-    self.batch_size = batch_size
-    if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)):
-      shards = 0
-    if shards < 1:
-      raise ValueError(
-        f"gradtx.TableStack `shards` must be a positive int (the devices a "
-        f"stack's rows are split over); got {shards!r}."
-      )
-    self.shards = int(shards)
-    readers: dict[str, int] = {}
-    for t in self.features.values():
-      readers[t] = readers.get(t, 0) + 1
-    self.outside: dict[str, str] = {}  # table -> why it is not stacked
-    for name, spec in self.tables.items():
-      if name not in readers:
-        self.outside[name] = "no feature reads it"
-        continue
-      reads = (batch_size or 0) * readers[name]
-      if (
-        batch_size is not None
-        and spec.hashed is None
-        and reads >= _READS_PER_ROW_OUTSIDE * spec.rows
-      ):
-        self.outside[name] = (
-          f"{reads:,} reads per step at batch_size {batch_size} for "
-          f"{spec.rows:,} rows: one summed gradient row per table row is "
-          "smaller than a row per read"
-        )
-    by_key: dict[tuple[int, str], list[str]] = {}
-    for name, spec in self.tables.items():
-      if name not in self.outside:
-        by_key.setdefault(spec.key, []).append(name)
-    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)):
-      lanes = 0
-    if lanes < 1:
-      raise ValueError(
-        f"gradtx.TableStack `lanes` must be a positive int (the stacks the "
-        f"tables of one width and dtype are spread over); got {lanes!r}."
-      )
-    self.lanes = int(lanes)
-    self.stacks: dict[str, _Stack] = {}
-    lanes_of = {
-      (dim, dtype, k): part
-      for (dim, dtype), names in by_key.items()
-      for k, part in enumerate(_lanes(names, readers, self.tables, lanes))
-    }
-    for (dim, dtype, lane), names in lanes_of.items():
-      offsets, start = [], 0
-      for n in names:
-        offsets.append(start)
-        start += int(self.tables[n].rows)
-      if start >= 2**31:
-        raise ValueError(
-          f"gradtx.TableStack: the {dtype} tables of width {dim} hold "
-          f"{start:,} rows, more than int32 ids address (2**31 - 1). Give "
-          "some of them another dtype or split them over two TableStacks."
-        )
-      stack = _Stack(
-        _stack_name(dim, dtype, lane),
-        dim,
-        dtype,
-        tuple(names),
-        tuple(offsets),
-        start,
-        self.shards,
-      )
-      self.stacks[stack.name] = stack
-    clash = set(self.stacks) & set(self.outside)
-    if clash:
-      raise ValueError(
-        f"gradtx.TableStack: tables named {sorted(clash)} clash with the "
-        "names of the stacks; rename them."
-      )
-    self._where = {
-      t: (s.name, off)
-      for s in self.stacks.values()
-      for t, off in zip(s.tables, s.offsets, strict=True)
-    }
-    # the id map of each stack with hashed tables
-    self.maps: dict[str, _vocab.Layout] = {}
-    for s in self.stacks.values():
-      hashed = [
-        (t, off)
-        for t, off in zip(s.tables, s.offsets, strict=True)
-        if self.tables[t].hashed is not None
-      ]
-      if hashed:
-        self.maps[s.name] = _vocab.Layout(
-          tuple(t for t, _ in hashed),
-          tuple(off for _, off in hashed),
-          tuple(int(self.tables[t].rows) for t, _ in hashed),
-          tuple(self.tables[t].hashed for t, _ in hashed),
-          s.size,
-          s.shards,
-        )
+    self.plan: StackPlan = plan_stacks(
+      tables, features, batch_size=batch_size, shards=shards, lanes=lanes
+    )
+    plan = self.plan
+    self.tables: dict[str, TableSpec] = plan.tables
+    self.features: dict[str, str] = plan.features
+    self.batch_size = plan.batch_size
+    self.shards = plan.shards
+    self.lanes = plan.lanes
+    self.stacks: dict[str, StackSpec] = plan.stacks
+    self.outside: dict[str, str] = plan.outside  # table -> why
+    self.maps: dict[str, _vocab.Layout] = plan.maps
 
   # -- the plan -------------------------------------------------------------
   def location(self, table: str) -> tuple[str, int]:
     """``(params key, first row)`` of ``table``: a stack's name and the
     table's offset in it, or the table's own name and 0 outside."""
-    if table not in self.tables:
-      raise KeyError(
-        f"gradtx.TableStack has no table {table!r}; the tables are "
-        f"{list(self.tables)}."
-      )
-    return self._where.get(table, (table, 0))
+    return self.plan.location(table)
 
   def __repr__(self) -> str:
-    lines = [
-      f"TableStack: {len(self.tables)} table(s), {len(self.features)} "
-      f"feature(s), {len(self.stacks)} stack(s), "
-      f"{len(self.outside)} outside"
-    ]
-    for s in self.stacks.values():
-      item = jnp.dtype(s.dtype).itemsize
-      spread = (
-        f", every table's rows spread over {s.shards} shards"
-        + (f" ({s.size - s.rows} padding rows)" if s.size > s.rows else "")
-        if s.shards > 1
-        else ""
-      )
-      lines.append(
-        f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
-        f"{_bytes(s.size * s.dim * item)}{spread}"
-      )
-      for t, off in zip(s.tables, s.offsets, strict=True):
-        feats = [f for f, tt in self.features.items() if tt == t]
-        h = self.tables[t].hashed
-        how = (
-          f"  hashed ({h.policy}"
-          + (f", ttl {h.ttl}" if h.ttl is not None else "")
-          + (f", min_count {h.min_count}" if h.min_count > 1 else "")
-          + (
-            f", admit_probability {h.admit_probability}"
-            if h.admit_probability < 1
-            else ""
-          )
-          + f", {h.probes} probes)"
-          if h is not None
-          else ""
-        )
-        lines.append(
-          f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
-          f"  features {feats}{how}"
-        )
-      if s.name in self.maps:
-        m = self.maps[s.name]
-        sketch = m.sketch_bytes
-        lines.append(
-          f"    id map of {len(m.tables)} hashed table(s): "
-          f"{_bytes(m.map_bytes)} "
-          f"({_vocab.MAP_BYTES_PER_ROW} B a row of the stack"
-          + (f", sketch {_bytes(sketch)}" if sketch else "")
-          + ")"
-        )
-    for t, why in self.outside.items():
-      spec = self.tables[t]
-      lines.append(
-        f"  outside {t!r}: {spec.rows:,} rows x {spec.dim} "
-        f"{jnp.dtype(spec.dtype).name}: {why}"
-      )
-    return "\n".join(lines)
+    return repr(self.plan)
 
   __str__ = __repr__
 
@@ -778,7 +173,7 @@ class TableStack:
         per_table[t] = jnp.asarray(x, dtype)
     for (dim, dtype), index in alike.items():
       sizes = [int(self.tables[names[i]].rows) for i in index]
-      rows = _default_tables(key, index, sizes, dim, dtype)
+      rows = default_tables(key, index, sizes, dim, dtype)
       # The group (every default table of this width and dtype) does not
       # depend on the plan; kept out of the fusions of the stacks that
       # consume it, its draw is the same program, bit for bit, whatever
@@ -960,10 +355,7 @@ class TableStack:
 
   def _check_max_new(self, max_new: Any) -> None:
     def ok(v):
-      return not isinstance(v, bool) and (
-        (isinstance(v, (int, np.integer)) and v >= 1)
-        or (isinstance(v, float) and 0 < v <= 1)
-      )
+      return (is_int(v) and v >= 1) or (isinstance(v, float) and 0 < v <= 1)
 
     hashed = [t for layout in self.maps.values() for t in layout.tables]
     if isinstance(max_new, Mapping):
@@ -1055,9 +447,9 @@ class TableStack:
       return out
 
     return _RawSlots(
-      _joined(his),
-      _joined(los),
-      _joined(oks),
+      joined(his),
+      joined(los),
+      joined(oks),
       np.concatenate(tabs).astype(np.int32),
       rebuild,
     )
@@ -1074,7 +466,7 @@ class TableStack:
       groups.setdefault(self.tables[t].initializer, []).append(k)
     values = None
     for g, (init, members) in enumerate(groups.items()):
-      v = (init or _default_init)(
+      v = (init or default_init)(
         jax.random.fold_in(key, g), (n, s.dim), jnp.dtype(s.dtype)
       ).astype(s.dtype)
       if values is None:
@@ -1195,14 +587,14 @@ class TableStack:
         lambda x: unsplit(x) if is_split(x) else x, (ids, weights)
       )
     if whole:
-      batch, read = _keyed_batch(ids), _keyed_reader(ids)
+      batch, read = keyed_batch(ids), keyed_reader(ids)
     else:
-      batch, read = self._dict_reader(ids, weights)
+      batch, read = dict_reader(ids, weights)
     out, parts = {}, []
     for where, feats in self._groups(names):
       s = self.stacks.get(where)
       tables = [self.features[f] for f in feats]
-      pooled = _pool(
+      pooled = pool_rows(
         params[where],
         read(feats),
         batch,
@@ -1218,7 +610,7 @@ class TableStack:
       elif keyed:
         parts.append(pooled)
       else:
-        out.update(_split_features(pooled, feats))
+        out.update(split_features(pooled, feats))
     if keyed:
       dims = {p.shape[-1] for p in parts}
       if len(dims) > 1:
@@ -1232,27 +624,6 @@ class TableStack:
     if concat:
       return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     return {f: out[f] for f in names}
-
-  def _dict_reader(self, ids, weights):
-    """``(batch, read)`` of a dict of features: ``read(feats)`` gives the
-    :class:`_Slots` of those features."""
-    for f, x in ids.items():
-      if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
-        raise TypeError(
-          f"gradtx.TableStack.lookup: feature {f!r} has raw gradtx.Words "
-          "ids; pass `vocab=` to map them read-only, or the ids "
-          "`stack.admit` returned."
-        )
-    bags = {f: _bag(f, x, weights.get(f)) for f, x in ids.items()}
-    sizes = {b.batch for b in bags.values()}
-    if len(sizes) > 1:
-      raise ValueError(
-        "gradtx.TableStack.lookup: the features' batch sizes differ: "
-        f"{ {f: b.batch for f, b in bags.items()} }. Give every feature the "
-        "same leading axis."
-      )
-    batch = sizes.pop()
-    return batch, lambda feats: _dict_slots([bags[f] for f in feats], batch)
 
   def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
@@ -1291,325 +662,3 @@ class _RawSlots(NamedTuple):
   valid: jax.Array
   tab: np.ndarray
   rebuild: Callable[[jax.Array], dict[str, Any]]
-
-
-class _Bag(NamedTuple):
-  """A feature's ids as flat slots: ``ids[k]`` belongs to example
-  ``segment[k]`` (``batch``: none) with weight ``weight[k]``."""
-
-  ids: jax.Array
-  segment: jax.Array | None  # None: slot k -> example k // per_example
-  weight: jax.Array | None  # None: every slot weighs 1
-  batch: int
-  per_example: int  # ids per example for the dense forms, 0 if jagged
-
-
-def _bag(name: str, x: Any, w: Any) -> _Bag:
-  if isinstance(x, Jagged):
-    if w is not None:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r} is Jagged; put its "
-        "weights in `Jagged(..., weights=...)`, not in `weights`."
-      )
-    ids = jnp.asarray(x.ids)
-    lengths = jnp.asarray(x.lengths)
-    if ids.ndim != 1 or lengths.ndim != 1:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `ids` must be "
-        f"[capacity] and `lengths` [B]; got {ids.shape} and {lengths.shape}."
-      )
-    _check_int(name, ids)
-    _check_int(name, lengths, "lengths")
-    ends = jnp.cumsum(lengths.astype(jnp.int32))
-    slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
-    segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
-    weight = None if x.weights is None else jnp.asarray(x.weights)
-    if weight is not None and weight.shape != ids.shape:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `weights` "
-        f"must have the ids' shape {ids.shape}; got {weight.shape}."
-      )
-    # slots past the last bag belong to no example
-    return _Bag(ids, segment, weight, lengths.shape[0], 0)
-  ids = jnp.asarray(x)
-  _check_int(name, ids)
-  if ids.ndim not in (1, 2):
-    raise ValueError(
-      f"gradtx.TableStack.lookup: feature {name!r} has ids of shape "
-      f"{ids.shape}; pass [B] ids, [B, L] bags or a gradtx.Jagged."
-    )
-  if w is not None:
-    w = jnp.asarray(w)
-    if w.shape != ids.shape:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: `weights[{name!r}]` must have the ids' "
-        f"shape {ids.shape}; got {w.shape}."
-      )
-    w = w.reshape(-1)
-  per = 1 if ids.ndim == 1 else ids.shape[1]
-  return _Bag(ids.reshape(-1), None, w, ids.shape[0], per)
-
-
-def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(
-      f"gradtx.TableStack.lookup: feature {name!r} has {what} of dtype "
-      f"{x.dtype}; pass integers (`.astype(jnp.int32)`)."
-    )
-
-
-def _int32_ids(x: jax.Array) -> jax.Array:
-  """Ids as int32; an id no int32 holds (64-bit, or uint32 past 2**31 - 1)
-  becomes -1, padding."""
-  if x.dtype.itemsize < 4 or x.dtype == jnp.int32:
-    return x.astype(jnp.int32)
-  fits = (x >= 0) & (x <= np.iinfo(np.int32).max)
-  return jnp.where(fits, x.astype(jnp.int32), -1)
-
-
-def _joined(parts: list[jax.Array]) -> jax.Array:
-  """The 1-D ``parts`` one after the other, kept out of their consumers'
-  fusions: fused into an elementwise loop, a concatenation of hundreds of
-  operands becomes a chain of selects per element, whose compile time
-  grows steeply with the features; alone it is a copy per part."""
-  if len(parts) == 1:
-    return parts[0]
-  return lax.optimization_barrier(jnp.concatenate(parts))
-
-
-# features a column block of _columns holds
-_COLUMN_BLOCK = 32
-
-
-def _columns(parts: list[jax.Array]) -> jax.Array:
-  """The ``[B]`` ``parts`` as the columns of one ``[B, F]`` array, joined
-  by blocks of 32 columns, each kept out of its consumers' fusions as in
-  :func:`_joined`. Columns sliced in order from one ``[B, F]`` matrix
-  (``{f: m[:, i] ...}``) then join back into one slice of it per block
-  (XLA merges a concatenation of adjacent slices), so a sliced dict does
-  not compile a copy per feature; the blocks keep each concatenation
-  along the minor axis small, whose compile time grows steeply with its
-  operands."""
-  if len(parts) == 1:
-    return parts[0][:, None]
-  blocks = [
-    lax.optimization_barrier(jnp.stack(parts[i : i + _COLUMN_BLOCK], axis=1))
-    for i in range(0, len(parts), _COLUMN_BLOCK)
-  ]
-  if len(blocks) == 1:
-    return blocks[0]
-  return lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
-
-
-class _Slots(NamedTuple):
-  """A group's ids laid out for its one gather: ``segment`` None, ``ids``
-  ``[B, F]`` one-hot and example-major (the rows gathered are the pooled
-  rows); else slots of any shape pooled into ``segment``, ``feature * B +
-  example`` (at or past ``B * F``: no example)."""
-
-  ids: jax.Array  # int32
-  weight: jax.Array | None  # float32, ids' shape; None: every slot 1
-  feature: Any  # the slot's feature in the group (numpy or jax ints,
-  # broadcastable to ids); F: none of the group's
-  segment: jax.Array | None
-  sorted: bool  # segment nondecreasing over the slots
-  ok: Any = True  # False: the slot belongs to no example (padding)
-
-
-def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
-  """The slots of a dict's features: their ids joined, one-hot ones
-  example-major."""
-  nf = len(bags)
-  weighted = any(b.weight is not None for b in bags)
-  weights = [
-    jnp.ones(b.ids.shape, jnp.float32) if b.weight is None else b.weight
-    for b in bags
-  ]
-  weights = [w.astype(jnp.float32) for w in weights]
-  ids = [_int32_ids(b.ids) for b in bags]
-  if all(b.per_example == 1 for b in bags):
-    weight = _columns(weights) if weighted else None
-    feature = np.arange(nf, dtype=np.int32)[None]
-    return _Slots(_columns(ids), weight, feature, None, True)
-  weight = _joined(weights) if weighted else None
-  ids = _joined(ids)
-  sizes = [b.ids.shape[0] for b in bags]
-  seg = []
-  for b in bags:
-    if b.segment is None:
-      example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
-      seg.append(jnp.asarray(example))
-    else:  # jagged: slots past the last bag belong to no example
-      seg.append(b.segment)
-  example = _joined(seg)
-  feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
-  # feature-major segments follow the slots' order: a sorted segment sum
-  segment = feature * batch + jnp.minimum(example, batch - 1)
-  return _Slots(ids, weight, feature, segment, True, example < batch)
-
-
-def _keyed_batch(x: Keyed | KeyedJagged) -> int:
-  """The batch of a keyed input, its arrays' forms checked."""
-  what = type(x).__name__
-  arrays = (x.values,) if isinstance(x, Keyed) else (x.ids, x.lengths)
-  if any(isinstance(a, Words) for a in arrays):
-    raise TypeError(
-      f"gradtx.TableStack.lookup: the gradtx.{what} holds raw gradtx.Words "
-      "ids; pass `vocab=` to map them read-only, or the ids `stack.admit` "
-      "returned."
-    )
-  if isinstance(x, Keyed):
-    v = jnp.asarray(x.values)
-    _check_int(f"{what}", v, "values")
-    if v.ndim not in (2, 3):
-      raise ValueError(
-        "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
-        f"[B, F] or [B, F, L]; got {v.shape}."
-      )
-    return v.shape[0]
-  ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
-  _check_int(what, ids)
-  _check_int(what, lengths, "lengths")
-  if ids.ndim != 1:
-    raise ValueError(
-      f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
-      f"[capacity]; got {ids.shape}."
-    )
-  if x.weights is not None and jnp.shape(x.weights) != ids.shape:
-    raise ValueError(
-      "gradtx.TableStack.lookup: gradtx.KeyedJagged `weights` must have the "
-      f"ids' shape {ids.shape}; got {jnp.shape(x.weights)}."
-    )
-  return lengths.shape[1]
-
-
-def _keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
-  """``read(feats)``: the slots of features ``feats`` (a group, in its
-  order) of a keyed input, with no op per feature."""
-  if isinstance(x, KeyedJagged):
-    return _jagged_reader(x)
-  values = _int32_ids(jnp.asarray(x.values))
-  weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
-  batch, width = values.shape[:2]
-
-  def read(feats: list[str]) -> _Slots:
-    cols = [x.names.index(f) for f in feats]
-    v, w = values, weights
-    if cols != list(range(width)):  # one gather of the group's columns
-      v = v[:, np.asarray(cols)]
-      w = None if w is None else w[:, np.asarray(cols)]
-    nf = len(cols)
-    if v.ndim == 2:
-      feature = np.arange(nf, dtype=np.int32)[None]
-      return _Slots(v, w, feature, None, True)
-    # bags: feature-major [F, B, L], so the segments are sorted
-    v = jnp.swapaxes(v, 0, 1)
-    w = None if w is None else jnp.swapaxes(w, 0, 1)
-    shape = v.shape
-    segment = lax.broadcasted_iota(jnp.int32, shape, 0) * batch
-    segment = segment + lax.broadcasted_iota(jnp.int32, shape, 1)
-    feature = np.arange(nf, dtype=np.int32)[:, None, None]
-    return _Slots(v, w, feature, segment, True)
-
-  return read
-
-
-def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
-  ids = _int32_ids(jnp.asarray(x.ids))
-  lengths = jnp.asarray(x.lengths).astype(jnp.int32)
-  weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
-  keys, batch = len(x.names), lengths.shape[1]
-  # each slot's bag (key-major: key * B + example), by one search
-  ends = jnp.cumsum(lengths.reshape(-1))
-  slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  bag = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
-  key, example = bag // batch, bag % batch  # key == keys: past the bags
-
-  def read(feats: list[str]) -> _Slots:
-    # each key's position in the group (len(feats): not in it, or none)
-    where = np.full(keys + 1, len(feats), np.int32)
-    for k, f in enumerate(feats):
-      where[x.names.index(f)] = k
-    identity = np.array_equal(where[:-1], np.arange(keys))
-    feature = key if identity else jnp.asarray(where)[key]
-    segment = feature * batch + example
-    return _Slots(
-      ids, weight, feature, segment, bool(np.all(np.diff(where) >= 0))
-    )
-
-  return read
-
-
-def _pool(table, slots, batch, offsets, rows, stack, combiner):
-  """One gather of a group's rows from ``table`` (features offset into
-  its logical rows, placed by ``stack``; padding = the table's row count:
-  out of range, a zero row and no gradient) and one segment sum into
-  ``[B, F, dim]``.
-
-  The pooled rows are laid out example-major (``[B, F, dim]``), the layout
-  a head that concatenates or stacks the features reads: one-hot features
-  are gathered in that order directly, with no segment sum; bags are
-  summed feature by feature (the slots' own order, a sorted segment sum)
-  and the ``[F, B, dim]`` sums transposed. The ids are offset, checked
-  and placed by one elementwise pass against each slot's feature's
-  constants, so the program does not grow with the number of features."""
-  nf = len(offsets)
-  # per feature, and a last entry for "none of the group's": no row valid
-  off = np.asarray([*offsets, 0], np.int32)
-  lim = np.asarray([*rows, 0], np.int32)
-  if isinstance(slots.feature, np.ndarray):
-    off, lim = off[slots.feature], lim[slots.feature]
-  else:
-    off, lim = jnp.asarray(off)[slots.feature], jnp.asarray(lim)[slots.feature]
-  ids, weight = slots.ids, slots.weight
-  valid = (ids >= 0) & (ids < lim) & slots.ok
-  if weight is not None:
-    valid = valid & (weight != 0)
-  row = ids + off
-  row = row if stack is None else stack.physical(row)
-  got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
-  one_hot = slots.segment is None
-  if one_hot and weight is None and combiner == "sum":
-    pooled = got  # padding read zeros
-  else:
-    if weight is None:
-      weight = jnp.ones(ids.shape, jnp.float32)
-    weight = jnp.where(valid, weight, 0.0).reshape(-1)
-    vals = got.astype(jnp.float32) * weight[:, None]
-    segment = None if one_hot else slots.segment.reshape(-1)
-    pool = functools.partial(
-      jax.ops.segment_sum,
-      segment_ids=segment,
-      num_segments=batch * nf,
-      indices_are_sorted=slots.sorted,
-    )
-    pooled = vals if one_hot else pool(vals)
-    if combiner != "sum":
-      norm = weight if combiner == "mean" else weight * weight
-      if not one_hot:
-        norm = pool(norm)
-      if combiner == "sqrtn":
-        norm = jnp.sqrt(norm)
-      pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
-    pooled = pooled.astype(table.dtype)
-  if one_hot:
-    return pooled.reshape(batch, nf, -1)
-  return jnp.swapaxes(pooled.reshape(nf, batch, -1), 0, 1)
-
-
-def _split_features(pooled: jax.Array, names: list[str]) -> dict:
-  """``[B, F, dim]`` -> feature name -> ``[B, dim]``: one split, whose
-  transpose is one concatenation (per-feature slices would each transpose
-  to a pad of the whole pooled array, summed)."""
-  if len(names) == 1:
-    return {names[0]: pooled[:, 0]}
-  parts = lax.split(pooled, [1] * len(names), axis=1)
-  return {f: x[:, 0] for f, x in zip(names, parts, strict=True)}
-
-
-def _bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-    n /= 1024
-  return f"{n:,.1f} GiB"

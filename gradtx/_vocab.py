@@ -30,11 +30,12 @@ finds its twin's, or loses one of its ``probes`` rows, so there are at most
 every backend.
 
 A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
-its new values (the table's initializer) as :class:`FreshRows`, and
-:func:`reset_rows` writes them into the params and resets the row in every
-optimizer state, so that the new id inherits nothing from the old one, and
-:func:`drop_reassigned` keeps a gradient computed before a row was given out
-(a late one, in asynchronous training) off its new owner.
+its new values (the table's initializer) as :class:`gradtx.FreshRows`,
+and :func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
+and resets the row in every optimizer state, so that the new id inherits
+nothing from the old one, and :func:`drop_reassigned` keeps a gradient
+computed before a row was given out (a late one, in asynchronous training)
+off its new owner.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradtx._rowio import scatter_rows
-from gradtx._sharded import is_split
+from gradtx._fresh_rows import drop_entries
+from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
+from gradtx._static import is_int
 
-__all__ = ["FreshRows", "Hashed", "VocabState", "Words", "reset_rows"]
+__all__ = ["Hashed", "VocabState", "Words"]
 
 POLICIES = ("lru", "lfu")
 _INT_MAX = np.iinfo(np.int32).max
@@ -118,15 +120,11 @@ class Hashed:
       )
     for name, low in (("probes", 1), ("min_count", 1), ("seed", 0)):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+      if not is_int(v) or v < low:
         raise ValueError(
           f"gradtx.Hashed `{name}` must be an int >= {low}; got {v!r}."
         )
-    if self.ttl is not None and (
-      isinstance(self.ttl, bool)
-      or not isinstance(self.ttl, (int, np.integer))
-      or self.ttl < 0
-    ):
+    if self.ttl is not None and (not is_int(self.ttl) or self.ttl < 0):
       raise ValueError(
         f"gradtx.Hashed `ttl` must be None or an int >= 0 (steps); got "
         f"{self.ttl!r}."
@@ -221,19 +219,6 @@ class VocabState(NamedTuple):
   starved: jax.Array
   sketch: jax.Array
   rng: jax.Array
-
-
-class FreshRows(NamedTuple):
-  """Rows given to new ids in a step, for :func:`reset_rows`.
-
-  Attributes:
-    rows: int32 ``[n]`` rows of the params' array; the array's row count
-      marks an unused slot.
-    values: ``[n, dim]`` the rows' new values (the table's initializer).
-  """
-
-  rows: jax.Array
-  values: jax.Array
 
 
 # -- hashing ------------------------------------------------------------------
@@ -333,13 +318,10 @@ class Layout:
   rows: tuple[int, ...]
   settings: tuple[Hashed, ...]
   size: int  # rows of the stack's array
-  shards: int  # the stack's round-robin split (see gradtx._stack)
+  shards: int  # the stack's round-robin split (_sharded.spread_row)
 
   def physical(self, p: Any) -> Any:
-    if self.shards == 1:
-      return p
-    per = self.size // self.shards
-    return (p % self.shards) * per + p // self.shards
+    return spread_row(p, self.size, self.shards)
 
   @property
   def probes(self) -> int:
@@ -431,7 +413,7 @@ def find(
   state: VocabState, layout: Layout, hi, lo, tab: np.ndarray, valid
 ) -> jax.Array:
   """Read-only: each id's table-local row, or -1 (unknown or padding)."""
-  check_not_split(state)
+  check_not_split(state, "lookup")
   p = _probe(layout, tab, _hashes(layout, hi, lo, tab))
   found, col = _match(state, p, hi, lo, valid)
   local, _ = _pick(p, col)
@@ -462,7 +444,7 @@ def budgets(layout: Layout, tab: np.ndarray, max_new: Any) -> np.ndarray:
       if isinstance(max_new, Mapping)
       else max_new
     )
-    if not isinstance(v, (int, np.integer)):  # a fraction
+    if not is_int(v):  # a fraction
       v = max(min(n, MIN_NEW), math.ceil(n * v))
     out.append(min(int(v), int(n)))
   return np.asarray(out, np.int32)
@@ -492,7 +474,7 @@ def admit(
   tab = np.asarray(tab, np.int32)
   bound = np.asarray(max_new, np.int32)
   m = max(1, int(bound.sum()))
-  check_not_split(state)
+  check_not_split(state, "admit")
   now = state.step
   h = _hashes(layout, hi, lo, tab)
   p = _probe(layout, tab, h)
@@ -593,7 +575,8 @@ def admit(
   l3, _ = _pick(p, c3)
   row = jnp.where(f3, l3, row)
   got = row >= 0
-  at = jnp.where(got, layout.physical(row + _offsets(layout, tab)), size)
+  off = np.asarray(layout.offsets, np.int32)[tab]
+  at = jnp.where(got, layout.physical(row + off), size)
   placed = fresh < size
   count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
   count = count.at[at].add(1, mode="drop")
@@ -626,19 +609,17 @@ def admit(
   return row, new_state, fresh, btab
 
 
-def check_not_split(state: VocabState) -> None:
+def check_not_split(state: VocabState, what: str) -> None:
+  """The map is not split over Explicit axes; ``what``: the TableStack
+  method that reads it (``"admit"``, ``"lookup"``), named in the error."""
   if is_split(state.key_hi):
     raise ValueError(
-      "gradtx.TableStack.admit: the id map's rows are split over Explicit "
-      "mesh axes, which its placement rounds do not support yet. Split them "
+      f"gradtx.TableStack.{what}: the id map's rows are split over Explicit "
+      "mesh axes, which its probing does not support yet. Split them "
       "over Auto axes (`jax.make_mesh(..., axis_types=(AxisType.Auto,))`), "
       "or keep the map replicated (`jax.device_put(vocab, "
       "NamedSharding(mesh, P()))`) while the params stay row-sharded."
     )
-
-
-def _offsets(layout: Layout, tab: np.ndarray) -> np.ndarray:
-  return np.asarray(layout.offsets, np.int32)[tab]
 
 
 def _admission(state, layout, tab, h, new, now):
@@ -722,173 +703,9 @@ def drop_reassigned(grad: Any, born: jax.Array, since: Any) -> Any:
     gone = (idx < born.shape[0]) & (
       born[jnp.clip(idx, 0, born.shape[0] - 1)] > since
     )
-    return _without(grad, gone)
+    return drop_entries(grad, gone)
   gone = (born > since).reshape((-1,) + (1,) * (jnp.ndim(grad) - 1))
   return jnp.where(gone, jnp.zeros((), jnp.result_type(grad)), grad)
-
-
-# -- fresh rows in the params and every optimizer state -----------------------
-def _is_node(x: Any) -> bool:
-  return isinstance(x, SparseRows)
-
-
-def _abstract(params: Any) -> list[jax.ShapeDtypeStruct]:
-  return [
-    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-    for x in jax.tree.leaves(params)
-  ]
-
-
-def _check_state(optimizer: Any, opt_state: Any, params: Any) -> list[Any]:
-  """``opt_state`` has the structure and shapes ``optimizer.init(params)``
-  gives; returns that state's abstract leaves (SparseRows whole)."""
-  if not hasattr(optimizer, "init"):
-    raise TypeError(
-      "gradtx.reset_rows: `optimizer` must be the optax transformation "
-      f"whose state `opt_state` is; got {type(optimizer).__name__}."
-    )
-  treedef = jax.tree.structure(params)
-  want = jax.eval_shape(optimizer.init, treedef.unflatten(_abstract(params)))
-  same = jax.tree.structure(opt_state, is_leaf=_is_node) == jax.tree.structure(
-    want, is_leaf=_is_node
-  ) and [jnp.shape(x) for x in jax.tree.leaves(opt_state)] == [
-    x.shape for x in jax.tree.leaves(want)
-  ]
-  if not same:
-    raise ValueError(
-      "gradtx.reset_rows: `opt_state` is not the state that `optimizer` "
-      "builds for `params` (its tree or shapes differ): pass the "
-      "transformation whose `init(params)` made `opt_state`, the one its "
-      "`update` runs with."
-    )
-  return jax.tree.leaves(want, is_leaf=_is_node)
-
-
-def _row_leaves(
-  optimizer: Any, params: Any, where: int, base: list[Any]
-) -> list[bool]:
-  """Which leaves of ``optimizer.init(params)`` (SparseRows whole, their
-  abstract values ``base``) follow the rows of params leaf ``where``:
-  their leading axis (a SparseRows: its ``num_rows``) grows with that
-  leaf's rows."""
-  treedef = jax.tree.structure(params)
-  grown = _abstract(params)
-  x = grown[where]
-  grown[where] = jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype)
-  more = jax.tree.leaves(
-    jax.eval_shape(optimizer.init, treedef.unflatten(grown)), is_leaf=_is_node
-  )
-  if len(base) != len(more):
-    raise ValueError(
-      "gradtx.reset_rows: the optimizer's state changes its structure with "
-      "a table's row count; its rows cannot be found."
-    )
-
-  def lead(s):
-    if isinstance(s, SparseRows):
-      return s.num_rows
-    return s.shape[0] if s.shape else None
-
-  return [
-    lead(a) is not None and lead(b) == lead(a) + 1
-    for a, b in zip(base, more, strict=True)
-  ]
-
-
-def reset_rows(
-  optimizer: Any, opt_state: Any, params: Any, fresh: Any
-) -> tuple[Any, Any]:
-  """Makes rows fresh: new values in the params, init values in every
-  optimizer state.
-
-  For each params leaf that ``fresh`` holds a :class:`FreshRows` for, its
-  rows are set to the new values, and in ``opt_state`` every leaf whose
-  leading axis follows that leaf's rows (moments, accumulators, 8-bit codes
-  and scales, lazy Adam's per-row steps) gets the values ``optimizer.init``
-  gives those rows, while a SparseRows buffer (``gtx.accumulate``'s) drops
-  its entries on them. So a row given to a new id continues exactly as a
-  row never touched. Works for any optax transformation whose ``init``
-  treats rows alike (every gradtx and optax one), inside ``jit``.
-
-  Args:
-    optimizer: the transformation ``opt_state`` is the state of (a state
-      that its ``init(params)`` would not build is refused).
-    opt_state: its state.
-    params: the params (a dict or any pytree).
-    fresh: a tree prefix of ``params`` (a dict with some of its keys) whose
-      leaves are :class:`FreshRows` (or None): what
-      :meth:`gradtx.TableStack.admit` returns, placed where the stack's
-      params sit in ``params``.
-
-  Returns:
-    ``(params, opt_state)`` with the rows fresh.
-  """
-  is_fresh = lambda x: isinstance(x, FreshRows)  # noqa: E731
-  where = {
-    path: m
-    for path, m in jax.tree_util.tree_flatten_with_path(
-      fresh, is_leaf=is_fresh
-    )[0]
-    if isinstance(m, FreshRows)
-  }
-  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-  leaves = [x for _, x in paths]
-  marks = [where.pop(path, None) for path, _ in paths]
-  if where:
-    raise ValueError(
-      "gradtx.reset_rows: `fresh` must be a prefix of `params` (the "
-      "FreshRows of TableStack.admit where the stack's params sit); no "
-      "params leaf at "
-      f"{[jax.tree_util.keystr(k) for k in where]}."
-    )
-  new_leaves = list(leaves)
-  small = list(leaves)
-  for i, m in enumerate(marks):
-    if m is None:
-      continue
-    if m.values.shape[1:] != leaves[i].shape[1:]:
-      raise ValueError(
-        f"gradtx.reset_rows: fresh values of shape {m.values.shape} for a "
-        f"params leaf of shape {leaves[i].shape}."
-      )
-    new_leaves[i] = scatter_rows(leaves[i], m.rows, m.values, unique=False)
-    small[i] = m.values.astype(leaves[i].dtype)
-  params = treedef.unflatten(new_leaves)
-  if opt_state is None:
-    return params, None
-  base = _check_state(optimizer, opt_state, treedef.unflatten(leaves))
-  state_leaves, state_def = jax.tree.flatten(opt_state, is_leaf=_is_node)
-  fresh_state = None
-  for i, m in enumerate(marks):
-    if m is None:
-      continue
-    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i, base)
-    if fresh_state is None:
-      fresh_state = jax.tree.leaves(
-        optimizer.init(treedef.unflatten(small)), is_leaf=_is_node
-      )
-    for j, yes in enumerate(follows):
-      if yes:
-        state_leaves[j] = _reset_leaf(state_leaves[j], fresh_state[j], m.rows)
-  return params, state_def.unflatten(state_leaves)
-
-
-def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
-  if isinstance(leaf, SparseRows):
-    ordered = jnp.sort(rows)
-    at = jnp.clip(jnp.searchsorted(ordered, leaf.indices), 0, rows.shape[0] - 1)
-    return _without(leaf, ordered[at] == leaf.indices)
-  return scatter_rows(leaf, rows, init, unique=False)
-
-
-def _without(g: SparseRows, drop: jax.Array) -> SparseRows:
-  """``g`` with the entries ``drop`` marks made padding (no row, zeros)."""
-  shape = (-1,) + (1,) * (g.values.ndim - 1)
-  return SparseRows(
-    jnp.where(drop, g.num_rows, g.indices).astype(g.indices.dtype),
-    jnp.where(drop.reshape(shape), 0, g.values).astype(g.values.dtype),
-    g.num_rows,
-  )
 
 
 def check_vocab(vocab: Any, maps: Mapping[str, Layout], what: str) -> None:

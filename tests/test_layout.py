@@ -233,3 +233,20 @@ def test_the_module_map_lists_every_module_in_import_order():
       f"gradtx/{module}.py imports {later}, listed below it in "
       "docs/contributing.md's module map (bottom first): move the line"
     )
+
+
+# A module past this many lines holds more than one job (gradtx/_stack.py
+# held nine at 1,615): split it by job, each with its line in the map.
+MAX_MODULE_LINES = 1100
+
+
+def test_no_module_outgrows_one_job():
+  long = {
+    f"gradtx/{path.name}": n
+    for path in sorted(PACKAGE.glob("*.py"))
+    if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+  }
+  assert not long, (
+    f"modules over {MAX_MODULE_LINES} lines: {long}; split them by job "
+    "(docs/contributing.md's module map gives each its own line)"
+  )

@@ -668,6 +668,29 @@ def test_concat_gives_the_features_as_one_array_in_concat_order():
   )
 
 
+def test_the_plan_is_a_public_object_made_without_arrays(monkeypatch):
+  # No JAX array is made while planning: jnp.asarray / zeros would fail.
+  def refuse(*a, **k):
+    raise AssertionError("the plan made a JAX array")
+
+  monkeypatch.setattr(jnp, "asarray", refuse)
+  monkeypatch.setattr(jnp, "zeros", refuse)
+  stack = _stack(batch_size=16, shards=2)
+  text = str(stack)
+  monkeypatch.undo()
+  plan = stack.plan
+  assert isinstance(plan, gtx.StackPlan) and str(plan) == text
+  assert all(isinstance(s, gtx.StackSpec) for s in plan.stacks.values())
+  assert stack.stacks is plan.stacks and list(plan.outside) == ["country"]
+  s = plan.stacks["float32x4"]
+  assert s.tables == ("user", "item") and s.offsets == (0, 40)
+  assert (s.rows, s.size) == (70, 70)
+  # round robin over 2 shards: logical row p at (p % 2) * 35 + p // 2
+  assert [int(s.physical(p)) for p in (0, 1, 2, 69)] == [0, 35, 1, 69]
+  assert plan.location("item") == ("float32x4", 40) == stack.location("item")
+  assert plan.location("country") == ("country", 0)
+
+
 def test_lanes_spread_a_width_over_stacks_and_train_as_one_stack():
   # 6 tables, 8 features (two read "a"): lanes balance the features that
   # read each table, then rows; each lane keeps the declared order.

@@ -1,0 +1,212 @@
+"""Fresh rows: rows made new in the params and in every optimizer state.
+
+:class:`FreshRows` names rows of a params leaf and their new values;
+:func:`reset_rows` writes the values into the params and gives the rows, in
+every leaf of the optimizer state that follows them, the values the
+optimizer's ``init`` gives (a SparseRows buffer drops its entries on them),
+so a row made fresh continues as a row never touched. It works for any optax
+transformation; the id map of hashed tables (``_vocab``) builds the
+FreshRows of the rows it gives to new ids. :func:`drop_entries` makes entries of
+a SparseRows padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gradtx._rowio import scatter_rows
+from gradtx._sparse_rows import SparseRows
+
+__all__ = ["FreshRows", "reset_rows"]
+
+
+class FreshRows(NamedTuple):
+  """Rows given to new ids in a step, for :func:`reset_rows`.
+
+  Attributes:
+    rows: int32 ``[n]`` rows of the params' array; the array's row count
+      marks an unused slot.
+    values: ``[n, dim]`` the rows' new values (the table's initializer).
+  """
+
+  rows: jax.Array
+  values: jax.Array
+
+
+# -- fresh rows in the params and every optimizer state -----------------------
+def _is_node(x: Any) -> bool:
+  return isinstance(x, SparseRows)
+
+
+def _abstract(params: Any) -> list[jax.ShapeDtypeStruct]:
+  return [
+    jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+    for x in jax.tree.leaves(params)
+  ]
+
+
+def _check_state(optimizer: Any, opt_state: Any, params: Any) -> list[Any]:
+  """``opt_state`` has the structure and shapes ``optimizer.init(params)``
+  gives; returns that state's abstract leaves (SparseRows whole)."""
+  if not hasattr(optimizer, "init"):
+    raise TypeError(
+      "gradtx.reset_rows: `optimizer` must be the optax transformation "
+      f"whose state `opt_state` is; got {type(optimizer).__name__}."
+    )
+  treedef = jax.tree.structure(params)
+  want = jax.eval_shape(optimizer.init, treedef.unflatten(_abstract(params)))
+  same = jax.tree.structure(opt_state, is_leaf=_is_node) == jax.tree.structure(
+    want, is_leaf=_is_node
+  ) and [jnp.shape(x) for x in jax.tree.leaves(opt_state)] == [
+    x.shape for x in jax.tree.leaves(want)
+  ]
+  if not same:
+    raise ValueError(
+      "gradtx.reset_rows: `opt_state` is not the state that `optimizer` "
+      "builds for `params` (its tree or shapes differ): pass the "
+      "transformation whose `init(params)` made `opt_state`, the one its "
+      "`update` runs with."
+    )
+  return jax.tree.leaves(want, is_leaf=_is_node)
+
+
+def _row_leaves(
+  optimizer: Any, params: Any, where: int, base: list[Any]
+) -> list[bool]:
+  """Which leaves of ``optimizer.init(params)`` (SparseRows whole, their
+  abstract values ``base``) follow the rows of params leaf ``where``:
+  their leading axis (a SparseRows: its ``num_rows``) grows with that
+  leaf's rows."""
+  treedef = jax.tree.structure(params)
+  grown = _abstract(params)
+  x = grown[where]
+  grown[where] = jax.ShapeDtypeStruct((x.shape[0] + 1, *x.shape[1:]), x.dtype)
+  more = jax.tree.leaves(
+    jax.eval_shape(optimizer.init, treedef.unflatten(grown)), is_leaf=_is_node
+  )
+  if len(base) != len(more):
+    raise ValueError(
+      "gradtx.reset_rows: the optimizer's state changes its structure with "
+      "a table's row count; its rows cannot be found."
+    )
+
+  def lead(s):
+    if isinstance(s, SparseRows):
+      return s.num_rows
+    return s.shape[0] if s.shape else None
+
+  return [
+    lead(a) is not None and lead(b) == lead(a) + 1
+    for a, b in zip(base, more, strict=True)
+  ]
+
+
+def reset_rows(
+  optimizer: Any, opt_state: Any, params: Any, fresh: Any
+) -> tuple[Any, Any]:
+  """Makes rows fresh: new values in the params, init values in every
+  optimizer state.
+
+  For each params leaf that ``fresh`` holds a :class:`FreshRows` for, its
+  rows are set to the new values, and in ``opt_state`` every leaf whose
+  leading axis follows that leaf's rows (moments, accumulators, 8-bit codes
+  and scales, lazy Adam's per-row steps) gets the values ``optimizer.init``
+  gives those rows, while a SparseRows buffer (``gtx.accumulate``'s) drops
+  its entries on them. So a row given to a new id continues exactly as a
+  row never touched. Works for any optax transformation whose ``init``
+  treats rows alike (every gradtx and optax one), inside ``jit``.
+
+  Args:
+    optimizer: the transformation ``opt_state`` is the state of (a state
+      that its ``init(params)`` would not build is refused).
+    opt_state: its state.
+    params: the params (a dict or any pytree).
+    fresh: a tree prefix of ``params`` (a dict with some of its keys) whose
+      leaves are :class:`FreshRows` (or None): what
+      :meth:`gradtx.TableStack.admit` returns, placed where the stack's
+      params sit in ``params``.
+
+  Returns:
+    ``(params, opt_state)`` with the rows fresh.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import gradtx as gtx
+    >>> params = {"emb": jnp.ones((4, 2))}
+    >>> tx = gtx.lazy_adam(0.1)
+    >>> state = tx.init(params)
+    >>> # row 1 gets zeros; row 4 (the row count) is an unused slot
+    >>> fresh = {"emb": gtx.FreshRows(jnp.array([1, 4]), jnp.zeros((2, 2)))}
+    >>> params, state = gtx.reset_rows(tx, state, params, fresh)
+    >>> params["emb"][:, 0]
+    Array([1., 0., 1., 1.], dtype=float32)
+  """
+  is_fresh = lambda x: isinstance(x, FreshRows)  # noqa: E731
+  where = {
+    path: m
+    for path, m in jax.tree_util.tree_flatten_with_path(
+      fresh, is_leaf=is_fresh
+    )[0]
+    if isinstance(m, FreshRows)
+  }
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [x for _, x in paths]
+  marks = [where.pop(path, None) for path, _ in paths]
+  if where:
+    raise ValueError(
+      "gradtx.reset_rows: `fresh` must be a prefix of `params` (the "
+      "FreshRows of TableStack.admit where the stack's params sit); no "
+      "params leaf at "
+      f"{[jax.tree_util.keystr(k) for k in where]}."
+    )
+  new_leaves = list(leaves)
+  small = list(leaves)
+  for i, m in enumerate(marks):
+    if m is None:
+      continue
+    if m.values.shape[1:] != leaves[i].shape[1:]:
+      raise ValueError(
+        f"gradtx.reset_rows: fresh values of shape {m.values.shape} for a "
+        f"params leaf of shape {leaves[i].shape}."
+      )
+    new_leaves[i] = scatter_rows(leaves[i], m.rows, m.values, unique=False)
+    small[i] = m.values.astype(leaves[i].dtype)
+  params = treedef.unflatten(new_leaves)
+  if opt_state is None:
+    return params, None
+  base = _check_state(optimizer, opt_state, treedef.unflatten(leaves))
+  state_leaves, state_def = jax.tree.flatten(opt_state, is_leaf=_is_node)
+  fresh_state = None
+  for i, m in enumerate(marks):
+    if m is None:
+      continue
+    follows = _row_leaves(optimizer, treedef.unflatten(leaves), i, base)
+    if fresh_state is None:
+      fresh_state = jax.tree.leaves(
+        optimizer.init(treedef.unflatten(small)), is_leaf=_is_node
+      )
+    for j, yes in enumerate(follows):
+      if yes:
+        state_leaves[j] = _reset_leaf(state_leaves[j], fresh_state[j], m.rows)
+  return params, state_def.unflatten(state_leaves)
+
+
+def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:
+  if isinstance(leaf, SparseRows):
+    ordered = jnp.sort(rows)
+    at = jnp.clip(jnp.searchsorted(ordered, leaf.indices), 0, rows.shape[0] - 1)
+    return drop_entries(leaf, ordered[at] == leaf.indices)
+  return scatter_rows(leaf, rows, init, unique=False)
+
+
+def drop_entries(g: SparseRows, drop: jax.Array) -> SparseRows:
+  """``g`` with the entries ``drop`` marks made padding (no row, zeros)."""
+  shape = (-1,) + (1,) * (g.values.ndim - 1)
+  return SparseRows(
+    jnp.where(drop, g.num_rows, g.indices).astype(g.indices.dtype),
+    jnp.where(drop.reshape(shape), 0, g.values).astype(g.values.dtype),
+    g.num_rows,
+  )

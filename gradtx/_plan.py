@@ -1,0 +1,441 @@
+"""The plan of a table stack: which tables share an array, and where.
+
+:class:`TableSpec` declares a table; :func:`plan_stacks` decides, once and
+with no JAX array, which tables of one width and dtype share a stacked
+array (and over how many lanes), which stay outside and why, each table's
+first row, how a stack's rows spread over its shards, and the id map of
+each stack with hashed tables. It returns a :class:`StackPlan`, which
+prints itself (``print(stack)``) and whose :class:`StackSpec` records
+``TableStack.stacks`` hands out. The default initializer of the tables
+(:func:`default_init`, :func:`default_tables`) is here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import DTypeLike
+
+from gradtx._autodiff import DENSE_READS_PER_ROW, format_bytes
+from gradtx._sharded import spread_row
+from gradtx._static import is_int
+from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout
+
+__all__ = ["StackPlan", "StackSpec", "TableSpec"]
+
+
+def default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  """The default initializer as an initializer function (a hashed table's
+  rows given to new ids): normal with standard deviation ``1 / sqrt(dim)``,
+  Flax's ``nn.Embed`` default."""
+  std = 1.0 / math.sqrt(shape[-1])
+  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _default_rows(
+  key: Any, tables: jax.Array, rows: jax.Array, dim: int, dtype: Any
+) -> jax.Array:
+  """``[n, dim]`` rows of the default initializer for
+  :meth:`gradtx.TableStack.init`, the k-th drawn from its own key
+  ``fold_in(fold_in(key, tables[k]), rows[k])``: a row's
+  value depends on its table and row alone, so the rows of any number of
+  tables are drawn by one vectorized draw (one compiled program, whatever
+  the number of tables)."""
+
+  def one(t, r):
+    k = jax.random.fold_in(jax.random.fold_in(key, t), r)
+    return jax.random.normal(k, (dim,), jnp.float32)
+
+  std = 1.0 / math.sqrt(dim)
+  return (std * jax.vmap(one)(tables, rows)).astype(dtype)
+
+
+def default_tables(
+  key: Any, index: Sequence[int], sizes: Sequence[int], dim: int, dtype: Any
+) -> jax.Array:
+  """The default rows of tables ``index`` (their positions in ``tables``)
+  of ``sizes`` rows, one after the other: ``[sum(sizes), dim]``."""
+  ends = np.cumsum(sizes)
+  i = lax.iota(jnp.int32, int(ends[-1]))
+  k = jnp.searchsorted(jnp.asarray(ends, jnp.int32), i, side="right")
+  starts = jnp.asarray(ends - np.asarray(sizes), jnp.int32)
+  return _default_rows(
+    key, jnp.asarray(index, jnp.int32)[k], i - starts[k], dim, dtype
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """One embedding table: its rows, width, dtype and initializer.
+
+  Args:
+    rows: the number of rows (ids ``0..rows-1``).
+    dim: the row width.
+    dtype: the table's dtype (float32, bfloat16, float16); tables of one
+      ``dim`` and ``dtype`` share a stack.
+    initializer: ``initializer(key, (rows, dim), dtype) -> array``, a
+      ``jax.nn.initializers`` function; default: normal with standard
+      deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s), each row drawn
+      from a key of its own (see :meth:`gradtx.TableStack.init`). A hashed table
+      draws a row given to a new id from it too.
+    hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
+      takes raw ids of any range, mapped to its ``rows`` rows by an id map
+      (see :meth:`gradtx.TableStack.admit`); None: ids are rows.
+  """
+
+  rows: int
+  dim: int
+  dtype: DTypeLike = jnp.float32
+  initializer: Callable[..., jax.Array] | None = None
+  hashed: Hashed | bool | None = None
+
+  def __post_init__(self):
+    if self.hashed is True:
+      object.__setattr__(self, "hashed", Hashed())
+    elif self.hashed is False:
+      object.__setattr__(self, "hashed", None)
+    elif self.hashed is not None and not isinstance(self.hashed, Hashed):
+      raise TypeError(
+        "gradtx.TableSpec `hashed` must be a gradtx.Hashed, True or None; "
+        f"got {type(self.hashed).__name__}."
+      )
+    for name in ("rows", "dim"):
+      v = getattr(self, name)
+      if not is_int(v) or v < 1:
+        raise ValueError(
+          f"gradtx.TableSpec `{name}` must be a positive int; got {v!r}."
+        )
+    if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
+      raise ValueError(
+        f"gradtx.TableSpec `dtype` must be a float dtype; got {self.dtype}."
+      )
+
+  @property
+  def key(self) -> tuple[int, str]:
+    """What tables of one stack share: the row width and the dtype."""
+    return int(self.dim), jnp.dtype(self.dtype).name
+
+
+class StackSpec(NamedTuple):
+  """One stacked array of a :class:`StackPlan`: its name, tables and their
+  first rows (``stack.stacks[name]``).
+
+  Attributes:
+    name: the params key, ``"<dtype>x<dim>"`` (``"..._lane<k>"`` for the
+      further lanes).
+    dim: the row width.
+    dtype: the dtype's name.
+    tables: the tables stored in it, in order.
+    offsets: each table's first logical row in the stack.
+    rows: the logical rows: the tables' rows together.
+    shards: the devices its rows are split over; logical row ``p`` sits at
+      array row ``(p % shards) * (size // shards) + p // shards``, so
+      every table's rows spread evenly over the shards.
+  """
+
+  name: str
+  dim: int
+  dtype: str
+  tables: tuple[str, ...]
+  offsets: tuple[int, ...]
+  rows: int
+  shards: int
+
+  @property
+  def size(self) -> int:
+    """Rows of the array: ``rows`` padded to a multiple of ``shards``."""
+    return -(-self.rows // self.shards) * self.shards
+
+  def physical(self, p: Any) -> Any:
+    """The array row of logical row ``p`` (numpy or jax ints)."""
+    return spread_row(p, self.size, self.shards)
+
+  def to_array(self, logical: Any) -> Any:
+    """``[rows, ...]`` rows in logical order -> the stack's array."""
+    if self.shards == 1:
+      return logical
+    pad = [(0, self.size - self.rows)] + [(0, 0)] * (logical.ndim - 1)
+    x = jnp.pad(logical, pad)
+    x = x.reshape(self.size // self.shards, self.shards, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])
+
+  def to_logical(self, x: Any) -> Any:
+    """The stack's array (or a tree leaf shaped like it) -> logical rows."""
+    if self.shards == 1:
+      return x
+    x = x.reshape(self.shards, self.size // self.shards, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
+
+
+def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
+  return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
+
+
+def _lanes(
+  names: list[str],
+  readers: Mapping[str, int],
+  tables: Mapping[str, TableSpec],
+  lanes: int,
+) -> list[list[str]]:
+  """The tables of one width and dtype spread over at most ``lanes``
+  stacks, balanced by the features that read them (a step's ids), then by
+  rows; each lane keeps the declared order."""
+  if lanes == 1 or len(names) == 1:
+    return [names]
+  lanes = min(lanes, len(names))
+  load = [(0, 0)] * lanes
+  lane_of = {}
+  heavy_first = sorted(
+    names, key=lambda t: (-readers.get(t, 0), -int(tables[t].rows))
+  )
+  for t in heavy_first:
+    k = min(range(lanes), key=lambda i: load[i])
+    lane_of[t] = k
+    load[k] = (load[k][0] + readers.get(t, 0), load[k][1] + int(tables[t].rows))
+  return [[t for t in names if lane_of[t] == k] for k in range(lanes)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackPlan:
+  """Where a :class:`gradtx.TableStack` keeps its tables: built by the
+  stack from its arguments, with no JAX array, and printed by
+  ``print(stack)`` (``stack.plan``).
+
+  Attributes:
+    tables: table name -> :class:`TableSpec`.
+    features: feature name -> the table it reads.
+    batch_size: the examples per step the plan was made for, or None.
+    shards: the devices each stack's rows are split over.
+    lanes: the most stacks of one width and dtype.
+    stacks: stack name (its params key) -> :class:`StackSpec`.
+    outside: table name -> why it is an array of its own: no feature reads
+      it, or (not for a hashed table) a step at ``batch_size`` reads it at
+      least 4 times per row.
+    maps: stack name -> the layout of the id map of its hashed tables.
+
+  Examples:
+    >>> import gradtx as gtx
+    >>> stack = gtx.TableStack(
+    ...     {"user": gtx.TableSpec(1000, 8), "item": gtx.TableSpec(500, 8),
+    ...      "country": gtx.TableSpec(3, 8)}, batch_size=256)
+    >>> plan = stack.plan
+    >>> plan.stacks["float32x8"].tables, plan.stacks["float32x8"].size
+    (('user', 'item'), 1500)
+    >>> plan.location("item"), plan.location("country")
+    (('float32x8', 1000), ('country', 0))
+  """
+
+  tables: dict[str, TableSpec]
+  features: dict[str, str]
+  batch_size: int | None
+  shards: int
+  lanes: int
+  stacks: dict[str, StackSpec]
+  outside: dict[str, str]
+  maps: dict[str, Layout]
+
+  def location(self, table: str) -> tuple[str, int]:
+    """``(params key, first row)`` of ``table``: a stack's name and the
+    table's offset in it, or the table's own name and 0 outside."""
+    if table not in self.tables:
+      raise KeyError(
+        f"gradtx.TableStack has no table {table!r}; the tables are "
+        f"{list(self.tables)}."
+      )
+    for s in self.stacks.values():
+      if table in s.tables:
+        return s.name, s.offsets[s.tables.index(table)]
+    return table, 0
+
+  def __repr__(self) -> str:
+    lines = [
+      f"TableStack: {len(self.tables)} table(s), {len(self.features)} "
+      f"feature(s), {len(self.stacks)} stack(s), "
+      f"{len(self.outside)} outside"
+    ]
+    for s in self.stacks.values():
+      item = jnp.dtype(s.dtype).itemsize
+      spread = (
+        f", every table's rows spread over {s.shards} shards"
+        + (f" ({s.size - s.rows} padding rows)" if s.size > s.rows else "")
+        if s.shards > 1
+        else ""
+      )
+      lines.append(
+        f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
+        f"{format_bytes(s.size * s.dim * item)}{spread}"
+      )
+      for t, off in zip(s.tables, s.offsets, strict=True):
+        feats = [f for f, tt in self.features.items() if tt == t]
+        h = self.tables[t].hashed
+        how = (
+          f"  hashed ({h.policy}"
+          + (f", ttl {h.ttl}" if h.ttl is not None else "")
+          + (f", min_count {h.min_count}" if h.min_count > 1 else "")
+          + (
+            f", admit_probability {h.admit_probability}"
+            if h.admit_probability < 1
+            else ""
+          )
+          + f", {h.probes} probes)"
+          if h is not None
+          else ""
+        )
+        lines.append(
+          f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
+          f"  features {feats}{how}"
+        )
+      if s.name in self.maps:
+        m = self.maps[s.name]
+        sketch = m.sketch_bytes
+        lines.append(
+          f"    id map of {len(m.tables)} hashed table(s): "
+          f"{format_bytes(m.map_bytes)} "
+          f"({MAP_BYTES_PER_ROW} B a row of the stack"
+          + (f", sketch {format_bytes(sketch)}" if sketch else "")
+          + ")"
+        )
+    for t, why in self.outside.items():
+      spec = self.tables[t]
+      lines.append(
+        f"  outside {t!r}: {spec.rows:,} rows x {spec.dim} "
+        f"{jnp.dtype(spec.dtype).name}: {why}"
+      )
+    return "\n".join(lines)
+
+  __str__ = __repr__
+
+
+def plan_stacks(
+  tables: Mapping[str, TableSpec],
+  features: Mapping[str, str] | None = None,
+  *,
+  batch_size: int | None = None,
+  shards: int = 1,
+  lanes: int = 1,
+) -> StackPlan:
+  """The plan of :class:`gradtx.TableStack` for its arguments (their
+  errors name the stack's arguments)."""
+  if not isinstance(tables, Mapping) or not tables:
+    raise ValueError(
+      "gradtx.TableStack `tables` must be a non-empty dict of table name "
+      f"-> gradtx.TableSpec; got {tables!r}."
+    )
+  for name, spec in tables.items():
+    if not isinstance(spec, TableSpec):
+      raise TypeError(
+        f"gradtx.TableStack `tables[{name!r}]` must be a gradtx.TableSpec; "
+        f"got {type(spec).__name__}."
+      )
+  tables = dict(tables)
+  if features is None:
+    features = {name: name for name in tables}
+  unknown = {f: t for f, t in features.items() if t not in tables}
+  if unknown:
+    raise ValueError(
+      f"gradtx.TableStack `features` name tables that are not in "
+      f"`tables`: {unknown}. The tables are {list(tables)}."
+    )
+  features = dict(features)
+  if batch_size is not None:
+    _check_count(batch_size, "batch_size", " or None")
+  shards = _check_count(
+    shards, "shards", " (the devices a stack's rows are split over)"
+  )
+  readers: dict[str, int] = {}
+  for t in features.values():
+    readers[t] = readers.get(t, 0) + 1
+  outside: dict[str, str] = {}  # table -> why it is not stacked
+  for name, spec in tables.items():
+    if name not in readers:
+      outside[name] = "no feature reads it"
+      continue
+    reads = (batch_size or 0) * readers[name]
+    if (
+      batch_size is not None
+      and spec.hashed is None
+      and reads >= DENSE_READS_PER_ROW * spec.rows
+    ):
+      outside[name] = (
+        f"{reads:,} reads per step at batch_size {batch_size} for "
+        f"{spec.rows:,} rows: one summed gradient row per table row is "
+        "smaller than a row per read"
+      )
+  by_key: dict[tuple[int, str], list[str]] = {}
+  for name, spec in tables.items():
+    if name not in outside:
+      by_key.setdefault(spec.key, []).append(name)
+  lanes = _check_count(
+    lanes,
+    "lanes",
+    " (the stacks the tables of one width and dtype are spread over)",
+  )
+  stacks: dict[str, StackSpec] = {}
+  lanes_of = {
+    (dim, dtype, k): part
+    for (dim, dtype), names in by_key.items()
+    for k, part in enumerate(_lanes(names, readers, tables, lanes))
+  }
+  for (dim, dtype, lane), names in lanes_of.items():
+    offsets, start = [], 0
+    for n in names:
+      offsets.append(start)
+      start += int(tables[n].rows)
+    if start >= 2**31:
+      raise ValueError(
+        f"gradtx.TableStack: the {dtype} tables of width {dim} hold "
+        f"{start:,} rows, more than int32 ids address (2**31 - 1). Give "
+        "some of them another dtype or split them over two TableStacks."
+      )
+    stack = StackSpec(
+      _stack_name(dim, dtype, lane),
+      dim,
+      dtype,
+      tuple(names),
+      tuple(offsets),
+      start,
+      shards,
+    )
+    stacks[stack.name] = stack
+  clash = set(stacks) & set(outside)
+  if clash:
+    raise ValueError(
+      f"gradtx.TableStack: tables named {sorted(clash)} clash with the "
+      "names of the stacks; rename them."
+    )
+  # the id map of each stack with hashed tables
+  maps: dict[str, Layout] = {}
+  for s in stacks.values():
+    hashed = [
+      (t, off)
+      for t, off in zip(s.tables, s.offsets, strict=True)
+      if tables[t].hashed is not None
+    ]
+    if hashed:
+      maps[s.name] = Layout(
+        tuple(t for t, _ in hashed),
+        tuple(off for _, off in hashed),
+        tuple(int(tables[t].rows) for t, _ in hashed),
+        tuple(tables[t].hashed for t, _ in hashed),
+        s.size,
+        s.shards,
+      )
+  return StackPlan(
+    tables, features, batch_size, shards, lanes, stacks, outside, maps
+  )
+
+
+def _check_count(value: Any, name: str, what: str) -> int:
+  """``value`` as an int, or the error that names TableStack's ``name``."""
+  if not is_int(value) or value < 1:
+    raise ValueError(
+      f"gradtx.TableStack `{name}` must be a positive int{what}; got {value!r}."
+    )
+  return int(value)

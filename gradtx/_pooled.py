@@ -1,0 +1,655 @@
+"""Pooled reads: the input forms of a table stack's features and the one
+gather that reads and pools them.
+
+Features arrive as a dict of ``[B]`` ids, ``[B, L]`` bags or
+:class:`Jagged` features, or keyed in one array (:class:`Keyed`,
+:class:`KeyedJagged`); :func:`pad_batch` pads a short batch to the step's
+shape. :func:`dict_reader` and :func:`keyed_reader` lay a group of
+features out as slots, :func:`pool_rows` reads a group's rows from its
+array with one gather and pools them with one segment sum into
+``[B, F, dim]``, and :func:`split_features` splits that into features.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import ArrayLike
+
+from gradtx._autodiff import lookup
+from gradtx._static import is_int
+from gradtx._vocab import Words
+
+__all__ = ["Jagged", "Keyed", "KeyedJagged", "pad_batch"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+class Jagged(NamedTuple):
+  """A jagged feature, as a data pipeline gives it (TorchRec's
+  ``KeyedJaggedTensor`` for one key): the ids of every example one after
+  the other, padded to a static capacity.
+
+  Example ``b``'s ids are ``ids[offsets[b]:offsets[b] + lengths[b]]`` with
+  ``offsets`` the exclusive cumulative sum of ``lengths``; the slots past
+  ``sum(lengths)`` are padding.
+
+  Attributes:
+    ids: ``[capacity]`` integer ids.
+    lengths: ``[B]`` integer bag lengths.
+    weights: optional ``[capacity]`` per-id weights.
+  """
+
+  ids: ArrayLike
+  lengths: ArrayLike
+  weights: ArrayLike | None = None
+
+
+def _key_names(keys: Any, what: str) -> tuple[str, ...]:
+  keys = tuple(keys) if not isinstance(keys, str) else (keys,)
+  if not keys or any(not isinstance(k, str) for k in keys):
+    raise TypeError(
+      f"gradtx.{what} `keys` must be a non-empty sequence of feature names; "
+      f"got {keys!r}."
+    )
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"gradtx.{what} `keys` repeat a name: {list(keys)}.")
+  return keys
+
+
+class _KeyedMapping(Mapping):
+  """A keyed input as a read-only mapping of its features: ``names`` in
+  order, ``self[name]`` one feature's slice."""
+
+  names: tuple[str, ...]
+
+  def keys(self):
+    return list(self.names)
+
+  def __iter__(self):
+    return iter(self.names)
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def _index(self, key: str) -> int:
+    if key not in self.names:
+      raise KeyError(key)
+    return self.names.index(key)
+
+
+@jax.tree_util.register_pytree_node_class
+class Keyed(_KeyedMapping):
+  """Features as one array, keyed by name (TorchRec's ``KeyedTensor``):
+  axis 1 of ``values`` holds the features ``keys``, in that order.
+
+  As :meth:`gradtx.TableStack.lookup`'s input, ``values`` are ids: ``[B, F]``
+  (one id per example and feature, how Criteo-like data arrives) or
+  ``[B, F, L]`` bags with optional ``[B, F, L]`` ``weights`` (a weight 0
+  marks padding). The lookup reads the whole array at once: the feature
+  offsets are one broadcast add, then one gather and one pooling, so the
+  traced program does not grow with ``F`` (a dict of ``F`` slices of the
+  same matrix adds ops per feature). As its output (``keyed=True``),
+  ``values`` are the pooled rows ``[B, F, dim]``, which a per-feature
+  head reads whole (``jnp.einsum("bfd,fd->b", out.values, w)``).
+
+  The names are static (pytree metadata), so a ``Keyed`` passes through
+  ``jax.jit`` as its arrays. It is a read-only mapping too: ``x[name]``
+  is that feature's slice of ``values`` (``[B]``, ``[B, L]`` or
+  ``[B, dim]``; its weights ``x.weights[:, i]``), and ``dict(x)`` the
+  dict form, one slice per feature.
+
+  Attributes:
+    names: the feature names (``keys``), one per index of axis 1.
+    values: ``[B, F, ...]`` ids or pooled rows.
+    weights: optional per-id weights, the shape of ``values``.
+  """
+
+  def __init__(
+    self, keys: Sequence[str], values: Any, weights: Any = None
+  ) -> None:
+    self.names = _key_names(keys, "Keyed")
+    self.values = values
+    self.weights = weights
+    shape = getattr(values, "shape", None)
+    if shape is not None and (len(shape) < 2 or shape[1] != len(self.names)):
+      raise ValueError(
+        f"gradtx.Keyed `values` must be [B, {len(self.names)}, ...] (axis 1 "
+        f"holds the {len(self.names)} keys); got shape {tuple(shape)}."
+      )
+    wshape = getattr(weights, "shape", None)
+    if wshape is not None and tuple(wshape) != tuple(shape):
+      raise ValueError(
+        f"gradtx.Keyed `weights` must have the shape of `values` "
+        f"{tuple(shape)}; got {tuple(wshape)}."
+      )
+
+  def tree_flatten(self):
+    return (self.values, self.weights), self.names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    out = object.__new__(cls)
+    out.names = names
+    out.values, out.weights = children
+    return out
+
+  def __getitem__(self, key: str) -> Any:
+    return self.values[:, self._index(key)]
+
+  def __repr__(self) -> str:
+    shape = getattr(self.values, "shape", "?")
+    return f"Keyed(keys={list(self.names)}, values: {shape})"
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyedJagged(_KeyedMapping):
+  """Jagged features as one flat array, keyed by name (TorchRec's
+  ``KeyedJaggedTensor``): the ids of feature ``keys[0]`` for every
+  example, then those of ``keys[1]``, ..., padded to a static capacity.
+
+  ``lengths[f, b]`` is the bag length of feature ``f`` for example ``b``
+  (TorchRec's flat ``lengths`` reshaped to ``[F, B]``); the slots past
+  ``sum(lengths)`` are padding. :meth:`gradtx.TableStack.lookup` reads it in one
+  pass: each slot's bag is found by one search over the cumulative
+  lengths, its feature's offset added by one take, then one gather and
+  one segment sum, whatever the number of features.
+
+  It is a read-only mapping too: ``x[name]`` is that feature as a
+  :class:`Jagged` (its slots moved to the front), ``dict(x)`` the dict
+  form.
+
+  Attributes:
+    names: the feature names (``keys``), in the order of their slots.
+    ids: ``[capacity]`` integer ids.
+    lengths: ``[F, B]`` integer bag lengths.
+    weights: optional ``[capacity]`` per-id weights.
+  """
+
+  def __init__(
+    self, keys: Sequence[str], ids: Any, lengths: Any, weights: Any = None
+  ) -> None:
+    self.names = _key_names(keys, "KeyedJagged")
+    self.ids, self.lengths, self.weights = ids, lengths, weights
+    shape = getattr(lengths, "shape", None)
+    if shape is not None and (len(shape) != 2 or shape[0] != len(self.names)):
+      raise ValueError(
+        f"gradtx.KeyedJagged `lengths` must be [{len(self.names)}, B] (one "
+        f"row per key); got shape {tuple(shape)}."
+      )
+
+  def tree_flatten(self):
+    return (self.ids, self.lengths, self.weights), self.names
+
+  @classmethod
+  def tree_unflatten(cls, names, children):
+    out = object.__new__(cls)
+    out.names = names
+    out.ids, out.lengths, out.weights = children
+    return out
+
+  def __getitem__(self, key: str) -> Jagged:
+    k = self._index(key)
+    lengths = jnp.asarray(self.lengths).astype(jnp.int32)
+    start = jnp.sum(lengths[:k])
+    roll = lambda x: None if x is None else jnp.roll(jnp.asarray(x), -start)  # noqa: E731
+    return Jagged(roll(self.ids), lengths[k], roll(self.weights))
+
+  def __repr__(self) -> str:
+    shape = getattr(self.ids, "shape", "?")
+    return f"KeyedJagged(keys={list(self.names)}, ids: {shape})"
+
+
+def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
+  """A short batch padded to ``batch_size`` examples, and the mask of the
+  real ones: the last batch of an epoch then runs the compiled step
+  instead of compiling another.
+
+  Every array of ``batch`` (any pytree: a dict of ids, weights, labels,
+  dense features) is padded along its leading batch axis: signed integer
+  ids with -1 (padding: no row read, no gradient), floats with 0 (a weight
+  0 is padding too; labels and dense features 0), bools with False. A
+  :class:`Jagged`'s ``lengths`` (and a :class:`KeyedJagged`'s, along
+  ``B``) get empty bags; its flat ids keep their capacity. A
+  :class:`Keyed` is padded like its arrays. Scalars pass unchanged.
+
+  The padded examples read zero rows, so :meth:`gradtx.TableStack.lookup` and
+  the sparse gradients are those of the short batch; the loss must not
+  count them: weight each example's loss by the mask, and divide by the
+  mask's sum for a mean (``jnp.sum(mask * l) / jnp.sum(mask)``). Then the
+  loss, the gradients and every optimizer's updates are the short
+  batch's.
+
+  Args:
+    batch: the short batch: arrays whose leading axis is its ``B``
+      examples (numpy arrays stay numpy, host-side).
+    batch_size: the compiled step's batch, at least ``B``.
+
+  Returns:
+    ``(padded, mask)``: the batch with ``batch_size`` examples, and a bool
+    ``[batch_size]`` array, True for the ``B`` real examples.
+
+  Examples:
+    >>> import numpy as np
+    >>> import gradtx as gtx
+    >>> ids = {"user": np.array([3, 7]), "history": np.array([[1, 2]] * 2),
+    ...        "clicks": gtx.Jagged(np.array([4, 5, 6]), np.array([2, 1]))}
+    >>> padded, mask = gtx.pad_batch(ids, 4)
+    >>> padded["user"], padded["clicks"].lengths
+    (array([ 3,  7, -1, -1]), array([2, 1, 0, 0]))
+    >>> mask
+    array([ True,  True, False, False])
+  """
+  if not is_int(batch_size) or batch_size < 1:
+    raise ValueError(
+      f"gradtx.pad_batch `batch_size` must be a positive int; got "
+      f"{batch_size!r}."
+    )
+  special = (Jagged, Keyed, KeyedJagged, Words)
+  is_special = lambda x: isinstance(x, special)  # noqa: E731
+  sizes: dict[str, int] = {}
+
+  def axis0(path, x, axis=0):
+    shape = np.shape(x)
+    if len(shape) > axis:
+      sizes[jax.tree_util.keystr(path)] = shape[axis]
+
+  def collect(path, x):
+    if isinstance(x, Words):
+      raise TypeError(
+        f"gradtx.pad_batch: `batch{jax.tree_util.keystr(path)}` holds "
+        "gradtx.Words: every value of a 64-bit id is an id, so none pads. "
+        "Give the feature weights (0 pads it) and pad its ids yourself."
+      )
+    if isinstance(x, Jagged):
+      axis0(path, x.lengths)
+    elif isinstance(x, KeyedJagged):
+      axis0(path, x.lengths, 1)
+    elif isinstance(x, Keyed):
+      axis0(path, x.values)
+    elif x is not None:
+      axis0(path, x)
+
+  jax.tree_util.tree_map_with_path(collect, batch, is_leaf=is_special)
+  if len(set(sizes.values())) > 1:
+    raise ValueError(
+      "gradtx.pad_batch: the arrays of `batch` have different leading "
+      f"(batch) axes: {sizes}."
+    )
+  b = next(iter(sizes.values()), batch_size)
+  if b > batch_size:
+    raise ValueError(
+      f"gradtx.pad_batch: `batch` has {b} examples, more than `batch_size` "
+      f"{batch_size}."
+    )
+
+  def pad(x, fill, axis=0):
+    if x is None or np.ndim(x) <= axis:
+      return x
+    xp = np if isinstance(x, np.ndarray) else jnp
+    dtype = xp.asarray(x).dtype
+    if fill == -1 and not jnp.issubdtype(dtype, jnp.signedinteger):
+      if jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+          f"gradtx.pad_batch: ids of dtype {dtype} have no padding value "
+          "(every unsigned value is an id); give the feature weights (0 "
+          "pads it) and pad its ids yourself, or pass signed ids."
+        )
+      fill = False if dtype == jnp.bool_ else 0
+    widths = [(0, 0)] * np.ndim(x)
+    widths[axis] = (0, batch_size - b)
+    return xp.pad(x, widths, constant_values=fill)
+
+  def one(x):
+    if isinstance(x, Jagged):
+      return x._replace(lengths=pad(x.lengths, 0))
+    if isinstance(x, KeyedJagged):
+      return KeyedJagged(x.names, x.ids, pad(x.lengths, 0, 1), x.weights)
+    if isinstance(x, Keyed):
+      return Keyed(x.names, pad(x.values, -1), pad(x.weights, 0))
+    return pad(x, -1)
+
+  padded = jax.tree.map(one, batch, is_leaf=is_special)
+  return padded, np.arange(batch_size) < b
+
+
+class _Bag(NamedTuple):
+  """A feature's ids as flat slots: ``ids[k]`` belongs to example
+  ``segment[k]`` (``batch``: none) with weight ``weight[k]``."""
+
+  ids: jax.Array
+  segment: jax.Array | None  # None: slot k -> example k // per_example
+  weight: jax.Array | None  # None: every slot weighs 1
+  batch: int
+  per_example: int  # ids per example for the dense forms, 0 if jagged
+
+
+def _bag(name: str, x: Any, w: Any) -> _Bag:
+  if isinstance(x, Jagged):
+    if w is not None:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r} is Jagged; put its "
+        "weights in `Jagged(..., weights=...)`, not in `weights`."
+      )
+    ids = jnp.asarray(x.ids)
+    lengths = jnp.asarray(x.lengths)
+    if ids.ndim != 1 or lengths.ndim != 1:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `ids` must be "
+        f"[capacity] and `lengths` [B]; got {ids.shape} and {lengths.shape}."
+      )
+    _check_int(name, ids)
+    _check_int(name, lengths, "lengths")
+    ends = jnp.cumsum(lengths.astype(jnp.int32))
+    slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+    weight = None if x.weights is None else jnp.asarray(x.weights)
+    if weight is not None and weight.shape != ids.shape:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `weights` "
+        f"must have the ids' shape {ids.shape}; got {weight.shape}."
+      )
+    # slots past the last bag belong to no example
+    return _Bag(ids, segment, weight, lengths.shape[0], 0)
+  ids = jnp.asarray(x)
+  _check_int(name, ids)
+  if ids.ndim not in (1, 2):
+    raise ValueError(
+      f"gradtx.TableStack.lookup: feature {name!r} has ids of shape "
+      f"{ids.shape}; pass [B] ids, [B, L] bags or a gradtx.Jagged."
+    )
+  if w is not None:
+    w = jnp.asarray(w)
+    if w.shape != ids.shape:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: `weights[{name!r}]` must have the ids' "
+        f"shape {ids.shape}; got {w.shape}."
+      )
+    w = w.reshape(-1)
+  per = 1 if ids.ndim == 1 else ids.shape[1]
+  return _Bag(ids.reshape(-1), None, w, ids.shape[0], per)
+
+
+def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"gradtx.TableStack.lookup: feature {name!r} has {what} of dtype "
+      f"{x.dtype}; pass integers (`.astype(jnp.int32)`)."
+    )
+
+
+def _int32_ids(x: jax.Array) -> jax.Array:
+  """Ids as int32; an id no int32 holds (64-bit, or uint32 past 2**31 - 1)
+  becomes -1, padding."""
+  if x.dtype.itemsize < 4 or x.dtype == jnp.int32:
+    return x.astype(jnp.int32)
+  fits = (x >= 0) & (x <= np.iinfo(np.int32).max)
+  return jnp.where(fits, x.astype(jnp.int32), -1)
+
+
+def joined(parts: list[jax.Array]) -> jax.Array:
+  """The 1-D ``parts`` one after the other, kept out of their consumers'
+  fusions: fused into an elementwise loop, a concatenation of hundreds of
+  operands becomes a chain of selects per element, whose compile time
+  grows steeply with the features; alone it is a copy per part."""
+  if len(parts) == 1:
+    return parts[0]
+  return lax.optimization_barrier(jnp.concatenate(parts))
+
+
+# features a column block of _columns holds
+_COLUMN_BLOCK = 32
+
+
+def _columns(parts: list[jax.Array]) -> jax.Array:
+  """The ``[B]`` ``parts`` as the columns of one ``[B, F]`` array, joined
+  by blocks of 32 columns, each kept out of its consumers' fusions as in
+  :func:`joined`. Columns sliced in order from one ``[B, F]`` matrix
+  (``{f: m[:, i] ...}``) then join back into one slice of it per block
+  (XLA merges a concatenation of adjacent slices), so a sliced dict does
+  not compile a copy per feature; the blocks keep each concatenation
+  along the minor axis small, whose compile time grows steeply with its
+  operands."""
+  if len(parts) == 1:
+    return parts[0][:, None]
+  blocks = [
+    lax.optimization_barrier(jnp.stack(parts[i : i + _COLUMN_BLOCK], axis=1))
+    for i in range(0, len(parts), _COLUMN_BLOCK)
+  ]
+  if len(blocks) == 1:
+    return blocks[0]
+  return lax.optimization_barrier(jnp.concatenate(blocks, axis=1))
+
+
+class _Slots(NamedTuple):
+  """A group's ids laid out for its one gather: ``segment`` None, ``ids``
+  ``[B, F]`` one-hot and example-major (the rows gathered are the pooled
+  rows); else slots of any shape pooled into ``segment``, ``feature * B +
+  example`` (at or past ``B * F``: no example)."""
+
+  ids: jax.Array  # int32
+  weight: jax.Array | None  # float32, ids' shape; None: every slot 1
+  feature: Any  # the slot's feature in the group (numpy or jax ints,
+  # broadcastable to ids); F: none of the group's
+  segment: jax.Array | None
+  sorted: bool  # segment nondecreasing over the slots
+  ok: Any = True  # False: the slot belongs to no example (padding)
+
+
+def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
+  """The slots of a dict's features: their ids joined, one-hot ones
+  example-major."""
+  nf = len(bags)
+  weighted = any(b.weight is not None for b in bags)
+  weights = [
+    jnp.ones(b.ids.shape, jnp.float32) if b.weight is None else b.weight
+    for b in bags
+  ]
+  weights = [w.astype(jnp.float32) for w in weights]
+  ids = [_int32_ids(b.ids) for b in bags]
+  if all(b.per_example == 1 for b in bags):
+    weight = _columns(weights) if weighted else None
+    feature = np.arange(nf, dtype=np.int32)[None]
+    return _Slots(_columns(ids), weight, feature, None, True)
+  weight = joined(weights) if weighted else None
+  ids = joined(ids)
+  sizes = [b.ids.shape[0] for b in bags]
+  seg = []
+  for b in bags:
+    if b.segment is None:
+      example = np.arange(b.ids.shape[0], dtype=np.int32) // b.per_example
+      seg.append(jnp.asarray(example))
+    else:  # jagged: slots past the last bag belong to no example
+      seg.append(b.segment)
+  example = joined(seg)
+  feature = np.repeat(np.arange(nf, dtype=np.int32), sizes)
+  # feature-major segments follow the slots' order: a sorted segment sum
+  segment = feature * batch + jnp.minimum(example, batch - 1)
+  return _Slots(ids, weight, feature, segment, True, example < batch)
+
+
+def keyed_batch(x: Keyed | KeyedJagged) -> int:
+  """The batch of a keyed input, its arrays' forms checked."""
+  what = type(x).__name__
+  arrays = (x.values,) if isinstance(x, Keyed) else (x.ids, x.lengths)
+  if any(isinstance(a, Words) for a in arrays):
+    raise TypeError(
+      f"gradtx.TableStack.lookup: the gradtx.{what} holds raw gradtx.Words "
+      "ids; pass `vocab=` to map them read-only, or the ids `stack.admit` "
+      "returned."
+    )
+  if isinstance(x, Keyed):
+    v = jnp.asarray(x.values)
+    _check_int(f"{what}", v, "values")
+    if v.ndim not in (2, 3):
+      raise ValueError(
+        "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
+        f"[B, F] or [B, F, L]; got {v.shape}."
+      )
+    return v.shape[0]
+  ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
+  _check_int(what, ids)
+  _check_int(what, lengths, "lengths")
+  if ids.ndim != 1:
+    raise ValueError(
+      f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
+      f"[capacity]; got {ids.shape}."
+    )
+  if x.weights is not None and jnp.shape(x.weights) != ids.shape:
+    raise ValueError(
+      "gradtx.TableStack.lookup: gradtx.KeyedJagged `weights` must have the "
+      f"ids' shape {ids.shape}; got {jnp.shape(x.weights)}."
+    )
+  return lengths.shape[1]
+
+
+def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
+  """``read(feats)``: the slots of features ``feats`` (a group, in its
+  order) of a keyed input, with no op per feature."""
+  if isinstance(x, KeyedJagged):
+    return _jagged_reader(x)
+  values = _int32_ids(jnp.asarray(x.values))
+  weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
+  batch, width = values.shape[:2]
+
+  def read(feats: list[str]) -> _Slots:
+    cols = [x.names.index(f) for f in feats]
+    v, w = values, weights
+    if cols != list(range(width)):  # one gather of the group's columns
+      v = v[:, np.asarray(cols)]
+      w = None if w is None else w[:, np.asarray(cols)]
+    nf = len(cols)
+    if v.ndim == 2:
+      feature = np.arange(nf, dtype=np.int32)[None]
+      return _Slots(v, w, feature, None, True)
+    # bags: feature-major [F, B, L], so the segments are sorted
+    v = jnp.swapaxes(v, 0, 1)
+    w = None if w is None else jnp.swapaxes(w, 0, 1)
+    shape = v.shape
+    segment = lax.broadcasted_iota(jnp.int32, shape, 0) * batch
+    segment = segment + lax.broadcasted_iota(jnp.int32, shape, 1)
+    feature = np.arange(nf, dtype=np.int32)[:, None, None]
+    return _Slots(v, w, feature, segment, True)
+
+  return read
+
+
+def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
+  ids = _int32_ids(jnp.asarray(x.ids))
+  lengths = jnp.asarray(x.lengths).astype(jnp.int32)
+  weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
+  keys, batch = len(x.names), lengths.shape[1]
+  # each slot's bag (key-major: key * B + example), by one search
+  ends = jnp.cumsum(lengths.reshape(-1))
+  slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
+  bag = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+  key, example = bag // batch, bag % batch  # key == keys: past the bags
+
+  def read(feats: list[str]) -> _Slots:
+    # each key's position in the group (len(feats): not in it, or none)
+    where = np.full(keys + 1, len(feats), np.int32)
+    for k, f in enumerate(feats):
+      where[x.names.index(f)] = k
+    identity = np.array_equal(where[:-1], np.arange(keys))
+    feature = key if identity else jnp.asarray(where)[key]
+    segment = feature * batch + example
+    return _Slots(
+      ids, weight, feature, segment, bool(np.all(np.diff(where) >= 0))
+    )
+
+  return read
+
+
+def pool_rows(table, slots, batch, offsets, rows, stack, combiner):
+  """One gather of a group's rows from ``table`` (features offset into
+  its logical rows, placed by ``stack``; padding = the table's row count:
+  out of range, a zero row and no gradient) and one segment sum into
+  ``[B, F, dim]``.
+
+  The pooled rows are laid out example-major (``[B, F, dim]``), the layout
+  a head that concatenates or stacks the features reads: one-hot features
+  are gathered in that order directly, with no segment sum; bags are
+  summed feature by feature (the slots' own order, a sorted segment sum)
+  and the ``[F, B, dim]`` sums transposed. The ids are offset, checked
+  and placed by one elementwise pass against each slot's feature's
+  constants, so the program does not grow with the number of features."""
+  nf = len(offsets)
+  # per feature, and a last entry for "none of the group's": no row valid
+  off = np.asarray([*offsets, 0], np.int32)
+  lim = np.asarray([*rows, 0], np.int32)
+  if isinstance(slots.feature, np.ndarray):
+    off, lim = off[slots.feature], lim[slots.feature]
+  else:
+    off, lim = jnp.asarray(off)[slots.feature], jnp.asarray(lim)[slots.feature]
+  ids, weight = slots.ids, slots.weight
+  valid = (ids >= 0) & (ids < lim) & slots.ok
+  if weight is not None:
+    valid = valid & (weight != 0)
+  row = ids + off
+  row = row if stack is None else stack.physical(row)
+  got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
+  one_hot = slots.segment is None
+  if one_hot and weight is None and combiner == "sum":
+    pooled = got  # padding read zeros
+  else:
+    if weight is None:
+      weight = jnp.ones(ids.shape, jnp.float32)
+    weight = jnp.where(valid, weight, 0.0).reshape(-1)
+    vals = got.astype(jnp.float32) * weight[:, None]
+    segment = None if one_hot else slots.segment.reshape(-1)
+    pool = functools.partial(
+      jax.ops.segment_sum,
+      segment_ids=segment,
+      num_segments=batch * nf,
+      indices_are_sorted=slots.sorted,
+    )
+    pooled = vals if one_hot else pool(vals)
+    if combiner != "sum":
+      norm = weight if combiner == "mean" else weight * weight
+      if not one_hot:
+        norm = pool(norm)
+      if combiner == "sqrtn":
+        norm = jnp.sqrt(norm)
+      pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
+    pooled = pooled.astype(table.dtype)
+  if one_hot:
+    return pooled.reshape(batch, nf, -1)
+  return jnp.swapaxes(pooled.reshape(nf, batch, -1), 0, 1)
+
+
+def split_features(pooled: jax.Array, names: list[str]) -> dict:
+  """``[B, F, dim]`` -> feature name -> ``[B, dim]``: one split, whose
+  transpose is one concatenation (per-feature slices would each transpose
+  to a pad of the whole pooled array, summed)."""
+  if len(names) == 1:
+    return {names[0]: pooled[:, 0]}
+  parts = lax.split(pooled, [1] * len(names), axis=1)
+  return {f: x[:, 0] for f, x in zip(names, parts, strict=True)}
+
+
+def dict_reader(ids: Any, weights: Any) -> tuple[int, Callable]:
+  """``(batch, read)`` of a dict of features: ``read(feats)`` gives the
+  :class:`_Slots` of those features."""
+  for f, x in ids.items():
+    if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
+      raise TypeError(
+        f"gradtx.TableStack.lookup: feature {f!r} has raw gradtx.Words "
+        "ids; pass `vocab=` to map them read-only, or the ids "
+        "`stack.admit` returned."
+      )
+  bags = {f: _bag(f, x, weights.get(f)) for f, x in ids.items()}
+  sizes = {b.batch for b in bags.values()}
+  if len(sizes) > 1:
+    raise ValueError(
+      "gradtx.TableStack.lookup: the features' batch sizes differ: "
+      f"{ {f: b.batch for f, b in bags.items()} }. Give every feature the "
+      "same leading axis."
+    )
+  batch = sizes.pop()
+  return batch, lambda feats: _dict_slots([bags[f] for f in feats], batch)
