@@ -8,7 +8,9 @@ Models (the loss returned, fresh ids every step, params and state donated):
 * ``criteo``: Criteo Kaggle's 26 cardinalities capped at ``--cap`` rows,
   ``--dim`` wide, batch ``--batch``, one id per example and feature
   (uniform or Zipf), a linear logit per feature, and (``--heads``) a tanh
-  layer of 256 over the concatenated features for ``--mlp-optimizers``.
+  layer of 256 over the concatenated features for ``--mlp-optimizers``;
+  the stack made with ``batch_size=--batch``, as the recommenders guide
+  makes it (tables read at least 4 times a row stay outside).
 * ``bags``: ``--bag-tables`` tables of ``--bag-rows`` x ``--dim``, batch
   ``--bag-batch``, a bag of 1-20 ids per example and feature (Zipf or
   uniform) with per-id weights, summed: gtx per table as users write it
@@ -151,12 +153,12 @@ def _runner(step, params, tx, batches, labels):
   return run
 
 
-def criteo_models(rows, dim):
+def criteo_models(rows, dim, batch=None):
   names = [f"f{t}" for t in range(len(rows))]
   specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  # every table stacked (no batch_size): faster here than the tiny tables
-  # outside (their dense gradients and a concatenation of the pooled rows)
-  stack = gtx.TableStack(specs)
+  # as the recommenders guide builds it: with the step's batch size, the
+  # tables a step reads at least 4 times a row stay outside the stack
+  stack = gtx.TableStack(specs, batch_size=batch)
 
   # both read the features in the stack's concat order (its declared
   # order), so the head's params mean the same in both
@@ -428,7 +430,7 @@ def step_rows(args, torch) -> list[dict]:
     for dist in args.dists:
       if model == "criteo":
         batches, labels = criteo_data(crows, args.batch, args.steps, dist)
-        stack, names, ptl, stl = criteo_models(crows, args.dim)
+        stack, names, ptl, stl = criteo_models(crows, args.dim, args.batch)
         feeds = {"per-table": batches, "stack": batches}
         flat = [[b[n] for n in names] for b in batches]
         rows_np = crows
@@ -614,7 +616,7 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
     for t, r in enumerate(rows)
   }
   y = np.zeros(batch, np.float32)
-  stack, names, ptl, stl = criteo_models(rows, dim)
+  stack, names, ptl, stl = criteo_models(rows, dim, batch)
   variants = [("per-table", ptl), ("stack", stl)]
   if features > per_table_max:
     variants = variants[1:]
@@ -806,7 +808,11 @@ def main(argv: list[str] | None = None) -> None:
       if reused
       else "malloc as it is (each step faults its temporaries in afresh); "
     )
-    + "speed ratios > 1 mean the stack is faster. fbgemm: FBGEMM's "
+    + "the criteo stack built as the recommenders guide builds it, with "
+    "the step's batch size (`gtx.TableStack(specs, batch_size=B)`: the "
+    "tables a step reads at least 4 times a row stay outside, as arrays "
+    "of their own); speed ratios > 1 mean the stack is faster. fbgemm: "
+    "FBGEMM's "
     "table-batched module on the host (`SplitTableBatchedEmbeddingBagsCodegen`"
     ", fbgemm-gpu-cpu, 2 threads), all tables in one module, its own jagged "
     "input, pooled by a sum, the optimizer fused into the backward; n/a for "
