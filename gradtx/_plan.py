@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -178,6 +179,42 @@ def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
   return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
 
 
+# A width and dtype whose tables a step reads at least this often (the
+# batch size times the features that read them) is spread over two lanes
+# by default on a CPU of two cores or more (``lanes=None``).
+AUTO_LANES_MIN_READS = 8192
+
+
+def _host_lanes() -> int:
+  """The lanes a CPU step runs side by side: 2 where JAX computes on a CPU
+  of two cores or more (XLA:CPU runs independent kernels on its threads,
+  and one stack is one chain of kernels), 1 elsewhere (a GPU or TPU runs
+  one stack's kernels across the whole device)."""
+  if jax.default_backend() != "cpu":
+    return 1
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    cores = os.cpu_count() or 1
+  return 2 if cores >= 2 else 1
+
+
+def _auto_lanes(
+  names: list[str],
+  readers: Mapping[str, int],
+  batch_size: int | None,
+  shards: int,
+) -> int:
+  """The default lanes of one width and dtype (``lanes=None``): two on a
+  CPU (:func:`_host_lanes`) when a step at ``batch_size`` reads its tables
+  at least :data:`AUTO_LANES_MIN_READS` times, one otherwise (no
+  ``batch_size``, a small step, one table, a row-sharded stack)."""
+  if batch_size is None or shards > 1 or len(names) < 2:
+    return 1
+  reads = batch_size * sum(readers.get(t, 0) for t in names)
+  return _host_lanes() if reads >= AUTO_LANES_MIN_READS else 1
+
+
 def _lanes(
   names: list[str],
   readers: Mapping[str, int],
@@ -213,7 +250,8 @@ class StackPlan:
     features: feature name -> the table it reads.
     batch_size: the examples per step the plan was made for, or None.
     shards: the devices each stack's rows are split over.
-    lanes: the most stacks of one width and dtype.
+    lanes: the most stacks of one width and dtype (the number given, or
+      the most the default chose).
     stacks: stack name (its params key) -> :class:`StackSpec`.
     outside: table name -> why it is an array of its own: no feature reads
       it, or (not for a hashed table) a step at ``batch_size`` reads it at
@@ -260,6 +298,11 @@ class StackPlan:
       f"feature(s), {len(self.stacks)} stack(s), "
       f"{len(self.outside)} outside"
     ]
+    if self.lanes > 1:
+      lines.append(
+        f"  up to {self.lanes} lanes: the tables of one width and dtype "
+        "spread over stacks that a CPU step updates side by side"
+      )
     for s in self.stacks.values():
       item = jnp.dtype(s.dtype).itemsize
       spread = (
@@ -319,7 +362,7 @@ def plan_stacks(
   *,
   batch_size: int | None = None,
   shards: int = 1,
-  lanes: int = 1,
+  lanes: int | None = None,
 ) -> StackPlan:
   """The plan of :class:`gradtx.TableStack` for its arguments (their
   errors name the stack's arguments)."""
@@ -372,17 +415,26 @@ def plan_stacks(
   for name, spec in tables.items():
     if name not in outside:
       by_key.setdefault(spec.key, []).append(name)
-  lanes = _check_count(
-    lanes,
-    "lanes",
-    " (the stacks the tables of one width and dtype are spread over)",
-  )
+  if lanes is not None:
+    lanes = _check_count(
+      lanes,
+      "lanes",
+      " (the stacks the tables of one width and dtype are spread over) or "
+      "None (two on a CPU for a step of many reads, see TableStack)",
+    )
+  per_key = {
+    key: lanes or _auto_lanes(names, readers, batch_size, shards)
+    for key, names in by_key.items()
+  }
   stacks: dict[str, StackSpec] = {}
   lanes_of = {
     (dim, dtype, k): part
     for (dim, dtype), names in by_key.items()
-    for k, part in enumerate(_lanes(names, readers, tables, lanes))
+    for k, part in enumerate(
+      _lanes(names, readers, tables, per_key[dim, dtype])
+    )
   }
+  lanes = lanes or max(per_key.values(), default=1)
   for (dim, dtype, lane), names in lanes_of.items():
     offsets, start = [], 0
     for n in names:

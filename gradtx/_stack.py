@@ -88,7 +88,14 @@ class TableStack:
       over (``"<dtype>x<dim>"``, then ``"<dtype>x<dim>_lane1"``, ...),
       balanced by the features that read them. Each stack is one chain
       of gather, update and scatter; independent chains can run on
-      different cores of a CPU, one chain cannot.
+      different cores of a CPU, one chain cannot. None (the default):
+      two where JAX computes on a CPU of two cores or more and a step at
+      ``batch_size`` reads the tables of that width and dtype at least
+      8,192 times (the batch size times the features that read them),
+      one otherwise: without ``batch_size``, on a GPU or TPU, for a
+      row-sharded stack. ``print(stack)`` shows the choice; pass
+      ``lanes=1`` for one stack everywhere (e.g. to keep one params
+      layout between a CPU and a GPU host).
 
   Attributes:
     plan: the :class:`gradtx.StackPlan`: the tables, features, stacks and
@@ -120,7 +127,7 @@ class TableStack:
     *,
     batch_size: int | None = None,
     shards: int = 1,
-    lanes: int = 1,
+    lanes: int | None = None,
   ):
     self.plan: StackPlan = plan_stacks(
       tables, features, batch_size=batch_size, shards=shards, lanes=lanes
