@@ -177,7 +177,9 @@ def criteo_models(rows, dim, batch=None):
 
 def bag_models(tables, rows, dim, batch):
   names = [f"f{t}" for t in range(tables)]
-  stack = gtx.TableStack({n: gtx.TableSpec(rows, dim) for n in names})
+  stack = gtx.TableStack(
+    {n: gtx.TableSpec(rows, dim) for n in names}, batch_size=batch
+  )
 
   def per_table_loss(p, bags, y):
     emb = []
