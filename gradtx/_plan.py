@@ -139,6 +139,11 @@ class StackSpec(NamedTuple):
     shards: the devices its rows are split over; logical row ``p`` sits at
       array row ``(p % shards) * (size // shards) + p // shards``, so
       every table's rows spread evenly over the shards.
+    dense: a stack of the tables a step at ``batch_size`` reads at least 4
+      times per row (``"<dtype>x<dim>_dense"``): its gradient is one
+      dense array, a summed row per table row, smaller than a row per
+      read (see :func:`gradtx.sparse_value_and_grad`); never split over
+      lanes or shards.
   """
 
   name: str
@@ -148,6 +153,7 @@ class StackSpec(NamedTuple):
   offsets: tuple[int, ...]
   rows: int
   shards: int
+  dense: bool = False
 
   @property
   def size(self) -> int:
@@ -175,8 +181,12 @@ class StackSpec(NamedTuple):
     return jnp.swapaxes(x, 0, 1).reshape(self.size, *x.shape[2:])[: self.rows]
 
 
-def _stack_name(dim: int, dtype: str, lane: int = 0) -> str:
-  return f"{dtype}x{dim}" + (f"_lane{lane}" if lane else "")
+def _stack_name(dim: int, dtype: str, lane: int = 0, dense=False) -> str:
+  return (
+    f"{dtype}x{dim}"
+    + (f"_lane{lane}" if lane else "")
+    + ("_dense" if dense else "")
+  )
 
 
 # A width and dtype whose tables a step reads at least this often (the
@@ -253,9 +263,8 @@ class StackPlan:
     lanes: the most stacks of one width and dtype (the number given, or
       the most the default chose).
     stacks: stack name (its params key) -> :class:`StackSpec`.
-    outside: table name -> why it is an array of its own: no feature reads
-      it, or (not for a hashed table) a step at ``batch_size`` reads it at
-      least 4 times per row.
+    outside: table name -> why it is an array of its own: no feature
+      reads it.
     maps: stack name -> the layout of the id map of its hashed tables.
 
   Examples:
@@ -267,7 +276,7 @@ class StackPlan:
     >>> plan.stacks["float32x8"].tables, plan.stacks["float32x8"].size
     (('user', 'item'), 1500)
     >>> plan.location("item"), plan.location("country")
-    (('float32x8', 1000), ('country', 0))
+    (('float32x8', 1000), ('float32x8_dense', 0))
   """
 
   tables: dict[str, TableSpec]
@@ -311,9 +320,15 @@ class StackPlan:
         if s.shards > 1
         else ""
       )
+      dense = (
+        f": read at least {DENSE_READS_PER_ROW:g} times a row a step at "
+        f"batch_size {self.batch_size}, one dense gradient"
+        if s.dense
+        else ""
+      )
       lines.append(
         f"  stack {s.name!r}: {s.size:,} rows x {s.dim} {s.dtype}, "
-        f"{format_bytes(s.size * s.dim * item)}{spread}"
+        f"{format_bytes(s.size * s.dim * item)}{spread}{dense}"
       )
       for t, off in zip(s.tables, s.offsets, strict=True):
         feats = [f for f, tt in self.features.items() if tt == t]
@@ -396,24 +411,21 @@ def plan_stacks(
   for t in features.values():
     readers[t] = readers.get(t, 0) + 1
   outside: dict[str, str] = {}  # table -> why it is not stacked
+  # the tables a step reads at least DENSE_READS_PER_ROW times a row (not
+  # hashed ones: their map works on a sparse stack's rows), per width and
+  # dtype: one dense stack each
+  heavy: dict[tuple[int, str], list[str]] = {}
+  by_key: dict[tuple[int, str], list[str]] = {}
   for name, spec in tables.items():
     if name not in readers:
       outside[name] = "no feature reads it"
-      continue
-    reads = (batch_size or 0) * readers[name]
-    if (
+    elif (
       batch_size is not None
       and spec.hashed is None
-      and reads >= DENSE_READS_PER_ROW * spec.rows
+      and batch_size * readers[name] >= DENSE_READS_PER_ROW * spec.rows
     ):
-      outside[name] = (
-        f"{reads:,} reads per step at batch_size {batch_size} for "
-        f"{spec.rows:,} rows: one summed gradient row per table row is "
-        "smaller than a row per read"
-      )
-  by_key: dict[tuple[int, str], list[str]] = {}
-  for name, spec in tables.items():
-    if name not in outside:
+      heavy.setdefault(spec.key, []).append(name)
+    else:
       by_key.setdefault(spec.key, []).append(name)
   if lanes is not None:
     lanes = _check_count(
@@ -428,14 +440,17 @@ def plan_stacks(
   }
   stacks: dict[str, StackSpec] = {}
   lanes_of = {
-    (dim, dtype, k): part
+    (dim, dtype, k, False): part
     for (dim, dtype), names in by_key.items()
     for k, part in enumerate(
       _lanes(names, readers, tables, per_key[dim, dtype])
     )
   }
+  lanes_of.update(
+    {(dim, dtype, 0, True): n for (dim, dtype), n in heavy.items()}
+  )
   lanes = lanes or max(per_key.values(), default=1)
-  for (dim, dtype, lane), names in lanes_of.items():
+  for (dim, dtype, lane, dense), names in lanes_of.items():
     offsets, start = [], 0
     for n in names:
       offsets.append(start)
@@ -447,13 +462,14 @@ def plan_stacks(
         "some of them another dtype or split them over two TableStacks."
       )
     stack = StackSpec(
-      _stack_name(dim, dtype, lane),
+      _stack_name(dim, dtype, lane, dense),
       dim,
       dtype,
       tuple(names),
       tuple(offsets),
       start,
-      shards,
+      1 if dense else shards,
+      dense,
     )
     stacks[stack.name] = stack
   clash = set(stacks) & set(outside)

@@ -61,17 +61,20 @@ class TableStack:
   Tables of one ``dim`` and ``dtype`` are stacked into one array (a table's
   rows follow the previous table's); ``features`` name which table each
   input feature reads, so several features may share a table (a user's
-  history of items reads the item table). Two kinds of table stay an array
-  of their own, outside the stacks: one that no feature reads, and, with
-  ``batch_size``, one that a step would read at least 4 times per row (a
-  3-row table at batch 2048), whose gradient is then one summed row per
-  table row (see :func:`gradtx.sparse_value_and_grad`), smaller than a row
-  per read inside the stack; a hashed table that a feature reads is always
-  stacked (its id map works on its stack's rows). ``print(stack)`` shows
-  the plan.
+  history of items reads the item table). With ``batch_size``, the tables
+  a step would read at least 4 times per row (a 3-row table at batch 2048)
+  form a dense stack of their width and dtype (``"<dtype>x<dim>_dense"``),
+  whose gradient is one summed row per table row (see
+  :func:`gradtx.sparse_value_and_grad`), smaller than a row per read; a
+  hashed table is never in it (its id map works on a sparse stack's rows).
+  A table that no feature reads stays an array of its own, outside the
+  stacks. Many tables of one width are a few arrays, so the step's program
+  does not grow with the number of tables. ``print(stack)`` shows the
+  plan.
 
   The params are a dict of plain arrays: one ``[rows, dim]`` array per stack
-  (named ``"<dtype>x<dim>"``) and one per table kept outside, so any model
+  (named ``"<dtype>x<dim>"``, ``"<dtype>x<dim>_lane<k>"``,
+  ``"<dtype>x<dim>_dense"``) and one per table kept outside, so any model
   library holds them, and :meth:`unstack` / :meth:`stack` convert to and
   from one array per table (export, serving, per-table checkpoints).
 
@@ -80,8 +83,8 @@ class TableStack:
     features: feature name -> table name; default, one feature per table
       under the table's name.
     batch_size: the examples per step, if known: tables read at least 4
-      times per row at this batch (one id per example and feature) stay
-      outside the stacks.
+      times per row at this batch (one id per example and feature) form
+      the dense stack of their width and dtype.
     shards: the devices each stack's rows are split over (a row-sharded
       stack): every table's rows are spread evenly over them.
     lanes: the most stacks the tables of one width and dtype are spread

@@ -156,26 +156,32 @@ def test_lookup_outputs_shapes_dtypes_and_padding():
   )
 
 
-def test_the_plan_prints_stacks_offsets_and_tables_kept_outside():
+def test_the_plan_prints_stacks_offsets_and_the_dense_stack():
   stack = _stack(batch_size=16)
   text = str(stack)
   assert "stack 'float32x4': 70 rows x 4 float32" in text
   assert "user: rows 0..39" in text and "item: rows 40..69" in text
   assert "['item_id', 'history', 'clicks']" in text
-  assert "outside 'country': 3 rows x 4 float32: 16 reads per step" in text
+  # read 16 times for 3 rows: in the dense stack of its width
+  assert (
+    "stack 'float32x4_dense': 3 rows x 4 float32, 48 B: read at least 4 "
+    "times a row a step at batch_size 16, one dense gradient" in text
+  )
+  assert stack.stacks["float32x4_dense"].dense
+  assert not stack.outside
   assert stack.location("item") == ("float32x4", 40)
-  assert stack.location("country") == ("country", 0)
+  assert stack.location("country") == ("float32x4_dense", 0)
   params = stack.init(jax.random.key(1))
   assert {k: v.shape for k, v in params.items()} == {
     "float32x4": (70, 4),
     "float32x2": (20, 2),
-    "country": (3, 4),
+    "float32x4_dense": (3, 4),
   }
   # the rows of a table do not depend on the plan
   other = _stack().unstack(_stack().init(jax.random.key(1)))
   for t, x in stack.unstack(params).items():
     np.testing.assert_array_equal(x, other[t])
-  # a table outside the stack is still looked up
+  # a table of the dense stack is looked up as before
   ids, weights = _batch(1)
   a = stack.lookup(params, ids, weights=weights)
   b = _stack().lookup(
@@ -209,7 +215,7 @@ def test_init_draws_every_default_table_in_one_pass():
   def plan(n):
     tables = {f"t{i}": gtx.TableSpec(50 + i, 4) for i in range(n)}
     tables["z"] = gtx.TableSpec(60, 4, initializer=jax.nn.initializers.ones)
-    # tiny and read often: outside
+    # tiny and read often: in the dense stack of width 3
     tables.update({f"h{i}": gtx.TableSpec(2 + i % 4, 3) for i in range(n)})
     return gtx.TableStack(tables, batch_size=64)
 
@@ -217,11 +223,11 @@ def test_init_draws_every_default_table_in_one_pass():
     jaxpr = jax.make_jaxpr(plan(n)._init)(jax.random.key(0))
     return str(jaxpr).count("random_bits[")
 
-  assert draws(40) == draws(3) == 2  # the stack's, the tables outside
+  assert draws(40) == draws(3) == 2  # one per width
   stack = plan(3)
   key = jax.random.key(8)
   per_table = stack.unstack(stack.init(key))
-  assert set(stack.outside) == {"h0", "h1", "h2"}
+  assert stack.stacks["float32x3_dense"].tables == ("h0", "h1", "h2")
   for i, t in enumerate(stack.tables):
     spec = stack.tables[t]
     if t == "z":
@@ -548,7 +554,7 @@ def test_orbax_round_trips_a_stack_and_a_per_table_checkpoint(tmp_path):
 
 
 def test_a_different_optimizer_per_stack():
-  stack = _stack(batch_size=16)  # "country" outside: dense-ish, own leaf
+  stack = _stack(batch_size=16)  # "country" in the dense stack, own leaf
   params = {"emb": stack.init(jax.random.key(13)), "w": jnp.ones(3)}
   ids, weights = _batch(14)
 
@@ -558,7 +564,11 @@ def test_a_different_optimizer_per_stack():
 
   labels = gtx.sparse_labels(loss)(params, ids)
   assert labels == {
-    "emb": {"float32x4": "sparse", "float32x2": "sparse", "country": "sparse"},
+    "emb": {
+      "float32x4": "sparse",
+      "float32x2": "sparse",
+      "float32x4_dense": "sparse",
+    },
     "w": "dense",
   }
   labels["emb"]["float32x2"] = "rowwise"
@@ -681,14 +691,15 @@ def test_the_plan_is_a_public_object_made_without_arrays(monkeypatch):
   plan = stack.plan
   assert isinstance(plan, gtx.StackPlan) and str(plan) == text
   assert all(isinstance(s, gtx.StackSpec) for s in plan.stacks.values())
-  assert stack.stacks is plan.stacks and list(plan.outside) == ["country"]
+  assert stack.stacks is plan.stacks and not plan.outside
+  assert plan.stacks["float32x4_dense"].shards == 1  # never spread
   s = plan.stacks["float32x4"]
   assert s.tables == ("user", "item") and s.offsets == (0, 40)
   assert (s.rows, s.size) == (70, 70)
   # round robin over 2 shards: logical row p at (p % 2) * 35 + p // 2
   assert [int(s.physical(p)) for p in (0, 1, 2, 69)] == [0, 35, 1, 69]
   assert plan.location("item") == ("float32x4", 40) == stack.location("item")
-  assert plan.location("country") == ("country", 0)
+  assert plan.location("country") == ("float32x4_dense", 0)
 
 
 def test_lanes_spread_a_width_over_stacks_and_train_as_one_stack():
