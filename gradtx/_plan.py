@@ -189,10 +189,11 @@ def _stack_name(dim: int, dtype: str, lane: int = 0, dense=False) -> str:
   )
 
 
-# A width and dtype whose tables a step reads at least this often (the
-# batch size times the features that read them) is spread over two lanes
-# by default on a CPU of two cores or more (``lanes=None``).
-AUTO_LANES_MIN_READS = 8192
+# A stack made for a batch of at least this many examples is spread over
+# two lanes by default on a CPU of two cores or more (``lanes=None``). The
+# rule reads the batch, not the features, so a model's program keeps its
+# shape as features are added.
+AUTO_LANES_MIN_BATCH = 2048
 
 
 def _host_lanes() -> int:
@@ -209,20 +210,14 @@ def _host_lanes() -> int:
   return 2 if cores >= 2 else 1
 
 
-def _auto_lanes(
-  names: list[str],
-  readers: Mapping[str, int],
-  batch_size: int | None,
-  shards: int,
-) -> int:
+def _auto_lanes(names: list[str], batch_size: int | None, shards: int) -> int:
   """The default lanes of one width and dtype (``lanes=None``): two on a
-  CPU (:func:`_host_lanes`) when a step at ``batch_size`` reads its tables
-  at least :data:`AUTO_LANES_MIN_READS` times, one otherwise (no
-  ``batch_size``, a small step, one table, a row-sharded stack)."""
+  CPU (:func:`_host_lanes`) for a step of at least
+  :data:`AUTO_LANES_MIN_BATCH` examples, one otherwise (no ``batch_size``,
+  a smaller batch, one table, a row-sharded stack)."""
   if batch_size is None or shards > 1 or len(names) < 2:
     return 1
-  reads = batch_size * sum(readers.get(t, 0) for t in names)
-  return _host_lanes() if reads >= AUTO_LANES_MIN_READS else 1
+  return _host_lanes() if batch_size >= AUTO_LANES_MIN_BATCH else 1
 
 
 def _lanes(
@@ -435,7 +430,7 @@ def plan_stacks(
       "None (two on a CPU for a step of many reads, see TableStack)",
     )
   per_key = {
-    key: lanes or _auto_lanes(names, readers, batch_size, shards)
+    key: lanes or _auto_lanes(names, batch_size, shards)
     for key, names in by_key.items()
   }
   stacks: dict[str, StackSpec] = {}

@@ -87,18 +87,17 @@ class TableStack:
       the dense stack of their width and dtype.
     shards: the devices each stack's rows are split over (a row-sharded
       stack): every table's rows are spread evenly over them.
-    lanes: the most stacks the tables of one width and dtype are spread
-      over (``"<dtype>x<dim>"``, then ``"<dtype>x<dim>_lane1"``, ...),
-      balanced by the features that read them. Each stack is one chain
-      of gather, update and scatter; independent chains can run on
-      different cores of a CPU, one chain cannot. None (the default):
-      two where JAX computes on a CPU of two cores or more and a step at
-      ``batch_size`` reads the tables of that width and dtype at least
-      8,192 times (the batch size times the features that read them),
-      one otherwise: without ``batch_size``, on a GPU or TPU, for a
-      row-sharded stack. ``print(stack)`` shows the choice; pass
-      ``lanes=1`` for one stack everywhere (e.g. to keep one params
-      layout between a CPU and a GPU host).
+    lanes: the most stacks the tables of one width and dtype are spread over
+      (``"<dtype>x<dim>"``, then ``"<dtype>x<dim>_lane1"``, ...), balanced by
+      the features that read them. Each stack is one chain of gather, update
+      and scatter; independent chains can run on different cores of a CPU, one
+      chain cannot. None (the default): two where JAX computes on a CPU of two
+      cores or more and ``batch_size`` is at least 2048, one otherwise:
+      without ``batch_size``, for a smaller batch, on a GPU or TPU, for a
+      row-sharded stack. The rule reads the batch, not the number of features,
+      so the program keeps its shape as features are added. ``print(stack)``
+      shows the choice; pass ``lanes=1`` for one stack everywhere (e.g. to
+      keep one params layout between a CPU and a GPU host).
 
   Attributes:
     plan: the :class:`gradtx.StackPlan`: the tables, features, stacks and

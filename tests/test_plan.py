@@ -7,7 +7,7 @@ import gradtx as gtx
 from gradtx import _plan
 
 
-def _specs(n=4, rows=5000, dim=4):
+def _specs(n=4, rows=20000, dim=4):
   return {f"t{i}": gtx.TableSpec(rows + i, dim) for i in range(n)}
 
 
@@ -19,7 +19,7 @@ def two_cores(monkeypatch):
 
 
 def test_default_lanes_split_a_big_step_on_a_cpu(two_cores):
-  # 4 features x 2048 examples = 8,192 reads a step: two lanes
+  # a batch of 2048: two lanes
   stack = gtx.TableStack(_specs(), batch_size=2048)
   assert stack.lanes == 2
   assert list(stack.stacks) == ["float32x4", "float32x4_lane1"]
@@ -41,7 +41,7 @@ def test_default_lanes_split_a_big_step_on_a_cpu(two_cores):
   "kwargs",
   [
     {},  # no batch_size: the step's reads are unknown
-    {"batch_size": 2047},  # 8,188 reads: below the bound
+    {"batch_size": 2047},  # a smaller batch
     {"batch_size": 4096, "lanes": 1},  # asked for one
     {"batch_size": 4096, "shards": 2},  # row-sharded: the mesh splits it
   ],
@@ -53,15 +53,14 @@ def test_default_lanes_keep_one_stack(two_cores, kwargs):
   assert "lanes" not in str(stack)
 
 
-def test_default_lanes_count_each_width_alone(two_cores):
-  # 3 tables of width 4 read by 3 features, one table of width 8 (alone in
-  # its width: nothing to split), batch 4096: only width 4 splits
-  specs = {**_specs(3), "wide": gtx.TableSpec(10000, 8)}
+def test_default_lanes_split_each_width_of_two_tables_or_more(two_cores):
+  # 3 tables of width 4, one table of width 8 (alone in its width: nothing
+  # to split): only width 4 splits; 2 features or 300 split alike
+  specs = {**_specs(3), "wide": gtx.TableSpec(40000, 8)}
   stack = gtx.TableStack(specs, batch_size=4096)
   assert list(stack.stacks) == ["float32x4", "float32x4_lane1", "float32x8"]
-  # 2 features of width 4 at 2048: 4,096 reads, one lane
-  small = gtx.TableStack(_specs(2), batch_size=2048)
-  assert list(small.stacks) == ["float32x4"]
+  assert len(gtx.TableStack(_specs(2), batch_size=2048).stacks) == 2
+  assert len(gtx.TableStack(_specs(300), batch_size=2048).stacks) == 2
 
 
 def test_host_lanes_follow_the_backend_and_the_cores(monkeypatch):
