@@ -178,8 +178,10 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
   Criteo's capped tables, each input and output form."""
   rows = cardinalities(features, cap)
   names = [f"f{i}" for i in range(features)]
+  # made as the recommenders guide makes it, with the batch size
   stack = gtx.TableStack(
-    {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
+    {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)},
+    batch_size=batch,
   )
   p = {
     "emb": jax.eval_shape(stack.init, jax.random.key(0)),
