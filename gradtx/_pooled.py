@@ -633,9 +633,18 @@ def split_features(pooled: jax.Array, names: list[str]) -> dict:
   return {f: x[:, 0] for f, x in zip(names, parts, strict=True)}
 
 
-def dict_reader(ids: Any, weights: Any) -> tuple[int, Callable]:
+def dict_reader(
+  ids: Any, weights: Any, declared: list[str] | None = None
+) -> tuple[int, Callable]:
   """``(batch, read)`` of a dict of features: ``read(feats)`` gives the
-  :class:`_Slots` of those features."""
+  :class:`_Slots` of those features.
+
+  ``declared``: the features in the stack's declared order. When several
+  groups (stacks) read one-hot features, their ids are joined once, all of
+  them in that order (the columns of a sliced ``[B, F]`` matrix join back
+  into it), and each group takes its columns by one static gather: a
+  group's columns need not be adjacent in the matrix, and a sliced dict
+  then adds no op per feature."""
   for f, x in ids.items():
     if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
       raise TypeError(
@@ -652,4 +661,34 @@ def dict_reader(ids: Any, weights: Any) -> tuple[int, Callable]:
       "same leading axis."
     )
   batch = sizes.pop()
-  return batch, lambda feats: _dict_slots([bags[f] for f in feats], batch)
+  one_hot = [f for f in (declared or list(ids)) if bags[f].per_example == 1]
+  joined_columns: dict[str, jax.Array] = {}
+
+  def columns(what: str, feats: list[str]) -> jax.Array:
+    if what not in joined_columns:
+      if what == "ids":
+        parts = [_int32_ids(bags[f].ids) for f in one_hot]
+      else:
+        parts = [
+          jnp.ones([batch], jnp.float32)
+          if bags[f].weight is None
+          else bags[f].weight.astype(jnp.float32)
+          for f in one_hot
+        ]
+      joined_columns[what] = _columns(parts)
+    whole = joined_columns[what]
+    at = [one_hot.index(f) for f in feats]
+    if at == list(range(at[0], at[0] + len(at))):
+      return whole[:, at[0] : at[0] + len(at)]
+    return whole[:, np.asarray(at, np.int32)]
+
+  def read(feats: list[str]) -> _Slots:
+    group = [bags[f] for f in feats]
+    if len(feats) == len(one_hot) or not all(f in one_hot for f in feats):
+      return _dict_slots(group, batch)
+    weighted = any(b.weight is not None for b in group)
+    feature = np.arange(len(feats), dtype=np.int32)[None]
+    weight = columns("weights", feats) if weighted else None
+    return _Slots(columns("ids", feats), weight, feature, None, True)
+
+  return batch, read

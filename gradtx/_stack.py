@@ -598,7 +598,9 @@ class TableStack:
     if whole:
       batch, read = keyed_batch(ids), keyed_reader(ids)
     else:
-      batch, read = dict_reader(ids, weights)
+      batch, read = dict_reader(
+        ids, weights, [f for f in self.features if f in set(names)]
+      )
     out, parts = {}, []
     for where, feats in self._groups(names):
       s = self.stacks.get(where)
