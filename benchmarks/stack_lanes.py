@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
       f"Criteo's 26 cardinalities capped at {args.cap:,}, {args.dim} wide, "
       f"batch {args.batch}, a linear head; the stacks made with "
       "`batch_size` as the recommenders guide makes them (tables read 4 "
-      f"times a row or more stay outside); {args.rounds} round-robin "
+      f"times a row or more in a dense stack); {args.rounds} round-robin "
       "rounds of 3 timed steps after 1 untimed, medians. Default path: "
       "no opt-in call (host memory reused as gradtx sets it at import), "
       f"the OS's pages. Load before: {load_before}; after: {load_note()}."
