@@ -10,7 +10,7 @@ Models (the loss returned, fresh ids every step, params and state donated):
   (uniform or Zipf), a linear logit per feature, and (``--heads``) a tanh
   layer of 256 over the concatenated features for ``--mlp-optimizers``;
   the stack made with ``batch_size=--batch``, as the recommenders guide
-  makes it (tables read at least 4 times a row stay outside).
+  makes it (tables read at least 4 times a row in a dense stack).
 * ``bags``: ``--bag-tables`` tables of ``--bag-rows`` x ``--dim``, batch
   ``--bag-batch``, a bag of 1-20 ids per example and feature (Zipf or
   uniform) with per-id weights, summed: gtx per table as users write it
