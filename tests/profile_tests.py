@@ -34,6 +34,7 @@ _EVENTS = {  # jax.monitoring's duration events, by the column they add to
   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower s",
 }
 _RECORDS: dict[str, dict[str, float]] = {}
+_EAGER_NAMES: set[str] = set()
 _TOTALS: collections.Counter = collections.Counter()
 _PROGRAMS: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
 
@@ -63,14 +64,38 @@ def _count(event: str, duration: float, fun_name: str = "?", **kwargs) -> None:
   _TOTALS[column] += duration
   if column == "compile s":
     _TOTALS["compiles"] += 1
+    if fun_name.removeprefix("jit(").removesuffix(")") in _EAGER_NAMES:
+      _TOTALS["eager"] += 1
     program = _PROGRAMS[fun_name]
     program[0] += 1
     program[1] += duration
 
 
+def _eager_names() -> set[str]:
+  # An op-by-op compilation is named after its primitive (``add``) or after
+  # the jitted jax.numpy / jax.lax function called eagerly (``multiply``,
+  # ``_where``): every such name JAX defines. A test's own jitted function
+  # of one of these names would count too.
+  import jax.numpy  # noqa: F401
+  from jax.extend.core import Primitive
+
+  prefixes = ("jax.numpy", "jax._src.numpy", "jax.lax", "jax._src.lax")
+  names = set()
+  for name, module in list(sys.modules.items()):
+    if module is None or not name.startswith(prefixes):
+      continue
+    for attr, value in vars(module).items():
+      if isinstance(value, Primitive):
+        names.add(value.name)
+      elif callable(value) and not isinstance(value, type):
+        names.add(attr)
+  return names
+
+
 def pytest_configure(config):
   import jax
 
+  _EAGER_NAMES.update(_eager_names())
   jax.monitoring.register_event_duration_secs_listener(_count)
   gc.callbacks.append(_gc)
 
@@ -80,7 +105,7 @@ def pytest_runtest_protocol(item, nextitem):
   cpu, wall, before = _cpu(), time.perf_counter(), _TOTALS.copy()
   yield
   record = {"cpu": _cpu() - cpu, "wall": time.perf_counter() - wall}
-  for column in ("compiles", *_EVENTS.values(), "gc s"):
+  for column in ("compiles", "eager", *_EVENTS.values(), "gc s"):
     record[column] = _TOTALS[column] - before[column]
   _RECORDS[item.nodeid] = record
 
@@ -117,24 +142,25 @@ def report(prefix: str, top: int = 30) -> None:
   times = ("trace s", "lower s", "compile s", "gc s")
   print(
     f"{'file':40} {'tests':>5} {'cpu s':>7} {'share':>6} {'compiles':>8}"
-    + "".join(f"{t:>10}" for t in times)
+    f" {'eager':>6}" + "".join(f"{t:>10}" for t in times)
   )
 
   def row(name: str, f: collections.Counter) -> str:
     return (
       f"{name:40} {f['tests']:5d} {f['cpu']:7.1f} "
       f"{f['cpu'] / total['cpu']:6.1%} {f['compiles']:8.0f}"
-      + "".join(f"{f[t]:10.1f}" for t in times)
+      f" {f['eager']:6.0f}" + "".join(f"{f[t]:10.1f}" for t in times)
     )
 
   for name, f in sorted(files.items(), key=lambda kv: -kv[1]["cpu"]):
     print(row(name, f))
   print(row("total", total))
-  print(f"\nthe {top} costliest tests (cpu s, compiles, compile s)")
+  print(f"\nthe {top} costliest tests (cpu s, compiles, eager, compile s)")
   ranked = sorted(records.items(), key=lambda kv: -kv[1]["cpu"])
   for nodeid, r in ranked[:top]:
     print(
-      f"{r['cpu']:7.1f} {r['compiles']:5.0f} {r.get('compile s', 0):6.1f}"
+      f"{r['cpu']:7.1f} {r['compiles']:5.0f} {r.get('eager', 0):5.0f}"
+      f" {r.get('compile s', 0):6.1f}"
       f"  {nodeid}"
     )
   print(f"\nthe {top} costliest programs by name (compiles, compile s)")

@@ -14,6 +14,7 @@ from conformance import (
   make_params,
   run_with_references,
   step_fn,
+  together,
 )
 
 import gradtx as gtx
@@ -238,6 +239,17 @@ def test_deterministic_with_duplicates():
 # Catch-up
 
 
+def _densify_first(tx, densify):
+  """``(params, state, grads) -> (params, state)``: one update of ``tx``,
+  its SparseRows gradient densified first with ``densify``."""
+
+  def step(p, s, g):
+    u, s = tx.update(g.to_dense() if densify else g, s, p)
+    return gtx.apply_updates(p, u), s
+
+  return step
+
+
 def test_catch_up_equals_dense_adam_on_fixed_gradients():
   """A gradient sequence that is zero on the rows it does not list: dense
   Adam on it, and lazy Adam with catch-up, agree once every row has been
@@ -254,21 +266,19 @@ def test_catch_up_equals_dense_adam_on_fixed_gradients():
     seq.append(gtx.SparseRows(jnp.asarray(ids, jnp.int32), vals, num_rows))
   p0 = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
 
-  def run(tx, densify):
-    p, s = p0, tx.init(p0)
-
-    @jax.jit
-    def step(p, s, g):
-      u, s = tx.update(g.to_dense() if densify else g, s, p)
-      return gtx.apply_updates(p, u), s
-
-    for g in seq:
-      p, s = step(p, s, g)
-    return np.asarray(p)
-
-  dense = run(optax.adam(0.01), True)
-  caught = run(gtx.lazy_adam(0.01, catch_up=True), False)
-  lazy = run(gtx.lazy_adam(0.01), False)
+  # the three runs in one jitted program
+  runs = {
+    "dense": (optax.adam(0.01), True),
+    "catch_up": (gtx.lazy_adam(0.01, catch_up=True), False),
+    "lazy": (gtx.lazy_adam(0.01), False),
+  }
+  carries = [(p0, tx.init(p0)) for tx, _ in runs.values()]
+  step = jax.jit(
+    together(list(runs), [_densify_first(*r) for r in runs.values()])
+  )
+  for g in seq:
+    carries = step(carries, [(g,)] * len(runs))
+  dense, caught, lazy = (np.asarray(p) for p, _ in carries)
   np.testing.assert_allclose(caught, dense, rtol=1e-5, atol=1e-6)
   # ... and the check can fail: plain lazy is far off.
   assert np.abs(lazy - dense).max() > 1e-2
@@ -308,9 +318,11 @@ def test_catch_up_epsilon_error_within_documented_bound():
   assert rel.max() > 0.01  # eps does matter here: the check can fail
 
 
-def _trajectory(kind, lr, steps=300, num_rows=200, dim=4):
+def _trajectories(kinds, lr, steps=300, num_rows=200, dim=4):
   """Embedding regression with Zipf-distributed ids, then one batch of
-  every row (which applies any catch-up still pending); returns params."""
+  every row (which applies any catch-up still pending): the params of each
+  of ``kinds`` ("dense" Adam, "lazy", "catch_up"), all in one jitted
+  program."""
   rng = np.random.RandomState(0)
   target = jnp.asarray(rng.normal(size=(num_rows,)), jnp.float32)
   prob = 1.0 / np.arange(1, num_rows + 1) ** 1.2
@@ -324,24 +336,27 @@ def _trajectory(kind, lr, steps=300, num_rows=200, dim=4):
     pred = gtx.lookup(p["emb"], ids) @ p["w"]
     return jnp.mean((pred - target[ids]) ** 2)
 
-  if kind == "dense":
-    tx, grad = optax.adam(lr), jax.grad(loss)
-  else:
-    tx = gtx.lazy_adam(lr, catch_up=kind == "catch_up")
-    grad = gtx.sparse_grad(loss)
+  def one_run(kind):
+    if kind == "dense":
+      tx, grad = optax.adam(lr), jax.grad(loss)
+    else:
+      tx = gtx.lazy_adam(lr, catch_up=kind == "catch_up")
+      grad = gtx.sparse_grad(loss)
 
-  def step(carry, ids):
-    p, s = carry
-    u, s = tx.update(grad(p, ids), s, p)
-    return (gtx.apply_updates(p, u), s), None
+    def step(carry, ids):
+      p, s = carry
+      u, s = tx.update(grad(p, ids), s, p)
+      return (gtx.apply_updates(p, u), s), None
 
-  @jax.jit
-  def run(carry, batches, last):
-    carry, _ = jax.lax.scan(step, carry, batches)
-    return step(carry, last)[0][0]
+    def run(params, batches, last):
+      carry, _ = jax.lax.scan(step, (params, tx.init(params)), batches)
+      return step(carry, last)[0][0]
 
-  return run(
-    (params, tx.init(params)),
+    return run
+
+  runs = [one_run(kind) for kind in kinds]
+  return jax.jit(lambda *args: [run(*args) for run in runs])(
+    params,
     jnp.asarray(batches, jnp.int32),
     jnp.arange(num_rows, dtype=jnp.int32),
   )
@@ -350,13 +365,16 @@ def _trajectory(kind, lr, steps=300, num_rows=200, dim=4):
 def test_catch_up_tracks_dense_adam_trajectory():
   # The catch-up error left is that a row's gradient is taken before its
   # pending drift is applied: it shrinks like lr**2, the lazy error like lr.
-  dense, lazy, caught = (
-    _trajectory(k, lr=1e-3) for k in ("dense", "lazy", "catch_up")
-  )
+  dense, lazy, caught = _trajectories(("dense", "lazy", "catch_up"), 1e-3)
 
-  def dist(p):
+  def dist(p):  # numpy: no eager op compiled
     return float(
-      jnp.sqrt(sum(jnp.sum((p[k] - dense[k]) ** 2) for k in ("emb", "w")))
+      np.sqrt(
+        sum(
+          np.sum((np.asarray(p[k]) - np.asarray(dense[k])) ** 2)
+          for k in ("emb", "w")
+        )
+      )
     )
 
   d_lazy, d_caught = dist(lazy), dist(caught)

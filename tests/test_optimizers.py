@@ -250,16 +250,18 @@ def test_new_options_are_off_by_default_and_change_the_step():
       ),
     ),
   }
-  for name, (default, off, on) in pairs.items():
-    runs = []
-    for make_tx in (default, off, on):
-      tx = make_tx()
-      params = make_params()
-      state = tx.init(params)
-      step = jax.jit(step_fn(tx))
-      for i in range(4):
-        params, state = step(params, state, make_grads(i))
-      runs.append(jax.tree.leaves((params, state)))
+  # the six runs in one jitted program
+  names = [
+    f"{name} {which}" for name in pairs for which in ("default", "off", "on")
+  ]
+  txs = [make_tx() for makes in pairs.values() for make_tx in makes]
+  params = make_params()
+  carries = [(params, tx.init(params)) for tx in txs]
+  step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
+  for i in range(4):
+    carries = step(carries, [(make_grads(i),)] * len(txs))
+  for k, name in enumerate(pairs):
+    runs = [jax.tree.leaves(c) for c in carries[3 * k : 3 * k + 3]]
     for a, b in zip(runs[0], runs[1], strict=True):
       assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
     moved = max(
