@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +35,17 @@ from typing import Any, NamedTuple
 RESULTS = Path(__file__).resolve().parent / "results"
 # appended to every results file's name: "_quick" under --quick
 SUFFIX_ENV = "GRADTX_BENCH_SUFFIX"
+
+
+def fake_cpu_devices(n: int) -> None:
+  """``n`` fake CPU devices for the benchmarks of several devices: call it
+  before anything imports jax (a no-op after)."""
+  if "jax" not in sys.modules:
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + f" --xla_force_host_platform_device_count={n}"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def cpu_name() -> str:
@@ -48,19 +61,21 @@ def cpu_name() -> str:
 
 
 def machine() -> dict[str, Any]:
-  """What the numbers were measured on."""
-  import jax
+  """What the numbers were measured on (jax's devices where jax is
+  installed)."""
+  out = {"cpu": cpu_name(), "cores": os.cpu_count()}
+  out.update(backend="cpu", device="cpu", devices=1, jax="not installed")
+  if available("jax"):
+    import jax
 
-  dev = jax.devices()[0]
-  return {
-    "cpu": cpu_name(),
-    "cores": os.cpu_count(),
-    "backend": jax.default_backend(),
-    "device": getattr(dev, "device_kind", str(dev)),
-    "devices": jax.device_count(),
-    "jax": jax.__version__,
-    "python": platform.python_version(),
-  }
+    dev = jax.devices()[0]
+    out.update(
+      backend=jax.default_backend(),
+      device=getattr(dev, "device_kind", str(dev)),
+      devices=jax.device_count(),
+      jax=jax.__version__,
+    )
+  return {**out, "python": platform.python_version()}
 
 
 def load_note() -> str:
@@ -163,7 +178,8 @@ def parse(
   quick: dict[str, Any] | None = None,
 ) -> argparse.Namespace:
   """``p``'s arguments, with the shared flags applied: ``--quick`` sets
-  the arguments in ``quick`` and the results suffix ``_quick``;
+  the arguments in ``quick`` that the command line left at their defaults,
+  and the results suffix ``_quick``;
   ``--huge-pages`` turns on :func:`huge_pages` and
   :func:`torch_huge_pages`; ``--fresh-memory`` calls
   ``gtx.reuse_host_memory(False)``. :func:`write_results` notes them."""
@@ -172,7 +188,8 @@ def parse(
   if args.quick:
     os.environ.setdefault(SUFFIX_ENV, "_quick")
     for k, v in (quick or {}).items():
-      setattr(args, k, v)
+      if getattr(args, k) == p.get_default(k):
+        setattr(args, k, v)
   if hasattr(args, "huge_pages"):
     RUN.huge_pages = args.huge_pages
   if hasattr(args, "fresh_memory"):
@@ -183,6 +200,23 @@ def parse(
       RUN.memory_reused = not gradtx.reuse_host_memory(False)
   RUN.load_start = load_note()
   return args
+
+
+def add_table_args(
+  p: argparse.ArgumentParser,
+  rows: int = 1_000_000,
+  dim: int = 64,
+  ids: int = 8192,
+) -> None:
+  """``--rows``, ``--dim``, ``--ids``: one ``[rows, dim]`` table, ``ids``
+  fresh ids a step."""
+  p.add_argument("--rows", type=int, default=rows)
+  p.add_argument("--dim", type=int, default=dim)
+  p.add_argument("--ids", type=int, default=ids)
+
+
+# --quick's sizes of a one-table step (add_table_args, the Schedule)
+QUICK_TABLE = dict(rows=20_000, ids=512, rounds=2, burst=2, settle=1)
 
 
 def add_head_args(p: argparse.ArgumentParser, optimizers: Any) -> None:
@@ -335,16 +369,25 @@ def time_interleaved(
         t0 = time.perf_counter()
         fn()
         times[k].append(time.perf_counter() - t0)
+  record(label or ", ".join(fns), times, burst, rounds=rounds, settle=settle)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def record(
+  label: str, times: dict[str, Sequence[float]], burst: int = 1, **how: Any
+) -> None:
+  """Keeps each system's :func:`spread` of ``times`` (seconds of its timed
+  calls in order, ``burst`` a round) for the json of :func:`write_results`,
+  under ``label``, with ``how`` they were timed: for a benchmark that
+  times its systems in a loop of its own (a training run)."""
   RUN.timings.append(
     {
-      "label": label or ", ".join(fns),
-      "rounds": rounds,
+      "label": label,
       "burst": burst,
-      "settle": settle,
-      "ms": {k: spread(v, burst) for k, v in times.items()},
+      **how,
+      "ms": {k: spread(v, burst) for k, v in times.items() if v},
     }
   )
-  return {k: statistics.median(v) for k, v in times.items()}
 
 
 def time_fn(
@@ -749,9 +792,7 @@ def ratio_rows(
 ) -> list[list[str]]:
   """Times ``fns`` side by side (:func:`time_interleaved`); one row per
   variant: ``name``, the variant, ms per call, and its ratio to the first."""
-  times = time_interleaved(
-    fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
-  )
+  times = sched.time(fns, label=name)
   base = next(iter(times.values()))
   return [
     [name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"]
@@ -856,22 +897,64 @@ def hlo_op_counts(text: str) -> dict[str, int]:
   return counts
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+)
+
+
+def hlo_collectives(
+  text: str, ops: Sequence[str] = COLLECTIVES
+) -> list[tuple[str, int]]:
+  """``(op, result bytes)`` of every collective among ``ops`` in HLO text,
+  per device."""
+  pattern = re.compile(
+    r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    rf"({'|'.join(ops)})(?:-start)?\("
+  )
+  text = re.sub(r"/\*.*?\*/", "", text)  # comments such as /*index=5*/
+  return [
+    (
+      m.group(2),
+      sum(
+        _DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+        for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+      ),
+    )
+    for m in pattern.finditer(text)
+  ]
+
+
 def compile_phases(jitted: Any, *args: Any) -> dict[str, Any]:
-  """Seconds to trace, lower and compile ``jitted`` on ``args`` (abstract
-  values are fine) and the compiled program's op counts
-  (:func:`hlo_op_counts`) and HLO lines."""
-  t0 = time.perf_counter()
+  """Wall and CPU (this process's) seconds to trace, lower and compile
+  ``jitted`` on ``args`` (abstract values are fine), and the compiled
+  program's op counts (:func:`hlo_op_counts`) and HLO lines."""
+  wall, cpu = [time.perf_counter()], [time.process_time()]
+
+  def mark() -> None:
+    wall.append(time.perf_counter())
+    cpu.append(time.process_time())
+
   traced = jitted.trace(*args)
-  t1 = time.perf_counter()
+  mark()
   lowered = traced.lower()
-  t2 = time.perf_counter()
-  text = lowered.compile().as_text()
-  t3 = time.perf_counter()
+  mark()
+  compiled = lowered.compile()
+  mark()
+  text = compiled.as_text()
+  out: dict[str, Any] = {}
+  for phase, k in (("trace", 1), ("lower", 2), ("compile", 3)):
+    out[f"{phase}_s"] = wall[k] - wall[k - 1]
+    out[f"{phase}_cpu_s"] = cpu[k] - cpu[k - 1]
   return {
-    "trace_s": t1 - t0,
-    "lower_s": t2 - t1,
-    "compile_s": t3 - t2,
-    "total_s": t3 - t0,
+    **out,
+    "total_s": wall[3] - wall[0],
+    "cpu_s": cpu[3] - cpu[0],
     "hlo_lines": text.count("\n"),
     **hlo_op_counts(text),
   }
