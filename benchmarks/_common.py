@@ -369,8 +369,17 @@ def time_interleaved(
         t0 = time.perf_counter()
         fn()
         times[k].append(time.perf_counter() - t0)
-  record(label or ", ".join(fns), times, burst, rounds=rounds, settle=settle)
+  label = label or ", ".join(map(_name, fns))
+  record(label, times, burst, rounds=rounds, settle=settle)
   return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _name(system: Any) -> str:
+  """A system's name in the json: a tuple key (the variant of a variant)
+  as its parts joined by " / "."""
+  if isinstance(system, tuple):
+    return " / ".join(map(str, system))
+  return str(system)
 
 
 def record(
@@ -385,7 +394,7 @@ def record(
       "label": label,
       "burst": burst,
       **how,
-      "ms": {k: spread(v, burst) for k, v in times.items() if v},
+      "ms": {_name(k): spread(v, burst) for k, v in times.items() if v},
     }
   )
 
@@ -427,6 +436,24 @@ def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = 0) -> list:
     rank = np.searchsorted(cdf, rng.random(n), side="right")
     out.append(perm[np.minimum(rank, rows - 1)])
   return out
+
+
+def step_runner(
+  step: Callable[..., Any], box: list, args_of: Callable[[int], tuple]
+) -> Callable[[int], Any]:
+  """``run(i)``: the jitted ``step(params, state, *args_of(i))`` on the
+  params and state in ``box`` (donated: the step returns them new, and
+  maybe a loss), the new ones kept in ``box``; waits for them and returns
+  the step's third output, its loss, where it has one."""
+  import jax
+
+  def run(i: int) -> Any:
+    out = step(box[0], box[1], *args_of(i))
+    box[0], box[1] = out[0], out[1]
+    jax.block_until_ready(out)
+    return out[2] if len(out) > 2 else None
+
+  return run
 
 
 class Counter:

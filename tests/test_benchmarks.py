@@ -69,6 +69,12 @@ def test_time_interleaved_alternates_and_records(run):
     np.testing.assert_allclose(v["median"], medians[k] * 1e3)
 
 
+def test_time_interleaved_names_tuple_keys(run):
+  bench.time_interleaved({("ours", 4): lambda: None}, warmup=0, rounds=1)
+  assert run.timings[0]["label"] == "ours / 4"
+  assert list(run.timings[0]["ms"]) == ["ours / 4"]
+
+
 def test_schedule_time_uses_its_rounds(run):
   calls = []
   bench.Schedule(rounds=3, burst=1, settle=0).time(
@@ -167,3 +173,24 @@ def test_hlo_collectives_bytes():
   assert bench.hlo_collectives(HLO, ("all-gather",)) == [
     ("all-gather", 8 * 64 * 4)
   ]
+
+
+def test_step_runner_keeps_the_new_params_and_state():
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def step(p, s, x):
+    return p + x, s + 1, jnp.sum(p * x)
+
+  box = [jnp.zeros(3), jnp.zeros((), jnp.int32)]
+  xs = [np.arange(3.0), np.ones(3)]
+  run = bench.step_runner(step, box, lambda i: (xs[i % 2],))
+  losses = [float(run(i)) for i in range(3)]
+  p, want = np.zeros(3), []
+  for i in range(3):  # the same steps in numpy
+    want.append(np.sum(p * xs[i % 2]))
+    p = p + xs[i % 2]
+  np.testing.assert_allclose(box[0], p)
+  assert int(box[1]) == 3
+  np.testing.assert_allclose(losses, want)
