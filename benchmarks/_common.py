@@ -661,10 +661,11 @@ def write_results(
 
   The markdown: the title, the machine, the table, ``notes``, then the
   run's settings and load (:func:`settings_note`). The json also holds
-  ``extra``, the load, and every :func:`time_interleaved` call's spread
-  (``timing``). ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` and by
-  ``gpu.sh``) is appended to ``name``, so smoke runs and other machines
-  never overwrite the reference results.
+  ``extra``, the load, and the spread of every :func:`time_interleaved`
+  call since the previous results file (``timing``).
+  ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` and by ``gpu.sh``) is
+  appended to ``name``, so smoke runs and other machines never overwrite
+  the reference results.
   """
   m = machine()
   table = markdown_table(headers, rows)
@@ -690,6 +691,7 @@ def write_results(
     "timing": RUN.timings,
   }
   result_path(name, ".json").write_text(json.dumps(payload, indent=2))
+  RUN.timings = []  # the next results file gets the timings made after
   return md
 
 

@@ -140,6 +140,7 @@ def test_write_results_files(run, tmp_path):
   assert data["load"].keys() == {"start", "end"}
   assert [t["label"] for t in data["timing"]] == ["t"]
   assert data["quick"] is False
+  assert run.timings == []  # the next file gets only its own
 
 
 def test_make_ids_ranges_and_zipf_head():
