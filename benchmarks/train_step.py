@@ -49,6 +49,7 @@ from benchmarks._common import (
   oversubscribed,
   parse,
   parser,
+  step_runner,
   torch_huge_pages,
   torch_state,
   warm_copy_bandwidth,
@@ -85,16 +86,8 @@ def _gtx(table, ids, grads, ct, linear, catch_up):
   jopt = jax.jit(opt_step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
-    jax.block_until_ready((box[0], loss))
-
-  def run_opt(i):
-    k = i % len(ids)
-    box[0], box[1] = jopt(box[0], box[1], grads[k])
-    jax.block_until_ready(box[0])
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
+  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
   return run, run_opt, copies, box
 
 
@@ -114,11 +107,7 @@ def _optax(table, ids, ct, linear):
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
   return run, copies, box
 
 
