@@ -40,6 +40,7 @@ from benchmarks._common import (
   make_ids,
   parse,
   parser,
+  step_runner,
   warm_copy_bandwidth,
   write_results,
 )
@@ -77,11 +78,9 @@ def _variant(table_np, ids, ct, dtype, state_kw, stochastic):
   key = jax.random.key(0)
   per_row = gtx.bytes_per_row(tx, params)["['emb']"]
 
-  def run(i):
-    k = jax.random.fold_in(key, i)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[i % len(ids)], ct, k)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(
+    jstep, box, lambda i: (ids[i % len(ids)], ct, jax.random.fold_in(key, i))
+  )
   return run, box, per_row
 
 

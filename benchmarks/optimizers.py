@@ -56,6 +56,7 @@ from benchmarks._common import (
   make_ids,
   parse,
   parser,
+  step_runner,
   torch_huge_pages,
   torch_state,
   version,
@@ -119,10 +120,7 @@ def _jax_variant(make_tx, table, ids, ct, dense: bool):
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    box[0], box[1], loss = jstep(box[0], box[1], ids[i % len(ids)], ct)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
   return run, box, per_row, copies
 
 
