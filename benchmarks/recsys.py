@@ -80,6 +80,7 @@ from benchmarks._common import (
   parse,
   parser,
   result_path,
+  step_runner,
   tbe,
   torch_huge_pages,
   torch_state,
@@ -255,17 +256,11 @@ def _gtx_variant(jitted, params_np, ids, labels, grads):
   box = [params, tx.init(params)]
   huge_pages(box)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], value = jstep(box[0], box[1], ids[k], labels[k])
-    jax.block_until_ready((box[0], value))
-    return float(value)
-
-  def run_opt(i):
-    box[0], box[1] = jopt(box[0], box[1], grads[i % len(grads)])
-    jax.block_until_ready(box[0])
-
-  first = run(0)
+  run = step_runner(
+    jstep, box, lambda i: (ids[i % len(ids)], labels[i % len(ids)])
+  )
+  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
+  first = float(run(0))
   if grads is None:
     return run, None, first, box
   run_opt(0)
