@@ -9,14 +9,12 @@ from those files by ``benchmarks.plots``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-from benchmarks._common import RESULTS, machine, markdown_table
+from benchmarks._common import RESULTS, machine, markdown_table, parse, parser
 
 BENCHMARKS = [
   "sparse_grad",
@@ -53,13 +51,10 @@ def headlines() -> list[list]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--quick", action="store_true", help="small sizes")
-  parser.add_argument("--only", nargs="+", choices=BENCHMARKS)
-  args = parser.parse_args(argv)
+  p = parser(__doc__)
+  p.add_argument("--only", nargs="+", choices=BENCHMARKS)
+  args = parse(p, argv)  # --quick: each benchmark's results as <name>_quick
   failed = []
-  if args.quick:
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
   for name in args.only or BENCHMARKS:
     cmd = [sys.executable, "-m", f"benchmarks.{name}"]
     cmd += ["--quick"] if args.quick else []

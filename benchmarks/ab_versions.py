@@ -47,7 +47,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import RESULTS, load_note, write_results
+from benchmarks._common import (
+  import_torch,
+  parse,
+  parser,
+  record,
+  result_path,
+  write_results,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKOUT = "this checkout"
@@ -207,9 +214,7 @@ def _compiled_runner(jitted, params, state, batches, args) -> tuple[Any, dict]:
 def _torch_single(spec: dict) -> tuple[Any, dict]:
   """torch's twin of the lazy Adam step: ``nn.Embedding(sparse=True)``,
   the same loss, ``SparseAdam``, two threads, ``loss.item()`` returned."""
-  import torch
-
-  torch.set_num_threads(2)
+  torch = import_torch()
   table, batches = _single_data(spec)
   emb = torch.nn.Embedding(*table.shape, sparse=True)
   with torch.no_grad():
@@ -300,6 +305,13 @@ def measure(
       per[n].append(_spawn(python, spec))
       got = statistics.median(per[n][-1]["wall"])
       print(f"{label} | {n} | round {r + 1}: {got:.2f} ms", file=sys.stderr)
+  record(
+    label,
+    {n: [w / 1e3 for x in per[n] for w in x["wall"]] for n in names},
+    args.steps,
+    rounds=args.rounds,
+    processes="one per version and round",
+  )
   wall = {n: [statistics.median(x["wall"]) for x in per[n]] for n in names}
   cpu = {n: [statistics.median(x["cpu"]) for x in per[n]] for n in names}
   p10 = {n: [_p10(x["wall"]) for x in per[n]] for n in names}
@@ -354,49 +366,46 @@ def _with_previous(payload_path: pathlib.Path) -> tuple[str, dict | None]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument(
+  p = parser(__doc__.split("\n\n")[0], rounds=5, steps=30)
+  p.add_argument(
     "--before",
     nargs="+",
     default=[],
     help="earlier git revisions; the first is the baseline of the ratios",
   )
-  parser.add_argument(
+  p.add_argument(
     "--after",
     default=None,
     help="the later version, a git revision (default: this checkout, "
     "uncommitted work included)",
   )
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument(
-    "--steps", type=int, default=30, help="timed steps per process"
-  )
-  parser.add_argument(
+  p.add_argument("--rows", type=int, default=1_000_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192)
+  p.add_argument(
     "--only",
     nargs="+",
     default=None,
     help="run only these steps (names as in the table's first column, "
     "'lazy_adam, 26 tables' for a recsys step)",
   )
-  parser.add_argument(
+  p.add_argument(
     "--tables",
     type=int,
     default=26,
     help="also the DLRM-shaped step of benchmarks.recsys on this many "
     "tables (linear head, Zipf ids); 0 to skip",
   )
-  parser.add_argument("--torch-python", default=None)
-  parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  p.add_argument("--torch-python", default=None)
+  p.add_argument("--no-torch", action="store_true")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  quick = dict(rows=20_000, ids=512, rounds=2, steps=5, tables=4)
+  args = parse(p, argv, quick=quick)
   if args.worker:
     print(json.dumps(worker(json.loads(args.worker))))
     return
   if not args.before:
-    parser.error("--before: give at least one earlier git revision")
+    p.error("--before: give at least one earlier git revision")
   python = sys.executable
   systems = {
     f"before ({rev})": (python, export_version(rev)) for rev in args.before
@@ -406,7 +415,6 @@ def main(argv: list[str] | None = None) -> None:
   else:
     systems[f"after ({args.after})"] = (python, export_version(args.after))
   torch_python = _torch_python(args)
-  load = load_note()
   rows = []
   for case in SINGLE:
     if args.only and case not in args.only:
@@ -422,8 +430,7 @@ def main(argv: list[str] | None = None) -> None:
   versions = " vs ".join(
     reversed([n.split("(")[-1].rstrip(")") for n in systems])
   )
-  name = "ab_versions" + os.environ.get("GRADTX_BENCH_SUFFIX", "")
-  previous_md, previous = _with_previous(RESULTS / f"{name}.json")
+  previous_md, previous = _with_previous(result_path("ab_versions", ".json"))
   notes = (
     f"{args.rounds} rounds of fresh processes, one per version and step, "
     "alternating (the order reversed every other round); each process "
@@ -438,9 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     "to other programs on the cores than wall time). kernels, scatters: "
     "what the compiled step launches (benchmarks._common.hlo_op_counts), "
     "the same on every machine. torch: nn.Embedding(sparse=True) + "
-    f"SparseAdam, 2 threads, the same loss and ids. Load average (1/5/15 "
-    f"min) before: {load}; "
-    f"after: {load_note()}."
+    "SparseAdam, 2 threads, the same loss and ids."
   )
   if not torch_python:
     notes += " torch did not import: no torch row."
@@ -465,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     extra={"previous": previous} if previous else None,
   )
   if previous_md:
-    (RESULTS / f"{name}.md").write_text(md + "\n" + previous_md + "\n")
+    result_path("ab_versions", ".md").write_text(md + "\n" + previous_md + "\n")
 
 
 if __name__ == "__main__":

@@ -18,15 +18,19 @@ of the step, plus the compiled memory at k = 1.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import memory, time_interleaved, write_results
+from benchmarks._common import (
+  memory,
+  parse,
+  parser,
+  time_interleaved,
+  write_results,
+)
 
 DIM = 64
 
@@ -109,15 +113,20 @@ def _memory_row(name, compiled) -> dict:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="small smoke run")
-  parser.add_argument("--k", type=int, default=4)
-  args = parser.parse_args(argv)
-  if args.quick:
-    num_rows, hidden, n, rounds = 20_000, 128, 256, 3
-  else:
-    num_rows, hidden, n, rounds = 1_000_000, 2048, 4096, 7
-  k = args.k
+  p = parser(__doc__.split("\n")[0], rounds=7)
+  p.add_argument("--k", type=int, default=4)
+  p.add_argument("--rows", type=int, default=1_000_000)
+  p.add_argument("--hidden", type=int, default=2048)
+  p.add_argument("--ids", type=int, default=4096)
+  quick = dict(rows=20_000, hidden=128, ids=256, rounds=3)
+  args = parse(p, argv, quick=quick)
+  num_rows, hidden, n, rounds, k = (
+    args.rows,
+    args.hidden,
+    args.ids,
+    args.rounds,
+    args.k,
+  )
 
   params = _params(num_rows, hidden)
   dense_grads = _grads(params, n, sparse=False)

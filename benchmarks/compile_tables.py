@@ -39,26 +39,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import compile_phases, load_note, write_results
-
-# Criteo Kaggle's 26 categorical cardinalities (DLRM's dlrm_s_criteo_kaggle)
-CRITEO = (
-  1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593,
-  3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105,
-  142572,
-)  # fmt: skip
-
-
-def cardinalities(tables: int, cap: int) -> list[int]:
-  """Criteo's cardinalities capped at ``cap``, repeated to ``tables``."""
-  return [min(CRITEO[i % len(CRITEO)], cap) for i in range(tables)]
+from benchmarks._common import compile_phases, parse, parser, write_results
+from benchmarks.recsys import _bce, table_rows
 
 
 def per_table_loss(tables: int):
@@ -114,25 +101,20 @@ def whole_step(loss, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
+PHASES = ["trace_s", "lower_s", "compile_s"]
+PHASES += ["trace_cpu_s", "lower_cpu_s", "compile_cpu_s"]
+
+
 def timed(jitted, *args) -> tuple[float, ...]:
   """Wall seconds to trace, lower and compile ``jitted(*args)``, then the
   CPU seconds of each."""
-  w, c = [time.perf_counter()], [time.process_time()]
-  traced = jitted.trace(*args)
-  w.append(time.perf_counter())
-  c.append(time.process_time())
-  lowered = traced.lower()
-  w.append(time.perf_counter())
-  c.append(time.process_time())
-  lowered.compile()
-  w.append(time.perf_counter())
-  c.append(time.process_time())
-  return tuple(np.diff(w)) + tuple(np.diff(c))
+  r = compile_phases(jitted, *args)
+  return tuple(r[k] for k in PHASES)
 
 
 def programs(tables: int, cap: int, dim: int, batch: int) -> dict:
   """name -> (a new jitted function, its abstract arguments)."""
-  rows = cardinalities(tables, cap)
+  rows = table_rows(tables, cap)
   ids = jax.ShapeDtypeStruct((batch, tables), jnp.int32)
   y = jax.ShapeDtypeStruct((batch,), jnp.float32)
   tx = gtx.lazy_adam(1e-3)
@@ -169,14 +151,10 @@ def measure(tables: int, args: argparse.Namespace) -> dict:
   }
 
 
-def _bce(logit, y):
-  return jnp.mean(jax.nn.softplus(logit) - y * logit)
-
-
 def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
   """form -> (its whole step, abstract arguments): one gtx.TableStack of
   Criteo's capped tables, each input and output form."""
-  rows = cardinalities(features, cap)
+  rows = table_rows(features, cap)
   names = [f"f{i}" for i in range(features)]
   # made as the recommenders guide makes it, with the batch size
   stack = gtx.TableStack(
@@ -263,9 +241,7 @@ def forms_main(args: argparse.Namespace) -> None:
       for form, (fn, *xs) in form_programs(
         t, args.cap, args.dim, args.batch
       ).items():
-        c0 = time.process_time()
         r = compile_phases(fn, *xs)
-        r["cpu_s"] = time.process_time() - c0
         samples[t].setdefault(form, []).append(r)
         print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
   results = {
@@ -302,8 +278,7 @@ def forms_main(args: argparse.Namespace) -> None:
     "seconds, `cpu s`: CPU seconds of this process (the ratio is of CPU "
     f"seconds); kernels: the compiled step's launches "
     "(`benchmarks._common.hlo_op_counts`). The jagged form holds "
-    f"{args.batch} ids a feature (capacity F x B). Load average "
-    f"{load_note()}. {args.note}"
+    f"{args.batch} ids a feature (capacity F x B). {args.note}"
   ).strip()
   write_results(
     "compile_tables_forms",
@@ -327,22 +302,17 @@ def forms_main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--tables", type=int, nargs="+", default=[26, 52, 104])
-  parser.add_argument("--cap", type=int, default=20_000)
-  parser.add_argument("--dim", type=int, default=32)
-  parser.add_argument("--batch", type=int, default=1024)
-  parser.add_argument("--repeats", type=int, default=1)
-  parser.add_argument("--quick", action="store_true", help="4 and 8 tables")
-  parser.add_argument(
+  p = parser(__doc__)
+  p.add_argument("--tables", type=int, nargs="+", default=[26, 52, 104])
+  p.add_argument("--cap", type=int, default=20_000)
+  p.add_argument("--dim", type=int, default=32)
+  p.add_argument("--batch", type=int, default=1024)
+  p.add_argument("--repeats", type=int, default=1)
+  p.add_argument(
     "--forms", action="store_true", help="a stack's input and output forms"
   )
-  parser.add_argument(
-    "--note", default="", help="a sentence on the machine's state"
-  )
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.tables, args.batch = [4, 8], 64
+  p.add_argument("--note", default="", help="a sentence on the machine's state")
+  args = parse(p, argv, quick=dict(tables=[4, 8], batch=64))
   jax.config.update("jax_enable_compilation_cache", False)
   if args.forms:
     if args.tables == [26, 52, 104]:
@@ -405,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     f"(trace, and trace + lower + compile), median of {args.repeats}; "
     f"`vs {base}`: CPU total against the same program at {base} tables; "
     "`vs stacked`: against the same tables stacked by hand in one leaf. "
-    f"Load average {load_note()}. {args.note}"
+    f"{args.note}"
   ).strip()
   write_results(
     "compile_tables",

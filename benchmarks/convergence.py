@@ -98,9 +98,7 @@ rate per task (within a factor 3).
 
 from __future__ import annotations
 
-import argparse
 import io
-import os
 import statistics
 import sys
 import sysconfig
@@ -116,7 +114,7 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import RESULTS, load_note, write_results
+from benchmarks._common import parse, parser, record, result_path, write_results
 from examples.demo import build_vocab
 
 DIM = 64
@@ -661,24 +659,22 @@ def _headline(task: str, runs: dict[str, Run]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a smoke run")
-  parser.add_argument(
+  p = parser(__doc__.splitlines()[0], steps=STEPS)
+  p.add_argument(
     "--only", nargs="+", choices=NAMES, metavar="NAME", help=f"of {NAMES}"
   )
-  parser.add_argument(
-    "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS)
+  p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+  p.add_argument("--evals", type=int, default=10, help="held-out evaluations")
+  p.add_argument(
+    "--max-tokens", type=int, default=MAX_TOKENS, help="corpus cap"
   )
-  parser.add_argument("--steps", type=int, help="steps per config and task")
-  parser.add_argument("--evals", type=int, help="held-out evaluations")
-  parser.add_argument("--max-tokens", type=int, help="corpus cap")
-  parser.add_argument(
+  p.add_argument(
     "--schedule",
     choices=["cosine", "constant"],
     default="cosine",
     help="learning rate: cosine decay from the peak to 0, or the peak",
   )
-  parser.add_argument(
+  p.add_argument(
     "--lr",
     nargs="+",
     default=[],
@@ -686,25 +682,18 @@ def main(argv: list[str] | None = None) -> None:
     help="override a peak learning rate in both tasks (families: "
     f"{', '.join(FAMILIES)})",
   )
-  args = parser.parse_args(argv)
-  if args.quick:
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
-  steps = args.steps or (200 if args.quick else STEPS)
-  evals = args.evals or (4 if args.quick else 10)
-  max_tokens = args.max_tokens or (200_000 if args.quick else MAX_TOKENS)
+  args = parse(p, argv, quick=dict(steps=200, evals=4, max_tokens=200_000))
+  steps, evals, max_tokens = args.steps, args.evals, args.max_tokens
   overrides = {}
   for item in args.lr:
     family, _, value = item.partition("=")
     if family not in FAMILIES or not value:
-      parser.error(
-        f"--lr {item}: expected FAMILY=VALUE, FAMILY one of {FAMILIES}"
-      )
+      p.error(f"--lr {item}: expected FAMILY=VALUE, FAMILY one of {FAMILIES}")
     overrides[family] = float(value)
   lrs = {task: {**lr, **overrides} for task, lr in LR.items()}
   configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
 
   t0 = time.perf_counter()
-  load_before = load_note()
   corpus = load_corpus(max_tokens)
   print(
     f"corpus: {len(corpus.train):,} training + {len(corpus.held_out):,} "
@@ -721,6 +710,13 @@ def main(argv: list[str] | None = None) -> None:
       task, configs, lrs[task.name], steps, evals, args.schedule
     )
     wall = time.perf_counter() - t1
+    record(
+      f"{task.name} step",
+      {k: r.times for k, r in runs.items()},
+      max(1, steps // evals - SETTLE),
+      evals=evals,
+      settle=SETTLE,
+    )
     print(f"{task.name}: {wall:.0f}s", flush=True)
     failed_all += [f"{task.name} / {k}" for k in failed]
     curves[task.name] = {k: r.curve for k, r in runs.items()}
@@ -745,8 +741,7 @@ def main(argv: list[str] | None = None) -> None:
       "failed": failed,
     }
 
-  RESULTS.mkdir(exist_ok=True)
-  png = RESULTS / f"convergence{os.environ.get('GRADTX_BENCH_SUFFIX', '')}.png"
+  png = result_path("convergence", ".png")
   if any(curves.values()):
     _plot({k: v for k, v in curves.items() if v}, png)
   task_notes = "; ".join(
@@ -791,9 +786,7 @@ def main(argv: list[str] | None = None) -> None:
     "jitted step "
     "(forward with the loss returned, backward, optimizer, apply; params "
     f"and state donated; fresh ids), the first {SETTLE} steps of each "
-    "config's round untimed. Load average (1/5/15 min) before: "
-    f"{load_before}; after: {load_note()}. Plot: {png.name}.\n\n"
-    + "\n\n".join(tables)
+    f"config's round untimed. Plot: {png.name}.\n\n" + "\n\n".join(tables)
   )
   write_results(
     "convergence",

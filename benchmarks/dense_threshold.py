@@ -9,19 +9,12 @@ fixed R. The crossover R / V sets ``gradtx._autodiff.DENSE_READS_PER_ROW``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import (
-  Schedule,
-  add_schedule_args,
-  time_interleaved,
-  write_results,
-)
+from benchmarks._common import Schedule, parse, parser, write_results
 from gradtx._autodiff import DENSE_READS_PER_ROW
 
 RATIOS = (0.05, 0.1, 0.25, 0.35, 0.5, 1.0, 2.0, 4.0, 8.0, 64.0, 2048.0)
@@ -48,15 +41,10 @@ def _step(kind: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--reads", type=int, default=4096)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--quick", "--smoke", action="store_true")
-  add_schedule_args(parser)
-  args = parser.parse_args(argv)
-  if args.quick:  # a smoke run: small sizes, few rounds
-    args.reads = 256
-    args.rounds, args.burst, args.settle = 2, 2, 1
+  p = parser(__doc__, schedule=Schedule())
+  p.add_argument("--reads", type=int, default=4096)
+  p.add_argument("--dim", type=int, default=64)
+  args = parse(p, argv, quick=dict(reads=256, rounds=2, burst=2, settle=1))
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
   rows = []
@@ -81,9 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         val.block_until_ready()
 
       fns[kind] = run
-    t = time_interleaved(
-      fns, rounds=sched.rounds, burst=sched.burst, settle=sched.settle
-    )
+    t = sched.time(fns, label=f"reads / V {ratio:g}")
     rows.append(
       [
         f"{v:,}",

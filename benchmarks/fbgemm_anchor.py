@@ -21,37 +21,20 @@ NONE. Writes ``benchmarks/results/fbgemm_anchor.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import sys
-import time
 
-# Stdlib-only helpers: this runs in an environment without jax.
-from benchmarks._common import RESULTS, cpu_name, markdown_table
-
-
-def _tbe(rows, dim, optim, pooling, lr):
-  """FBGEMM's table-batched module on CPU: one table of ``rows`` rows, or
-  one table per entry of a list (every table ``dim`` wide)."""
-  from fbgemm_gpu.split_embedding_configs import EmbOptimType
-  from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-    EmbeddingLocation,
-    PoolingMode,
-  )
-  from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-  )
-
-  tables = rows if isinstance(rows, list) else [rows]
-  return SplitTableBatchedEmbeddingBagsCodegen(
-    [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in tables],
-    optimizer=getattr(EmbOptimType, optim),
-    pooling_mode=getattr(PoolingMode, pooling),
-    learning_rate=lr,
-  )
+# The harness imports jax only where it is installed: this runs without it.
+from benchmarks._common import (
+  Counter,
+  fbgemm,
+  import_torch,
+  parse,
+  parser,
+  tbe,
+  time_interleaved,
+  version,
+  write_results,
+)
 
 
 def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
@@ -62,41 +45,38 @@ def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
   module."""
   import torch
 
-  tbe = _tbe(rows, dim, optim, pooling, lr)
+  module = tbe(rows, dim, optim, pooling, lr)
   n = ct.shape[0]
   offsets = torch.arange(n + 1, dtype=torch.int64)
 
   def run(i):
-    out = tbe(ids[i % len(ids)], offsets)
+    out = module(ids[i % len(ids)], offsets)
     loss = (torch.tanh(out.view(n, dim)) * ct).sum()
     loss.backward()  # the optimizer runs fused in the backward
     return loss.item()
 
-  states = [t for table in tbe.split_optimizer_states() for t in table]
+  states = [t for table in module.split_optimizer_states() for t in table]
   per_row = sum(t.numel() * t.element_size() for t in states) / rows
-  return run, per_row, tbe
+  return run, per_row, module
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=15)
-  args = parser.parse_args(argv)
-  try:
-    import fbgemm_gpu  # noqa: F401
-    import numpy as np
-    import torch
-  except ImportError as e:
+  p = parser(__doc__.split("\n\n")[0], rounds=15)
+  p.add_argument("--rows", type=int, default=1_000_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192)
+  args = parse(p, argv, quick=dict(rows=20_000, ids=512, rounds=3))
+  if not fbgemm():
     print(
-      f"fbgemm_anchor: skipped ({e}). Install fbgemm-gpu-cpu with its "
-      "matching torch in a separate environment (see this module's "
-      "docstring); docs/benchmarks.md quotes earlier measured figures, "
-      "labelled as such."
+      "fbgemm_anchor: skipped (fbgemm_gpu or torch does not import). Install "
+      "fbgemm-gpu-cpu with its matching torch in a separate environment "
+      "(see this module's docstring); docs/benchmarks.md quotes earlier "
+      "measured figures, labelled as such."
     )
     return 0
-  torch.set_num_threads(2)
+  import numpy as np
+
+  torch = import_torch()
   rows, dim, n = args.rows, args.dim, args.ids
   rng = np.random.default_rng(0)
   steps = args.rounds + 2
@@ -132,42 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     loss.item()
 
   variants["torch nn.Embedding(sparse=True) + SparseAdam"] = torch_step
-  times = {k: [] for k in variants}
-  for i in range(steps):
-    for k, f in variants.items():
-      t0 = time.perf_counter()
-      f(i)
-      if i >= 2:
-        times[k].append(time.perf_counter() - t0)
-  ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+  times = time_interleaved(
+    {k: Counter(f, 0) for k, f in variants.items()}, rounds=args.rounds
+  )
+  ms = {k: t * 1e3 for k, t in times.items()}
   ref = ms["torch nn.Embedding(sparse=True) + SparseAdam"]
-  lines = [
-    "## FBGEMM anchor: fused CPU embedding step vs torch SparseAdam",
-    "",
-    f"Machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__},"
-    f" fbgemm_gpu {fbgemm_gpu.__version__}, 2 threads.",
-    "",
-    markdown_table(
-      ["system", "ms/step", "/ torch SparseAdam"],
-      [[k, v, v / ref] for k, v in ms.items()],
+  write_results(
+    "fbgemm_anchor",
+    "FBGEMM anchor: fused CPU embedding step vs torch SparseAdam",
+    ["system", "ms/step", "/ torch SparseAdam"],
+    [[k, v, v / ref] for k, v in ms.items()],
+    notes=(
+      f"{rows:,} x {dim} table, {n:,} fresh uniform ids a step, loss "
+      "`sum(tanh(E[ids]) * ct)` returned; median of "
+      f"{args.rounds} round-robin steps. FBGEMM has no Adam on CPU. torch "
+      f"{version('torch')}, fbgemm_gpu {version('fbgemm_gpu')}, 2 threads."
     ),
-  ]
-  load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-  lines += [
-    "",
-    f"{rows:,} x {dim} table, {n:,} fresh uniform ids a step, loss "
-    "`sum(tanh(E[ids]) * ct)` returned; median of "
-    f"{args.rounds} round-robin steps. FBGEMM has no Adam on CPU. Load "
-    f"average (1/5/15 min) at the end: {load}.",
-  ]
-  md = "\n".join(lines) + "\n"
-  print(md)
-  RESULTS.mkdir(exist_ok=True)
-  (RESULTS / "fbgemm_anchor.md").write_text(md)
-  (RESULTS / "fbgemm_anchor.json").write_text(
-    json.dumps(
-      {"ms": ms, "rows": rows, "dim": dim, "ids": n, "load": load}, indent=2
-    )
+    extra={"ms": ms, "table": {"rows": rows, "dim": dim, "ids": n}},
   )
   return 0
 

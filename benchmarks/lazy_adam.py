@@ -26,9 +26,7 @@ four tables would not fit.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +35,8 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
-  load_note,
+  parse,
+  parser,
   time_fn,
   time_interleaved,
   warm_copy_bandwidth,
@@ -175,7 +174,9 @@ def run(
     runners = {
       k: _Runner(*m(rows, dim), g) for k, (m, _, g) in variants.items()
     }
-    times = time_interleaved(runners, warmup=WARMUP, rounds=ROUNDS)
+    times = time_interleaved(
+      runners, warmup=WARMUP, rounds=ROUNDS, label=f"{rows:,} x {dim}"
+    )
     for r in runners.values():
       r.close()
     del runners
@@ -183,7 +184,9 @@ def run(
     times = {}
     for k, (m, _, g) in variants.items():
       runner = _Runner(*m(rows, dim), g)
-      times[k] = time_fn(runner, warmup=WARMUP, repeats=ROUNDS)
+      times[k] = time_fn(
+        runner, warmup=WARMUP, repeats=ROUNDS, label=f"{k}, {rows:,} x {dim}"
+      )
       runner.close()
       del runner
       gc.collect()
@@ -221,28 +224,23 @@ def _default_mem_bytes() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument(
+  p = parser(__doc__)
+  p.add_argument(
     "--rows", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000]
   )
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument(
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192)
+  p.add_argument(
     "--mem-gib",
     type=float,
     default=None,
     help="memory the benchmark may hold at once (default 8 GiB on CPU, "
     "half the device memory on accelerators)",
   )
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.ids = [20_000, 200_000], 1024
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
+  args = parse(p, argv, quick=dict(rows=[20_000, 200_000], ids=1024))
   mem_bytes = (
     args.mem_gib * 2**30 if args.mem_gib is not None else _default_mem_bytes()
   )
-  load_before = load_note()
   bandwidth = warm_copy_bandwidth()
   rows = []
   for r in args.rows:
@@ -292,8 +290,7 @@ def main(argv: list[str] | None = None) -> None:
       f"{mem_bytes / 2**30:.0f} GiB. floor = bytes a lazy step must move "
       "(read+write the touched rows of params, m and v, read the gradient) "
       f"/ warm copy bandwidth ({bandwidth / 1e9:.1f} GB/s, a copy into a "
-      "pre-faulted buffer, read + write counted). Load average (1/5/15 min)"
-      f" before: {load_before}; after: {load_note()}."
+      "pre-faulted buffer, read + write counted)."
     ),
     extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
   )

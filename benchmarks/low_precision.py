@@ -24,7 +24,6 @@ a copy into an already-touched buffer.
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import jax
@@ -33,13 +32,19 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
+  QUICK_TABLE,
+  Counter,
   Schedule,
-  add_schedule_args,
-  time_interleaved,
+  add_table_args,
+  available,
+  make_ids,
+  parse,
+  parser,
+  step_runner,
   warm_copy_bandwidth,
   write_results,
 )
-from benchmarks.train_step import _Runner, _torch, _torch_available, make_ids
+from benchmarks.train_step import _torch
 
 LR = 1e-3
 INT8 = dict(mu_dtype="int8", nu_dtype="int8")
@@ -73,11 +78,9 @@ def _variant(table_np, ids, ct, dtype, state_kw, stochastic):
   key = jax.random.key(0)
   per_row = gtx.bytes_per_row(tx, params)["['emb']"]
 
-  def run(i):
-    k = jax.random.fold_in(key, i)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[i % len(ids)], ct, k)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(
+    jstep, box, lambda i: (ids[i % len(ids)], ct, jax.random.fold_in(key, i))
+  )
   return run, box, per_row
 
 
@@ -91,16 +94,16 @@ def run_config(rows, dim, n, dist, sched, bandwidth, with_torch):
   fns, keep, per_row = {}, [], {}
   for name, (dtype, kw, sr) in VARIANTS.items():
     run, box, per_row[name] = _variant(table_np, ids, ct, dtype, kw, sr)
-    fns[name] = _Runner(run)
+    fns[name] = Counter(run, 0)
     keep.append(box)
   if with_torch:
     run, box = _torch(table_np, ids_np, ct_np, False)
-    fns["torch SparseAdam"] = _Runner(run)
+    fns["torch SparseAdam"] = Counter(run, 0)
     per_row["torch SparseAdam"] = 3 * dim * 4
     keep.append(box)
   del table_np
   gc.collect()
-  times = time_interleaved(fns, warmup=2, **sched._asdict())
+  times = sched.time(fns, label=dist)
   unique = float(np.mean([len(np.unique(i)) for i in ids_np]))
   out = []
   base = times["float32"]
@@ -122,20 +125,13 @@ def run_config(rows, dim, n, dist, sched, bandwidth, with_torch):
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument("--quick", "--smoke", action="store_true")
-  add_schedule_args(parser)
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.ids = 20_000, 512
-    args.rounds, args.burst, args.settle = 2, 2, 1
+  p = parser(__doc__.split("\n\n")[0], schedule=Schedule())
+  add_table_args(p)
+  p.add_argument("--no-torch", action="store_true")
+  args = parse(p, argv, quick=QUICK_TABLE)
   sched = Schedule.from_args(args)
   bandwidth = warm_copy_bandwidth()
-  with_torch = not args.no_torch and _torch_available()
+  with_torch = not args.no_torch and available("torch")
   rows = []
   for dist in ("uniform", "zipf"):
     rows += run_config(

@@ -17,19 +17,10 @@ imported; run it as its own process):
 
 from __future__ import annotations
 
-import os
-import sys
+from benchmarks._common import fake_cpu_devices
 
 REPLICAS = 8
-if "jax" not in sys.modules:
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={REPLICAS}"
-  ).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import argparse  # noqa: E402
-import re  # noqa: E402
+fake_cpu_devices(REPLICAS)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -39,35 +30,23 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks._common import memory, time_interleaved, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+  hlo_collectives,
+  memory,
+  parse,
+  parser,
+  time_interleaved,
+  write_results,
+)
 
 LR = 0.01
 SEQ = 16  # ids per example
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
 
 
 def loss_fn(params, batch):
   pooled = jnp.mean(gtx.lookup(params["emb"], batch["ids"]), axis=1)
   logits = pooled @ params["w"]
   return jnp.mean(jnp.logaddexp(0.0, -batch["labels"] * logits))
-
-
-def collectives(hlo: str) -> list[tuple[str, int]]:
-  """(op, result bytes) of every all-gather / all-reduce in HLO text."""
-  out = []
-  pattern = re.compile(
-    r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(all-gather|all-reduce)(?:-start)?\("
-  )
-  for m in pattern.finditer(hlo):
-    shapes = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
-    size = sum(
-      _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
-      for dt, dims in shapes
-    )
-    out.append((m.group(2), size))
-  return out
 
 
 def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
@@ -157,7 +136,7 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     jax.block_until_ready((box["p"], loss))
 
   times = time_interleaved(
-    {"mirrored": call_mirrored, "hand": call_hand}, rounds=rounds
+    {"mirrored": call_mirrored, "hand": call_hand}, rounds=rounds, label="step"
   )
 
   # -- bytes of the cross-replica reduction ---------------------------------
@@ -185,7 +164,7 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   }
   hlo, got = {}, {}
   for name, c in [("sparse", compiled_sparse), ("dense", compiled_dense)]:
-    hlo[name] = collectives(c.as_text())
+    hlo[name] = hlo_collectives(c.as_text(), ("all-gather", "all-reduce"))
     got[name] = tuple(
       sum(b for op, b in hlo[name] if op == kind)
       for kind in ("all-gather", "all-reduce")
@@ -238,15 +217,11 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192, help="per replica")
-  parser.add_argument("--rounds", type=int, default=15)
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.ids, args.rounds = 20_000, 1024, 5
+  p = parser(__doc__, rounds=15)
+  p.add_argument("--rows", type=int, default=1_000_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192, help="per replica")
+  args = parse(p, argv, quick=dict(rows=20_000, ids=1024, rounds=5))
   if jax.device_count() != REPLICAS:
     raise SystemExit(
       f"benchmarks.mirrored needs {REPLICAS} devices; JAX was imported with "

@@ -32,7 +32,6 @@ SparseAdam in the same rounds, the anchor of the issue's goal.
 
 from __future__ import annotations
 
-import argparse
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -44,15 +43,26 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
+  QUICK_TABLE,
+  RUN,
+  Counter,
   Schedule,
-  add_schedule_args,
+  add_table_args,
+  available,
+  fbgemm,
   hlo_table_copies,
-  load_note,
-  time_interleaved,
+  huge_pages,
+  import_torch,
+  make_ids,
+  parse,
+  parser,
+  step_runner,
+  torch_huge_pages,
+  torch_state,
+  version,
   write_results,
 )
 from benchmarks.fbgemm_anchor import tbe_step
-from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 LR = 1e-2
 MOMENTUM = 0.9
@@ -105,23 +115,17 @@ def _jax_variant(make_tx, table, ids, ct, dense: bool):
 
   params = {"emb": jnp.array(table)}
   box = [params, tx.init(params)]
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
   per_row = _state_bytes_per_row(box[1], table.shape[0])
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    box[0], box[1], loss = jstep(box[0], box[1], ids[i % len(ids)], ct)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
   return run, box, per_row, copies
 
 
 def _torch_variant(name, table_np, ids_np, ct_np):
-  import torch
-
-  torch.set_num_threads(2)
+  torch = import_torch()
   emb = torch.nn.Embedding(*table_np.shape, sparse=True)
   with torch.no_grad():
     emb.weight.copy_(torch.from_numpy(table_np))
@@ -142,45 +146,24 @@ def _torch_variant(name, table_np, ids_np, ct_np):
 
   # state after one step (torch allocates it lazily)
   run(0)
-  if HUGE_PAGES[0]:
-    states = [t for st in opt.state.values() for t in st.values()]
-    _torch_huge_pages([emb.weight, *filter(torch.is_tensor, states)])
+  states = torch_state([opt])
+  torch_huge_pages([emb.weight, *states])
   per_row = (
-    sum(
-      t.numel() * t.element_size()
-      for s in opt.state.values()
-      for t in s.values()
-      if torch.is_tensor(t) and t.dim() >= 1
-    )
+    sum(t.numel() * t.element_size() for t in states if t.dim() >= 1)
     / table_np.shape[0]
   )
   return run, (emb, opt), per_row
 
 
 def _fbgemm_variant(name, table_np, ids_np, ct_np):
-  import torch
-
-  torch.set_num_threads(2)
+  torch = import_torch()
   optim, pooling = FBGEMM[name]
   ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
   run, per_row, tbe = tbe_step(
     *table_np.shape, optim, pooling, LR, ids, torch.from_numpy(ct_np)
   )
-  if HUGE_PAGES[0]:
-    _torch_huge_pages([p for _, p in tbe.named_parameters()])
+  torch_huge_pages([p for _, p in tbe.named_parameters()])
   return run, tbe, per_row
-
-
-def _version(module: str) -> str:
-  return __import__(module).__version__
-
-
-def _available(module: str) -> bool:
-  try:
-    __import__(module)
-  except ImportError:
-    return False
-  return True
 
 
 def run_group(
@@ -232,8 +215,8 @@ def run_group(
       keep.append(objs)
       if name == torch_name:
         twins.insert(0, label)
-  runners = {k: _Counter(f) for k, f in fns.items()}
-  times = time_interleaved(runners, warmup=2, **sched._asdict())
+  runners = {k: Counter(f) for k, f in fns.items()}
+  times = sched.time(runners, label=f"{opt_name}, {dist}")
   del keep, runners, fns
   gc.collect()
   ms = {k: t * 1e3 for k, t in times.items()}
@@ -256,40 +239,16 @@ def run_group(
   return out
 
 
-class _Counter:
-  def __init__(self, fn):
-    self.fn, self.i = fn, 1  # step 0 may have run (torch state init)
-
-  def __call__(self):
-    self.fn(self.i)
-    self.i += 1
-
-
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  add_schedule_args(parser)
-  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
-  parser.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
-  parser.add_argument("--no-dense", action="store_true")
-  parser.add_argument(
-    "--huge-pages",
-    action="store_true",
-    help="back every system's tables and state by huge pages "
-    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
-    "4 KiB pages, as a user's step runs)",
-  )
-  parser.add_argument("--smoke", "--quick", action="store_true")
-  args = parser.parse_args(argv)
-  HUGE_PAGES[0] = args.huge_pages
-  if args.smoke:
-    args.rows, args.ids, args.rounds = 20_000, 256, 3
-  with_torch = _available("torch")
-  with_fbgemm = with_torch and _available("fbgemm_gpu")
+  p = parser(__doc__, schedule=Schedule(), huge_pages=True)
+  add_table_args(p)
+  p.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  p.add_argument("--only", nargs="+", choices=list(OPTIMIZERS))
+  p.add_argument("--no-dense", action="store_true")
+  args = parse(p, argv, quick=QUICK_TABLE)
+  with_torch = available("torch")
+  with_fbgemm = fbgemm()
   sched = Schedule.from_args(args)
-  load_before = load_note()
   rows = []
   for dist in args.dists:
     for name in args.only or OPTIMIZERS:
@@ -338,25 +297,18 @@ def main(argv: list[str] | None = None) -> None:
     "State bytes/row: the optimizer's per-row state (torch's after one "
     "step). 'copies': table-sized copies in the compiled JAX step (0 = in "
     "place). torch "
-    + (_version("torch") if with_torch else "not installed: skipped")
+    + (version("torch") if with_torch else "not installed: skipped")
     + "; FBGEMM "
     + (
-      f"{_version('fbgemm_gpu')} (fused CPU kernels, the optimizer in the "
+      f"{version('fbgemm_gpu')} (fused CPU kernels, the optimizer in the "
       "backward; bags of one id)"
       if with_fbgemm
       else "not installed (see benchmarks/fbgemm_anchor.py for its own run)"
     )
-    + ". Load "
-    f"average (1/5/15 min) before: {load_before}, after: {load_note()}. "
-    + (
-      "Every system's table and optimizer state on transparent huge pages "
-      "(`gtx.use_huge_pages`; the same madvise for torch's tensors)."
-      if HUGE_PAGES[0]
-      else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
-    )
+    + "."
   )
   write_results(
-    "optimizers" + ("_smoke" if args.smoke else ""),
+    "optimizers",
     "Sparse optimizers, whole training step: gradtx vs optax (dense) vs torch",
     [
       "ids",
@@ -370,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     ],
     rows,
     notes=notes,
-    extra={"headline": headline, "smoke": args.smoke},
+    extra={"headline": headline, "smoke": RUN.quick},
   )
 
 

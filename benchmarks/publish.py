@@ -25,7 +25,6 @@ Writes ``benchmarks/results/publish.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -40,10 +39,12 @@ import orbax.checkpoint as ocp
 
 import gradtx as gtx
 from benchmarks._common import (
+  Schedule,
   hlo_op_counts,
-  load_note,
   markdown_table,
   oversubscribed,
+  parse,
+  parser,
   time_interleaved,
   write_results,
 )
@@ -223,23 +224,17 @@ def measure_publish(args, stack, data, every, tmp: Path):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="small sizes")
-  parser.add_argument("--tables", type=int, default=4)
-  parser.add_argument("--rows", type=int, default=500_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=2048)
-  parser.add_argument("--zipf", type=float, default=1.1)
-  parser.add_argument("--batches", type=int, default=200)
-  parser.add_argument("--rounds", type=int, default=300)
-  parser.add_argument("--burst", type=int, default=1)
-  parser.add_argument("--settle", type=int, default=1)
-  parser.add_argument("--publishes", type=int, default=6)
-  parser.add_argument("--full-saves", type=int, default=3)
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.batches, args.rounds = 20_000, 20, 8
-    args.publishes, args.full_saves = 2, 1
+  p = parser(__doc__.splitlines()[0], schedule=Schedule(300, 1, 1))
+  p.add_argument("--tables", type=int, default=4)
+  p.add_argument("--rows", type=int, default=500_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--batch", type=int, default=2048)
+  p.add_argument("--zipf", type=float, default=1.1)
+  p.add_argument("--batches", type=int, default=200)
+  p.add_argument("--publishes", type=int, default=6)
+  p.add_argument("--full-saves", type=int, default=3)
+  quick = dict(rows=20_000, batches=20, rounds=8, publishes=2, full_saves=1)
+  args = parse(p, argv, quick=quick)
   gtx.reuse_host_memory()
   stack = make_stack(args)
   data = batches(args)
@@ -334,9 +329,7 @@ def main(argv=None):
     "of the round's steps of each), then its median and quartiles over "
     "the rounds. Kernels, scatters and fusions: what each compiled step "
     "launches (hlo_op_counts), which does not depend on the machine's "
-    "load. The machine is shared (load averages 1/5/15 min at the end: "
-    f"{load_note()})."
-    + oversubscribed("so the times (not the byte counts) are noisy.")
+    "load." + oversubscribed("so the times (not the byte counts) are noisy.")
   )
   write_results(
     "publish",

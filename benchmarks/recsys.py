@@ -51,12 +51,9 @@ Writes ``benchmarks/results/recsys.{md,json,png}`` (with
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import json
-import os
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,21 +65,30 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
-  RESULTS,
+  RUN,
+  Counter,
   Schedule,
   add_head_args,
-  add_schedule_args,
+  available,
+  commit,
   compile_phases,
-  load_note,
+  fbgemm,
+  huge_pages,
+  make_ids,
   markdown_table,
   oversubscribed,
-  time_interleaved,
+  parse,
+  parser,
+  result_path,
+  step_runner,
+  tbe,
+  torch_huge_pages,
+  torch_state,
+  version,
   warm_copy_bandwidth,
+  with_threads,
   write_results,
 )
-from benchmarks.fbgemm_anchor import _tbe
-from benchmarks.optimizers import _available, _Counter, _version
-from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 # Criteo Kaggle's 26 categorical cardinalities (DLRM, dlrm_s_criteo_kaggle).
 CRITEO_KAGGLE = [
@@ -248,20 +254,13 @@ def _gtx_variant(jitted, params_np, ids, labels, grads):
   tx, jstep, jopt = jitted
   params = {k: jnp.array(v) for k, v in params_np.items()}
   box = [params, tx.init(params)]
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], value = jstep(box[0], box[1], ids[k], labels[k])
-    jax.block_until_ready((box[0], value))
-    return float(value)
-
-  def run_opt(i):
-    box[0], box[1] = jopt(box[0], box[1], grads[i % len(grads)])
-    jax.block_until_ready(box[0])
-
-  first = run(0)
+  run = step_runner(
+    jstep, box, lambda i: (ids[i % len(ids)], labels[i % len(ids)])
+  )
+  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
+  first = float(run(0))
   if grads is None:
     return run, None, first, box
   run_opt(0)
@@ -371,11 +370,7 @@ def _torch_variant(params_np, rows, opt_name, data):
     return loss.item()
 
   first = run(0)  # torch makes its optimizer state on the first step
-  if HUGE_PAGES[0]:
-    states = [t for o in opts for st in o.state.values() for t in st.values()]
-    _torch_huge_pages(
-      [e.weight for e in embs] + [t for t in states if torch.is_tensor(t)]
-    )
+  torch_huge_pages([e.weight for e in embs] + torch_state(opts))
   return run, first, (embs, head, opts)
 
 
@@ -387,8 +382,8 @@ def _fbgemm_variant(params_np, rows, optim, data):
 
   dim = params_np["t0"].shape[1]
   lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
-  tbe = _tbe(list(rows), dim, optim, "SUM", lr)
-  for i, w in enumerate(tbe.split_embedding_weights()):
+  module = tbe(list(rows), dim, optim, "SUM", lr)
+  for i, w in enumerate(module.split_embedding_weights()):
     w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
   head = _torch_head(params_np)
   opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
@@ -403,16 +398,15 @@ def _fbgemm_variant(params_np, rows, optim, data):
   def run(i):
     k = i % len(ids)
     opt.zero_grad(set_to_none=True)
-    x = tbe(ids[k], offsets).view(batch, tables, dim)
+    x = module(ids[k], offsets).view(batch, tables, dim)
     loss = F.binary_cross_entropy_with_logits(_torch_logit(head, x), labels[k])
     loss.backward()  # the tables' optimizer runs fused in the backward
     opt.step()
     return loss.item()
 
   first = run(0)
-  if HUGE_PAGES[0]:
-    _torch_huge_pages([p for _, p in tbe.named_parameters()])
-  return run, first, (tbe, head, opt)
+  torch_huge_pages([p for _, p in module.named_parameters()])
+  return run, first, (module, head, opt)
 
 
 # ----------------------------------------------------------------------------
@@ -437,13 +431,12 @@ def _random_rows_floor(layout, total: int, dim: int, data, offsets):
     return _device_rows_floor(
       layout, total, dim, uniq
     ), "jitted jnp gather + scatter"
-  if _available("torch"):
+  if available("torch"):
     import torch
 
     bufs = [torch.ones(total, dim) for _ in range(wide)]
     bufs += [torch.ones(total) for _ in range(narrow)]
-    if HUGE_PAGES[0]:
-      _torch_huge_pages(bufs)
+    torch_huge_pages(bufs)
     idx = [torch.from_numpy(u.astype(np.int64)) for u in uniq]
 
     def run(i):
@@ -498,20 +491,6 @@ def _threads_label(system: str, n: int, threads: list[int]) -> str:
   return system if n == threads[0] else f"{system}, {n} thread{'s' * (n > 1)}"
 
 
-def _with_threads(n: int, run: Callable[[int], Any]) -> Callable[[int], Any]:
-  """``run`` with torch's intra-op threads set to ``n`` for each call (a
-  process-wide setting; systems of other thread counts run between)."""
-  if not _available("torch"):
-    return run
-  import torch
-
-  def call(i):
-    torch.set_num_threads(n)
-    return run(i)
-
-  return call
-
-
 def run_group(
   opt_name,
   dist,
@@ -553,28 +532,25 @@ def run_group(
   for n in threads if "torch" in systems else []:
     label = _threads_label(twin, n, threads)
     run, first[label], objs = _torch_variant(params, rows, opt.torch, data)
-    fns[label] = _with_threads(n, run)
+    fns[label] = with_threads(n, run)
     keep.append(objs)
     if "fbgemm" in systems and fb:
       label = _threads_label(fb, n, threads)
       run, first[label], objs = _fbgemm_variant(params, rows, opt.fbgemm, data)
-      fns[label] = _with_threads(n, run)
+      fns[label] = with_threads(n, run)
       keep.append(objs)
   layout = _state_layout(opt.gtx(), dim)
   floor_run, floor_lib = _random_rows_floor(
     layout, sum(rows), dim, data, _offsets(rows)
   )
-  fns["floor: random rows"] = _with_threads(max(threads), floor_run)
+  fns["floor: random rows"] = with_threads(max(threads), floor_run)
   print(f"  set up in {time.perf_counter() - t0:.0f} s", flush=True)
   del params
   gc.collect()
-  samples: dict[str, list[float]] = {}
-  times = time_interleaved(
-    {k: _Counter(f) for k, f in fns.items()},
-    warmup=2,
-    samples=samples,
-    **sched._asdict(),
+  times = sched.time(
+    {k: Counter(f) for k, f in fns.items()}, label=f"{opt_name}, {dist}, {head}"
   )
+  spread = RUN.timings[-1]["ms"]
   unique = float(
     np.mean([len(np.unique(s + _offsets(rows))) for s in data.ids])
   )
@@ -585,9 +561,7 @@ def run_group(
   gc.collect()
   return {
     "ms": {k: t * 1e3 for k, t in times.items()},
-    "p10_ms": {
-      k: float(np.percentile(v, 10)) * 1e3 for k, v in samples.items()
-    },
+    "p10_ms": {k: s["p10"] for k, s in spread.items()},
     "first_loss": first,
     "unique_rows": unique,
     "floor_sequential_ms": floor_bytes / bandwidth * 1e3,
@@ -651,24 +625,6 @@ def compile_sweep(counts, cap, dim, batch, optimizers) -> list[dict]:
 
 # ----------------------------------------------------------------------------
 # report
-
-
-def _commit() -> str:
-  """The last commit that changed ``gradtx/`` (and whether it has
-  uncommitted changes): the code the numbers measure."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-  def git(*cmd: str) -> str:
-    return subprocess.run(
-      ["git", "-C", root, *cmd], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-  try:
-    last = git("log", "-1", "--format=%h", "--", "gradtx")
-    dirty = git("status", "--porcelain", "--", "gradtx")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return last + (" with uncommitted changes" if dirty else "")
 
 
 STEP_HEADERS = [
@@ -868,18 +824,18 @@ def _plot(groups: list[dict], points: list[dict], tables: int, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--tables", type=int, default=26)
-  parser.add_argument("--cap", type=int, default=100_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--batch", type=int, default=2048)
-  parser.add_argument("--hidden", type=int, default=256)
-  parser.add_argument(
+  p = parser(__doc__, schedule=Schedule(5, 5, 2), huge_pages=True)
+  p.add_argument("--tables", type=int, default=26)
+  p.add_argument("--cap", type=int, default=100_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--batch", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=256)
+  p.add_argument(
     "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
   )
-  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
-  add_head_args(parser, OPTIMIZERS)
-  parser.add_argument(
+  p.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  add_head_args(p, OPTIMIZERS)
+  p.add_argument(
     "--torch-threads",
     type=int,
     nargs="+",
@@ -889,68 +845,51 @@ def main(argv: list[str] | None = None) -> None:
     "oversubscribed machine, where a two-thread OpenMP barrier waits for a "
     "preempted thread at every op)",
   )
-  add_schedule_args(parser)
-  # the whole step of 26 tables is slow beside torch's: shorter rounds
-  parser.set_defaults(rounds=5, burst=5, settle=2)
-  parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument("--no-fbgemm", action="store_true")
-  parser.add_argument("--no-opt-only", action="store_true")
-  parser.add_argument("--no-steps", action="store_true")
-  parser.add_argument("--no-compile", action="store_true")
-  parser.add_argument(
-    "--compile-tables", type=int, nargs="+", default=[26, 52, 104]
-  )
-  parser.add_argument("--compile-cap", type=int, default=20_000)
-  parser.add_argument("--compile-dim", type=int, default=32)
-  parser.add_argument("--compile-batch", type=int, default=1024)
-  parser.add_argument(
+  p.add_argument("--no-torch", action="store_true")
+  p.add_argument("--no-fbgemm", action="store_true")
+  p.add_argument("--no-opt-only", action="store_true")
+  p.add_argument("--no-steps", action="store_true")
+  p.add_argument("--no-compile", action="store_true")
+  p.add_argument("--compile-tables", type=int, nargs="+", default=[26, 52, 104])
+  p.add_argument("--compile-cap", type=int, default=20_000)
+  p.add_argument("--compile-dim", type=int, default=32)
+  p.add_argument("--compile-batch", type=int, default=1024)
+  p.add_argument(
     "--compile-optimizers",
     nargs="+",
     default=["lazy_adam", "rowwise_adagrad"],
     choices=OPTIMIZERS,
   )
-  parser.add_argument(
+  p.add_argument(
     "--label", default="", help="added to the title, e.g. which code this is"
   )
-  parser.add_argument("--huge-pages", action="store_true")
-  parser.add_argument("--quick", "--smoke", action="store_true")
-  parser.add_argument(
+  p.add_argument(
     "--replot",
     metavar="JSON",
     help="only redraw the plot of a results file (next to it, as .png)",
   )
-  args = parser.parse_args(argv)
+  quick = dict(tables=8, cap=2000, dim=16, batch=256, hidden=32)
+  quick.update(rounds=2, burst=2, settle=1, compile_tables=[4, 8])
+  quick.update(compile_cap=500, compile_dim=8, compile_batch=64)
+  args = parse(p, argv, quick=quick)
   if args.replot:
     data = json.loads(Path(args.replot).read_text())
     tables = int(data["notes"].split(" ", 1)[0])  # "26 tables (..."
     path = Path(args.replot).with_suffix(".png")
     _plot(data["groups"], data["compile"], tables, path)
     return
-  HUGE_PAGES[0] = args.huge_pages
   if args.quick:
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
-    args.tables, args.cap, args.dim, args.batch, args.hidden = (
-      8,
-      2000,
-      16,
-      256,
-      32,
-    )
-    args.rounds, args.burst, args.settle = 2, 2, 1
     args.optimizers = args.mlp_optimizers = args.optimizers[:2]
-    args.compile_tables, args.compile_cap = [4, 8], 500
-    args.compile_dim, args.compile_batch = 8, 64
   systems = set()
-  if not args.no_torch and _available("torch"):
+  if not args.no_torch and available("torch"):
     systems.add("torch")
-  if "torch" in systems and not args.no_fbgemm and _available("fbgemm_gpu"):
+  if "torch" in systems and not args.no_fbgemm and fbgemm():
     systems.add("fbgemm")
   if not args.no_opt_only:
     systems.add("opt only")
   sched = Schedule.from_args(args)
   rows = table_rows(args.tables, args.cap)
-  commit = _commit()
-  load_before = load_note()
+  code = commit()
   bandwidth = warm_copy_bandwidth()
   steps, raw = [], []
   if not args.no_steps:
@@ -986,9 +925,7 @@ def main(argv: list[str] | None = None) -> None:
       args.compile_optimizers,
     )
   compile_rows, ops_rows = _compile_tables(points) if points else ([], [])
-  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
-  png = RESULTS / f"recsys{suffix}.png"
-  RESULTS.mkdir(exist_ok=True)
+  png = result_path("recsys", ".png")
   _plot(raw, points, len(rows), png)
   headline = []
   for r in steps:
@@ -1030,11 +967,11 @@ def main(argv: list[str] | None = None) -> None:
         "target": "<= 2x",
       }
     )
-  versions = f"jax {jax.__version__}, gradtx/ as of commit {commit}"
+  versions = f"jax {jax.__version__}, gradtx/ as of commit {code}"
   if "torch" in systems:
-    versions += f", torch {_version('torch')} (2 threads)"
+    versions += f", torch {version('torch')} (2 threads)"
   versions += (
-    f", fbgemm_gpu {_version('fbgemm_gpu')}"
+    f", fbgemm_gpu {version('fbgemm_gpu')}"
     if "fbgemm" in systems
     else ", FBGEMM not installed (see benchmarks/fbgemm_anchor.py)"
   )
@@ -1065,9 +1002,7 @@ def main(argv: list[str] | None = None) -> None:
     "rounds; sequential floor: those bytes read + written and the gradient "
     f"rows read, over the warm copy bandwidth ({bandwidth / 1e9:.1f} GB/s). "
     "'first losses agree': every system's first-step loss on the same "
-    f"params and ids. {versions}. Load average (1/5/15 min) before: "
-    f"{load_before}, after: {load_note()}: the machine is shared with other "
-    f"engineers' jobs.{caution}"
+    f"params and ids. {versions}.{caution}"
   )
   if points:
     notes += (
@@ -1094,11 +1029,10 @@ def main(argv: list[str] | None = None) -> None:
     notes=notes,
     extra={
       "headline": headline,
-      "commit": commit,
+      "commit": code,
       "groups": raw,
       "compile": points,
       "warm_copy_bandwidth": bandwidth,
-      "quick": args.quick,
     },
   )
 

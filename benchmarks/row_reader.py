@@ -13,7 +13,6 @@ side in one process, and reports the ratio.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import jax
@@ -22,8 +21,11 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
+  QUICK_TABLE,
   Schedule,
-  add_schedule_args,
+  add_table_args,
+  parse,
+  parser,
   ratio_rows,
   table_runner,
   uniform_batches,
@@ -57,16 +59,9 @@ def _step(tx: Any, reader: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--quick", "--smoke", action="store_true")
-  add_schedule_args(parser)
-  args = parser.parse_args(argv)
-  if args.quick:  # a smoke run: small sizes, few rounds
-    args.rows, args.ids = 20_000, 512
-    args.rounds, args.burst, args.settle = 2, 2, 1
+  p = parser(__doc__, schedule=Schedule())
+  add_table_args(p)
+  args = parse(p, argv, quick=QUICK_TABLE)
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
   batches = uniform_batches(rng, args.rows, args.ids)

@@ -31,19 +31,12 @@ its state row-sharded, dense params mirrored), and writes
 
 from __future__ import annotations
 
-import os
 import sys
 
-DEVICES = 8
-if "jax" not in sys.modules:
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + f" --xla_force_host_platform_device_count={DEVICES}"
-  ).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from benchmarks._common import fake_cpu_devices
 
-import argparse  # noqa: E402
-import re  # noqa: E402
+DEVICES = 8
+fake_cpu_devices(DEVICES)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -54,26 +47,22 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks._common import memory, time_interleaved, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+  hlo_collectives,
+  memory,
+  parse,
+  parser,
+  time_fn,
+  time_interleaved,
+  write_results,
+)
 
 SEQ = 8  # ids per example
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
-          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_OPS = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
 
 
 def collective_bytes(hlo: str) -> int:
   """Result bytes of every collective in HLO text (per device)."""
-  pattern = re.compile(
-    r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    rf"({_OPS})(?:-start)?\("
-  )
-  total = 0
-  hlo = re.sub(r"/\*.*?\*/", "", hlo)  # comments such as /*index=5*/
-  for m in pattern.finditer(hlo):
-    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-      total += _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
-  return total
+  return sum(b for _, b in hlo_collectives(hlo))
 
 
 def loss_fn(params, batch):
@@ -203,7 +192,9 @@ def run_step(mesh, rows, dim, n, spec, rounds):
     box["i"] += 1
     loss.block_until_ready()
 
-  sec = time_interleaved({"step": one}, rounds=rounds)["step"]
+  sec = time_fn(
+    one, repeats=rounds, label=f"{rows:,} rows, {spec or 'replicated'}"
+  )
   return sec
 
 
@@ -265,7 +256,7 @@ def run_mirrored(m, tx, step, rows, dim, n, rounds):
     box["i"] += 1
     loss.block_until_ready()
 
-  return time_interleaved({"step": one}, rounds=rounds)["step"]
+  return time_fn(one, repeats=rounds, label=f"Mirrored step, {rows:,} rows")
 
 
 def main_mirrored(args):
@@ -321,19 +312,14 @@ def main_mirrored(args):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser()
-  parser.add_argument(
-    "--rows", type=int, nargs="+", default=[1_000_000, 8_000_000]
-  )
-  parser.add_argument("--dim", type=int, default=32)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument("--max-state-gib", type=float, default=6.0)
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--mirrored", action="store_true")
-  args = parser.parse_args(argv)
-  if args.quick:
-    args.rows, args.ids, args.rounds = [65_536, 262_144], 1024, 3
+  p = parser(__doc__.split("\n\n")[0], rounds=10)
+  p.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 8_000_000])
+  p.add_argument("--dim", type=int, default=32)
+  p.add_argument("--ids", type=int, default=8192)
+  p.add_argument("--max-state-gib", type=float, default=6.0)
+  p.add_argument("--mirrored", action="store_true")
+  quick = dict(rows=[65_536, 262_144], ids=1024, rounds=3)
+  args = parse(p, argv, quick=quick)
   if args.mirrored:
     main_mirrored(args)
     return

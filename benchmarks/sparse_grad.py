@@ -17,10 +17,7 @@ over an ``nn.Embed`` table (the jaxpr analysis is a trace-time cost).
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import time
 
 import flax.linen as nn
 import jax
@@ -29,8 +26,12 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
+  add_table_args,
+  compile_phases,
   markdown_table,
   memory,
+  parse,
+  parser,
   time_interleaved,
   write_results,
 )
@@ -105,7 +106,7 @@ def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
     return call
 
   times = time_interleaved(
-    {k: caller(f) for k, f in fns.items()}, rounds=rounds
+    {k: caller(f) for k, f in fns.items()}, rounds=rounds, label="step"
   )
   lookup_ms = times["sparse gtx.lookup"] * 1e3
   out = []
@@ -167,13 +168,9 @@ def compile_times(blocks: int, repeats: int) -> list:
   for _ in range(repeats):
     for k, grad in grads.items():
       f = jax.jit(grad(loss))  # a new function: nothing cached
-      t0 = time.perf_counter()
-      lowered = f.lower(params, ids, labels)
-      t1 = time.perf_counter()
-      lowered.compile()
-      t2 = time.perf_counter()
-      samples[k][0].append(t1 - t0)
-      samples[k][1].append(t2 - t1)
+      r = compile_phases(f, params, ids, labels)
+      samples[k][0].append(r["trace_s"] + r["lower_s"])
+      samples[k][1].append(r["compile_s"])
   med = {
     k: (statistics.median(a), statistics.median(b))
     for k, (a, b) in samples.items()
@@ -186,24 +183,13 @@ def compile_times(blocks: int, repeats: int) -> list:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--rows", type=int, default=1_000_000)
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  parser.add_argument("--rounds", type=int, default=15)
-  parser.add_argument("--blocks", type=int, default=24)
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument(
-    "--smoke", "--quick", action="store_true", help="tiny shapes"
-  )
-  parser.add_argument(
-    "--note", default="", help="a sentence on the machine's state"
-  )
-  args = parser.parse_args(argv)
-  if args.smoke:
-    args.rows, args.ids, args.rounds = 20_000, 512, 3
-    args.blocks, args.repeats = 4, 1
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
+  p = parser(__doc__, rounds=15)
+  add_table_args(p)
+  p.add_argument("--blocks", type=int, default=24)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--note", default="", help="a sentence on the machine's state")
+  quick = dict(rows=20_000, ids=512, rounds=3, blocks=4, repeats=1)
+  args = parse(p, argv, quick=quick)
 
   rows = step_times(args.rows, args.dim, args.ids, args.rounds)
   comp = compile_times(args.blocks, args.repeats)

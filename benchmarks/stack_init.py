@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._common import write_results
+from benchmarks._common import parse, parser, write_results
 from benchmarks.ab_versions import ROOT
 from benchmarks.recsys import table_rows
 
@@ -53,13 +53,13 @@ def _one(rev: str, kind: str, n: int, cap: int, dim: int) -> None:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = parser(__doc__.split("\n")[0])
   p.add_argument("--before", required=True)
   p.add_argument("--tables", type=int, nargs="+", default=[26, 104, 500])
   p.add_argument("--cap", type=int, default=20_000)
   p.add_argument("--dim", type=int, default=32)
   p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
-  args = p.parse_args(argv)
+  args = parse(p, argv, quick=dict(tables=[4, 8], cap=2000))
   if args.one:
     rev, kind, n = args.one
     _one(rev, kind, int(n), args.cap, args.dim)

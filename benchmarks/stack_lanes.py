@@ -11,14 +11,12 @@ Writes ``benchmarks/results/stack_lanes.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import load_note, time_interleaved, write_results
+from benchmarks._common import Schedule, parse, parser, write_results
 from benchmarks.compile_tables import whole_step
 from benchmarks.recsys import CRITEO_KAGGLE, _bce, _logit, head_params
 from benchmarks.stacks import (
@@ -43,12 +41,10 @@ def lane_loss(specs, names, dim, lanes, batch):
 
 
 def main(argv: list[str] | None = None) -> None:
-  ap = argparse.ArgumentParser()
+  ap = parser(__doc__, schedule=Schedule(8, 3, 1), steps=8)
   ap.add_argument("--cap", type=int, default=100_000)
   ap.add_argument("--dim", type=int, default=64)
   ap.add_argument("--batch", type=int, default=2048)
-  ap.add_argument("--steps", type=int, default=8)
-  ap.add_argument("--rounds", type=int, default=8)
   ap.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4])
   ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   ap.add_argument(
@@ -57,17 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     default=["lazy_adam", "rowwise_adagrad"],
     choices=OPTIMIZERS,
   )
-  ap.add_argument("--quick", action="store_true")
-  args = ap.parse_args(argv)
-  if args.quick:
-    args.cap, args.batch, args.rounds, args.steps = 5000, 256, 2, 4
+  quick = dict(cap=5000, batch=256, rounds=2, steps=4)
+  args = parse(ap, argv, quick=quick)
+  sched = Schedule.from_args(args)
   crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
   rng = np.random.default_rng(SEED + 2)
   tables_np = [
     (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
     for r in crows
   ]
-  load_before, rows = load_note(), []
+  rows = []
   for dist in args.dists:
     batches, labels = criteo_data(crows, args.batch, args.steps, dist)
     _, names, per_table_loss, _ = criteo_models(crows, args.dim)
@@ -102,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         fns[f"lanes={lanes}"] = _runner(
           whole_step(loss, tx), params, tx, batches, labels
         )
-      t = time_interleaved(fns, warmup=2, rounds=args.rounds, burst=3, settle=1)
+      t = sched.time(fns, label=f"{dist}, {opt}")
       base = t["lanes=1"]
       rows.append(
         [dist, opt, f"{t['per-table'] * 1e3:.2f}"]
@@ -124,10 +119,9 @@ def main(argv: list[str] | None = None) -> None:
       f"Criteo's 26 cardinalities capped at {args.cap:,}, {args.dim} wide, "
       f"batch {args.batch}, a linear head; the stacks made with "
       "`batch_size` as the recommenders guide makes them (tables read 4 "
-      f"times a row or more in a dense stack); {args.rounds} round-robin "
-      "rounds of 3 timed steps after 1 untimed, medians. Default path: "
-      "no opt-in call (host memory reused as gradtx sets it at import), "
-      f"the OS's pages. Load before: {load_before}; after: {load_note()}."
+      f"times a row or more in a dense stack); {sched.describe()}. Default "
+      "path: no opt-in call (host memory reused as gradtx sets it at "
+      "import), the OS's pages."
     ),
   )
 

@@ -42,8 +42,6 @@ Writes ``benchmarks/results/stacks.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,11 +51,21 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
-  RESULTS,
+  ZIPF_S,
+  Schedule,
   add_head_args,
   compile_phases,
+  fbgemm,
+  huge_pages,
+  import_torch,
+  make_ids,
   markdown_table,
-  time_interleaved,
+  parse,
+  parser,
+  result_path,
+  tbe,
+  torch_huge_pages,
+  torch_state,
   write_results,
 )
 from benchmarks.compile_tables import whole_step
@@ -69,7 +77,6 @@ from benchmarks.recsys import (
   _torch_logit,
   head_params,
 )
-from benchmarks.train_step import HUGE_PAGES, _torch_huge_pages, make_ids
 
 SEED = 0
 # name -> (gtx optimizer, torch's, learning rate, FBGEMM's EmbOptimType or
@@ -139,8 +146,7 @@ def bag_data(tables, rows, batch, steps, dist, max_len=20):
 
 def _runner(step, params, tx, batches, labels):
   box = [params, tx.init(params)]
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
 
   def run(i=[0]):  # noqa: B006 - the step counter
     k = i[0] % len(batches)
@@ -202,15 +208,6 @@ def bag_models(tables, rows, dim, batch):
 # torch
 
 
-def _torch():
-  try:
-    import torch
-  except ImportError:
-    return None
-  torch.set_num_threads(2)
-  return torch
-
-
 def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
   tables = []
   for t in tables_np:
@@ -270,21 +267,9 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
       o.step()
     return loss.item()
 
-  run()
-  if HUGE_PAGES[0]:  # the optimizers' state exists after a first step
-    states = [t for o in opts for st in o.state.values() for t in st.values()]
-    _torch_huge_pages(
-      [e.weight for e in tables] + [t for t in states if torch.is_tensor(t)]
-    )
+  run()  # the optimizers' state exists after a first step
+  torch_huge_pages([e.weight for e in tables] + torch_state(opts))
   return run
-
-
-def _fbgemm():
-  try:
-    import fbgemm_gpu  # noqa: F401
-  except ImportError:
-    return False
-  return True
 
 
 def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
@@ -294,13 +279,11 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
   ids table-major, offsets, per-id weights), pooled by a sum (one-hot
   features: bags of one id), the optimizer fused into the backward; the
   head by torch's dense optimizer of the same kind."""
-  from benchmarks.fbgemm_anchor import _tbe
-
-  tbe = _tbe(
+  module = tbe(
     [t.shape[0] for t in tables_np], tables_np[0].shape[1], optim, "SUM", lr
   )
   with torch.no_grad():
-    for dst, t in zip(tbe.split_embedding_weights(), tables_np, strict=True):
+    for dst, t in zip(module.split_embedding_weights(), tables_np, strict=True):
       dst.copy_(torch.from_numpy(t))
   hp = _torch_head(hp_np)
   head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
@@ -331,7 +314,7 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
     ids, offsets, wt, y = tb[i[0] % len(tb)]
     i[0] += 1
     head.zero_grad(set_to_none=True)
-    x = tbe(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
+    x = module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
     logit = _torch_logit(hp, x)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()  # the tables' optimizer runs fused in here
@@ -339,8 +322,7 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
     return loss.item()
 
   run()
-  if HUGE_PAGES[0]:
-    _torch_huge_pages(list(tbe.buffers()))
+  torch_huge_pages(list(module.buffers()))
   return run
 
 
@@ -362,8 +344,7 @@ def optimizer_runner(loss, tx, params, batches, labels):
   update = jax.jit(update, donate_argnums=(0, 1))
   box = [jax.tree.map(jnp.copy, params), None]
   box[1] = tx.init(box[0])
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
 
   def run(i=[0]):  # noqa: B006 - the step counter
     g = grads[i[0] % len(grads)]
@@ -391,8 +372,7 @@ def floor_runner(torch, rows, dim, optimizer, unique_ids):
   arrays = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
   if torch is not None:
     arrays = [torch.from_numpy(a) for a in arrays]
-    if HUGE_PAGES[0]:
-      _torch_huge_pages(arrays)
+    torch_huge_pages(arrays)
     ids = [torch.from_numpy(u.astype(np.int64)) for u in unique_ids]
 
     def touch(a, u):
@@ -505,7 +485,7 @@ def step_rows(args, torch) -> list[dict]:
             labels,
             model == "bags",
           )
-        if torch is not None and fb_optim and _fbgemm():
+        if torch is not None and fb_optim and fbgemm():
           fns["fbgemm"] = fbgemm_runner(
             torch,
             tables_np,
@@ -521,8 +501,8 @@ def step_rows(args, torch) -> list[dict]:
           stl, tx, stacked(), feeds["stack"], labels
         )
         fns["floor"] = floor_runner(torch, sum(rows_np), args.dim, opt, unique)
-        t = time_interleaved(
-          fns, warmup=2, rounds=args.rounds, burst=3, settle=1
+        t = Schedule.from_args(args).time(
+          fns, label=f"{model}, {head}, {dist}, {opt}"
         )
         row = {
           "model": model,
@@ -593,8 +573,6 @@ def shard_balance(args, shards: int = 8) -> list[dict]:
 
 
 def _zipf_ranks(rows, n, steps, seed):
-  from benchmarks.train_step import ZIPF_S
-
   rng = np.random.default_rng(seed)
   cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S)
   cdf /= cdf[-1]
@@ -686,13 +664,17 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
   bx.legend(fontsize=8)
   bx.set_title("compile and kernels (lazy_adam step)")
   fig.tight_layout()
-  name = "stacks" + os.environ.get("GRADTX_BENCH_SUFFIX", "")
-  fig.savefig(RESULTS / f"{name}.png", dpi=110)
+  fig.savefig(result_path("stacks", ".png"), dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true")
+  ap = parser(
+    __doc__,
+    schedule=Schedule(6, 3, 1),
+    steps=6,
+    huge_pages=True,
+    fresh_memory=True,
+  )
   ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   ap.add_argument("--cap", type=int, default=100_000)
   ap.add_argument("--dim", type=int, default=64)
@@ -700,11 +682,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--bag-tables", type=int, default=8)
   ap.add_argument("--bag-rows", type=int, default=200_000)
   ap.add_argument("--bag-batch", type=int, default=1024)
-  ap.add_argument("--steps", type=int, default=6)
   ap.add_argument(
     "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
   )
-  ap.add_argument("--rounds", type=int, default=6)
   add_head_args(ap, OPTIMIZERS)
   ap.add_argument(
     "--compile-features", type=int, nargs="+", default=[26, 104, 500]
@@ -715,27 +695,9 @@ def main(argv: list[str] | None = None) -> None:
   )
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
-  ap.add_argument(
-    "--huge-pages",
-    action="store_true",
-    help="back every system's tables and state by huge pages "
-    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
-    "4 KiB pages, as a user's step runs)",
-  )
-  ap.add_argument(
-    "--fresh-memory",
-    action="store_true",
-    help="give malloc glibc's behaviour back (gtx.reuse_host_memory(False); "
-    "default: gradtx's, for every system of the process: each step's "
-    "temporaries reuse freed pages)",
-  )
-  args = ap.parse_args(argv)
-  HUGE_PAGES[0] = args.huge_pages
-  reused = not (args.fresh_memory and gtx.reuse_host_memory(False))
-  if args.quick:
-    args.cap, args.bag_rows, args.batch, args.bag_batch = 5000, 5000, 256, 128
-    args.rounds, args.compile_features = 2, [26, 52]
-  torch = _torch()
+  quick = dict(cap=5000, bag_rows=5000, batch=256, bag_batch=128, rounds=2)
+  args = parse(ap, argv, quick=dict(quick, compile_features=[26, 52]))
+  torch = import_torch()
   steps = [] if args.no_steps else step_rows(args, torch)
   balance = shard_balance(args)
   points = (
@@ -797,23 +759,11 @@ def main(argv: list[str] | None = None) -> None:
       )
   notes = (
     "Whole training step, loss returned, params and state donated, fresh "
-    "ids every step; "
-    + (
-      "every system's tables and state on transparent huge pages "
-      "(`gtx.use_huge_pages`; the same madvise for torch's tensors); "
-      if HUGE_PAGES[0]
-      else "tables on the OS's default pages (`--huge-pages` not given); "
-    )
-    + (
-      "host memory reused as gradtx sets it at import, for the whole process "
-      "(every system's step reuses freed memory for its temporaries); "
-      if reused
-      else "malloc as it is (each step faults its temporaries in afresh); "
-    )
-    + "the criteo stack built as the recommenders guide builds it, with "
-    "the step's batch size (`gtx.TableStack(specs, batch_size=B)`: the "
-    "tables a step reads at least 4 times a row stay outside, as arrays "
-    "of their own); speed ratios > 1 mean the stack is faster. fbgemm: "
+    "ids every step; the stacks made as the recommenders guide makes "
+    "them, with the step's batch size (`gtx.TableStack(specs, "
+    "batch_size=B)`: the tables a step reads at least 4 times a row in a "
+    "dense stack, two lanes on a CPU at batch 2048); speed ratios > 1 mean "
+    "the stack is faster. fbgemm: "
     "FBGEMM's "
     "table-batched module on the host (`SplitTableBatchedEmbeddingBagsCodegen`"
     ", fbgemm-gpu-cpu, 2 threads), all tables in one module, its own jagged "

@@ -20,14 +20,12 @@ gradients applied per second of both. Writes
 
 from __future__ import annotations
 
-import argparse
 import collections
-import os
 import statistics
 
 import numpy as np
 
-from benchmarks._common import RESULTS, load_note, write_results
+from benchmarks._common import parse, parser, result_path, write_results
 from examples import async_trainer as at
 
 
@@ -127,19 +125,15 @@ def _threads(task, workers, limit, rescale, seed, steps, time_limit, lr):
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="a smoke run")
-  parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--repeats", type=int, default=None)
-  parser.add_argument("--learning-rate", type=float, default=0.5)
-  parser.add_argument(
-    "--ray", action="store_true", help="Ray processes vs threads"
-  )
-  args = parser.parse_args(argv)
+  p = parser(__doc__.splitlines()[0], steps=600)
+  p.add_argument("--repeats", type=int, default=None)
+  p.add_argument("--learning-rate", type=float, default=0.5)
+  p.add_argument("--ray", action="store_true", help="Ray processes vs threads")
+  args = parse(p, argv, quick=dict(steps=60))
   if args.ray:
     ray_main(args)
     return
-  steps = args.steps or (60 if args.quick else 600)
+  steps = args.steps
   repeats = args.repeats or (1 if args.quick else 3)
   time_limit = 10.0 if args.quick else 30.0
   task = at.make_task(seed=0)
@@ -204,9 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(label, rows[-1], flush=True)
 
-  RESULTS.mkdir(exist_ok=True)
-  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
-  png = RESULTS / f"async_staleness{suffix}.png"
+  png = result_path("async_staleness", ".png")
   _plot(curves, initial_loss, png)
   headers = [
     "workers",
@@ -370,9 +362,7 @@ def ray_main(args) -> None:
 
   from examples import ray_trainer as rt
 
-  if args.quick:  # a smoke run never overwrites the reference results
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_quick")
-  steps = args.steps or (60 if args.quick else 600)
+  steps = args.steps
   repeats = args.repeats or (1 if args.quick else 2)
   time_limit = 10.0 if args.quick else 30.0
   lr = args.learning_rate
@@ -463,9 +453,7 @@ def ray_main(args) -> None:
   finally:
     ray.shutdown()
 
-  suffix = os.environ.get("GRADTX_BENCH_SUFFIX", "")
-  png = RESULTS / f"async_staleness_ray{suffix}.png"
-  RESULTS.mkdir(exist_ok=True)
+  png = result_path("async_staleness_ray", ".png")
   _plot_ray(curves, initial, png)
   headers = [
     "workers",
@@ -500,8 +488,7 @@ def ray_main(args) -> None:
     "step pays a pull, an object-store read and a push between processes, "
     "where a thread reads a Python reference. Staleness is the global step "
     "at arrival - the step read; timing on a shared machine is not "
-    "deterministic (load averages 1/5/15 min at the end of the run: "
-    f"{load_note()}). Plot: {png.name} (first seed)."
+    f"deterministic. Plot: {png.name} (first seed)."
   )
   cells = {(r[0], r[1], r[2]): r for r in rows}
   headline = [

@@ -29,10 +29,7 @@ gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,55 +39,29 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
+  Counter,
   Schedule,
-  add_schedule_args,
+  available,
   hlo_table_copies,
-  load_note,
+  huge_pages,
+  import_torch,
+  make_ids,
   oversubscribed,
-  time_interleaved,
+  parse,
+  parser,
+  step_runner,
+  torch_huge_pages,
+  torch_state,
   warm_copy_bandwidth,
   write_results,
 )
 
 LR = 1e-3
-# --huge-pages backs every system's tables and optimizer state by
-# transparent huge pages (gtx.use_huge_pages; the same madvise for torch's
-# tensors); the default is the OS's pages, the step a user runs.
-HUGE_PAGES = [False]
-ZIPF_S = 1.05
 SEED = 0
-
-
-def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = SEED):
-  """``steps`` fresh int32 id vectors of length ``n`` (uniform or Zipf)."""
-  rng = np.random.default_rng(seed)
-  if dist == "uniform":
-    return [rng.integers(0, rows, n).astype(np.int32) for _ in range(steps)]
-  # Bounded Zipf: P(rank k) ~ k^-s over the rows; ranks land on a fixed
-  # random permutation so the hot rows are spread over the table.
-  cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S)
-  cdf /= cdf[-1]
-  perm = rng.permutation(rows).astype(np.int32)
-  out = []
-  for _ in range(steps):
-    rank = np.searchsorted(cdf, rng.random(n), side="right")
-    out.append(perm[np.minimum(rank, rows - 1)])
-  return out
 
 
 def _loss_jax(rows: jax.Array, ct: jax.Array, linear: bool) -> jax.Array:
   return jnp.sum((rows if linear else jnp.tanh(rows)) * ct)
-
-
-class _Runner:
-  """Holds one variant's buffers; each call runs one step on fresh ids."""
-
-  def __init__(self, step: Callable[[int], Any]):
-    self.step, self.i = step, 0
-
-  def __call__(self) -> None:
-    self.step(self.i)
-    self.i += 1
 
 
 def _gtx(table, ids, grads, ct, linear, catch_up):
@@ -110,22 +81,13 @@ def _gtx(table, ids, grads, ct, linear, catch_up):
 
   params = {"emb": jnp.array(table)}
   box = [params, tx.init(params)]
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
   jstep = jax.jit(step, donate_argnums=(0, 1))
   jopt = jax.jit(opt_step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
-    jax.block_until_ready((box[0], loss))
-
-  def run_opt(i):
-    k = i % len(ids)
-    box[0], box[1] = jopt(box[0], box[1], grads[k])
-    jax.block_until_ready(box[0])
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
+  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
   return run, run_opt, copies, box
 
 
@@ -141,23 +103,16 @@ def _optax(table, ids, ct, linear):
 
   params = jnp.array(table)
   box = [params, tx.init(params)]
-  if HUGE_PAGES[0]:
-    gtx.use_huge_pages(box)
+  huge_pages(box)
   jstep = jax.jit(step, donate_argnums=(0, 1))
   copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
 
-  def run(i):
-    k = i % len(ids)
-    box[0], box[1], loss = jstep(box[0], box[1], ids[k], ct)
-    jax.block_until_ready((box[0], loss))
-
+  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
   return run, copies, box
 
 
 def _torch(table_np, ids_np, ct_np, linear):
-  import torch
-
-  torch.set_num_threads(2)
+  torch = import_torch()
   emb = torch.nn.Embedding(*table_np.shape, sparse=True)
   with torch.no_grad():
     emb.weight.copy_(torch.from_numpy(table_np))
@@ -172,30 +127,10 @@ def _torch(table_np, ids_np, ct_np, linear):
     loss.backward()
     opt.step()
     loss.item()
-    if i == 0 and HUGE_PAGES[0]:  # SparseAdam makes its state on step 1
-      state = opt.state[emb.weight].values()
-      _torch_huge_pages([emb.weight, *filter(torch.is_tensor, state)])
+    if i == 0:  # SparseAdam makes its state on step 1
+      torch_huge_pages([emb.weight, *torch_state([opt])])
 
   return run, (emb, opt)
-
-
-def _torch_huge_pages(tensors) -> None:
-  """torch's tables and state on huge pages too, as gtx.use_huge_pages."""
-  from gradtx._memory import _advise, _madvise
-
-  madvise = _madvise()
-  for t in tensors:
-    nbytes = t.numel() * t.element_size()
-    if madvise is not None and t.device.type == "cpu" and nbytes >= 4 << 20:
-      _advise(t.data_ptr(), nbytes, madvise, collapse=True)
-
-
-def _torch_available() -> bool:
-  try:
-    import torch  # noqa: F401
-  except ImportError:
-    return False
-  return True
 
 
 def run_config(
@@ -237,8 +172,9 @@ def run_config(
     keep.append(b)
   del table_np
   gc.collect()
-  times = time_interleaved(
-    {k: _Runner(f) for k, f in fns.items()}, warmup=2, **sched._asdict()
+  times = sched.time(
+    {k: Counter(f, 0) for k, f in fns.items()},
+    label=f"{rows:,} x {dim}, {dist}, {'linear' if linear else 'tanh'}",
   )
   unique = float(np.mean([len(np.unique(i)) for i in ids_np]))
   floor_bytes = unique * dim * 4 * 6 + n * (dim + 1) * 4
@@ -342,44 +278,29 @@ HEADERS = [
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument(
+  p = parser(__doc__, schedule=Schedule(), huge_pages=True)
+  p.add_argument(
     "--rows", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000]
   )
-  parser.add_argument("--dim", type=int, default=64)
-  parser.add_argument("--ids", type=int, default=8192)
-  add_schedule_args(parser)
-  parser.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
-  parser.add_argument("--losses", nargs="+", default=["linear", "tanh"])
-  parser.add_argument(
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192)
+  p.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
+  p.add_argument("--losses", nargs="+", default=["linear", "tanh"])
+  p.add_argument(
     "--mem-gib",
     type=float,
     default=None,
     help="memory the variants may hold at once (default 10 GiB on CPU, "
     "half the device memory on accelerators)",
   )
-  parser.add_argument("--no-torch", action="store_true")
-  parser.add_argument(
-    "--huge-pages",
-    action="store_true",
-    help="back every system's tables and state by huge pages "
-    "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
-    "4 KiB pages, as a user's step runs)",
-  )
-  parser.add_argument(
+  p.add_argument("--no-torch", action="store_true")
+  p.add_argument(
     "--profile",
     action="store_true",
     help="print the per-thunk time of the gtx step (first --rows, uniform "
     "ids, each --losses) instead of the comparison",
   )
-  parser.add_argument(
-    "--smoke", "--quick", action="store_true", help="tiny shapes, no files"
-  )
-  args = parser.parse_args(argv)
-  HUGE_PAGES[0] = args.huge_pages
-  if args.smoke:
-    args.rows, args.ids, args.rounds = [5_000], 256, 3
-    os.environ.setdefault("GRADTX_BENCH_SUFFIX", "_smoke")
+  args = parse(p, argv, quick=dict(rows=[5_000], ids=256, rounds=3))
   mem = args.mem_gib
   if mem is None:
     dev = jax.devices()[0]
@@ -396,9 +317,8 @@ def main(argv: list[str] | None = None) -> None:
       )[:30]:
         print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
     return
-  with_torch = not args.no_torch and _torch_available()
+  with_torch = not args.no_torch and available("torch")
   sched = Schedule.from_args(args)
-  load_before = load_note()
   bandwidth = warm_copy_bandwidth()
   results = []
   for rows in args.rows:
@@ -419,14 +339,6 @@ def main(argv: list[str] | None = None) -> None:
           _row(rows, args.dim, args.ids, dist, loss == "linear", res)
         )
         print(results[-1], flush=True)
-  load_after = load_note()
-  pages = (
-    "Every system's tables and optimizer state (gtx, torch, optax) on "
-    "transparent huge pages (`gtx.use_huge_pages`; the same madvise for "
-    "torch's tensors)."
-    if HUGE_PAGES[0]
-    else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
-  )
   caution = oversubscribed(
     "so every figure is inflated (compare with a quiet run) and torch's "
     "worker threads suffer more from it than XLA's: the torch / gtx ratio "
@@ -468,9 +380,7 @@ def main(argv: list[str] | None = None) -> None:
       "rows of params, m, v; read the gradient rows) / warm copy bandwidth "
       f"({bandwidth / 1e9:.1f} GB/s, `np.copyto` into a pre-faulted buffer, "
       "read + write counted). Table copies = `copy` instructions producing a"
-      " table-shaped value in the compiled step. Load average (1/5/15 min) "
-      f"before: {load_before}; after: {load_after} (the machine is shared: "
-      f"compare ratios within a row). {pages}{caution}"
+      f" table-shaped value in the compiled step.{caution}"
     ),
     extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
   )

@@ -31,14 +31,13 @@ Writes ``benchmarks/results/vocab.{md,json}`` and ``vocab_quality.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import time_interleaved, write_results
+from benchmarks._common import Schedule, parse, parser, write_results
+from benchmarks.recsys import _bce
 
 SEED = 0
 RAW_SPACE = 10**9
@@ -49,10 +48,6 @@ def zipf_raw(rng, n, a, salt):
   multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
   rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
   return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
-
-
-def _bce(logit, y):
-  return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
 
 # ----------------------------------------------------------------------------
@@ -179,9 +174,7 @@ def _cost_pair(args, names, rows, raw, labels, make_tx):
     for _ in range(args.fill if hashed else 2):
       run()
     fns[system] = run
-  out.update(
-    time_interleaved(fns, warmup=1, rounds=args.rounds, burst=3, settle=1)
-  )
+  out.update(Schedule.from_args(args).time(fns, warmup=1))
   return out
 
 
@@ -317,14 +310,12 @@ def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true")
+  p = parser(__doc__.split("\n")[0], schedule=Schedule(8, 3, 1))
   p.add_argument("--batch", type=int, default=2048)
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--zipf", type=float, default=1.2)
   p.add_argument("--batches", type=int, default=16)
   p.add_argument("--fill", type=int, default=20)
-  p.add_argument("--rounds", type=int, default=8)
   p.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 1.0])
   p.add_argument("--q-features", type=int, default=4)
   p.add_argument("--q-batch", type=int, default=1024)
@@ -333,11 +324,8 @@ def main(argv=None):
   p.add_argument("--q-zipf", type=float, default=1.3)
   p.add_argument("--q-capacity", type=float, default=0.25)
   p.add_argument("--only", choices=["cost", "quality"], default=None)
-  args = p.parse_args(argv)
-  if args.quick:
-    args.batch, args.batches, args.fill, args.rounds = 256, 4, 3, 2
-    args.fractions = [0.5]
-    args.q_steps, args.q_test = 20, 2000
+  quick = dict(batch=256, batches=4, fill=3, rounds=2, fractions=[0.5])
+  args = parse(p, argv, quick=dict(quick, q_steps=20, q_test=2000))
   if args.only in (None, "cost"):
     cost(args)
   if args.only in (None, "quality"):
