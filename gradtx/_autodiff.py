@@ -43,18 +43,6 @@ Argnums = int | Sequence[int] | Any
 # lookup
 
 
-def _check_ids(ids: jax.Array, num_rows: int, name: str = "ids") -> jax.Array:
-  ids = jnp.asarray(narrow_ids(ids, num_rows))
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(
-      f"gradtx.lookup `{name}` must be integer row ids; got dtype "
-      f"{ids.dtype}. Cast with `.astype(jnp.int32)`."
-    )
-  # uint8 ids cannot hold a row count of 256 for the bounds compared with;
-  # uint32 ids past 2**31 are outside every table and wrap to padding.
-  return ids.astype(jnp.int32)
-
-
 def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
   if np.any(bad):
     raise ValueError(
@@ -150,7 +138,7 @@ def lookup(
     raise ValueError(
       "gradtx.lookup `table` must have at least one axis (rows); got a scalar."
     )
-  checked = _check_ids(ids, table.shape[0])
+  checked = narrow_ids(ids, table.shape[0], "gradtx.lookup `ids`")
   if bounds_check:
     checked = _bounds_check(ids, checked, table.shape[0])
   return _lookup_rows(table, checked)

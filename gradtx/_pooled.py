@@ -23,6 +23,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from gradtx._autodiff import lookup
+from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int
 from gradtx._vocab import Words
 
@@ -337,15 +338,14 @@ def _bag(name: str, x: Any, w: Any) -> _Bag:
         f"gradtx.TableStack.lookup: feature {name!r} is Jagged; put its "
         "weights in `Jagged(..., weights=...)`, not in `weights`."
       )
-    ids = jnp.asarray(x.ids)
+    ids = _ids(name, x.ids)
     lengths = jnp.asarray(x.lengths)
     if ids.ndim != 1 or lengths.ndim != 1:
       raise ValueError(
         f"gradtx.TableStack.lookup: feature {name!r}: Jagged `ids` must be "
         f"[capacity] and `lengths` [B]; got {ids.shape} and {lengths.shape}."
       )
-    _check_int(name, ids)
-    _check_int(name, lengths, "lengths")
+    _check_lengths(name, lengths)
     ends = jnp.cumsum(lengths.astype(jnp.int32))
     slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
     segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
@@ -357,8 +357,7 @@ def _bag(name: str, x: Any, w: Any) -> _Bag:
       )
     # slots past the last bag belong to no example
     return _Bag(ids, segment, weight, lengths.shape[0], 0)
-  ids = jnp.asarray(x)
-  _check_int(name, ids)
+  ids = _ids(name, x)
   if ids.ndim not in (1, 2):
     raise ValueError(
       f"gradtx.TableStack.lookup: feature {name!r} has ids of shape "
@@ -376,21 +375,20 @@ def _bag(name: str, x: Any, w: Any) -> _Bag:
   return _Bag(ids.reshape(-1), None, w, ids.shape[0], per)
 
 
-def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
+def _ids(name: str, x: Any) -> jax.Array:
+  """Feature ``name``'s ids as int32 (:func:`narrow_ids`): an id no int32
+  holds is padding."""
+  return narrow_ids(
+    x, MAX_ROWS, f"gradtx.TableStack.lookup: feature {name!r} `ids`"
+  )
+
+
+def _check_lengths(name: str, lengths: jax.Array) -> None:
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(
-      f"gradtx.TableStack.lookup: feature {name!r} has {what} of dtype "
-      f"{x.dtype}; pass integers (`.astype(jnp.int32)`)."
+      f"gradtx.TableStack.lookup: feature {name!r} has `lengths` of dtype "
+      f"{lengths.dtype}; pass integers (`.astype(jnp.int32)`)."
     )
-
-
-def _int32_ids(x: jax.Array) -> jax.Array:
-  """Ids as int32; an id no int32 holds (64-bit, or uint32 past 2**31 - 1)
-  becomes -1, padding."""
-  if x.dtype.itemsize < 4 or x.dtype == jnp.int32:
-    return x.astype(jnp.int32)
-  fits = (x >= 0) & (x <= np.iinfo(np.int32).max)
-  return jnp.where(fits, x.astype(jnp.int32), -1)
 
 
 def joined(parts: list[jax.Array]) -> jax.Array:
@@ -452,7 +450,7 @@ def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
     for b in bags
   ]
   weights = [w.astype(jnp.float32) for w in weights]
-  ids = [_int32_ids(b.ids) for b in bags]
+  ids = [b.ids for b in bags]
   if all(b.per_example == 1 for b in bags):
     weight = _columns(weights) if weighted else None
     feature = np.arange(nf, dtype=np.int32)[None]
@@ -486,7 +484,6 @@ def keyed_batch(x: Keyed | KeyedJagged) -> int:
     )
   if isinstance(x, Keyed):
     v = jnp.asarray(x.values)
-    _check_int(f"{what}", v, "values")
     if v.ndim not in (2, 3):
       raise ValueError(
         "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
@@ -494,8 +491,7 @@ def keyed_batch(x: Keyed | KeyedJagged) -> int:
       )
     return v.shape[0]
   ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
-  _check_int(what, ids)
-  _check_int(what, lengths, "lengths")
+  _check_lengths(what, lengths)
   if ids.ndim != 1:
     raise ValueError(
       f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
@@ -514,7 +510,9 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
   order) of a keyed input, with no op per feature."""
   if isinstance(x, KeyedJagged):
     return _jagged_reader(x)
-  values = _int32_ids(jnp.asarray(x.values))
+  values = narrow_ids(
+    x.values, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.Keyed `values`"
+  )
   weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   batch, width = values.shape[:2]
 
@@ -541,7 +539,9 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
 
 
 def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
-  ids = _int32_ids(jnp.asarray(x.ids))
+  ids = narrow_ids(
+    x.ids, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.KeyedJagged `ids`"
+  )
   lengths = jnp.asarray(x.lengths).astype(jnp.int32)
   weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   keys, batch = len(x.names), lengths.shape[1]
