@@ -32,7 +32,6 @@ from gradtx._plan import (
   StackPlan,
   StackSpec,
   TableSpec,
-  default_init,
   default_tables,
   plan_stacks,
 )
@@ -304,13 +303,11 @@ class TableStack:
       slots = self._raw_slots(name, ids, weights, "admit")
       if slots is None:
         continue
-      state = vocab[name]
       bound = _vocab.budgets(layout, slots.tab, max_new)
-      rows, new_vocab[name], placed, tab = _vocab.admit(
-        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
+      rows, new_vocab[name], fresh[name] = _vocab.admit(
+        vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
       )
       out.update(slots.rebuild(rows))
-      fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
   def drop_reassigned(
@@ -453,29 +450,6 @@ class TableStack:
       np.concatenate(tabs).astype(np.int32),
       rebuild,
     )
-
-  def _fresh_values(self, name, state, tab) -> jax.Array:
-    """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
-    table ``tab[k]``): each table's initializer, keyed by the map's key and
-    step."""
-    layout, s = self.maps[name], self.stacks[name]
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    n = tab.shape[0]
-    groups: dict[Any, list[int]] = {}
-    for k, t in enumerate(layout.tables):
-      groups.setdefault(self.tables[t].initializer, []).append(k)
-    values = None
-    for g, (init, members) in enumerate(groups.items()):
-      v = (init or default_init)(
-        jax.random.fold_in(key, g), (n, s.dim), jnp.dtype(s.dtype)
-      ).astype(s.dtype)
-      if values is None:
-        values = v
-      else:
-        values = jnp.where(
-          jnp.isin(tab, np.asarray(members))[:, None], v, values
-        )
-    return values
 
   # -- the lookup -----------------------------------------------------------
   def lookup(

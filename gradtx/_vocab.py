@@ -29,9 +29,10 @@ finds its twin's, or loses one of its ``probes`` rows, so there are at most
 ``probes`` rounds. The same ids in the same order give the same rows on
 every backend.
 
-A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
-its new values (the table's initializer) as :class:`gradtx.FreshRows`,
-and :func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
+A row given to a new id is fresh: the map draws its new values from the
+table's initializer (the layout carries it), keyed by the map's key and
+step, and returns them as :class:`gradtx.FreshRows`;
+:func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
 and resets the row in every optimizer state, so that the new id inherits
 nothing from the old one, and :func:`drop_reassigned` keeps a gradient
 computed before a row was given out (a late one, in asynchronous training)
@@ -44,7 +45,7 @@ import dataclasses
 import functools
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradtx._fresh_rows import drop_entries
+from gradtx._fresh_rows import FreshRows, drop_entries
 from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
 from gradtx._static import is_int
@@ -311,7 +312,8 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """What the map of one stack needs from the plan: its hashed tables, their
-  first logical rows, sizes and settings, and where a logical row lives."""
+  first logical rows, sizes, settings and initializers, the stack's row
+  width and dtype, and where a logical row lives."""
 
   tables: tuple[str, ...]
   offsets: tuple[int, ...]
@@ -319,6 +321,10 @@ class Layout:
   settings: tuple[Hashed, ...]
   size: int  # rows of the stack's array
   shards: int  # the stack's round-robin split (_sharded.spread_row)
+  # each table's initializer(key, shape, dtype), the rows given to new ids
+  initializers: tuple[Callable[..., Any], ...]
+  dim: int
+  dtype: Any
 
   def physical(self, p: Any) -> Any:
     return spread_row(p, self.size, self.shards)
@@ -458,10 +464,10 @@ def admit(
   tab: np.ndarray,
   valid,
   max_new: np.ndarray,
-) -> tuple[jax.Array, VocabState, jax.Array, np.ndarray]:
+) -> tuple[jax.Array, VocabState, FreshRows]:
   """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
-  fresh array rows [sum(max_new)] with ``layout.size`` for none, their
-  hashed tables [sum(max_new)], static)``.
+  fresh rows)``, the fresh rows ``[sum(max_new)]`` array rows
+  (``layout.size`` for none) and their new values (:func:`_fresh_values`).
 
   ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
   padding); ``tab``: static ``[n]``, each slot's hashed table;
@@ -606,7 +612,28 @@ def admit(
     sketch=sketch,
     rng=state.rng,
   )
-  return row, new_state, fresh, btab
+  return row, new_state, FreshRows(fresh, _fresh_values(state, layout, btab))
+
+
+def _fresh_values(
+  state: VocabState, layout: Layout, tab: np.ndarray
+) -> jax.Array:
+  """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
+  table ``tab[k]``): each table's initializer, keyed by the map's key and
+  step; the tables of one initializer share one draw."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+  n, dtype = tab.shape[0], jnp.dtype(layout.dtype)
+  by_init: dict[Any, list[int]] = {}
+  for k, init in enumerate(layout.initializers):
+    by_init.setdefault(init, []).append(k)
+  values = None
+  for g, (init, members) in enumerate(by_init.items()):
+    v = init(jax.random.fold_in(key, g), (n, layout.dim), dtype).astype(dtype)
+    if values is None:
+      values = v
+    else:
+      values = jnp.where(jnp.isin(tab, np.asarray(members))[:, None], v, values)
+  return values
 
 
 def check_not_split(state: VocabState, what: str) -> None:
