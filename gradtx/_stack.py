@@ -37,10 +37,10 @@ from gradtx._plan import (
 )
 from gradtx._pooled import (
   COMBINERS,
-  Jagged,
   Keyed,
   KeyedJagged,
   dict_reader,
+  feature_form,
   joined,
   keyed_batch,
   keyed_reader,
@@ -401,31 +401,19 @@ class TableStack:
       return None
     his, los, oks, tabs, backs = [], [], [], [], []
     for f in feats:
-      x, w = ids[f], weights.get(f)
-      jag = isinstance(x, Jagged)
-      raw = x.ids if jag else x
-      split, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      x = ids[f]
+      form = feature_form(f, x, weights.get(f), what)
+      split, lo, pad = _vocab.raw_words(form.ids, f"feature {f!r}")
       # the map's work is over the whole step's ids: split over a data-
       # parallel batch, they are gathered first, and the rows split back
       hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
-      shape = hi.shape
       ok = ~pad
+      jag = form.lengths is not None
       if jag:
-        if hi.ndim != 1:
-          raise ValueError(
-            f"gradtx.TableStack.{what}: feature {f!r}: Jagged `ids` must be "
-            f"[capacity]; got {shape}."
-          )
-        total = jnp.sum(unsplit(jnp.asarray(x.lengths)).astype(jnp.int32))
-        ok = ok & (jnp.arange(shape[0]) < total)
-        w = x.weights
-      elif hi.ndim not in (1, 2):
-        raise ValueError(
-          f"gradtx.TableStack.{what}: feature {f!r} has ids of shape {shape}; "
-          "pass [B] ids, [B, L] bags or a gradtx.Jagged."
-        )
-      if w is not None:
-        ok = ok & (unsplit(jnp.asarray(w)) != 0)
+        total = jnp.sum(unsplit(form.lengths).astype(jnp.int32))
+        ok = ok & (jnp.arange(hi.shape[0]) < total)
+      if form.weights is not None:
+        ok = ok & (unsplit(jnp.asarray(form.weights)) != 0)
       his.append(hi.reshape(-1))
       los.append(lo.reshape(-1))
       oks.append(ok.reshape(-1))
