@@ -553,7 +553,7 @@ class TableStack:
     else:
       batch, read = dict_reader(ids, weights)
     out, parts = {}, []
-    for where, feats in self._groups(names):
+    for where, feats in self._by_array(names):
       s = self.stacks.get(where)
       tables = [self.features[f] for f in feats]
       pooled = pool_rows(
@@ -587,22 +587,22 @@ class TableStack:
       return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     return {f: out[f] for f in names}
 
-  def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
+  def _by_array(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
     each table outside; features in the order of ``features`` declared to
     the stack (never the order given: ``jax.jit`` sorts a dict's keys)."""
     given = set(features)
     declared = [f for f in self.features if f in given]
-    groups = []
+    by_array = []
     for name, s in self.stacks.items():
       feats = [f for f in declared if self.features[f] in s.tables]
       if feats:
-        groups.append((name, feats))
+        by_array.append((name, feats))
     for t in self.outside:
       feats = [f for f in declared if self.features[f] == t]
       if feats:
-        groups.append((t, feats))
-    return groups
+        by_array.append((t, feats))
+    return by_array
 
   def concat_order(self, ids: Any) -> list[str]:
     """The features of ``lookup(..., concat=True)``'s array, in order:
@@ -611,7 +611,7 @@ class TableStack:
     only on which features ``ids`` holds, not on the order of its keys, so
     it is the same eagerly and under ``jax.jit`` (which sorts a dict's
     keys)."""
-    return [f for _, feats in self._groups(ids) for f in feats]
+    return [f for _, feats in self._by_array(ids) for f in feats]
 
 
 class _RawSlots(NamedTuple):

@@ -407,6 +407,22 @@ def _match(state: VocabState, p: _Probe, hi, lo, want) -> tuple[Any, Any]:
   return m.any(1), jnp.argmax(m, axis=1)
 
 
+class _Rounds(NamedTuple):
+  """The carry of the placement rounds: the map's fields they write, and
+  per slot of the placement buffer (``[m]``) how its id fares."""
+
+  key_hi: jax.Array  # uint32 [rows]
+  key_lo: jax.Array  # uint32 [rows]
+  last_seen: jax.Array  # int32 [rows]
+  born: jax.Array  # int32 [rows]
+  claim: jax.Array  # int32 [rows], 2**31 - 1 again after each round
+  pending: jax.Array  # bool [m], the id still looks for a row
+  local: jax.Array  # int32 [m], the table-local row it got or found; -1
+  fresh: jax.Array  # int32 [m], the array row it was given; rows: none
+  evicted: jax.Array  # bool [m], that row held a live id
+  moved: jax.Array  # bool [], some id got or found a row this round
+
+
 def _pick(p: _Probe, col: jax.Array) -> tuple[jax.Array, jax.Array]:
   c = col[:, None]
   return (
@@ -511,6 +527,7 @@ def admit(
   k = jnp.minimum(slot, n - 1)
   btab = np.repeat(np.arange(ntab, dtype=np.int32), bound)
   btab = np.pad(btab, (0, m - btab.shape[0]))
+  # per slot of the buffer (b-): its id, window and hashed table
   bhi, blo = hi[k], lo[k]
   bp = _Probe(p.local[k], p.phys[k], p.inwin[k] & used[:, None])
   rank = jnp.arange(m, dtype=jnp.int32)
@@ -519,12 +536,11 @@ def admit(
   ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
   ttl = ttl[btab]
 
-  def cond(c):
-    return c[-1] & c[5].any()
+  def cond(c: _Rounds) -> jax.Array:
+    return c.moved & c.pending.any()
 
-  def round_(c):
-    key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted, _ = c
-    ls = last[bp.phys]
+  def round_(c: _Rounds) -> _Rounds:
+    ls = c.last_seen[bp.phys]
     empty = ls < 0
     old = (ttl[:, None] < 0) | (now - ls > ttl[:, None])
     ok = bp.inwin & (empty | ((ls < now) & old))
@@ -532,59 +548,61 @@ def admit(
     first = jnp.where(ok, jnp.where(empty, -1, cnt), _INT_MAX)
     tie = ok & (first == first.min(1, keepdims=True))
     col = jnp.argmin(jnp.where(tie, ls, _INT_MAX), axis=1)
-    has = pending & ok.any(1)
+    has = c.pending & ok.any(1)
     local, choice = _pick(bp, col)
     tgt = jnp.where(has, choice, size)
-    claim = claim.at[tgt].min(rank, mode="drop")
+    claim = c.claim.at[tgt].min(rank, mode="drop")
     won = has & (claim[jnp.minimum(choice, size - 1)] == rank)
     claim = claim.at[tgt].set(_INT_MAX, mode="drop")
     wt = jnp.where(won, choice, size)
-    was_live = won & (last[jnp.minimum(choice, size - 1)] >= 0)
-    key_hi = key_hi.at[wt].set(bhi, mode="drop")
-    key_lo = key_lo.at[wt].set(blo, mode="drop")
-    last = last.at[wt].set(now, mode="drop")
-    born = born.at[wt].set(now, mode="drop")
-    brow = jnp.where(won, local, brow)
-    fresh = jnp.where(won, choice, fresh)
-    evicted = evicted | was_live
-    pending = pending & ~won
+    was_live = won & (c.last_seen[jnp.minimum(choice, size - 1)] >= 0)
+    key_hi = c.key_hi.at[wt].set(bhi, mode="drop")
+    key_lo = c.key_lo.at[wt].set(blo, mode="drop")
+    last_seen = c.last_seen.at[wt].set(now, mode="drop")
+    born = c.born.at[wt].set(now, mode="drop")
+    local = jnp.where(won, local, c.local)
+    fresh = jnp.where(won, choice, c.fresh)
+    evicted = c.evicted | was_live
+    pending = c.pending & ~won
     # a duplicate of an id placed this round finds it now
-    s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
-    f2, c2 = _match(s2, bp, bhi, blo, pending)
-    l2, _ = _pick(bp, c2)
-    brow = jnp.where(f2, l2, brow)
-    pending = pending & ~f2
-    return (
-      key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted,
-      won.any() | f2.any(),
+    after = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last_seen)
+    twin, twin_col = _match(after, bp, bhi, blo, pending)
+    twin_local, _ = _pick(bp, twin_col)
+    local = jnp.where(twin, twin_local, local)
+    pending = pending & ~twin
+    return _Rounds(
+      key_hi, key_lo, last_seen, born, claim, pending, local, fresh, evicted,
+      won.any() | twin.any(),
     )  # fmt: skip
 
-  carry = (
-    state.key_hi,
-    state.key_lo,
-    last_seen,
-    state.born,
-    state.claim,
-    used,
-    jnp.full(m, -1, jnp.int32),
-    jnp.full(m, size, jnp.int32),
-    jnp.zeros(m, bool),
-    jnp.asarray(True),
+  start = _Rounds(
+    key_hi=state.key_hi,
+    key_lo=state.key_lo,
+    last_seen=last_seen,
+    born=state.born,
+    claim=state.claim,
+    pending=used,
+    local=jnp.full(m, -1, jnp.int32),
+    fresh=jnp.full(m, size, jnp.int32),
+    evicted=jnp.zeros(m, bool),
+    moved=jnp.asarray(True),
   )
-  key_hi, key_lo, last, born, claim, _, brow, fresh, evicted, _ = (
-    lax.while_loop(cond, round_, carry)
-  )
-  row = row.at[jnp.where(brow >= 0, slot, n)].set(brow, mode="drop")
+  done = lax.while_loop(cond, round_, start)
+  row = row.at[jnp.where(done.local >= 0, slot, n)].set(done.local, mode="drop")
   # the new ids that waited: a duplicate may have placed theirs
-  s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
-  f3, c3 = _match(s2, p, hi, lo, new & (row < 0))
-  l3, _ = _pick(p, c3)
-  row = jnp.where(f3, l3, row)
+  after = state._replace(
+    key_hi=done.key_hi, key_lo=done.key_lo, last_seen=done.last_seen
+  )
+  twin, twin_col = _match(after, p, hi, lo, new & (row < 0))
+  twin_local, _ = _pick(p, twin_col)
+  row = jnp.where(twin, twin_local, row)
   got = row >= 0
   off = np.asarray(layout.offsets, np.int32)[tab]
   at = jnp.where(got, layout.physical(row + off), size)
-  placed = fresh < size
-  count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
+  placed = done.fresh < size
+  count = state.count.at[jnp.where(placed, done.fresh, size)].set(
+    0, mode="drop"
+  )
   count = count.at[at].add(1, mode="drop")
   count = jnp.where(count < 0, _INT_MAX, count)  # saturate
 
@@ -592,18 +610,18 @@ def admit(
     return jax.ops.segment_sum(x.astype(jnp.int32), t, ntab)
 
   inserted = per_table(placed, btab)
-  evicted = per_table(evicted, btab)
+  evicted = per_table(done.evicted, btab)
   rejected = per_table(valid & ~got, tab)
   live = state.live + inserted - evicted
   held = (rejected > 0) & (inserted == 0) & (live < np.asarray(layout.rows))
   new_state = VocabState(
     step=jnp.minimum(now, _INT_MAX - 1) + 1,
-    key_hi=key_hi,
-    key_lo=key_lo,
-    last_seen=last,
+    key_hi=done.key_hi,
+    key_lo=done.key_lo,
+    last_seen=done.last_seen,
     count=count,
-    born=born,
-    claim=claim,
+    born=done.born,
+    claim=done.claim,
     inserted=inserted,
     evicted=evicted,
     rejected=rejected,
@@ -612,7 +630,8 @@ def admit(
     sketch=sketch,
     rng=state.rng,
   )
-  return row, new_state, FreshRows(fresh, _fresh_values(state, layout, btab))
+  values = _fresh_values(state, layout, btab)
+  return row, new_state, FreshRows(done.fresh, values)
 
 
 def _fresh_values(
