@@ -576,17 +576,10 @@ def admit(
     )  # fmt: skip
 
   start = _Rounds(
-    key_hi=state.key_hi,
-    key_lo=state.key_lo,
-    last_seen=last_seen,
-    born=state.born,
-    claim=state.claim,
-    pending=used,
-    local=jnp.full(m, -1, jnp.int32),
-    fresh=jnp.full(m, size, jnp.int32),
-    evicted=jnp.zeros(m, bool),
-    moved=jnp.asarray(True),
-  )
+    state.key_hi, state.key_lo, last_seen, state.born, state.claim, used,
+    jnp.full(m, -1, jnp.int32), jnp.full(m, size, jnp.int32),
+    jnp.zeros(m, bool), jnp.asarray(True),
+  )  # fmt: skip
   done = lax.while_loop(cond, round_, start)
   row = row.at[jnp.where(done.local >= 0, slot, n)].set(done.local, mode="drop")
   # the new ids that waited: a duplicate may have placed theirs
