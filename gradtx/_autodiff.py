@@ -2,12 +2,13 @@
 ``sparse_grad``, ``sparsity_report``, ``sparse_labels``, and ``lookup``,
 the explicit read.
 
-The jaxpr reading lives in :mod:`gradtx._jaxpr`; this module plans the
-gradient (which leaves come out sparse), checks what the user required,
-and differentiates the rewritten loss. Flax nnx modules are taken as
-``nnx.value_and_grad`` takes them (their ``nnx.Param`` state, or an
-``nnx.DiffState``'s, differentiated; the rest written back), through flax's
-public API, looked up only when the caller imported it.
+The jaxpr reading lives in :mod:`gradtx._jaxpr`; this module routes each
+leaf's gradient (which leaves come out sparse: ``_Route``), checks what
+the user required, and differentiates the rewritten loss. Flax nnx
+modules are taken as ``nnx.value_and_grad`` takes them (their
+``nnx.Param`` state, or an ``nnx.DiffState``'s, differentiated; the rest
+written back), through flax's public API, looked up only when the caller
+imported it.
 """
 
 from __future__ import annotations
@@ -41,18 +42,6 @@ Argnums = int | Sequence[int] | Any
 
 # ----------------------------------------------------------------------------
 # lookup
-
-
-def _check_ids(ids: jax.Array, num_rows: int, name: str = "ids") -> jax.Array:
-  ids = jnp.asarray(narrow_ids(ids, num_rows))
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(
-      f"gradtx.lookup `{name}` must be integer row ids; got dtype "
-      f"{ids.dtype}. Cast with `.astype(jnp.int32)`."
-    )
-  # uint8 ids cannot hold a row count of 256 for the bounds compared with;
-  # uint32 ids past 2**31 are outside every table and wrap to padding.
-  return ids.astype(jnp.int32)
 
 
 def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
@@ -150,7 +139,7 @@ def lookup(
     raise ValueError(
       "gradtx.lookup `table` must have at least one axis (rows); got a scalar."
     )
-  checked = _check_ids(ids, table.shape[0])
+  checked = narrow_ids(ids, table.shape[0], "gradtx.lookup `ids`")
   if bounds_check:
     checked = _bounds_check(ids, checked, table.shape[0])
   return _lookup_rows(table, checked)
@@ -281,7 +270,11 @@ class SparsityReport(tuple):
     return f"SparsityReport({list(self)!r})"
 
 
-class _Plan(NamedTuple):
+class _Route(NamedTuple):
+  """Where each differentiated leaf's gradient goes (a SparseRows or
+  dense): the traced loss, the jaxpr reader's analysis of it and the
+  per-leaf report."""
+
   leaves: list[Any]
   treedef: Any
   closed: Any
@@ -536,7 +529,7 @@ def _finish(call: _Call, has_aux: bool, out: Any) -> Any:
   return (value, aux) if has_aux else value
 
 
-def _plan(call: _Call, dense: Any = None, require: Any = None) -> _Plan:
+def _route(call: _Call, dense: Any = None, require: Any = None) -> _Route:
   fun, args, kwargs, argnums = call.fun, call.args, call.kwargs, call.argnums
   single, has_aux = call.single, call.has_aux
   diff = tuple(args[a] for a in argnums)
@@ -574,7 +567,7 @@ def _plan(call: _Call, dense: Any = None, require: Any = None) -> _Plan:
     _leaf_record(p, a, g, p in forced, p in required)
     for p, a, g in zip(paths, avals, uses, strict=True)
   )
-  return _Plan(leaves, treedef, closed, out_tree, analysis, uses, report)
+  return _Route(leaves, treedef, closed, out_tree, analysis, uses, report)
 
 
 def _name(path: str) -> str:
@@ -613,7 +606,7 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
   fun, args, kwargs, single = call.fun, call.args, call.kwargs, call.single
   argnums, has_aux = call.argnums[0] if single else call.argnums, call.has_aux
   try:
-    plan = _plan(call, dense, require_sparse)
+    route = _route(call, dense, require_sparse)
   except _NEEDS_CONCRETE as e:
     # Eager-only Python (a concrete jnp.unique, numpy indexing) cannot be
     # traced; jax.value_and_grad runs it eagerly, and raises as it would.
@@ -630,22 +623,22 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
       stacklevel=3,
     )
     return out
-  _check_required(require_sparse, plan.report)
-  _warn_unknown(plan.report, plan.uses)
-  leaves = plan.leaves
-  frozen = [i for i, r in enumerate(plan.report) if r.frozen]
+  _check_required(require_sparse, route.report)
+  _warn_unknown(route.report, route.uses)
+  leaves = route.leaves
+  frozen = [i for i, r in enumerate(route.report) if r.frozen]
   sparse = [
     i
-    for i, r in enumerate(plan.report)
+    for i, r in enumerate(route.report)
     if r.sparse and not (r.frozen or r.every_row)
   ]
   if not sparse and not frozen:  # nothing to do: exactly jax's gradients
     out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
       *args, **kwargs
     )
-    if any(r.every_row for r in plan.report):
-      flat = plan.treedef.flatten_up_to((grads,) if single else grads)
-      grads = jax.tree.unflatten(plan.treedef, _every_row(flat, plan))
+    if any(r.every_row for r in route.report):
+      flat = route.treedef.flatten_up_to((grads,) if single else grads)
+      grads = jax.tree.unflatten(route.treedef, _every_row(flat, route))
       grads = grads[0] if single else grads
     # As below: no table copy when a dense gradient skips the reads.
     return out, _order_after(grads, out[0] if has_aux else out)
@@ -657,7 +650,7 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
   for s in sparse:
     t = leaves[s]
     sinks[s] = []
-    for r in plan.uses[s].reads:
+    for r in route.uses[s].reads:
       # Under shard_map's type checks the sink must vary over the same
       # mesh axes as the rows it is added to.
       vma = tuple(sorted(r.vma))
@@ -672,8 +665,8 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
     full = list(leaves)
     for i, x in zip(dense_slots, dense_leaves, strict=True):
       full[i] = x
-    outs, ids = _jaxpr.evaluate(plan.analysis, plan.closed, full, sinks_)
-    loss, aux = jax.tree.unflatten(plan.out_tree, outs)
+    outs, ids = _jaxpr.evaluate(route.analysis, route.closed, full, sinks_)
+    loss, aux = jax.tree.unflatten(route.out_tree, outs)
     return loss, (aux, ids)
 
   (value, (aux, ids)), (g_dense, g_sinks) = jax.value_and_grad(
@@ -689,14 +682,14 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
     idx = _concat(
       [
         _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
-        for r, i in zip(plan.uses[s].reads, ids[s], strict=True)
+        for r, i in zip(route.uses[s].reads, ids[s], strict=True)
       ]
     )
     vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
     # As jax.grad: under shard_map's type checks the gradient of a
     # replicated table is the sum over the axes its ids vary along, which
     # for rows is the gather of every replica's rows.
-    axes = frozenset().union(*(r.vma for r in plan.uses[s].reads))
+    axes = frozenset().union(*(r.vma for r in route.uses[s].reads))
     axes = tuple(sorted(axes - varying_axes(t)))
     if axes:
       idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
@@ -711,7 +704,7 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
       unique=True,
       normalized=True,
     )
-  grads = jax.tree.unflatten(plan.treedef, _every_row(out, plan))
+  grads = jax.tree.unflatten(route.treedef, _every_row(out, route))
   grads = grads[0] if single else grads
   # Every forward read of a table before any in-place write of its update:
   # else XLA copies a donated table when the gradient does not read the
@@ -915,7 +908,7 @@ def sparsity_report(
 
   def report_fn(*args, **kwargs):
     call = _prepare(fun, argnum_tuple, single, has_aux, args, kwargs)
-    return _plan(call, dense, require_sparse).report
+    return _route(call, dense, require_sparse).report
 
   return report_fn
 
@@ -982,9 +975,9 @@ def sparse_labels(
 
   def labels_fn(*args, **kwargs):
     call = _prepare(fun, argnum_tuple, single, has_aux, args, kwargs)
-    plan = _plan(call, dense, require_sparse)
-    labels = [sparse_label if r.sparse else dense_label for r in plan.report]
-    tree = jax.tree.unflatten(plan.treedef, labels)
+    route = _route(call, dense, require_sparse)
+    labels = [sparse_label if r.sparse else dense_label for r in route.report]
+    tree = jax.tree.unflatten(route.treedef, labels)
     # Whoever passed nnx objects imported flax: look it up, never import it.
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None:
@@ -994,7 +987,7 @@ def sparse_labels(
   return labels_fn
 
 
-def _every_row(flat: list[Any], plan: _Plan) -> list[Any]:
+def _every_row(flat: list[Any], route: _Route) -> list[Any]:
   """The flat gradients with each dense gradient of an ``every_row`` table
   as the SparseRows of all its rows (ids ``0..rows-1``), so a table keeps
   one gradient form whatever the batch size."""
@@ -1008,7 +1001,7 @@ def _every_row(flat: list[Any], plan: _Plan) -> list[Any]:
     )
     if r.every_row
     else g
-    for g, r in zip(flat, plan.report, strict=True)
+    for g, r in zip(flat, route.report, strict=True)
   ]
 
 

@@ -489,6 +489,9 @@ def plan_stacks(
         tuple(tables[t].hashed for t, _ in hashed),
         s.size,
         s.shards,
+        tuple(tables[t].initializer or default_init for t, _ in hashed),
+        s.dim,
+        s.dtype,
       )
   return StackPlan(
     tables, features, batch_size, shards, lanes, stacks, outside, maps

@@ -23,6 +23,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from gradtx._autodiff import lookup
+from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int
 from gradtx._vocab import Words
 
@@ -330,67 +331,87 @@ class _Bag(NamedTuple):
   per_example: int  # ids per example for the dense forms, 0 if jagged
 
 
-def _bag(name: str, x: Any, w: Any) -> _Bag:
+class Feature(NamedTuple):
+  """One feature of a dict input, its form checked (:func:`feature_form`)."""
+
+  ids: Any  # as given: [B], [B, L], or a Jagged's [capacity]
+  lengths: jax.Array | None  # a Jagged's [B] integer lengths; else None
+  weights: Any  # per-id weights, the ids' shape; None: every id weighs 1
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  return tuple(np.shape(x.hi if isinstance(x, Words) else x))
+
+
+def feature_form(name: str, x: Any, w: Any, what: str) -> Feature:
+  """The one parser of a feature's input form, for the TableStack method
+  ``what`` (``"lookup"``, ``"admit"``) that names it in its errors:
+  ``[B]`` ids, ``[B, L]`` bags with ``w`` (``weights[name]``, or None) of
+  their shape, or a :class:`Jagged`. Its ids stay as given (row ids, or
+  raw ids of a hashed table); only their shapes are checked."""
+  where = f"gradtx.TableStack.{what}: feature {name!r}"
   if isinstance(x, Jagged):
     if w is not None:
       raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r} is Jagged; put its "
-        "weights in `Jagged(..., weights=...)`, not in `weights`."
+        f"{where} is Jagged; put its weights in `Jagged(..., weights=...)`, "
+        "not in `weights`."
       )
-    ids = jnp.asarray(x.ids)
-    lengths = jnp.asarray(x.lengths)
-    if ids.ndim != 1 or lengths.ndim != 1:
+    shape, lengths = _shape(x.ids), jnp.asarray(x.lengths)
+    if len(shape) != 1 or lengths.ndim != 1:
       raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `ids` must be "
-        f"[capacity] and `lengths` [B]; got {ids.shape} and {lengths.shape}."
+        f"{where}: Jagged `ids` must be [capacity] and `lengths` [B]; got "
+        f"{shape} and {lengths.shape}."
       )
-    _check_int(name, ids)
-    _check_int(name, lengths, "lengths")
-    ends = jnp.cumsum(lengths.astype(jnp.int32))
+    _check_lengths(name, lengths, what)
+    if x.weights is not None and _shape(x.weights) != shape:
+      raise ValueError(
+        f"{where}: Jagged `weights` must have the ids' shape {shape}; got "
+        f"{_shape(x.weights)}."
+      )
+    return Feature(x.ids, lengths, x.weights)
+  shape = _shape(x)
+  if len(shape) not in (1, 2):
+    raise ValueError(
+      f"{where} has ids of shape {shape}; pass [B] ids, [B, L] bags or a "
+      "gradtx.Jagged."
+    )
+  if w is not None and _shape(w) != shape:
+    raise ValueError(
+      f"gradtx.TableStack.{what}: `weights[{name!r}]` must have the ids' "
+      f"shape {shape}; got {_shape(w)}."
+    )
+  return Feature(x, None, w)
+
+
+def _bag(name: str, x: Any, w: Any) -> _Bag:
+  form = feature_form(name, x, w, "lookup")
+  ids = _ids(name, form.ids)
+  weight = None if form.weights is None else jnp.asarray(form.weights)
+  if form.lengths is not None:
+    ends = jnp.cumsum(form.lengths.astype(jnp.int32))
     slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
     segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
-    weight = None if x.weights is None else jnp.asarray(x.weights)
-    if weight is not None and weight.shape != ids.shape:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: feature {name!r}: Jagged `weights` "
-        f"must have the ids' shape {ids.shape}; got {weight.shape}."
-      )
     # slots past the last bag belong to no example
-    return _Bag(ids, segment, weight, lengths.shape[0], 0)
-  ids = jnp.asarray(x)
-  _check_int(name, ids)
-  if ids.ndim not in (1, 2):
-    raise ValueError(
-      f"gradtx.TableStack.lookup: feature {name!r} has ids of shape "
-      f"{ids.shape}; pass [B] ids, [B, L] bags or a gradtx.Jagged."
-    )
-  if w is not None:
-    w = jnp.asarray(w)
-    if w.shape != ids.shape:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: `weights[{name!r}]` must have the ids' "
-        f"shape {ids.shape}; got {w.shape}."
-      )
-    w = w.reshape(-1)
+    return _Bag(ids, segment, weight, form.lengths.shape[0], 0)
+  weight = None if weight is None else weight.reshape(-1)
   per = 1 if ids.ndim == 1 else ids.shape[1]
-  return _Bag(ids.reshape(-1), None, w, ids.shape[0], per)
+  return _Bag(ids.reshape(-1), None, weight, ids.shape[0], per)
 
 
-def _check_int(name: str, x: jax.Array, what: str = "ids") -> None:
-  if not jnp.issubdtype(x.dtype, jnp.integer):
+def _ids(name: str, x: Any) -> jax.Array:
+  """Feature ``name``'s ids as int32 (:func:`narrow_ids`): an id no int32
+  holds is padding."""
+  return narrow_ids(
+    x, MAX_ROWS, f"gradtx.TableStack.lookup: feature {name!r} `ids`"
+  )
+
+
+def _check_lengths(name: str, lengths: jax.Array, what: str) -> None:
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(
-      f"gradtx.TableStack.lookup: feature {name!r} has {what} of dtype "
-      f"{x.dtype}; pass integers (`.astype(jnp.int32)`)."
+      f"gradtx.TableStack.{what}: feature {name!r} has `lengths` of dtype "
+      f"{lengths.dtype}; pass integers (`.astype(jnp.int32)`)."
     )
-
-
-def _int32_ids(x: jax.Array) -> jax.Array:
-  """Ids as int32; an id no int32 holds (64-bit, or uint32 past 2**31 - 1)
-  becomes -1, padding."""
-  if x.dtype.itemsize < 4 or x.dtype == jnp.int32:
-    return x.astype(jnp.int32)
-  fits = (x >= 0) & (x <= np.iinfo(np.int32).max)
-  return jnp.where(fits, x.astype(jnp.int32), -1)
 
 
 def joined(parts: list[jax.Array]) -> jax.Array:
@@ -452,7 +473,7 @@ def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
     for b in bags
   ]
   weights = [w.astype(jnp.float32) for w in weights]
-  ids = [_int32_ids(b.ids) for b in bags]
+  ids = [b.ids for b in bags]
   if all(b.per_example == 1 for b in bags):
     weight = _columns(weights) if weighted else None
     feature = np.arange(nf, dtype=np.int32)[None]
@@ -486,7 +507,6 @@ def keyed_batch(x: Keyed | KeyedJagged) -> int:
     )
   if isinstance(x, Keyed):
     v = jnp.asarray(x.values)
-    _check_int(f"{what}", v, "values")
     if v.ndim not in (2, 3):
       raise ValueError(
         "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
@@ -494,8 +514,7 @@ def keyed_batch(x: Keyed | KeyedJagged) -> int:
       )
     return v.shape[0]
   ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
-  _check_int(what, ids)
-  _check_int(what, lengths, "lengths")
+  _check_lengths(what, lengths, "lookup")
   if ids.ndim != 1:
     raise ValueError(
       f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
@@ -514,7 +533,9 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
   order) of a keyed input, with no op per feature."""
   if isinstance(x, KeyedJagged):
     return _jagged_reader(x)
-  values = _int32_ids(jnp.asarray(x.values))
+  values = narrow_ids(
+    x.values, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.Keyed `values`"
+  )
   weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   batch, width = values.shape[:2]
 
@@ -541,7 +562,9 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
 
 
 def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
-  ids = _int32_ids(jnp.asarray(x.ids))
+  ids = narrow_ids(
+    x.ids, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.KeyedJagged `ids`"
+  )
   lengths = jnp.asarray(x.lengths).astype(jnp.int32)
   weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   keys, batch = len(x.names), lengths.shape[1]
@@ -667,7 +690,7 @@ def dict_reader(
   def columns(what: str, feats: list[str]) -> jax.Array:
     if what not in joined_columns:
       if what == "ids":
-        parts = [_int32_ids(bags[f].ids) for f in one_hot]
+        parts = [bags[f].ids for f in one_hot]
       else:
         parts = [
           jnp.ones([batch], jnp.float32)

@@ -7,7 +7,7 @@
 the row I/O (:mod:`gradtx._rowio`), the same path as
 :func:`gradtx.apply_updates`; flattening it inside a function that would
 corrupt it raises (:mod:`gradtx._flatten_guard`). Beside the type:
-:func:`narrow_ids` (64-bit ids to int32), :func:`check_rows_match` (a
+:func:`narrow_ids` (any integer ids to int32), :func:`check_rows_match` (a
 SparseRows against the array it is added to) and :data:`MAX_ROWS`.
 """
 
@@ -49,25 +49,40 @@ def _check_num_rows(num_rows: Any) -> int:
   return int(num_rows)
 
 
-def narrow_ids(ids: Any, num_rows: int) -> Any:
-  """Row ids of a 64-bit integer dtype as int32, those outside
-  ``[0, num_rows)`` replaced by ``num_rows`` (padding); other ids as given.
+def narrow_ids(ids: Any, num_rows: int, what: str) -> jax.Array:
+  """Integer row ids as an int32 array, the one narrowing of ids in gradtx.
 
-  Without x64, ``jnp.asarray`` would wrap a numpy int64 id such as
-  ``2**32 + 1`` onto row 1; row ids are int32 everywhere in gradtx. (An
-  int64 argument of a jitted function is narrowed by JAX at the jit
-  boundary, before gradtx sees it: pass int32 ids to jitted steps.)
+  An id of a 64-bit dtype outside ``[0, num_rows)`` becomes ``num_rows``
+  (padding): without x64, ``jnp.asarray`` would wrap a numpy int64 id such
+  as ``2**32 + 1`` onto row 1. (An int64 argument of a jitted function is
+  narrowed by JAX at the jit boundary, before gradtx sees it: pass int32
+  ids to jitted steps.) A narrower dtype is cast (a uint8 id could not
+  be compared with a row count of 256): a uint32 id past ``2**31 - 1``
+  wraps to a negative id, padding too. ``what`` names the
+  ids in the error for a dtype that is not an integer (``"gradtx.lookup
+  `ids`"``).
   """
   if not isinstance(ids, jax.Array):
     try:  # lists, Python ints, torch tensors: their ids may be 64-bit too
       ids = np.asarray(ids)
     except Exception:  # jnp.asarray reports it
-      return ids
-  if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.dtype.itemsize <= 4:
-    return ids
-  xp = jnp if isinstance(ids, jax.Array) else np
-  in_range = (ids >= 0) & (ids < num_rows)
-  return xp.where(in_range, ids, num_rows).astype(np.int32)
+      pass
+  dtype = getattr(ids, "dtype", None)
+  if (
+    dtype is not None
+    and jnp.issubdtype(dtype, jnp.integer)
+    and jnp.dtype(dtype).itemsize > 4
+  ):
+    xp = jnp if isinstance(ids, jax.Array) else np
+    in_range = (ids >= 0) & (ids < num_rows)
+    ids = xp.where(in_range, ids, num_rows).astype(np.int32)
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(
+      f"{what} must be integer row ids; got dtype {ids.dtype}. Cast them "
+      "with `.astype(jnp.int32)`."
+    )
+  return ids.astype(jnp.int32)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -128,13 +143,8 @@ class SparseRows:
     normalized: bool = False,
   ):
     num_rows = _check_num_rows(num_rows)
-    indices = jnp.asarray(narrow_ids(indices, num_rows))
+    indices = narrow_ids(indices, num_rows, "SparseRows `indices`")
     values = jnp.asarray(values)
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-      raise TypeError(
-        "SparseRows `indices` must have an integer dtype; got "
-        f"{indices.dtype}. Cast ids with `.astype(jnp.int32)`."
-      )
     if indices.ndim != 1:
       raise ValueError(
         f"SparseRows `indices` must be 1-D `[n]`; got shape {indices.shape}."
@@ -146,7 +156,7 @@ class SparseRows:
         f"len(indices) = {indices.shape[0]}; got values of shape "
         f"{values.shape}."
       )
-    self._indices = indices.astype(jnp.int32)
+    self._indices = indices
     self._values = values
     self._num_rows = num_rows
     self._unique = bool(unique)

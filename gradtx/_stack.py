@@ -32,16 +32,15 @@ from gradtx._plan import (
   StackPlan,
   StackSpec,
   TableSpec,
-  default_init,
   default_tables,
   plan_stacks,
 )
 from gradtx._pooled import (
   COMBINERS,
-  Jagged,
   Keyed,
   KeyedJagged,
   dict_reader,
+  feature_form,
   joined,
   keyed_batch,
   keyed_reader,
@@ -313,13 +312,11 @@ class TableStack:
       slots = self._raw_slots(name, ids, weights, "admit")
       if slots is None:
         continue
-      state = vocab[name]
       bound = _vocab.budgets(layout, slots.tab, max_new)
-      rows, new_vocab[name], placed, tab = _vocab.admit(
-        state, layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
+      rows, new_vocab[name], fresh[name] = _vocab.admit(
+        vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
       )
       out.update(slots.rebuild(rows))
-      fresh[name] = FreshRows(placed, self._fresh_values(name, state, tab))
     return out, new_vocab, fresh
 
   def drop_reassigned(
@@ -413,31 +410,19 @@ class TableStack:
       return None
     his, los, oks, tabs, backs = [], [], [], [], []
     for f in feats:
-      x, w = ids[f], weights.get(f)
-      jag = isinstance(x, Jagged)
-      raw = x.ids if jag else x
-      split, lo, pad = _vocab.raw_words(raw, f"feature {f!r}")
+      x = ids[f]
+      form = feature_form(f, x, weights.get(f), what)
+      split, lo, pad = _vocab.raw_words(form.ids, f"feature {f!r}")
       # the map's work is over the whole step's ids: split over a data-
       # parallel batch, they are gathered first, and the rows split back
       hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
-      shape = hi.shape
       ok = ~pad
+      jag = form.lengths is not None
       if jag:
-        if hi.ndim != 1:
-          raise ValueError(
-            f"gradtx.TableStack.{what}: feature {f!r}: Jagged `ids` must be "
-            f"[capacity]; got {shape}."
-          )
-        total = jnp.sum(unsplit(jnp.asarray(x.lengths)).astype(jnp.int32))
-        ok = ok & (jnp.arange(shape[0]) < total)
-        w = x.weights
-      elif hi.ndim not in (1, 2):
-        raise ValueError(
-          f"gradtx.TableStack.{what}: feature {f!r} has ids of shape {shape}; "
-          "pass [B] ids, [B, L] bags or a gradtx.Jagged."
-        )
-      if w is not None:
-        ok = ok & (unsplit(jnp.asarray(w)) != 0)
+        total = jnp.sum(unsplit(form.lengths).astype(jnp.int32))
+        ok = ok & (jnp.arange(hi.shape[0]) < total)
+      if form.weights is not None:
+        ok = ok & (unsplit(jnp.asarray(form.weights)) != 0)
       his.append(hi.reshape(-1))
       los.append(lo.reshape(-1))
       oks.append(ok.reshape(-1))
@@ -462,29 +447,6 @@ class TableStack:
       np.concatenate(tabs).astype(np.int32),
       rebuild,
     )
-
-  def _fresh_values(self, name, state, tab) -> jax.Array:
-    """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
-    table ``tab[k]``): each table's initializer, keyed by the map's key and
-    step."""
-    layout, s = self.maps[name], self.stacks[name]
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    n = tab.shape[0]
-    groups: dict[Any, list[int]] = {}
-    for k, t in enumerate(layout.tables):
-      groups.setdefault(self.tables[t].initializer, []).append(k)
-    values = None
-    for g, (init, members) in enumerate(groups.items()):
-      v = (init or default_init)(
-        jax.random.fold_in(key, g), (n, s.dim), jnp.dtype(s.dtype)
-      ).astype(s.dtype)
-      if values is None:
-        values = v
-      else:
-        values = jnp.where(
-          jnp.isin(tab, np.asarray(members))[:, None], v, values
-        )
-    return values
 
   # -- the lookup -----------------------------------------------------------
   def lookup(
@@ -602,7 +564,7 @@ class TableStack:
         ids, weights, [f for f in self.features if f in set(names)]
       )
     out, parts = {}, []
-    for where, feats in self._groups(names):
+    for where, feats in self._by_array(names):
       s = self.stacks.get(where)
       tables = [self.features[f] for f in feats]
       pooled = pool_rows(
@@ -636,22 +598,22 @@ class TableStack:
       return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     return {f: out[f] for f in names}
 
-  def _groups(self, features: Any) -> list[tuple[str, list[str]]]:
+  def _by_array(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
     each table outside; features in the order of ``features`` declared to
     the stack (never the order given: ``jax.jit`` sorts a dict's keys)."""
     given = set(features)
     declared = [f for f in self.features if f in given]
-    groups = []
+    by_array = []
     for name, s in self.stacks.items():
       feats = [f for f in declared if self.features[f] in s.tables]
       if feats:
-        groups.append((name, feats))
+        by_array.append((name, feats))
     for t in self.outside:
       feats = [f for f in declared if self.features[f] == t]
       if feats:
-        groups.append((t, feats))
-    return groups
+        by_array.append((t, feats))
+    return by_array
 
   def concat_order(self, ids: Any) -> list[str]:
     """The features of ``lookup(..., concat=True)``'s array, in order:
@@ -660,7 +622,7 @@ class TableStack:
     only on which features ``ids`` holds, not on the order of its keys, so
     it is the same eagerly and under ``jax.jit`` (which sorts a dict's
     keys)."""
-    return [f for _, feats in self._groups(ids) for f in feats]
+    return [f for _, feats in self._by_array(ids) for f in feats]
 
 
 class _RawSlots(NamedTuple):

@@ -29,9 +29,10 @@ finds its twin's, or loses one of its ``probes`` rows, so there are at most
 ``probes`` rounds. The same ids in the same order give the same rows on
 every backend.
 
-A row given to a new id is fresh: :meth:`gradtx.TableStack.admit` returns
-its new values (the table's initializer) as :class:`gradtx.FreshRows`,
-and :func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
+A row given to a new id is fresh: the map draws its new values from the
+table's initializer (the layout carries it), keyed by the map's key and
+step, and returns them as :class:`gradtx.FreshRows`;
+:func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
 and resets the row in every optimizer state, so that the new id inherits
 nothing from the old one, and :func:`drop_reassigned` keeps a gradient
 computed before a row was given out (a late one, in asynchronous training)
@@ -44,7 +45,7 @@ import dataclasses
 import functools
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gradtx._fresh_rows import drop_entries
+from gradtx._fresh_rows import FreshRows, drop_entries
 from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
 from gradtx._static import is_int
@@ -311,7 +312,8 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """What the map of one stack needs from the plan: its hashed tables, their
-  first logical rows, sizes and settings, and where a logical row lives."""
+  first logical rows, sizes, settings and initializers, the stack's row
+  width and dtype, and where a logical row lives."""
 
   tables: tuple[str, ...]
   offsets: tuple[int, ...]
@@ -319,6 +321,10 @@ class Layout:
   settings: tuple[Hashed, ...]
   size: int  # rows of the stack's array
   shards: int  # the stack's round-robin split (_sharded.spread_row)
+  # each table's initializer(key, shape, dtype), the rows given to new ids
+  initializers: tuple[Callable[..., Any], ...]
+  dim: int
+  dtype: Any
 
   def physical(self, p: Any) -> Any:
     return spread_row(p, self.size, self.shards)
@@ -401,6 +407,22 @@ def _match(state: VocabState, p: _Probe, hi, lo, want) -> tuple[Any, Any]:
   return m.any(1), jnp.argmax(m, axis=1)
 
 
+class _Rounds(NamedTuple):
+  """The carry of the placement rounds: the map's fields they write, and
+  per slot of the placement buffer (``[m]``) how its id fares."""
+
+  key_hi: jax.Array  # uint32 [rows]
+  key_lo: jax.Array  # uint32 [rows]
+  last_seen: jax.Array  # int32 [rows]
+  born: jax.Array  # int32 [rows]
+  claim: jax.Array  # int32 [rows], 2**31 - 1 again after each round
+  pending: jax.Array  # bool [m], the id still looks for a row
+  local: jax.Array  # int32 [m], the table-local row it got or found; -1
+  fresh: jax.Array  # int32 [m], the array row it was given; rows: none
+  evicted: jax.Array  # bool [m], that row held a live id
+  moved: jax.Array  # bool [], some id got or found a row this round
+
+
 def _pick(p: _Probe, col: jax.Array) -> tuple[jax.Array, jax.Array]:
   c = col[:, None]
   return (
@@ -458,10 +480,10 @@ def admit(
   tab: np.ndarray,
   valid,
   max_new: np.ndarray,
-) -> tuple[jax.Array, VocabState, jax.Array, np.ndarray]:
+) -> tuple[jax.Array, VocabState, FreshRows]:
   """Maps ids to rows, placing new ones: ``(local rows or -1, new state,
-  fresh array rows [sum(max_new)] with ``layout.size`` for none, their
-  hashed tables [sum(max_new)], static)``.
+  fresh rows)``, the fresh rows ``[sum(max_new)]`` array rows
+  (``layout.size`` for none) and their new values (:func:`_fresh_values`).
 
   ``hi, lo, valid``: ``[n]`` id words and which slots are ids (not
   padding); ``tab``: static ``[n]``, each slot's hashed table;
@@ -505,6 +527,7 @@ def admit(
   k = jnp.minimum(slot, n - 1)
   btab = np.repeat(np.arange(ntab, dtype=np.int32), bound)
   btab = np.pad(btab, (0, m - btab.shape[0]))
+  # per slot of the buffer (b-): its id, window and hashed table
   bhi, blo = hi[k], lo[k]
   bp = _Probe(p.local[k], p.phys[k], p.inwin[k] & used[:, None])
   rank = jnp.arange(m, dtype=jnp.int32)
@@ -513,12 +536,11 @@ def admit(
   ttl = np.asarray([-1 if s.ttl is None else s.ttl for s in settings], np.int32)
   ttl = ttl[btab]
 
-  def cond(c):
-    return c[-1] & c[5].any()
+  def cond(c: _Rounds) -> jax.Array:
+    return c.moved & c.pending.any()
 
-  def round_(c):
-    key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted, _ = c
-    ls = last[bp.phys]
+  def round_(c: _Rounds) -> _Rounds:
+    ls = c.last_seen[bp.phys]
     empty = ls < 0
     old = (ttl[:, None] < 0) | (now - ls > ttl[:, None])
     ok = bp.inwin & (empty | ((ls < now) & old))
@@ -526,59 +548,54 @@ def admit(
     first = jnp.where(ok, jnp.where(empty, -1, cnt), _INT_MAX)
     tie = ok & (first == first.min(1, keepdims=True))
     col = jnp.argmin(jnp.where(tie, ls, _INT_MAX), axis=1)
-    has = pending & ok.any(1)
+    has = c.pending & ok.any(1)
     local, choice = _pick(bp, col)
     tgt = jnp.where(has, choice, size)
-    claim = claim.at[tgt].min(rank, mode="drop")
+    claim = c.claim.at[tgt].min(rank, mode="drop")
     won = has & (claim[jnp.minimum(choice, size - 1)] == rank)
     claim = claim.at[tgt].set(_INT_MAX, mode="drop")
     wt = jnp.where(won, choice, size)
-    was_live = won & (last[jnp.minimum(choice, size - 1)] >= 0)
-    key_hi = key_hi.at[wt].set(bhi, mode="drop")
-    key_lo = key_lo.at[wt].set(blo, mode="drop")
-    last = last.at[wt].set(now, mode="drop")
-    born = born.at[wt].set(now, mode="drop")
-    brow = jnp.where(won, local, brow)
-    fresh = jnp.where(won, choice, fresh)
-    evicted = evicted | was_live
-    pending = pending & ~won
+    was_live = won & (c.last_seen[jnp.minimum(choice, size - 1)] >= 0)
+    key_hi = c.key_hi.at[wt].set(bhi, mode="drop")
+    key_lo = c.key_lo.at[wt].set(blo, mode="drop")
+    last_seen = c.last_seen.at[wt].set(now, mode="drop")
+    born = c.born.at[wt].set(now, mode="drop")
+    local = jnp.where(won, local, c.local)
+    fresh = jnp.where(won, choice, c.fresh)
+    evicted = c.evicted | was_live
+    pending = c.pending & ~won
     # a duplicate of an id placed this round finds it now
-    s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
-    f2, c2 = _match(s2, bp, bhi, blo, pending)
-    l2, _ = _pick(bp, c2)
-    brow = jnp.where(f2, l2, brow)
-    pending = pending & ~f2
-    return (
-      key_hi, key_lo, last, born, claim, pending, brow, fresh, evicted,
-      won.any() | f2.any(),
+    after = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last_seen)
+    twin, twin_col = _match(after, bp, bhi, blo, pending)
+    twin_local, _ = _pick(bp, twin_col)
+    local = jnp.where(twin, twin_local, local)
+    pending = pending & ~twin
+    return _Rounds(
+      key_hi, key_lo, last_seen, born, claim, pending, local, fresh, evicted,
+      won.any() | twin.any(),
     )  # fmt: skip
 
-  carry = (
-    state.key_hi,
-    state.key_lo,
-    last_seen,
-    state.born,
-    state.claim,
-    used,
-    jnp.full(m, -1, jnp.int32),
-    jnp.full(m, size, jnp.int32),
-    jnp.zeros(m, bool),
-    jnp.asarray(True),
-  )
-  key_hi, key_lo, last, born, claim, _, brow, fresh, evicted, _ = (
-    lax.while_loop(cond, round_, carry)
-  )
-  row = row.at[jnp.where(brow >= 0, slot, n)].set(brow, mode="drop")
+  start = _Rounds(
+    state.key_hi, state.key_lo, last_seen, state.born, state.claim, used,
+    jnp.full(m, -1, jnp.int32), jnp.full(m, size, jnp.int32),
+    jnp.zeros(m, bool), jnp.asarray(True),
+  )  # fmt: skip
+  done = lax.while_loop(cond, round_, start)
+  row = row.at[jnp.where(done.local >= 0, slot, n)].set(done.local, mode="drop")
   # the new ids that waited: a duplicate may have placed theirs
-  s2 = state._replace(key_hi=key_hi, key_lo=key_lo, last_seen=last)
-  f3, c3 = _match(s2, p, hi, lo, new & (row < 0))
-  l3, _ = _pick(p, c3)
-  row = jnp.where(f3, l3, row)
+  after = state._replace(
+    key_hi=done.key_hi, key_lo=done.key_lo, last_seen=done.last_seen
+  )
+  twin, twin_col = _match(after, p, hi, lo, new & (row < 0))
+  twin_local, _ = _pick(p, twin_col)
+  row = jnp.where(twin, twin_local, row)
   got = row >= 0
   off = np.asarray(layout.offsets, np.int32)[tab]
   at = jnp.where(got, layout.physical(row + off), size)
-  placed = fresh < size
-  count = state.count.at[jnp.where(placed, fresh, size)].set(0, mode="drop")
+  placed = done.fresh < size
+  count = state.count.at[jnp.where(placed, done.fresh, size)].set(
+    0, mode="drop"
+  )
   count = count.at[at].add(1, mode="drop")
   count = jnp.where(count < 0, _INT_MAX, count)  # saturate
 
@@ -586,18 +603,18 @@ def admit(
     return jax.ops.segment_sum(x.astype(jnp.int32), t, ntab)
 
   inserted = per_table(placed, btab)
-  evicted = per_table(evicted, btab)
+  evicted = per_table(done.evicted, btab)
   rejected = per_table(valid & ~got, tab)
   live = state.live + inserted - evicted
   held = (rejected > 0) & (inserted == 0) & (live < np.asarray(layout.rows))
   new_state = VocabState(
     step=jnp.minimum(now, _INT_MAX - 1) + 1,
-    key_hi=key_hi,
-    key_lo=key_lo,
-    last_seen=last,
+    key_hi=done.key_hi,
+    key_lo=done.key_lo,
+    last_seen=done.last_seen,
     count=count,
-    born=born,
-    claim=claim,
+    born=done.born,
+    claim=done.claim,
     inserted=inserted,
     evicted=evicted,
     rejected=rejected,
@@ -606,7 +623,29 @@ def admit(
     sketch=sketch,
     rng=state.rng,
   )
-  return row, new_state, fresh, btab
+  values = _fresh_values(state, layout, btab)
+  return row, new_state, FreshRows(done.fresh, values)
+
+
+def _fresh_values(
+  state: VocabState, layout: Layout, tab: np.ndarray
+) -> jax.Array:
+  """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
+  table ``tab[k]``): each table's initializer, keyed by the map's key and
+  step; the tables of one initializer share one draw."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+  n, dtype = tab.shape[0], jnp.dtype(layout.dtype)
+  by_init: dict[Any, list[int]] = {}
+  for k, init in enumerate(layout.initializers):
+    by_init.setdefault(init, []).append(k)
+  values = None
+  for g, (init, members) in enumerate(by_init.items()):
+    v = init(jax.random.fold_in(key, g), (n, layout.dim), dtype).astype(dtype)
+    if values is None:
+      values = v
+    else:
+      values = jnp.where(jnp.isin(tab, np.asarray(members))[:, None], v, values)
+  return values
 
 
 def check_not_split(state: VocabState, what: str) -> None:

@@ -155,7 +155,7 @@ def _unbound_axis():
 ROWS = [
   # SparseRows
   Row(1, lambda: gtx.SparseRows(jnp.array([0.0]), jnp.ones((1, 2)), 4),
-      error=(TypeError, "`indices` must have an integer dtype")),
+      error=(TypeError, "`indices` must be integer row ids")),
   Row(2, lambda: gtx.SparseRows(jnp.zeros((1, 1), int), jnp.ones((1, 2)), 4),
       error=(ValueError, "`indices` must be 1-D")),
   Row(3, lambda: gtx.SparseRows(jnp.array([0, 1]), jnp.ones((3, 2)), 4),

@@ -1,6 +1,6 @@
 """The package's layout: the import graph of gradtx/ has no cycle, no
 module uses a private name (``_x``) of another, and docs/contributing.md's
-module map lists every module in import order.
+module map lists every module in import order and gives each one job.
 
 Read from the source with ``ast``, so an import inside a function counts as
 much as one at the top of a module.
@@ -214,9 +214,15 @@ def test_platform_code_goes_through_the_one_wrapper():
   )
 
 
-def test_the_module_map_lists_every_module_in_import_order():
+def _module_map() -> dict[str, str]:
+  """docs/contributing.md's module map: module -> what it holds, in the
+  map's order."""
   doc = (PACKAGE.parent / "docs" / "contributing.md").read_text()
-  listed = re.findall(r"^\| `(_\w+)\.py` \|", doc, re.M)
+  return dict(re.findall(r"^\| `(_\w+)\.py` \| (.*) \|$", doc, re.M))
+
+
+def test_the_module_map_lists_every_module_in_import_order():
+  listed = list(_module_map())
   modules = sorted(set(MODULES) - {"__init__"})
   assert sorted(listed) == modules, (
     "docs/contributing.md's module map must list each module of gradtx/ "
@@ -250,3 +256,47 @@ def test_no_module_outgrows_one_job():
     f"modules over {MAX_MODULE_LINES} lines: {long}; split them by job "
     "(docs/contributing.md's module map gives each its own line)"
   )
+
+
+# The jobs of the table stack family (issue 47), each one module's: its line
+# in the map opens with the job, and no other line's job names it.
+STACK_JOBS = {
+  "plan": "_plan",
+  "pooled read": "_pooled",
+  "id map": "_vocab",
+  "fresh rows": "_fresh_rows",
+  "facade": "_stack",
+}
+
+
+def _job(what: str) -> str:
+  """The job a line of the map opens with: its text up to the first
+  ``": "`` outside backticks ("" if none)."""
+  outside = re.sub(r"`[^`]*`", lambda m: "x" * len(m.group()), what)
+  at = outside.find(": ")
+  return what[:at] if at > 0 else ""
+
+
+def test_the_module_map_gives_each_module_one_job():
+  jobs = {m: _job(what) for m, what in _module_map().items()}
+  assert jobs, "docs/contributing.md's module map was not read"
+  headless = [m for m, job in jobs.items() if not job]
+  assert not headless, (
+    f"{headless}: open each line of docs/contributing.md's module map with "
+    "its module's one job, then a colon and what it holds"
+  )
+  shared = {
+    job: [m for m in jobs if jobs[m] == job]
+    for job in set(jobs.values())
+    if list(jobs.values()).count(job) > 1
+  }
+  assert not shared, f"modules share a job in the module map: {shared}"
+  for word, module in STACK_JOBS.items():
+    holders = [
+      m for m, job in jobs.items() if re.search(rf"\b{word}s?\b", job, re.I)
+    ]
+    assert holders == [module], (
+      f"the stack family's job {word!r} must be the job of gradtx/{module}.py "
+      f"alone in docs/contributing.md's module map; the jobs naming it: "
+      f"{ {m: jobs[m] for m in holders} }"
+    )

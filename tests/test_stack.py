@@ -260,7 +260,7 @@ def test_bad_input_names_the_argument():
       params,
       {"user_id": jnp.zeros(2, jnp.int32), "item_id": jnp.zeros(3, jnp.int32)},
     )
-  with pytest.raises(TypeError, match="pass integers"):
+  with pytest.raises(TypeError, match="'user_id' `ids` must be integer row"):
     stack.lookup(params, {"user_id": jnp.zeros(2)})
   with pytest.raises(ValueError, match="`weights\\['history'\\]` must have"):
     stack.lookup(

@@ -512,6 +512,20 @@ def test_bad_input_names_the_argument():
     )
   with pytest.raises(TypeError, match="float32"):
     stack.admit(stack.init_vocab(jax.random.key(0)), {"a1": np.zeros(2)})
+  # the input forms' errors are lookup's, named for admit
+  jag = gtx.Jagged(np.zeros(3, np.int32), np.ones(2, np.int32))
+  for ids, weights, match in (
+    ({"a1": jag}, {"a1": np.ones(3)}, "admit: feature 'a1' is Jagged"),
+    (
+      {"a1": np.zeros((2, 3), np.int32)},
+      {"a1": np.ones((2, 2))},
+      r"admit: `weights\['a1'\]` must have the ids' shape \(2, 3\)",
+    ),
+    ({"a1": np.zeros((2, 3, 1), np.int32)}, None, "admit: .* has ids of shape"),
+    ({"a1": jag._replace(lengths=np.ones(2))}, None, "`lengths` of dtype"),
+  ):
+    with pytest.raises((ValueError, TypeError), match=match):
+      stack.admit(stack.init_vocab(jax.random.key(0)), ids, weights=weights)
   for bad, match in (
     (0, "max_new"),
     (1.5, "max_new"),
