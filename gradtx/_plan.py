@@ -427,7 +427,7 @@ def plan_stacks(
       lanes,
       "lanes",
       " (the stacks the tables of one width and dtype are spread over) or "
-      "None (two on a CPU for a step of many reads, see TableStack)",
+      "None (two on a CPU at a batch_size of 2048 or more, see TableStack)",
     )
   per_key = {
     key: lanes or _auto_lanes(names, batch_size, shards)

@@ -685,6 +685,7 @@ def dict_reader(
     )
   batch = sizes.pop()
   one_hot = [f for f in (declared or list(ids)) if bags[f].per_example == 1]
+  column_of = {f: k for k, f in enumerate(one_hot)}
   joined_columns: dict[str, jax.Array] = {}
 
   def columns(what: str, feats: list[str]) -> jax.Array:
@@ -700,14 +701,14 @@ def dict_reader(
         ]
       joined_columns[what] = _columns(parts)
     whole = joined_columns[what]
-    at = [one_hot.index(f) for f in feats]
+    at = [column_of[f] for f in feats]
     if at == list(range(at[0], at[0] + len(at))):
       return whole[:, at[0] : at[0] + len(at)]
     return whole[:, np.asarray(at, np.int32)]
 
   def read(feats: list[str]) -> _Slots:
     group = [bags[f] for f in feats]
-    if len(feats) == len(one_hot) or not all(f in one_hot for f in feats):
+    if len(feats) == len(one_hot) or not all(f in column_of for f in feats):
       return _dict_slots(group, batch)
     weighted = any(b.weight is not None for b in group)
     feature = np.arange(len(feats), dtype=np.int32)[None]
