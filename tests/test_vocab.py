@@ -2,6 +2,8 @@
 fresh rows in the table and every optimizer state against numpy references
 of the optimizers, read-only lookups, checkpoints, 8 devices."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +76,7 @@ def test_the_map_follows_its_numpy_reference(shards):
     layout.size,
     shards,
   )
-  vocab = stack.init_vocab(jax.random.key(0))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   (name,) = vocab
   # a bound below the new ids some steps (one for every table, or one per
   # table, the others at the default), the default (1/8) others
@@ -108,7 +110,7 @@ def test_the_map_follows_its_numpy_reference(shards):
     np.testing.assert_array_equal(got["d1"], ids["d1"])  # not hashed
     want_fresh = [layout.size if r is None else r for r in fresh_ref]
     np.testing.assert_array_equal(fresh[name].rows, want_fresh)
-    s = vocab[name]
+    s = jax.tree.map(np.asarray, vocab[name])
     np.testing.assert_array_equal(s.last_seen, ref.last)
     np.testing.assert_array_equal(s.count, ref.count)
     live = np.asarray(ref.last) >= 0
@@ -120,9 +122,9 @@ def test_the_map_follows_its_numpy_reference(shards):
     )
     np.testing.assert_array_equal(s.live, ref.live)
     np.testing.assert_array_equal(s.starved, ref.starved)
-    assert (np.asarray(s.claim) == 2**31 - 1).all()
-    saw_eviction |= bool(np.asarray(s.evicted).any())
-    saw_rejection |= bool(np.asarray(s.rejected).any())
+    assert (s.claim == 2**31 - 1).all()
+    saw_eviction |= bool(s.evicted.any())
+    saw_rejection |= bool(s.rejected.any())
     # no two live ids of a table share a row: one key per live row
     for t, off, n in zip(
       layout.tables, layout.offsets, layout.rows, strict=True
@@ -131,7 +133,7 @@ def test_the_map_follows_its_numpy_reference(shards):
       k = [tuple(x) for x in np.stack([s.key_hi, s.key_lo], 1)[at][live[at]]]
       assert len(set(k)) == len(k), t
   assert saw_eviction and saw_rejection
-  st = stack.vocab_stats(vocab)
+  st = jax.jit(stack.vocab_stats)(vocab)
   assert set(st) == {"a", "b", "c"}
   live_a = int(st["a"]["live"])
   assert live_a == ref.live[0]
@@ -209,9 +211,24 @@ def test_a_row_given_to_a_new_id_is_fresh_in_every_optimizer_state():
   stack = gtx.TableStack({"h": H}, features={"one": "h", "bag": "h"})
   (name,) = stack.stacks
   opts = {k: tx for k, (tx, _) in NUMPY_CASES.items()} | GTX_CASES
-  params0 = stack.init(jax.random.key(1))
-  vocab = stack.init_vocab(jax.random.key(2))
-  states = {k: (params0, tx.init(params0)) for k, tx in opts.items()}
+  # the references: one row per placement (an id evicted and placed again
+  # is a new row), the gradient computed in numpy
+  cap = STEPS * 3 * B
+
+  params0 = stack.init(jax.random.key(1))  # its own program, shared
+
+  @jax.jit
+  def init(params0):  # one program, not hundreds of eager ops
+    vocab = stack.init_vocab(jax.random.key(2))
+    states = {k: (params0, tx.init(params0)) for k, tx in opts.items()}
+    zeros = {name: jnp.zeros((cap, 3))}
+    return (
+      states,
+      vocab,
+      {k: (zeros, tx.init(zeros)) for k, tx in GTX_CASES.items()},
+    )
+
+  states, vocab, gtx_refs = init(params0)
 
   @jax.jit
   def step(states, vocab, ids, weights, coef, i):
@@ -225,15 +242,8 @@ def test_a_row_given_to_a_new_id_is_fresh_in_every_optimizer_state():
       out[k] = (gtx.apply_updates(p, u), s)
     return out, vocab, ids
 
-  # the references: one row per placement (an id evicted and placed again
-  # is a new row), the gradient computed in numpy
-  cap = STEPS * 3 * B
   zeros = {name: np.zeros((cap, 3))}
   refs = {k: make(zeros) for k, (_, make) in NUMPY_CASES.items()}
-  gtx_refs = {
-    k: ({name: jnp.zeros((cap, 3))}, tx.init({name: jnp.zeros((cap, 3))}))
-    for k, tx in GTX_CASES.items()
-  }
   gtx_step = jax.jit(
     lambda st, g, i: {
       k: _ref_update(tx, st[k], g, i) for k, tx in GTX_CASES.items()
@@ -321,23 +331,31 @@ def test_fresh_rows_take_the_initializer_and_lookup_reads_read_only():
   )
   (name,) = stack.stacks
   params = stack.init(jax.random.key(0))
-  vocab = stack.init_vocab(jax.random.key(5))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(5))
   ids = {"h": np.array([7, 8, 9, 7, 10, 11], np.int32)}
   admit = jax.jit(stack.admit)  # one program, not hundreds of eager ops
   got, vocab2, fresh = admit(vocab, ids)
+  got = jax.tree.map(np.asarray, got)  # numpy: indexing it compiles nothing
   # five distinct ids for four rows: one turned away, the others placed
-  assert sorted(np.asarray(got["h"])[[0, 1, 2, 4, 5]].tolist()).count(-1) == 1
+  assert sorted(got["h"][[0, 1, 2, 4, 5]].tolist()).count(-1) == 1
   np.testing.assert_array_equal(got["h"][0], got["h"][3])
-  key = jax.random.fold_in(jax.random.wrap_key_data(vocab[name].rng), 0)
-  want = jax.random.normal(jax.random.fold_in(key, 0), (6, 2)) / np.sqrt(2)
+
+  @jax.jit
+  def reference(rng):
+    key = jax.random.fold_in(jax.random.wrap_key_data(rng), 0)
+    return jax.random.normal(jax.random.fold_in(key, 0), (6, 2)) / np.sqrt(2)
+
+  want = np.asarray(reference(vocab[name].rng))
   new, _ = jax.jit(gtx.reset_rows, static_argnums=0)(None, None, params, fresh)
+  table = np.asarray(new[name])  # numpy: indexing it compiles nothing
   for k, r in enumerate(np.asarray(fresh[name].rows)):
     if r < 4:
-      np.testing.assert_allclose(new[name][r], want[k], rtol=1e-6)
+      np.testing.assert_allclose(table[r], want[k], rtol=1e-6)
   # read-only: known ids read their rows, unknown ones zeros; nothing placed
   emb = stack.lookup(new, {"h": np.array([8, 99], np.int32)}, vocab=vocab2)
+  emb = jax.tree.map(np.asarray, emb)
   row8 = int(got["h"][1])
-  np.testing.assert_array_equal(emb["h"][0], new[name][row8])
+  np.testing.assert_array_equal(emb["h"][0], table[row8])
   np.testing.assert_array_equal(emb["h"][1], np.zeros(2))
 
 
@@ -356,7 +374,7 @@ def test_64_bit_ids_are_ids_whichever_way_they_come(x64):
   stack = gtx.TableStack(
     {"h": gtx.TableSpec(16, 2, hashed=gtx.Hashed(probes=16))}
   )
-  vocab = stack.init_vocab(jax.random.key(0))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   unsigned = np.array(BIG, np.uint64)
   signed = np.array([2**40 + 1, -1, 2**40 + 2**32 + 1, 2**50, -(2**40)])
   ref = NumpyMap([Table("h", 0, 16, probes=16)], 16)
@@ -369,7 +387,8 @@ def test_64_bit_ids_are_ids_whichever_way_they_come(x64):
     got_s, v2, _ = stack.admit(v1, {"h": signed})
     np.testing.assert_array_equal(got_u["h"], want_u)
     np.testing.assert_array_equal(got_s["h"], want_s)
-    assert int(stack.vocab_stats(v2)["h"]["live"]) == len(BIG) + 1  # 2**50
+    stats = jax.jit(stack.vocab_stats)(v2)
+    assert int(stats["h"]["live"]) == len(BIG) + 1  # 2**50
     # jitted: gtx.Words split on the host, or 64-bit arrays under x64
     feed = (lambda x: jnp.asarray(x)) if x64 else gtx.Words.of
     got_u, v1, _ = admit(vocab, {"h": feed(unsigned)})
@@ -381,7 +400,7 @@ def test_64_bit_ids_are_ids_whichever_way_they_come(x64):
   params = stack.init(jax.random.key(1))
   emb = stack.lookup(params, {"h": unsigned}, vocab=v2)
   (name,) = params
-  np.testing.assert_array_equal(emb["h"], params[name][np.asarray(want_u)])
+  np.testing.assert_array_equal(emb["h"], np.asarray(params[name])[want_u])
 
 
 def test_64_bit_ids_are_never_truncated():
@@ -423,16 +442,11 @@ def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_a_row_sharded_stack_with_its_map_on_8_devices_equals_one_device(kind):
-  """Auto axes: the map split like the rows; Explicit: the params split,
-  the map replicated (a split one is refused with the fix)."""
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
-
+@functools.cache
+def _row_sharded():
+  """The row-sharded stack, lazy_adam, its jitted step (donating) and its
+  initial map (a fresh copy each call)."""
   stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES, shards=8)
-  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
   tx = gtx.lazy_adam(0.1)
 
   def step(params, state, vocab, ids, weights):
@@ -447,18 +461,39 @@ def test_a_row_sharded_stack_with_its_map_on_8_devices_equals_one_device(kind):
     u, state = tx.update(g, state, params)
     return gtx.apply_updates(params, u), state, vocab
 
-  def run(params, vocab, init):
-    state = init(params)
-    f = jax.jit(step, donate_argnums=(0, 1, 2))
-    rng = np.random.RandomState(4)
-    for _ in range(3):
-      ids, weights = _raw_batch(rng)
-      params, state, vocab = f(params, state, vocab, ids, weights)
-    return params, vocab
+  f = jax.jit(step, donate_argnums=(0, 1, 2))
+  return stack, tx, f, jax.jit(lambda: stack.init_vocab(jax.random.key(1)))
 
+
+def _row_sharded_run(params, vocab, init):
+  _, _, f, _ = _row_sharded()
+  state = init(params)
+  rng = np.random.RandomState(4)
+  for _ in range(3):
+    ids, weights = _raw_batch(rng)
+    params, state, vocab = f(params, state, vocab, ids, weights)
+  return params, vocab
+
+
+@functools.cache
+def _row_sharded_one_device():
+  """The 1-device run both kinds compare with (computed once)."""
+  stack, tx, _, init_vocab = _row_sharded()
   params = stack.init(jax.random.key(0))
-  vocab = stack.init_vocab(jax.random.key(1))
-  want = run(params, vocab, tx.init)
+  return _row_sharded_run(params, init_vocab(), jax.jit(tx.init))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_row_sharded_stack_with_its_map_on_8_devices_equals_one_device(kind):
+  """Auto axes: the map split like the rows; Explicit: the params split,
+  the map replicated (a split one is refused with the fix)."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  stack, tx, _, init_vocab = _row_sharded()
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+  want = _row_sharded_one_device()
   rows = NamedSharding(mesh, P("d"))
 
   def split(tree):
@@ -467,17 +502,16 @@ def test_a_row_sharded_stack_with_its_map_on_8_devices_equals_one_device(kind):
       tree,
     )
 
+  params, vocab = stack.init(jax.random.key(0)), init_vocab()
   with jax.set_mesh(mesh):
-    params = split(stack.init(jax.random.key(0)))
+    params = split(params)
     if kind == "explicit":
       with pytest.raises(ValueError, match="replicated"):
-        run(params, split(stack.init_vocab(jax.random.key(1))), tx.init)
-      vocab = jax.device_put(
-        stack.init_vocab(jax.random.key(1)), NamedSharding(mesh, P())
-      )
+        _row_sharded_run(params, split(init_vocab()), tx.init)
+      vocab = jax.device_put(vocab, NamedSharding(mesh, P()))
     else:
-      vocab = split(stack.init_vocab(jax.random.key(1)))
-    got = run(params, vocab, lambda p: gtx.sharded_init(tx, p))
+      vocab = split(vocab)
+    got = _row_sharded_run(params, vocab, lambda p: gtx.sharded_init(tx, p))
   (name,) = got[0]
   assert got[0][name].sharding.spec[0] == "d"
   if kind == "auto":
@@ -556,8 +590,9 @@ def _churn(order):
     "query": gtx.TableSpec(256, 2, hashed=gtx.Hashed()),
   }
   stack = gtx.TableStack(tables, features={f: f for f in order})
-  vocab = stack.init_vocab(jax.random.key(0))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   admit = jax.jit(stack.admit)
+  stats = jax.jit(stack.vocab_stats)
   rng = np.random.RandomState(0)
   queries = rng.randint(0, 2**31 - 1, 40).astype(np.int32)
   out = []
@@ -567,7 +602,7 @@ def _churn(order):
       "query": queries[rng.randint(0, 40, 512)],
     }
     ids, vocab, _ = admit(vocab, raw)
-    out.append((ids, stack.vocab_stats(vocab), len(set(raw["query"]))))
+    out.append((ids, stats(vocab), len(set(raw["query"]))))
   return out
 
 
@@ -602,11 +637,12 @@ def test_vocab_stats_counts_the_steps_a_table_is_starved():
   stack = gtx.TableStack(
     {"q": gtx.TableSpec(8, 2, hashed=gtx.Hashed(min_count=3, probes=8))}
   )
-  vocab = stack.init_vocab(jax.random.key(0))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  stats = jax.jit(stack.vocab_stats)
   starved = []
   for _ in range(4):
     _, vocab, _ = stack.admit(vocab, {"q": np.array([5], np.int32)})
-    starved.append(int(stack.vocab_stats(vocab)["q"]["starved"]))
+    starved.append(int(stats(vocab)["q"]["starved"]))
   assert starved == [1, 2, 0, 0]
 
 
@@ -669,14 +705,12 @@ def _dp_batch(rng, n=16):
   return raw, weights, (rng.rand(n) > 0.5).astype(np.float32)
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_a_data_parallel_batch_on_8_devices_equals_one_device(kind):
+@functools.cache
+def _data_parallel():
   """The open-vocabularies guide's step (admit, reset_rows, the loss's
-  sparse gradient, multi_transform) with the raw ids, weights and labels
-  split over the batch, P("d"), the params and maps replicated."""
+  sparse gradient, multi_transform), jitted, and its initial params,
+  optimizer state and map."""
   import optax
-  from jax.sharding import AxisType, NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   stack = gtx.TableStack(MAP_TABLES, features=MAP_FEATURES)
   tx = optax.multi_transform(
@@ -699,32 +733,50 @@ def test_a_data_parallel_batch_on_8_devices_equals_one_device(kind):
     params = gtx.apply_updates(params, updates)
     return params, opt_state, vocab, value, ids
 
-  def run(place=lambda x: x, replicate=lambda x: x):
-    params = {
-      "emb": stack.init(jax.random.key(0)),
-      "w": jnp.full((len(MAP_FEATURES), 4), 0.1),
-    }
-    params = replicate(params)
-    opt_state = replicate(tx.init(params))
-    vocab = replicate(stack.init_vocab(jax.random.key(1)))
-    rng = np.random.RandomState(7)
-    out = []
-    for _ in range(4):
-      batch = place(_dp_batch(rng))
-      params, opt_state, vocab, value, ids = step(
-        params, opt_state, vocab, *batch
-      )
-      out.append((value, ids))
-    return params, vocab, out
+  @jax.jit
+  def init(emb):  # no step donates: each run starts from these
+    params = {"emb": emb, "w": jnp.full((len(MAP_FEATURES), 4), 0.1)}
+    return params, tx.init(params), stack.init_vocab(jax.random.key(1))
 
-  want = run()
+  return step, init(stack.init(jax.random.key(0)))
+
+
+def _data_parallel_run(place=lambda x: x, replicate=lambda x: x):
+  step, initial = _data_parallel()
+  params, opt_state, vocab = replicate(initial)
+  rng = np.random.RandomState(7)
+  out = []
+  for _ in range(4):
+    batch = place(_dp_batch(rng))
+    params, opt_state, vocab, value, ids = step(
+      params, opt_state, vocab, *batch
+    )
+    out.append((value, ids))
+  return params, vocab, out
+
+
+@functools.cache
+def _data_parallel_one_device():
+  """The 1-device run both kinds compare with (computed once)."""
+  return _data_parallel_run()
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_data_parallel_batch_on_8_devices_equals_one_device(kind):
+  """The open-vocabularies guide's step (admit, reset_rows, the loss's
+  sparse gradient, multi_transform) with the raw ids, weights and labels
+  split over the batch, P("d"), the params and maps replicated."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  want = _data_parallel_one_device()
   mesh = jax.make_mesh(
     (8,),
     ("d",),
     axis_types=(AxisType.Explicit if kind == "explicit" else AxisType.Auto,),
   )
   with jax.set_mesh(mesh):
-    got = run(
+    got = _data_parallel_run(
       lambda t: jax.device_put(t, NamedSharding(mesh, P("d"))),
       lambda t: jax.device_put(t, NamedSharding(mesh, P())),
     )
@@ -746,8 +798,11 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
   tx = gtx.drop_stale(inner, 3)
   stack = gtx.TableStack({"h": H}, features={"one": "h", "bag": "h"})
   (name,) = stack.stacks
+
   params = stack.init(jax.random.key(1))
-  vocab = stack.init_vocab(jax.random.key(2))
+  vocab, state = jax.jit(  # one program, not dozens of eager ops
+    lambda p: (stack.init_vocab(jax.random.key(2)), tx.init(p))
+  )(params)
 
   @jax.jit
   def mapped(states, vocab, ids, weights, coef):
@@ -772,7 +827,7 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
       out[k] = (gtx.apply_updates(p, u), s)
     return out
 
-  states = {k: (params, tx.init(params)) for k in ("got", "want")}
+  states = {k: (params, state) for k in ("got", "want")}
   given = np.full(8, -1)  # the step each row was last given out, by fresh
   rng = np.random.RandomState(5)
   pending, dropped = [], 0
