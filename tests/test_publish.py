@@ -99,10 +99,9 @@ def _grads(i):
   (nothing to change)."""
   g = make_grads(i)
   if i % 5 == 4:
-    for k in ("emb", "tab"):
-      g[k] = gtx.SparseRows(
-        jnp.full_like(g[k].indices, -1), g[k].values, g[k].num_rows
-      )
+    for k in ("emb", "tab"):  # built in numpy: no eager op to compile
+      pad = np.full(g[k].indices.shape, -1, g[k].indices.dtype)
+      g[k] = gtx.SparseRows(jnp.asarray(pad), g[k].values, g[k].num_rows)
   return g
 
 
@@ -118,7 +117,9 @@ def _run(names, txs, publishers, params, steps=STEPS, extra=None, key=None):
     return step
 
   step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
-  carries = [(params, tx.init(params)) for tx in txs]
+  # every init in one program, not one eager op at a time
+  states = jax.jit(lambda p: [tx.init(p) for tx in txs])(params)
+  carries = [(params, s) for s in states]
   for i in range(steps):
     g = _grads(i)
     if params["emb"].dtype != jnp.float32:
@@ -370,7 +371,10 @@ def _hashed_run(stack, tx, params, vocab, steps, publish, place=None):
     return gtx.apply_updates(params, u), state, vocab
 
   (name,) = stack.stacks
-  state = tx.init(params) if place is None else gtx.sharded_init(tx, params)
+  if place is None:
+    state = jax.jit(tx.init)(params)  # one program, not eager ops
+  else:
+    state = gtx.sharded_init(tx, params)
   serving = jax.tree.map(np.asarray, params)
   kv, last, last_vocab = {}, None, None
   rng = np.random.RandomState(5)
@@ -417,7 +421,7 @@ def test_hashed_tables_publish_owners_and_tombstones():
   stack = gtx.TableStack(HASHED, features=HASHED_FEATURES)
   tx = optax.chain(gtx.drop_stale(gtx.lazy_adam(0.1), 1), gtx.track_changes())
   params = stack.init(jax.random.key(0))
-  vocab = stack.init_vocab(jax.random.key(1))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(1))
   deltas = _hashed_run(stack, tx, params, vocab, 14, {0, 3, 4, 8, 13})
   (name,) = stack.stacks
   tombstones = [d.maps[name]["tombstones"] for d in deltas if d.maps[name]]
@@ -431,7 +435,7 @@ def test_hashed_delta_after_a_publish_needs_the_map_of_that_publish():
   stack = gtx.TableStack(HASHED, features=HASHED_FEATURES)
   tx = optax.chain(gtx.lazy_sgd(0.1), gtx.track_changes())
   params = stack.init(jax.random.key(0))
-  vocab = stack.init_vocab(jax.random.key(1))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(1))
   state = tx.init(params)
   with pytest.raises(ValueError, match="stack"):
     gtx.delta(params, state, vocab=vocab)
@@ -454,7 +458,7 @@ def test_a_row_sharded_stack_on_8_devices_publishes_exact_deltas():
   stack = gtx.TableStack(HASHED, features=HASHED_FEATURES, shards=8)
   tx = optax.chain(gtx.drop_stale(gtx.lazy_adam(0.1), 1), gtx.track_changes())
   params = stack.init(jax.random.key(0))
-  vocab = stack.init_vocab(jax.random.key(1))
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(1))
   want = _hashed_run(stack, tx, params, vocab, 9, {2, 5, 8})
   params = {
     k: jax.device_put(v, NamedSharding(mesh, P("d", None)))
