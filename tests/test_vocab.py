@@ -76,7 +76,7 @@ def test_the_map_follows_its_numpy_reference(shards):
     layout.size,
     shards,
   )
-  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  vocab = stack.init_vocab(jax.random.key(0))
   (name,) = vocab
   # a bound below the new ids some steps (one for every table, or one per
   # table, the others at the default), the default (1/8) others
@@ -133,7 +133,7 @@ def test_the_map_follows_its_numpy_reference(shards):
       k = [tuple(x) for x in np.stack([s.key_hi, s.key_lo], 1)[at][live[at]]]
       assert len(set(k)) == len(k), t
   assert saw_eviction and saw_rejection
-  st = jax.jit(stack.vocab_stats)(vocab)
+  st = stack.vocab_stats(vocab)
   assert set(st) == {"a", "b", "c"}
   live_a = int(st["a"]["live"])
   assert live_a == ref.live[0]
@@ -798,11 +798,8 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
   tx = gtx.drop_stale(inner, 3)
   stack = gtx.TableStack({"h": H}, features={"one": "h", "bag": "h"})
   (name,) = stack.stacks
-
   params = stack.init(jax.random.key(1))
-  vocab, state = jax.jit(  # one program, not dozens of eager ops
-    lambda p: (stack.init_vocab(jax.random.key(2)), tx.init(p))
-  )(params)
+  vocab = stack.init_vocab(jax.random.key(2))
 
   @jax.jit
   def mapped(states, vocab, ids, weights, coef):
@@ -827,7 +824,7 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
       out[k] = (gtx.apply_updates(p, u), s)
     return out
 
-  states = {k: (params, state) for k in ("got", "want")}
+  states = {k: (params, tx.init(params)) for k in ("got", "want")}
   given = np.full(8, -1)  # the step each row was last given out, by fresh
   rng = np.random.RandomState(5)
   pending, dropped = [], 0
