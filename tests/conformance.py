@@ -380,11 +380,14 @@ def _jitted_runs(
   cases: list[Case],
   txs: list[Any],
   steps: list[Callable[..., Any]] | None = None,
+  carries: list[Any] | None = None,
 ) -> list[Any]:
   """Every case's ``(params, state)`` after its steps (default: ``txs``'
-  :func:`step_fn`), all in one jitted program, from :func:`initial`."""
+  :func:`step_fn`), all in one jitted program, from ``carries`` (default:
+  :func:`initial`)."""
   step = jax.jit(together(cases, steps or [step_fn(tx) for tx in txs]))
-  carries = initial(cases, txs)
+  if carries is None:
+    carries = initial(cases, txs)
   for i in range(num_steps(cases)):
     carries = step(carries, inputs(cases, i))
   return carries
@@ -891,16 +894,24 @@ def check_gpu_branches(cases: list[Case]) -> None:
   def branches(case):
     tx = case.make_tx()
     params = case.params()
+    init = str(jax.make_jaxpr(tx.init)(params))
+    assert "platform_index" not in init, (
+      f"{case}: init has platform-dependent code: run it inside the switch"
+    )
     jaxpr = jax.make_jaxpr(step_fn(tx))(
-      params, tx.init(params), case.grads(0), _extra(case, 0)
+      params, jax.eval_shape(tx.init, params), case.grads(0), _extra(case, 0)
     )
     return "platform_index" in str(jaxpr)
 
   cases = [case for case in cases if branches(case)]
   assert cases, "the check can fail: a step with platform-dependent code"
   want = [reference(case) for case in cases]  # the CPU branch
+  txs = [case.make_tx() for case in cases]
+  # init has one branch (asserted above): run outside the switch, its eager
+  # ops are the reference's (inside, each would compile again)
+  carries = initial(cases, txs)
   with gpu_branches():
-    got = _jitted_runs(cases, [case.make_tx() for case in cases])
+    got = _jitted_runs(cases, txs, carries=carries)
 
   def same(k, case):
     if case.inject is not None:  # a row optimizer
