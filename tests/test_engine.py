@@ -75,31 +75,41 @@ OPTIMIZERS = {
 }
 
 
-def _train(txs, params, steps=4):
-  """``steps`` updates of all of ``params`` by each of ``txs``, all in one
-  jitted program: ``[(params, state)]``, one per transformation."""
-  carries = [(params, tx.init(params)) for tx in txs]
-  step = jax.jit(together(txs, [step_fn(tx) for tx in txs]))
-  extra = {"grad_step": 0}  # drop_stale's; the others ignore it
-  for i in range(steps):
-    carries = step(carries, [(_grads(i), extra)] * len(txs))
-  return carries
+EXTRA = {"grad_step": 0}  # drop_stale's; the others ignore it
 
 
-def _train_each_alone(makes, steps=4):
-  """``_train`` of each table alone, for each transformation factory of
-  ``makes``: a transformation (``make()``) and update call (a group of
-  one) per table, all in one jitted program. ``[(params, {table:
-  state})]``, one per factory."""
-  params = {k: v for k, v in _params().items() if k in TABLES}
+def _grouped(txs):
+  """``(init, step)`` of each of ``txs`` on all of the params: ``init(params)
+  -> carries``, ``step(carries, grads, extra) -> carries`` (``extra``:
+  update's keyword args), one ``(params, state)`` per transformation (jit
+  them)."""
+  run = together(txs, [step_fn(tx) for tx in txs])
+
+  def init(params):
+    return [(params, tx.init(params)) for tx in txs]
+
+  def step(carries, g, extra):
+    return run(carries, [(g, extra)] * len(txs))
+
+  return init, step
+
+
+def _each_alone(makes):
+  """:func:`_grouped` of each table alone, for each transformation factory
+  of ``makes``: a transformation (``make()``) and update call (a group of
+  one) per table. A carry is ``(params, {table: state})``; the params and
+  gradients are the tables', ``grad_step`` is 0."""
   txs = [{k: make() for k in TABLES} for make in makes]
-  carries = [
-    (params, {k: tx.init({k: params[k]}) for k, tx in per_table.items()})
-    for per_table in txs
-  ]
 
-  @jax.jit
-  def step(carries, g):
+  def init(params):
+    params = {k: params[k] for k in TABLES}
+    return [
+      (params, {k: tx.init({k: params[k]}) for k, tx in per_table.items()})
+      for per_table in txs
+    ]
+
+  def step(carries, g, extra=None):
+    del extra
     out = []
     for per_table, (p, s) in zip(txs, carries, strict=True):
       new_p, new_s = {}, {}
@@ -109,9 +119,16 @@ def _train_each_alone(makes, steps=4):
       out.append((new_p, new_s))
     return out
 
+  return init, step
+
+
+def _train(txs, params, steps=4):
+  """``steps`` updates of all of ``params`` by each of ``txs``, all in one
+  jitted program: ``[(params, state)]``, one per transformation."""
+  init, step = _grouped(txs)
+  carries, step = init(params), jax.jit(step)
   for i in range(steps):
-    g = {k: v for k, v in _grads(i).items() if k in TABLES}
-    carries = step(carries, g)
+    carries = step(carries, _grads(i), EXTRA)
   return carries
 
 
@@ -124,18 +141,30 @@ def _leaves_of(tree, k):
 
 
 def test_grouped_tables_equal_each_table_alone():
-  # every optimizer at once: two programs (grouped, each table alone), not
-  # two per optimizer
+  # every optimizer at once, grouped and each table alone: one program for
+  # the inits, one for the steps (each init's ops eagerly would compile for
+  # their shapes)
   names = list(OPTIMIZERS)
-  grouped = _train([OPTIMIZERS[n]() for n in names], _params())
-  alone = _train_each_alone(
-    [
-      functools.partial(OPTIMIZERS[n], 8)
-      if n.startswith("accumulate")
-      else OPTIMIZERS[n]
-      for n in names
+  runs = [
+    _grouped([OPTIMIZERS[n]() for n in names]),
+    _each_alone(
+      [
+        functools.partial(OPTIMIZERS[n], 8)
+        if n.startswith("accumulate")
+        else OPTIMIZERS[n]
+        for n in names
+      ]
+    ),
+  ]
+  carries = jax.jit(lambda p: [init(p) for init, _ in runs])(_params())
+  step = jax.jit(
+    lambda carries, g, extra: [
+      run(c, g, extra) for (_, run), c in zip(runs, carries, strict=True)
     ]
   )
+  for i in range(4):
+    carries = step(carries, _grads(i), EXTRA)
+  grouped, alone = carries
 
   def equal(k, _):
     (together, s_together), (single, s_single) = grouped[k], alone[k]
