@@ -1197,7 +1197,8 @@ def run_with_references(configs, steps=12):
   names = list(configs)
   txs = [configs[n][0]() for n in names]
   params = make_params()
-  carries = [(params, tx.init(params)) for tx in txs]
+  # the inits in one program (eagerly, each op compiles for its shapes)
+  carries = jax.jit(lambda p: [(p, tx.init(p)) for tx in txs])(params)
   step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
   refs = [
     configs[n][1]({k: np.asarray(v) for k, v in params.items()}) for n in names

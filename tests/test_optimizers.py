@@ -167,10 +167,22 @@ def test_matches_numpy_reference():
 # Equal to optax
 
 
+@jax.jit
+def _densified(g):
+  """``g`` with its SparseRows dense: one program per structure and dtype
+  (eagerly, each op of the set-up would compile for its shapes)."""
+  return {
+    k: v.to_dense() if isinstance(v, gtx.SparseRows) else v
+    for k, v in g.items()
+  }
+
+
 def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
-  """ours on ``grads(i)`` (sparse), optax on the densified gradients."""
+  """ours on ``grads(i)`` (sparse), optax on the densified gradients; jit:
+  whether the steps are jitted (the inits and the densified gradients
+  are)."""
   params = make_params(dtype=dtype, zero=zero)
-  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  s_ours, s_theirs = jax.jit(lambda p: (ours.init(p), theirs.init(p)))(params)
 
   def step_theirs(p, s, g):
     u, s = theirs.update(g, s, p)
@@ -182,12 +194,8 @@ def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
   p_ours = p_theirs = params
   for i in range(steps):
     g = grads(i)
-    dense = {
-      k: v.to_dense() if isinstance(v, gtx.SparseRows) else v
-      for k, v in g.items()
-    }
     p_ours, s_ours = f_ours(p_ours, s_ours, g)
-    p_theirs, s_theirs = f_theirs(p_theirs, s_theirs, dense)
+    p_theirs, s_theirs = f_theirs(p_theirs, s_theirs, _densified(g))
   return p_ours, s_ours, p_theirs, s_theirs
 
 
@@ -310,12 +318,18 @@ def test_lazy_sgd_momentum_differs_from_optax_on_untouched_rows():
   touch = gtx.SparseRows(jnp.array([1]), jnp.ones((1, 1)), 4)
   other = gtx.SparseRows(jnp.array([2]), jnp.ones((1, 1)), 4)
   ours, theirs = gtx.lazy_sgd(0.1, 0.9), optax.sgd(0.1, 0.9)
-  p1, s1, p2, s2 = params, ours.init(params), params, theirs.init(params)
-  for g in (touch, other, other):
-    u, s1 = ours.update({"emb": g}, s1, p1)
-    p1 = gtx.apply_updates(p1, u)
-    u, s2 = theirs.update({"emb": g.to_dense()}, s2, p2)
-    p2 = optax.apply_updates(p2, u)
+
+  @jax.jit  # both runs in one program
+  def run(params, grads):
+    p1, s1, p2, s2 = params, ours.init(params), params, theirs.init(params)
+    for g in grads:
+      u, s1 = ours.update({"emb": g}, s1, p1)
+      p1 = gtx.apply_updates(p1, u)
+      u, s2 = theirs.update({"emb": g.to_dense()}, s2, p2)
+      p2 = optax.apply_updates(p2, u)
+    return p1, s1, p2, s2
+
+  p1, s1, p2, s2 = run(params, [touch, other, other])
   # row 1: touched once; lazily it moved -0.1, optax also -0.09 - 0.081
   np.testing.assert_allclose(p1["emb"][1, 0], -0.1, rtol=1e-6)
   np.testing.assert_allclose(p2["emb"][1, 0], -0.1 - 0.09 - 0.081, rtol=1e-6)
@@ -379,12 +393,15 @@ def test_ftrl_l2_shrinkage_on_sparse_moves_only_the_touched_rows():
   p0 = jnp.zeros((4, 2))
   out = {}
   step = jax.jit(step_fn(tx))
+  # the set-up in one program (eagerly, each op would compile)
+  state0, dense = jax.jit(
+    lambda: (tx.init(p0), [g.to_dense() for g in grads])
+  )()
   for kind in ("sparse", "dense"):
-    p, state = p0, tx.init(p0)
+    p, state = p0, state0
     r = ref.Ftrl({"emb": np.zeros((4, 2))}, _lr(0.5), l2=0.1, l2_shrinkage=0.5)
     history = []
-    for g in grads:
-      g = g if kind == "sparse" else g.to_dense()
+    for g in grads if kind == "sparse" else dense:
       p, state = step(p, state, g)
       r.step(to_ref({"emb": g}))
       history.append(np.asarray(p))
@@ -421,9 +438,9 @@ def test_rowwise_adagrad_on_a_vector_is_per_element():
   tx = gtx.rowwise_adagrad(1.0, eps=0.0)
   p = jnp.zeros(4)
   g = gtx.SparseRows(jnp.array([1, 3]), jnp.array([2.0, -3.0]), 4)
-  u, state = tx.update(g, tx.init(p), p)
+  new_p, state = jax.jit(lambda p, g: step_fn(tx)(p, tx.init(p), g))(p, g)
   np.testing.assert_allclose(state[0].sum_of_squares, [0, 4, 0, 9])
-  np.testing.assert_allclose(gtx.apply_updates(p, u), [0, -1, 0, 1])
+  np.testing.assert_allclose(new_p, [0, -1, 0, 1])
 
 
 @pytest.mark.parametrize(
