@@ -99,13 +99,19 @@ def gpu_branches() -> Iterator[None]:
     _platform.platform_dependent = _CPU_WRAPPER
 
 
+def cast(x: Any, dtype: Any) -> jax.Array:
+  """``jnp.asarray(x, dtype)``, cast by numpy (jax compiles a convert for
+  each shape and dtype; the bits are the same)."""
+  return jnp.asarray(np.asarray(x).astype(dtype))
+
+
 def standard_params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
   """A small embedding table plus dense leaves."""
   rng = np.random.RandomState(0)
   return {
-    "emb": jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)), dtype),
-    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
-    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+    "emb": cast(rng.normal(size=(NUM_ROWS, DIM)), dtype),
+    "w": cast(rng.normal(size=(DIM, 3)), dtype),
+    "b": cast(rng.normal(size=(3,)), dtype),
   }
 
 
@@ -118,12 +124,12 @@ def standard_grads(step: int, dtype: Any = jnp.float32) -> dict[str, Any]:
   ids[-1] = NUM_ROWS  # padding
   return {
     "emb": gtx.SparseRows(
-      jnp.asarray(ids, jnp.int32),
-      jnp.asarray(rng.normal(size=(IDS_PER_STEP, DIM)), dtype),
+      cast(ids, jnp.int32),
+      cast(rng.normal(size=(IDS_PER_STEP, DIM)), dtype),
       NUM_ROWS,
     ),
-    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
-    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+    "w": cast(rng.normal(size=(DIM, 3)), dtype),
+    "b": cast(rng.normal(size=(3,)), dtype),
   }
 
 
@@ -1134,9 +1140,7 @@ def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
   ids[2] = -1
   ids[3] = num_rows + 2
   vals = rng.normal(size=(n, *row_shape)) * scale
-  return gtx.SparseRows(
-    jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), num_rows
-  )
+  return gtx.SparseRows(cast(ids, jnp.int32), cast(vals, dtype), num_rows)
 
 
 def touched_rows(g: gtx.SparseRows) -> np.ndarray:
@@ -1159,7 +1163,7 @@ def make_params(seed=0, dtype=jnp.float32, zero=False):
   """Seeded normal leaves of SHAPES (zeros with ``zero``)."""
   rng = np.random.RandomState(seed)
   return {
-    k: jnp.asarray(0 * zero + (not zero) * rng.normal(size=s), dtype)
+    k: cast(0 * zero + (not zero) * rng.normal(size=s), dtype)
     for k, s in SHAPES.items()
   }
 
@@ -1173,7 +1177,7 @@ def make_grads(step, n=9, dtype=jnp.float32, sparse=SPARSE):
     if k in sparse:
       out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
     else:
-      out[k] = jnp.asarray(rng.normal(size=s), dtype)
+      out[k] = cast(rng.normal(size=s), dtype)
   return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import each, sparse_rows, step_fn, together
+from conformance import cast, each, sparse_rows, step_fn, together
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,17 +28,15 @@ TABLES = {"t0": (30, 4), "t1": (17, 4), "t2": (41, 4), "u": (20, 3)}
 
 def _params(seed=0):
   rng = np.random.RandomState(seed)
-  out = {
-    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in TABLES.items()
-  }
-  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  out = {k: cast(rng.normal(size=s), jnp.float32) for k, s in TABLES.items()}
+  out["w"] = cast(rng.normal(size=(4,)), jnp.float32)
   return out
 
 
 def _grads(step):
   rng = np.random.RandomState(50 + step)
   out = {k: sparse_rows(rng, s[0], s[1:], 8) for k, s in TABLES.items()}
-  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  out["w"] = cast(rng.normal(size=(4,)), jnp.float32)
   return out
 
 
@@ -545,8 +543,8 @@ def test_state_rows_gathered_inside_the_new_rows_computation(make):
   standalone and the single-table step slower)."""
   v, d, n = 5003, 16, 512
   rng = np.random.RandomState(0)
-  p = {"t": jnp.asarray(rng.normal(size=(v, d)), jnp.float32)}
-  ids = jnp.asarray(rng.randint(0, v, n), jnp.int32)
+  p = {"t": cast(rng.normal(size=(v, d)), jnp.float32)}
+  ids = cast(rng.randint(0, v, n), jnp.int32)
   g = {"t": gtx.SparseRows(ids, jnp.ones((n, d)), v)}
   tx = make()
 
