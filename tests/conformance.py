@@ -99,13 +99,19 @@ def gpu_branches() -> Iterator[None]:
     _platform.platform_dependent = _CPU_WRAPPER
 
 
+def cast(x: Any, dtype: Any) -> jax.Array:
+  """``jnp.asarray(x, dtype)``, cast by numpy (jax compiles a convert for
+  each shape and dtype; the bits are the same)."""
+  return jnp.asarray(np.asarray(x).astype(dtype))
+
+
 def standard_params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
   """A small embedding table plus dense leaves."""
   rng = np.random.RandomState(0)
   return {
-    "emb": jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)), dtype),
-    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
-    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+    "emb": cast(rng.normal(size=(NUM_ROWS, DIM)), dtype),
+    "w": cast(rng.normal(size=(DIM, 3)), dtype),
+    "b": cast(rng.normal(size=(3,)), dtype),
   }
 
 
@@ -118,12 +124,12 @@ def standard_grads(step: int, dtype: Any = jnp.float32) -> dict[str, Any]:
   ids[-1] = NUM_ROWS  # padding
   return {
     "emb": gtx.SparseRows(
-      jnp.asarray(ids, jnp.int32),
-      jnp.asarray(rng.normal(size=(IDS_PER_STEP, DIM)), dtype),
+      cast(ids, jnp.int32),
+      cast(rng.normal(size=(IDS_PER_STEP, DIM)), dtype),
       NUM_ROWS,
     ),
-    "w": jnp.asarray(rng.normal(size=(DIM, 3)), dtype),
-    "b": jnp.asarray(rng.normal(size=(3,)), dtype),
+    "w": cast(rng.normal(size=(DIM, 3)), dtype),
+    "b": cast(rng.normal(size=(3,)), dtype),
   }
 
 
@@ -380,11 +386,14 @@ def _jitted_runs(
   cases: list[Case],
   txs: list[Any],
   steps: list[Callable[..., Any]] | None = None,
+  carries: list[Any] | None = None,
 ) -> list[Any]:
   """Every case's ``(params, state)`` after its steps (default: ``txs``'
-  :func:`step_fn`), all in one jitted program, from :func:`initial`."""
+  :func:`step_fn`), all in one jitted program, from ``carries`` (default:
+  :func:`initial`)."""
   step = jax.jit(together(cases, steps or [step_fn(tx) for tx in txs]))
-  carries = initial(cases, txs)
+  if carries is None:
+    carries = initial(cases, txs)
   for i in range(num_steps(cases)):
     carries = step(carries, inputs(cases, i))
   return carries
@@ -891,16 +900,24 @@ def check_gpu_branches(cases: list[Case]) -> None:
   def branches(case):
     tx = case.make_tx()
     params = case.params()
+    init = str(jax.make_jaxpr(tx.init)(params))
+    assert "platform_index" not in init, (
+      f"{case}: init has platform-dependent code: run it inside the switch"
+    )
     jaxpr = jax.make_jaxpr(step_fn(tx))(
-      params, tx.init(params), case.grads(0), _extra(case, 0)
+      params, jax.eval_shape(tx.init, params), case.grads(0), _extra(case, 0)
     )
     return "platform_index" in str(jaxpr)
 
   cases = [case for case in cases if branches(case)]
   assert cases, "the check can fail: a step with platform-dependent code"
   want = [reference(case) for case in cases]  # the CPU branch
+  txs = [case.make_tx() for case in cases]
+  # init has one branch (asserted above): run outside the switch, its eager
+  # ops are the reference's (inside, each would compile again)
+  carries = initial(cases, txs)
   with gpu_branches():
-    got = _jitted_runs(cases, [case.make_tx() for case in cases])
+    got = _jitted_runs(cases, txs, carries=carries)
 
   def same(k, case):
     if case.inject is not None:  # a row optimizer
@@ -1123,9 +1140,7 @@ def sparse_rows(rng, num_rows, row_shape, n, dtype=jnp.float32, scale=1.0):
   ids[2] = -1
   ids[3] = num_rows + 2
   vals = rng.normal(size=(n, *row_shape)) * scale
-  return gtx.SparseRows(
-    jnp.asarray(ids, jnp.int32), jnp.asarray(vals, dtype), num_rows
-  )
+  return gtx.SparseRows(cast(ids, jnp.int32), cast(vals, dtype), num_rows)
 
 
 def touched_rows(g: gtx.SparseRows) -> np.ndarray:
@@ -1148,7 +1163,7 @@ def make_params(seed=0, dtype=jnp.float32, zero=False):
   """Seeded normal leaves of SHAPES (zeros with ``zero``)."""
   rng = np.random.RandomState(seed)
   return {
-    k: jnp.asarray(0 * zero + (not zero) * rng.normal(size=s), dtype)
+    k: cast(0 * zero + (not zero) * rng.normal(size=s), dtype)
     for k, s in SHAPES.items()
   }
 
@@ -1162,7 +1177,7 @@ def make_grads(step, n=9, dtype=jnp.float32, sparse=SPARSE):
     if k in sparse:
       out[k] = sparse_rows(rng, s[0], s[1:], n, dtype)
     else:
-      out[k] = jnp.asarray(rng.normal(size=s), dtype)
+      out[k] = cast(rng.normal(size=s), dtype)
   return out
 
 
@@ -1186,7 +1201,8 @@ def run_with_references(configs, steps=12):
   names = list(configs)
   txs = [configs[n][0]() for n in names]
   params = make_params()
-  carries = [(params, tx.init(params)) for tx in txs]
+  # the inits in one program (eagerly, each op compiles for its shapes)
+  carries = jax.jit(lambda p: [(p, tx.init(p)) for tx in txs])(params)
   step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
   refs = [
     configs[n][1]({k: np.asarray(v) for k, v in params.items()}) for n in names

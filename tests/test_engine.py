@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 import references_lazy_adam as ref
-from conformance import each, sparse_rows, step_fn, together
+from conformance import cast, each, sparse_rows, step_fn, together
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,17 +28,15 @@ TABLES = {"t0": (30, 4), "t1": (17, 4), "t2": (41, 4), "u": (20, 3)}
 
 def _params(seed=0):
   rng = np.random.RandomState(seed)
-  out = {
-    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in TABLES.items()
-  }
-  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  out = {k: cast(rng.normal(size=s), jnp.float32) for k, s in TABLES.items()}
+  out["w"] = cast(rng.normal(size=(4,)), jnp.float32)
   return out
 
 
 def _grads(step):
   rng = np.random.RandomState(50 + step)
   out = {k: sparse_rows(rng, s[0], s[1:], 8) for k, s in TABLES.items()}
-  out["w"] = jnp.asarray(rng.normal(size=(4,)), jnp.float32)
+  out["w"] = cast(rng.normal(size=(4,)), jnp.float32)
   return out
 
 
@@ -75,31 +73,41 @@ OPTIMIZERS = {
 }
 
 
-def _train(txs, params, steps=4):
-  """``steps`` updates of all of ``params`` by each of ``txs``, all in one
-  jitted program: ``[(params, state)]``, one per transformation."""
-  carries = [(params, tx.init(params)) for tx in txs]
-  step = jax.jit(together(txs, [step_fn(tx) for tx in txs]))
-  extra = {"grad_step": 0}  # drop_stale's; the others ignore it
-  for i in range(steps):
-    carries = step(carries, [(_grads(i), extra)] * len(txs))
-  return carries
+EXTRA = {"grad_step": 0}  # drop_stale's; the others ignore it
 
 
-def _train_each_alone(makes, steps=4):
-  """``_train`` of each table alone, for each transformation factory of
-  ``makes``: a transformation (``make()``) and update call (a group of
-  one) per table, all in one jitted program. ``[(params, {table:
-  state})]``, one per factory."""
-  params = {k: v for k, v in _params().items() if k in TABLES}
+def _grouped(txs):
+  """``(init, step)`` of each of ``txs`` on all of the params: ``init(params)
+  -> carries``, ``step(carries, grads, extra) -> carries`` (``extra``:
+  update's keyword args), one ``(params, state)`` per transformation (jit
+  them)."""
+  run = together(txs, [step_fn(tx) for tx in txs])
+
+  def init(params):
+    return [(params, tx.init(params)) for tx in txs]
+
+  def step(carries, g, extra):
+    return run(carries, [(g, extra)] * len(txs))
+
+  return init, step
+
+
+def _each_alone(makes):
+  """:func:`_grouped` of each table alone, for each transformation factory
+  of ``makes``: a transformation (``make()``) and update call (a group of
+  one) per table. A carry is ``(params, {table: state})``; the params and
+  gradients are the tables', ``grad_step`` is 0."""
   txs = [{k: make() for k in TABLES} for make in makes]
-  carries = [
-    (params, {k: tx.init({k: params[k]}) for k, tx in per_table.items()})
-    for per_table in txs
-  ]
 
-  @jax.jit
-  def step(carries, g):
+  def init(params):
+    params = {k: params[k] for k in TABLES}
+    return [
+      (params, {k: tx.init({k: params[k]}) for k, tx in per_table.items()})
+      for per_table in txs
+    ]
+
+  def step(carries, g, extra=None):
+    del extra
     out = []
     for per_table, (p, s) in zip(txs, carries, strict=True):
       new_p, new_s = {}, {}
@@ -109,9 +117,16 @@ def _train_each_alone(makes, steps=4):
       out.append((new_p, new_s))
     return out
 
+  return init, step
+
+
+def _train(txs, params, steps=4):
+  """``steps`` updates of all of ``params`` by each of ``txs``, all in one
+  jitted program: ``[(params, state)]``, one per transformation."""
+  init, step = _grouped(txs)
+  carries, step = init(params), jax.jit(step)
   for i in range(steps):
-    g = {k: v for k, v in _grads(i).items() if k in TABLES}
-    carries = step(carries, g)
+    carries = step(carries, _grads(i), EXTRA)
   return carries
 
 
@@ -124,18 +139,30 @@ def _leaves_of(tree, k):
 
 
 def test_grouped_tables_equal_each_table_alone():
-  # every optimizer at once: two programs (grouped, each table alone), not
-  # two per optimizer
+  # every optimizer at once, grouped and each table alone: one program for
+  # the inits, one for the steps (each init's ops eagerly would compile for
+  # their shapes)
   names = list(OPTIMIZERS)
-  grouped = _train([OPTIMIZERS[n]() for n in names], _params())
-  alone = _train_each_alone(
-    [
-      functools.partial(OPTIMIZERS[n], 8)
-      if n.startswith("accumulate")
-      else OPTIMIZERS[n]
-      for n in names
+  runs = [
+    _grouped([OPTIMIZERS[n]() for n in names]),
+    _each_alone(
+      [
+        functools.partial(OPTIMIZERS[n], 8)
+        if n.startswith("accumulate")
+        else OPTIMIZERS[n]
+        for n in names
+      ]
+    ),
+  ]
+  carries = jax.jit(lambda p: [init(p) for init, _ in runs])(_params())
+  step = jax.jit(
+    lambda carries, g, extra: [
+      run(c, g, extra) for (_, run), c in zip(runs, carries, strict=True)
     ]
   )
+  for i in range(4):
+    carries = step(carries, _grads(i), EXTRA)
+  grouped, alone = carries
 
   def equal(k, _):
     (together, s_together), (single, s_single) = grouped[k], alone[k]
@@ -250,11 +277,12 @@ def test_wrappers_under_shard_map_check_vma(wrap):
     ),
   }
   tx = wrappers[wrap](gtx.lazy_adam(0.1))
-  params = {"emb": jnp.ones((16, 2)), "w": jnp.ones(2)}
+  # numpy: indexed per device below, jax arrays would compile each op
+  params = {"emb": np.ones((16, 2), np.float32), "w": np.ones(2, np.float32)}
   rng = np.random.RandomState(0)
-  ids = jnp.asarray(rng.randint(0, 16, size=(8, 4)), jnp.int32)
-  vals = jnp.asarray(rng.normal(size=(8, 4, 2)), jnp.float32)
-  dense = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+  ids = rng.randint(0, 16, size=(8, 4)).astype(np.int32)
+  vals = rng.normal(size=(8, 4, 2)).astype(np.float32)
+  dense = rng.normal(size=(8, 2)).astype(np.float32)
 
   def one_device(p, i, v, d):
     state = tx.init(p)
@@ -318,7 +346,7 @@ def test_grouped_row_sharded_tables_equal_single_device():
     return params
 
   want = train(
-    {k: jnp.asarray(v) for k, v in host.items()}, tx.init, lambda g: g
+    {k: jnp.asarray(v) for k, v in host.items()}, jax.jit(tx.init), lambda g: g
   )
   with jax.set_mesh(mesh):
     sharded = {
@@ -338,8 +366,9 @@ def test_grouped_row_sharded_tables_equal_single_device():
 
 
 def _complex(rng, shape):
-  return jnp.asarray(
-    rng.normal(size=shape) + 1j * rng.normal(size=shape), jnp.complex64
+  # numpy: indexed eagerly, a jax array would compile a gather
+  return (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(
+    np.complex64
   )
 
 
@@ -362,7 +391,15 @@ def test_complex_params_and_state_match_optax(pair):
   rng = np.random.RandomState(2)
   params = {"emb": _complex(rng, (6, 3)), "w": _complex(rng, (3,))}
   ours, theirs = make_ours(), make_theirs()
-  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  # the inits in one program, each step in one (not op by op)
+  s_ours, s_theirs = jax.jit(lambda p: (ours.init(p), theirs.init(p)))(params)
+  step_ours = jax.jit(step_fn(ours))
+
+  @jax.jit
+  def step_theirs(p, s, g):
+    u, s = theirs.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
   p_ours = p_theirs = params
   for _ in range(3):
     g_emb = _complex(rng, (6, 3))
@@ -374,12 +411,10 @@ def test_complex_params_and_state_match_optax(pair):
       "emb": gtx.SparseRows(jnp.asarray(perm), g_emb[perm], 6),
       "w": g_w,
     }
-    u, s_ours = jax.jit(ours.update)(sparse, s_ours, p_ours)
-    p_ours = gtx.apply_updates(p_ours, u)
-    u, s_theirs = jax.jit(theirs.update)(
-      {"emb": g_emb, "w": g_w}, s_theirs, p_theirs
+    p_ours, s_ours = step_ours(p_ours, s_ours, sparse)
+    p_theirs, s_theirs = step_theirs(
+      p_theirs, s_theirs, {"emb": g_emb, "w": g_w}
     )
-    p_theirs = optax.apply_updates(p_theirs, u)
   for k in params:
     assert p_ours[k].dtype == jnp.complex64
     np.testing.assert_allclose(
@@ -451,28 +486,34 @@ def test_unique_row_loop_compacts_the_update_and_zeroes_its_tail(monkeypatch):
 
   ids = jnp.array([5, 2, 5, 40, 9, 2, 2, 0, 7, 11, 3, 9, 1, 6, -1, 8])
   rng = np.random.RandomState(3)
-  table = jnp.asarray(rng.normal(size=(40, 3)), jnp.float32)
-  vals = jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)
+  # numpy: cast eagerly, jax arrays would compile the convert
+  table = rng.normal(size=(40, 3)).astype(np.float32)
+  vals = rng.normal(size=(16, 3)).astype(np.float32)
   monkeypatch.setattr(_rows, "_CHUNK", 4)
   monkeypatch.setattr(_rows, "_LOOP_MIN_IDS", 0)
   loops = _rows._loops
+  p = {"t": table}
+  state = jax.jit(gtx.lazy_adam(0.1).init)(p)  # one program, not op by op
 
   def run(looping, dtype):
     monkeypatch.setattr(_rows, "_loops", loops if looping else (lambda *a: 0))
     tx = gtx.lazy_adam(0.1)
     g = gtx.SparseRows(ids, vals.astype(dtype), 40)
-    p = {"t": table}
-    u, s = jax.jit(tx.update)({"t": g}, tx.init(p), p)
+    u, s = jax.jit(tx.update)({"t": g}, state, p)
     return u["t"], s
 
   u, s = run(True, jnp.float32)
   u_ref, s_ref = run(False, jnp.float32)
   live = [5, 2, 9, 0, 7, 11, 3, 1, 6, 8]  # first seen order, 40 and -1 out
-  np.testing.assert_array_equal(u.indices[:10], live)
-  np.testing.assert_array_equal(u.indices[10:], 40)
-  np.testing.assert_array_equal(u.values[10:], 0)
+  # sliced in numpy (a jax array's slices compile)
+  u_ids, u_vals = np.asarray(u.indices), np.asarray(u.values)
+  np.testing.assert_array_equal(u_ids[:10], live)
+  np.testing.assert_array_equal(u_ids[10:], 40)
+  np.testing.assert_array_equal(u_vals[10:], 0)
   # the same rule compiled at another shape: equal up to rounding
-  np.testing.assert_allclose(u.to_dense(), u_ref.to_dense(), rtol=1e-6)
+  np.testing.assert_allclose(
+    *jax.jit(lambda a, b: (a.to_dense(), b.to_dense()))(u, u_ref), rtol=1e-6
+  )
   for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(s_ref), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   # bf16 gradient rows, float32 update: written where they were
@@ -502,8 +543,8 @@ def test_state_rows_gathered_inside_the_new_rows_computation(make):
   standalone and the single-table step slower)."""
   v, d, n = 5003, 16, 512
   rng = np.random.RandomState(0)
-  p = {"t": jnp.asarray(rng.normal(size=(v, d)), jnp.float32)}
-  ids = jnp.asarray(rng.randint(0, v, n), jnp.int32)
+  p = {"t": cast(rng.normal(size=(v, d)), jnp.float32)}
+  ids = cast(rng.randint(0, v, n), jnp.int32)
   g = {"t": gtx.SparseRows(ids, jnp.ones((n, d)), v)}
   tx = make()
 

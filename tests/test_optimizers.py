@@ -12,6 +12,7 @@ import references_optimizers as ref
 from conformance import (
   SHAPES,
   SPARSE,
+  cast,
   each,
   make_grads,
   make_params,
@@ -157,7 +158,8 @@ def test_matches_numpy_reference():
           ours[k], theirs[k], rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}"
         )
     # the run moved the tables: the comparison is not vacuous
-    moved = np.abs(np.asarray(params["emb"]) - make_params()["emb"]).max()
+    start = np.asarray(make_params()["emb"])  # numpy: no eager subtract
+    moved = np.abs(np.asarray(params["emb"]) - start).max()
     assert moved > 1e-2
 
   each(list(CONFIGS), check)
@@ -167,10 +169,22 @@ def test_matches_numpy_reference():
 # Equal to optax
 
 
+@jax.jit
+def _densified(g):
+  """``g`` with its SparseRows dense: one program per structure and dtype
+  (eagerly, each op of the set-up would compile for its shapes)."""
+  return {
+    k: v.to_dense() if isinstance(v, gtx.SparseRows) else v
+    for k, v in g.items()
+  }
+
+
 def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
-  """ours on ``grads(i)`` (sparse), optax on the densified gradients."""
+  """ours on ``grads(i)`` (sparse), optax on the densified gradients; jit:
+  whether the steps are jitted (the inits and the densified gradients
+  are)."""
   params = make_params(dtype=dtype, zero=zero)
-  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  s_ours, s_theirs = jax.jit(lambda p: (ours.init(p), theirs.init(p)))(params)
 
   def step_theirs(p, s, g):
     u, s = theirs.update(g, s, p)
@@ -182,12 +196,8 @@ def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
   p_ours = p_theirs = params
   for i in range(steps):
     g = grads(i)
-    dense = {
-      k: v.to_dense() if isinstance(v, gtx.SparseRows) else v
-      for k, v in g.items()
-    }
     p_ours, s_ours = f_ours(p_ours, s_ours, g)
-    p_theirs, s_theirs = f_theirs(p_theirs, s_theirs, dense)
+    p_theirs, s_theirs = f_theirs(p_theirs, s_theirs, _densified(g))
   return p_ours, s_ours, p_theirs, s_theirs
 
 
@@ -310,12 +320,18 @@ def test_lazy_sgd_momentum_differs_from_optax_on_untouched_rows():
   touch = gtx.SparseRows(jnp.array([1]), jnp.ones((1, 1)), 4)
   other = gtx.SparseRows(jnp.array([2]), jnp.ones((1, 1)), 4)
   ours, theirs = gtx.lazy_sgd(0.1, 0.9), optax.sgd(0.1, 0.9)
-  p1, s1, p2, s2 = params, ours.init(params), params, theirs.init(params)
-  for g in (touch, other, other):
-    u, s1 = ours.update({"emb": g}, s1, p1)
-    p1 = gtx.apply_updates(p1, u)
-    u, s2 = theirs.update({"emb": g.to_dense()}, s2, p2)
-    p2 = optax.apply_updates(p2, u)
+
+  @jax.jit  # both runs in one program
+  def run(params, grads):
+    p1, s1, p2, s2 = params, ours.init(params), params, theirs.init(params)
+    for g in grads:
+      u, s1 = ours.update({"emb": g}, s1, p1)
+      p1 = gtx.apply_updates(p1, u)
+      u, s2 = theirs.update({"emb": g.to_dense()}, s2, p2)
+      p2 = optax.apply_updates(p2, u)
+    return p1, s1, p2, s2
+
+  p1, s1, p2, s2 = run(params, [touch, other, other])
   # row 1: touched once; lazily it moved -0.1, optax also -0.09 - 0.081
   np.testing.assert_allclose(p1["emb"][1, 0], -0.1, rtol=1e-6)
   np.testing.assert_allclose(p2["emb"][1, 0], -0.1 - 0.09 - 0.081, rtol=1e-6)
@@ -342,7 +358,8 @@ def test_ftrl_l1_gives_exact_zeros():
   assert np.all(emb[zero] == 0.0)  # exact zeros, not tiny values
   assert np.all(emb[touched & ~zero] != 0.0)
   # untouched coordinates keep their (nonzero) starting weights
-  np.testing.assert_array_equal(emb[~touched], make_params()["emb"][~touched])
+  start = np.asarray(make_params()["emb"])  # numpy: no eager gather
+  np.testing.assert_array_equal(emb[~touched], start[~touched])
 
 
 def test_ftrl_sparse_equals_dense_ftrl_from_zero_weights():
@@ -379,12 +396,15 @@ def test_ftrl_l2_shrinkage_on_sparse_moves_only_the_touched_rows():
   p0 = jnp.zeros((4, 2))
   out = {}
   step = jax.jit(step_fn(tx))
+  # the set-up in one program (eagerly, each op would compile)
+  state0, dense = jax.jit(
+    lambda: (tx.init(p0), [g.to_dense() for g in grads])
+  )()
   for kind in ("sparse", "dense"):
-    p, state = p0, tx.init(p0)
+    p, state = p0, state0
     r = ref.Ftrl({"emb": np.zeros((4, 2))}, _lr(0.5), l2=0.1, l2_shrinkage=0.5)
     history = []
-    for g in grads:
-      g = g if kind == "sparse" else g.to_dense()
+    for g in grads if kind == "sparse" else dense:
       p, state = step(p, state, g)
       r.step(to_ref({"emb": g}))
       history.append(np.asarray(p))
@@ -421,9 +441,9 @@ def test_rowwise_adagrad_on_a_vector_is_per_element():
   tx = gtx.rowwise_adagrad(1.0, eps=0.0)
   p = jnp.zeros(4)
   g = gtx.SparseRows(jnp.array([1, 3]), jnp.array([2.0, -3.0]), 4)
-  u, state = tx.update(g, tx.init(p), p)
+  new_p, state = jax.jit(lambda p, g: step_fn(tx)(p, tx.init(p), g))(p, g)
   np.testing.assert_allclose(state[0].sum_of_squares, [0, 4, 0, 9])
-  np.testing.assert_allclose(gtx.apply_updates(p, u), [0, -1, 0, 1])
+  np.testing.assert_allclose(new_p, [0, -1, 0, 1])
 
 
 @pytest.mark.parametrize(
@@ -445,7 +465,7 @@ def test_bf16_sparse_and_dense_leaves_equal_optax_bitwise(ours, theirs):
     g = make_grads(i, dtype=jnp.bfloat16)
     ids = rng.randint(0, 4, size=24)
     vals = rng.normal(size=(24, 3)) * 0.1
-    g["emb"] = gtx.SparseRows(ids, jnp.asarray(vals, jnp.bfloat16), 40)
+    g["emb"] = gtx.SparseRows(ids, cast(vals, jnp.bfloat16), 40)
     return g
 
   p_ours, s_ours, p_theirs, s_theirs = _run_pair(
@@ -463,9 +483,12 @@ def test_bf16_sparse_and_dense_leaves_equal_optax_bitwise(ours, theirs):
 def test_rowwise_weight_decay_is_added_at_the_accumulator_precision():
   # 1e-3 * 3 is below half a bf16 ulp of 1.0: added in bf16 it vanishes.
   tx = gtx.rowwise_adagrad(0.1, weight_decay=1e-3)
-  p = jnp.full((2, 4), 3.0, jnp.bfloat16)
-  g = gtx.SparseRows(jnp.array([0]), jnp.ones((1, 4), jnp.bfloat16), 2)
-  _, state = tx.update(g, tx.init(p), p)
+  # inputs built in numpy, the init jitted (eagerly each op compiles); the
+  # update eager
+  p = jnp.asarray(np.full((2, 4), 3.0, jnp.bfloat16))
+  ones = jnp.asarray(np.ones((1, 4), jnp.bfloat16))
+  g = gtx.SparseRows(jnp.asarray(np.array([0], np.int32)), ones, 2)
+  _, state = tx.update(g, jax.jit(tx.init)(p), p)
   acc = state[0].sum_of_squares
   assert acc.dtype == jnp.float32
   np.testing.assert_allclose(acc, [(1 + 3e-3) ** 2, 0.0], rtol=1e-6)
@@ -473,33 +496,37 @@ def test_rowwise_weight_decay_is_added_at_the_accumulator_precision():
 
 def test_bf16_table_with_float32_accumulators():
   params = make_params(dtype=jnp.bfloat16)
-  for make_tx, make_ref in (
-    (
-      lambda: gtx.rowwise_adagrad(0.1),
+  names = ["rowwise_adagrad", "ftrl"]
+  txs = [gtx.rowwise_adagrad(0.1), gtx.ftrl(0.5, accumulator_dtype=jnp.float32)]
+  refs = [
+    make_ref({k: np.asarray(v, np.float32) for k, v in params.items()})
+    for make_ref in (
       lambda p: ref.RowwiseAdagrad(p, _lr(0.1)),
-    ),
-    (
-      lambda: gtx.ftrl(0.5, accumulator_dtype=jnp.float32),
       lambda p: ref.Ftrl(p, _lr(0.5)),
-    ),
-  ):
-    tx = make_tx()
-    p, state = params, tx.init(params)
-    r = make_ref({k: np.asarray(v, np.float32) for k, v in params.items()})
-    step = jax.jit(step_fn(tx))
-    for i in range(3):
-      g = make_grads(i, dtype=jnp.bfloat16)
-      p, state = step(p, state, g)
+    )
+  ]
+  # both runs in one program, their inits in another
+  carries = jax.jit(lambda p: [(p, tx.init(p)) for tx in txs])(params)
+  step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
+  for i in range(3):
+    g = make_grads(i, dtype=jnp.bfloat16)
+    carries = step(carries, [(g,)] * len(txs))
+    for r in refs:
       r.step(to_ref(g))
+  for name, (p, state), r in zip(names, carries, refs, strict=True):
     for k in SHAPES:
-      assert p[k].dtype == jnp.bfloat16
+      assert p[k].dtype == jnp.bfloat16, name
       # one bf16 rounding per step of |p| < 4: 2**-6 each
       np.testing.assert_allclose(
-        np.asarray(p[k], np.float32), r.p[k], rtol=0, atol=3 * 2**-6
+        np.asarray(p[k], np.float32),
+        r.p[k],
+        rtol=0,
+        atol=3 * 2**-6,
+        err_msg=f"{name} {k}",
       )
     for leaf in jax.tree.leaves(state):
       if jnp.issubdtype(leaf.dtype, jnp.floating):
-        assert leaf.dtype == jnp.float32
+        assert leaf.dtype == jnp.float32, name
 
 
 # ----------------------------------------------------------------------------
