@@ -56,9 +56,8 @@ _stochastic_round = jax.jit(stochastic_round, static_argnums=1)
 
 
 def _round(x, dtype, seed=0):
-  return np.asarray(
-    _stochastic_round(jnp.asarray(x), dtype, jax.random.key(seed))
-  )
+  # x goes in as numpy (jnp.asarray would compile a program per shape)
+  return np.asarray(_stochastic_round(x, dtype, jax.random.key(seed)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,17 +129,21 @@ def test_stochastic_round_is_deterministic_per_key(dtype):
 
 
 def test_stochastic_round_accepts_legacy_keys_and_jit_vmap():
-  x = jnp.asarray(_sample_values(np.float16, size=64))
+  # the inputs put from numpy, the rows sliced there (the rounding itself
+  # is eager on purpose: eager against jit and vmap)
+  x_np = _sample_values(np.float16, size=64)
+  x = jax.device_put(x_np)
   legacy = jax.random.PRNGKey(3)
   a = stochastic_round(x, jnp.float16, legacy)
   b = jax.jit(stochastic_round, static_argnums=1)(x, jnp.float16, legacy)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   keys = jax.random.split(jax.random.key(0), 4)
-  rows = x.reshape(4, 16)
+  rows = jax.device_put(x_np.reshape(4, 16))
   by_row = jax.vmap(lambda r, k: stochastic_round(r, jnp.bfloat16, k))
   out = jax.jit(by_row)(rows, keys)
   for i in range(4):
-    one = stochastic_round(rows[i], jnp.bfloat16, keys[i])
+    row = jax.device_put(x_np.reshape(4, 16)[i])
+    one = stochastic_round(row, jnp.bfloat16, keys[i])
     np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(one))
 
 
@@ -199,11 +202,13 @@ def test_stochastic_round_is_unbiased(dtype):
 
 def test_stochastic_round_bad_arguments():
   key = jax.random.key(0)
-  x = jnp.ones(3)
+  # put from numpy (jnp.ones compiles a broadcast per shape and dtype)
+  x = jax.device_put(np.ones(3, np.float32))
+  bf16 = jax.device_put(np.ones(3, jnp.bfloat16))
   with pytest.raises(TypeError, match="`x` must be float32"):
     stochastic_round(np.ones(3), jnp.bfloat16, key)  # float64
   with pytest.raises(TypeError, match="`x` must be float32"):
-    stochastic_round(jnp.ones(3, jnp.bfloat16), jnp.bfloat16, key)
+    stochastic_round(bf16, jnp.bfloat16, key)
   with pytest.raises(TypeError, match="`dtype` must be jnp.bfloat16"):
     stochastic_round(x, jnp.int8, key)
   with pytest.raises(TypeError, match="`dtype` must be jnp.bfloat16"):
@@ -211,7 +216,7 @@ def test_stochastic_round_bad_arguments():
   with pytest.raises(TypeError, match="`key` must be a JAX PRNG key"):
     stochastic_round(x, jnp.float16, 0)
   with pytest.raises(TypeError, match="`key` must be a JAX PRNG key"):
-    stochastic_round(x, jnp.float16, jnp.zeros(3, jnp.uint32))
+    stochastic_round(x, jnp.float16, jax.device_put(np.zeros(3, np.uint32)))
   with pytest.raises(ValueError, match="single PRNG key"):
     stochastic_round(x, jnp.float16, jax.random.split(key, 2))
 
@@ -238,15 +243,34 @@ def test_row_bits_match_numpy_and_do_not_depend_on_the_batch(legacy):
   key = jax.random.PRNGKey(5) if legacy else jax.random.key(5)
   with np.errstate(over="ignore"):
     want = _np_row_bits(key, [4, 9, 1, 7], 6)
-  a = np.asarray(row_bits(key, jnp.array([4, 9, 1, 7], jnp.int32), 6))
+
+  @jax.jit
+  def batches(key, ids, ids_b, empty, one):
+    """Every batch but the eager one, in one program."""
+    return (
+      row_bits(key, ids, 6),
+      row_bits(key, ids_b, 6),
+      row_bits(key, empty, 6),
+      row_bits(jax.random.fold_in(key, 1), one, 6),
+    )
+
+  ids_b = np.array([7, 4], np.int32)
+  a, jitted, empty, other = jax.device_get(
+    batches(
+      key,
+      np.array([4, 9, 1, 7], np.int32),
+      ids_b,
+      np.zeros((0,), np.int32),
+      np.array([4], np.int32),
+    )
+  )
   np.testing.assert_array_equal(a, want)
-  b = np.asarray(row_bits(key, jnp.array([7, 4], jnp.int32), 6))
+  # eager (the same batch under jit is checked against it)
+  b = np.asarray(row_bits(key, jax.device_put(ids_b), 6))
   np.testing.assert_array_equal(a[0], b[1])
   np.testing.assert_array_equal(a[3], b[0])
-  assert row_bits(key, jnp.zeros((0,), jnp.int32), 6).shape == (0, 6)
-  jitted = jax.jit(row_bits, static_argnums=2)(key, jnp.array([7, 4]), 6)
+  assert empty.shape == (0, 6)
   np.testing.assert_array_equal(np.asarray(jitted), b)
-  other = np.asarray(row_bits(jax.random.fold_in(key, 1), jnp.array([4]), 6))
   assert not np.array_equal(other[0], a[0])
 
 
@@ -254,7 +278,11 @@ def test_row_bits_are_uniform():
   """Every bit is a fair coin and the low 16 bits (bf16's rounding draw)
   are uniform: chi-square over 256 bins of their top byte, and the rows of
   consecutive ids are uncorrelated."""
-  bits = np.asarray(row_bits(jax.random.key(3), jnp.arange(4096), 64))
+  bits = np.asarray(
+    jax.jit(row_bits, static_argnums=2)(
+      jax.random.key(3), np.arange(4096, dtype=np.int32), 64
+    )
+  )
   n = bits.size
   ones = np.array([((bits >> np.uint32(k)) & 1).mean() for k in range(32)])
   # 5 standard deviations of a fair coin's mean over n draws
@@ -272,8 +300,9 @@ def test_row_bits_are_uniform():
 def test_rounding_does_not_depend_on_sharding(dtype):
   mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
   rng = np.random.default_rng(6)
-  table = jnp.asarray(rng.normal(size=(16, 12)).astype(np.float32))
-  ids = jnp.arange(16, dtype=jnp.int32)
+  # put from numpy (jnp.asarray, jnp.arange compile a program per shape)
+  table = jax.device_put(rng.normal(size=(16, 12)).astype(np.float32))
+  ids = jax.device_put(np.arange(16, dtype=np.int32))
 
   def round_rows(rows, ids):
     return round_with_bits(rows, dtype, row_bits(jax.random.key(4), ids, 12))
@@ -296,42 +325,68 @@ def test_rounding_does_not_depend_on_sharding(dtype):
 
 
 def test_row_bits_bad_arguments():
+  # put from numpy (jnp.ones, jnp.arange compile a program per shape)
+  put = jax.device_put
   with pytest.raises(TypeError, match="row ids .* must be an integer"):
-    row_bits(jax.random.key(0), jnp.ones(3), 2)
+    row_bits(jax.random.key(0), put(np.ones(3, np.float32)), 2)
   with pytest.raises(ValueError, match="row ids .* must be 1-D"):
-    row_bits(jax.random.key(0), jnp.ones((2, 2), jnp.int32), 2)
+    row_bits(jax.random.key(0), put(np.ones((2, 2), np.int32)), 2)
   with pytest.raises(TypeError, match="`key` must be a JAX PRNG key"):
-    row_bits(np.zeros(2, np.int32), jnp.arange(3), 2)
-  p, u = jnp.ones((3, 2), jnp.bfloat16), jnp.ones((3, 2))
+    row_bits(np.zeros(2, np.int32), put(np.arange(3, dtype=np.int32)), 2)
+  p = put(np.ones((3, 2), jnp.bfloat16))
+  u = put(np.ones((3, 2), np.float32))
   with pytest.raises(TypeError, match=r"^gradtx\.apply_updates `key` must"):
     gtx.apply_updates(p, u, key=np.zeros(2, np.int32))
 
 
 def _bf16_table(rows=11, dim=3):
-  return jnp.asarray(
-    np.random.RandomState(9).normal(size=(rows, dim)), jnp.bfloat16
-  )
+  # cast and put by numpy (jnp.asarray(x, bfloat16) compiles a convert per
+  # shape; numpy rounds float64 to bfloat16 the same way)
+  rng = np.random.RandomState(9)
+  return jax.device_put(rng.normal(size=(rows, dim)).astype(jnp.bfloat16))
 
 
 def _tiny_update(ids, rows=11, dim=3, scale=1e-3):
   vals = np.random.RandomState(10).normal(size=(len(ids), dim)) * scale
-  return gtx.SparseRows(jnp.asarray(ids), jnp.asarray(vals, jnp.float32), rows)
+  ids, vals = np.asarray(ids, np.int32), vals.astype(np.float32)
+  return gtx.SparseRows(*jax.device_put((ids, vals)), rows)
+
+
+def _np_dense(u):
+  """numpy: ``u.to_dense()`` (float32; duplicates are pairs, so the sum's
+  order does not matter)."""
+  idx, vals = np.asarray(u.indices), np.asarray(u.values)
+  out = np.zeros((u.num_rows, *vals.shape[1:]), vals.dtype)
+  keep = (idx >= 0) & (idx < u.num_rows)
+  np.add.at(out, idx[keep], vals[keep])
+  return out
 
 
 def test_apply_updates_without_a_key_rounds_to_nearest():
   p, u = _bf16_table(), _tiny_update([2, 5, 2, -1, 11])
-  want = (np.asarray(p, np.float32) + np.asarray(u.to_dense())).astype(
-    ml_dtypes.bfloat16
-  )
-  np.testing.assert_array_equal(gtx.apply_updates(p, u), want)
+  want = (np.asarray(p, np.float32) + _np_dense(u)).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(jax.jit(gtx.apply_updates)(p, u), want)
 
 
 def test_apply_updates_with_a_key_rounds_touched_rows_stochastically():
   p, u = _bf16_table(), _tiny_update([2, 5, 2, -1, 11])
-  exact = np.asarray(p, np.float32) + np.asarray(u.to_dense(), np.float32)
+  exact = np.asarray(p, np.float32) + _np_dense(u)
   lo, hi = _neighbours(exact.astype(np.float64), jnp.bfloat16)
   key = jax.random.key(1)
-  got = np.asarray(gtx.apply_updates(p, u, key=key), np.float32)
+
+  @jax.jit
+  def run(p, u, key, other_key):
+    """The key's, another key's and the float32 leaves' updates."""
+    p32 = p.astype(jnp.float32)
+    return (
+      gtx.apply_updates(p, u, key=key),
+      gtx.apply_updates(p, u, key=other_key),
+      gtx.apply_updates(p32, u, key=key),
+      gtx.apply_updates(p32, u),
+    )
+
+  out, other, p32_key, p32_no_key = run(p, u, key, jax.random.key(2))
+  got = np.asarray(out, np.float32)
   touched = np.zeros(11, bool)
   touched[[2, 5]] = True
   ok = (got == lo.astype(np.float32)) | (got == hi.astype(np.float32))
@@ -339,19 +394,13 @@ def test_apply_updates_with_a_key_rounds_touched_rows_stochastically():
   np.testing.assert_array_equal(
     got[~touched], np.asarray(p, np.float32)[~touched]
   )
-  # deterministic per key, different for another key
-  np.testing.assert_array_equal(
-    gtx.apply_updates(p, u, key=key), gtx.apply_updates(p, u, key=key)
-  )
+  # deterministic per key (a second run), different for another key
+  np.testing.assert_array_equal(run(p, u, key, jax.random.key(2))[0], out)
   assert not np.array_equal(
-    gtx.apply_updates(p, u, key=jax.random.key(2)),
-    got.astype(ml_dtypes.bfloat16),
+    other, got.astype(ml_dtypes.bfloat16)
   ) or np.array_equal(lo, hi)
   # float32 leaves ignore the key
-  p32 = jnp.asarray(p, jnp.float32)
-  np.testing.assert_array_equal(
-    gtx.apply_updates(p32, u, key=key), gtx.apply_updates(p32, u)
-  )
+  np.testing.assert_array_equal(p32_key, p32_no_key)
 
 
 def test_apply_updates_with_a_key_is_unbiased():
@@ -373,17 +422,25 @@ def test_apply_updates_with_a_key_is_unbiased():
 def test_apply_updates_rounding_does_not_depend_on_batching_or_sharding():
   p, key = _bf16_table(16, 4), jax.random.key(4)
   both = _tiny_update([3, 9], rows=16, dim=4)
-  first = gtx.SparseRows(both.indices[:1], both.values[:1], 16)
-  second = gtx.SparseRows(both.indices[1:], both.values[1:], 16)
-  together = gtx.apply_updates(p, both, key=key)
-  apart = gtx.apply_updates(
-    gtx.apply_updates(p, first, key=key), second, key=key
-  )
+  # the halves sliced in numpy
+  idx, vals = np.asarray(both.indices), np.asarray(both.values)
+  first = gtx.SparseRows(*jax.device_put((idx[:1], vals[:1])), 16)
+  second = gtx.SparseRows(*jax.device_put((idx[1:], vals[1:])), 16)
+  dense = np.random.RandomState(11).normal(size=(16, 4)) * 1e-3
+  dense = jax.device_put(dense.astype(np.float32))
+
+  @jax.jit
+  def unsharded(p, both, first, second, dense):
+    """Both rows at once, one after the other, and the dense leaf."""
+    together = gtx.apply_updates(p, both, key=key)
+    apart = gtx.apply_updates(
+      gtx.apply_updates(p, first, key=key), second, key=key
+    )
+    return together, apart, gtx.apply_updates(p, dense, key=key)
+
+  together, apart, want = unsharded(p, both, first, second, dense)
   np.testing.assert_array_equal(together, apart)
   # a dense bf16 leaf, row-sharded over the 8 devices: the same bits
-  dense = jnp.asarray(np.random.RandomState(11).normal(size=(16, 4)) * 1e-3)
-  dense = dense.astype(jnp.float32)
-  want = gtx.apply_updates(p, dense, key=key)
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
   sharded = jax.device_put(p, NamedSharding(mesh, P("d", None)))
   got = jax.jit(lambda p, u: gtx.apply_updates(p, u, key=key))(sharded, dense)
