@@ -261,7 +261,7 @@ def test_fbgemm_backward_optimizers_case(case):
       total = total + jnp.sum(out * gos[t])
     return total
 
-  params = {f"t{t}": jnp.asarray(w) for t, w in enumerate(weights)}
+  params = {f"t{t}": w for t, w in enumerate(weights)}  # numpy, into jit
   tx = _tx(**FBGEMM_HP)
 
   @jax.jit  # one program: op by op, every op would compile on its own
@@ -309,12 +309,16 @@ def test_fbgemm_backward_optimizers_case(case):
 
 @needs_impl
 def test_state_is_mu_per_element_and_nu_per_row():
-  mu, nu = _moments(_tx(0.1).init(make_params()))
+  # jitted: eagerly, every op of init compiles
+  mu, nu = _moments(jax.jit(_tx(0.1).init)(make_params()))
   for k, shape in SHAPES.items():
     assert mu[k].shape == shape
     assert nu[k].shape == shape[:1], k
     assert nu[k].dtype == jnp.float32
-  tables = {"emb": jnp.zeros((1000, 64)), "w": jnp.zeros(64)}
+  # put from numpy (jnp.zeros compiles a broadcast per shape)
+  tables = jax.device_put(
+    {"emb": np.zeros((1000, 64), np.float32), "w": np.zeros(64, np.float32)}
+  )
   assert gtx.bytes_per_row(_tx(1e-3), tables) == {"['emb']": 516.0}
   assert gtx.bytes_per_row(gtx.lazy_adam(1e-3), tables) == {"['emb']": 768.0}
 
@@ -322,20 +326,22 @@ def test_state_is_mu_per_element_and_nu_per_row():
 @needs_impl
 def test_duplicates_are_summed_before_the_update():
   tx = _tx(0.1, wd=0.01)
-  p = {"emb": jnp.asarray(np.random.RandomState(2).normal(size=(6, 4)))}
-  p["emb"] = p["emb"].astype(jnp.float32)
-  vals = jnp.asarray(np.random.RandomState(3).normal(size=(3, 4)), jnp.float32)
-  dup = {"emb": gtx.SparseRows(jnp.array([4, 1, 4]), vals, 6)}
-  summed = {
-    "emb": gtx.SparseRows(
-      jnp.array([4, 1]), jnp.stack([vals[0] + vals[2], vals[1]]), 6
-    )
-  }
-  runs = []
-  for g in (dup, summed):
-    s = tx.init(p)
-    u, s = tx.update(g, s, p)
-    runs.append((gtx.apply_updates(p, u), s))
+  # built in numpy (the duplicates summed there, in float32)
+  p = {"emb": np.random.RandomState(2).normal(size=(6, 4)).astype(np.float32)}
+  vals = np.random.RandomState(3).normal(size=(3, 4)).astype(np.float32)
+  dup = (np.array([4, 1, 4], np.int32), vals)
+  summed = (np.array([4, 1], np.int32), np.stack([vals[0] + vals[2], vals[1]]))
+
+  @jax.jit
+  def run(p, dup, summed):  # both runs in one program
+    runs = []
+    for ids, rows in (dup, summed):
+      g = {"emb": gtx.SparseRows(ids, rows, 6)}
+      u, s = tx.update(g, tx.init(p), p)
+      runs.append((gtx.apply_updates(p, u), s))
+    return runs
+
+  runs = run(p, dup, summed)
   for a, b in zip(*(jax.tree.leaves(r) for r in runs), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -348,8 +354,11 @@ def test_rows_of_equal_squares_equal_optax_adamw(jit):
   decay scaled by the rate, as FBGEMM) on dense leaves of every shape."""
   rng = np.random.RandomState(5)
   shapes = {"col": (7, 1), "vec": (5,), "s": (), "tab": (6, 4)}
+  # cast and put by numpy (jnp.asarray(x, float32) of float64 compiles a
+  # convert per shape; the same bits)
   params = {
-    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()
+    k: jax.device_put(rng.normal(size=s).astype(np.float32))
+    for k, s in shapes.items()
   }
   ours, theirs = (
     _tx(0.03, 0.8, 0.9, 1e-6, 0.05),
@@ -361,16 +370,18 @@ def test_rows_of_equal_squares_equal_optax_adamw(jit):
     u, s = theirs.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  if jit:
-    f_ours, f_theirs = jax.jit(f_ours), jax.jit(f_theirs)
+  def f_both(po, so, pt, st, g):
+    return f_ours(po, so, g), f_theirs(pt, st, g)
+
+  if jit:  # both steps in one program
+    f_both = jax.jit(f_both)
   po, so, pt, st = params, ours.init(params), params, theirs.init(params)
   for _ in range(5):
     g = {k: rng.normal(size=s) for k, s in shapes.items()}
     # a row of +-c: each row's elements share one square
     g["tab"] = np.abs(g["tab"][:, :1]) * np.sign(rng.normal(size=(6, 4)))
-    g = {k: jnp.asarray(v, jnp.float32) for k, v in g.items()}
-    po, so = f_ours(po, so, g)
-    pt, st = f_theirs(pt, st, g)
+    g = {k: jax.device_put(v.astype(np.float32)) for k, v in g.items()}
+    (po, so), (pt, st) = f_both(po, so, pt, st, g)
   for k in shapes:
     np.testing.assert_allclose(po[k], pt[k], rtol=1e-5, atol=1e-6, err_msg=k)
   assert np.abs(np.asarray(po["tab"]) - np.asarray(params["tab"])).max() > 1e-2
@@ -385,4 +396,5 @@ def test_bad_input_raises():
   params = make_params()
   tx = _tx(0.1, wd=0.1)
   with pytest.raises(ValueError, match="needs `params`"):
-    jax.eval_shape(tx.update, make_grads(0), tx.init(params))
+    # (the state abstract too: eagerly, init's ops would compile)
+    jax.eval_shape(tx.update, make_grads(0), jax.eval_shape(tx.init, params))
