@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 import references as ref
+from conformance import cast
 from flax import nnx
 from flax.training import train_state
 from hlo import whole_table_ops, written_in_place
@@ -22,12 +23,17 @@ IDS = np.array([4, 1, 4, -1, V, 9, 4], np.int32)  # duplicates and padding
 
 def sparse_update(dtype=jnp.float32):
   vals = np.arange(len(IDS) * D, dtype=np.float32).reshape(-1, D) / 8 - 1
-  return gtx.SparseRows(jnp.asarray(IDS), jnp.asarray(vals, dtype), V)
+  return gtx.SparseRows(jnp.asarray(IDS), cast(vals, dtype), V)
 
 
 def table(dtype=jnp.float32):
   t = np.linspace(-2, 2, V * D, dtype=np.float32).reshape(V, D)
-  return jnp.asarray(t, dtype)
+  return cast(t, dtype)
+
+
+# A SparseRows densified by one jitted program per shape (eagerly, every op
+# of to_dense compiles on its own).
+_to_dense = jax.jit(lambda g: g.to_dense())
 
 
 # ----------------------------------------------------------------------------
@@ -49,7 +55,9 @@ def test_array_plus_sparse_rows_is_a_row_scatter_add():
   )
   # untouched rows are bit-identical
   untouched = np.setdiff1d(np.arange(V), IDS)
-  np.testing.assert_array_equal((p + u)[untouched], p[untouched])
+  np.testing.assert_array_equal(
+    np.asarray(p + u)[untouched], np.asarray(p)[untouched]
+  )
 
 
 def test_sparse_rows_scalar_and_sparse_arithmetic():
@@ -73,19 +81,28 @@ def test_dtype_rule_of_optax_apply_updates():
   # Three updates of 2**-9 to a bf16 1.0: added one at a time in bf16 each
   # rounds away (half an ulp is 2**-8); summed in float32 and rounded once,
   # they give 1 + 2**-7, which is what the dense rule computes.
-  p = jnp.ones((4, 2), jnp.bfloat16)
-  u = gtx.SparseRows(jnp.array([1, 1, 1]), jnp.full((3, 2), 2.0**-9), 4)
+  p = jnp.asarray(np.ones((4, 2), jnp.bfloat16))
+  u = gtx.SparseRows(
+    np.array([1, 1, 1], np.int32), np.full((3, 2), 2.0**-9, np.float32), 4
+  )
   dense_u = ref.to_dense(u.indices, u.values, 4).astype(np.float32)
-  want = jnp.asarray(np.asarray(p, np.float32) + dense_u).astype(jnp.bfloat16)
+  # rounded to bfloat16 once by numpy (round to nearest even, as XLA)
+  want = (np.asarray(p, np.float32) + dense_u).astype(jnp.bfloat16)
   assert float(want[1, 0]) == 1 + 2.0**-7  # the check can fail
-  for got in (p + u, u + p, optax.apply_updates(p, u), gtx.apply_updates(p, u)):
-    assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(got, want)
+  u16 = sparse_update(jnp.bfloat16)
+
+  @jax.jit
+  def updated(p, u, p32, u16):  # every way in, one program
+    ways = (p + u, u + p, optax.apply_updates(p, u), gtx.apply_updates(p, u))
+    return ways, p32 + u16
+
+  ways, got = updated(p, u, table(), u16)
+  for got_bf16 in ways:
+    assert got_bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got_bf16, want)
   # a narrower update into a wider table stays wide
   p32 = table()
-  got = p32 + sparse_update(jnp.bfloat16)
   assert got.dtype == jnp.float32
-  u16 = sparse_update(jnp.bfloat16)
   np.testing.assert_allclose(
     got,
     np.asarray(p32) + ref.to_dense(u16.indices, u16.values, V),
@@ -96,17 +113,17 @@ def test_dtype_rule_of_optax_apply_updates():
 def test_arithmetic_bad_input():
   p, u = table(), sparse_update()
   with pytest.raises(ValueError, match=r"array \+ SparseRows.*\(5, 3\)"):
-    p[:5] + u
+    jnp.asarray(np.asarray(p)[:5]) + u
   with pytest.raises(ValueError, match=r"SparseRows \+ array.*row shape"):
-    u + jnp.ones((V, 4))
+    u + jnp.asarray(np.ones((V, 4), np.float32))
   with pytest.raises(TypeError, match="Python scalar.*with_values"):
     u + 1.0
   with pytest.raises(TypeError, match="Python scalar"):
     1 - u
   with pytest.raises(TypeError, match="scalar x only.*to_dense"):
-    u * jnp.ones((V, D))
+    u * jnp.asarray(np.ones((V, D), np.float32))
   with pytest.raises(ValueError, match="SparseRows \\+ SparseRows.*differ"):
-    u + gtx.SparseRows(jnp.array([0]), jnp.ones((1, D)), V + 1)
+    u + gtx.SparseRows(np.array([0]), np.ones((1, D), np.float32), V + 1)
   with pytest.raises(TypeError):
     u + "row"
 
@@ -116,14 +133,20 @@ def test_arithmetic_bad_input():
 
 
 def test_optax_apply_updates_mixed_tree_under_jit():
-  params = {"emb": table(), "w": jnp.ones(D), "b16": table(jnp.bfloat16)}
+  params = {
+    "emb": table(),
+    "w": np.ones(D, np.float32),
+    "b16": table(jnp.bfloat16),
+  }
   updates = {
     "emb": sparse_update(),
-    "w": jnp.full(D, 0.5),
+    "w": np.full(D, 0.5, np.float32),
     "b16": sparse_update(),
   }
-  got = jax.jit(optax.apply_updates)(params, updates)
-  want_gtx = gtx.apply_updates(params, updates)
+  # optax's and gtx's, one program
+  got, want_gtx = jax.jit(
+    lambda p, u: (optax.apply_updates(p, u), gtx.apply_updates(p, u))
+  )(params, updates)
   dense_u = ref.to_dense(IDS, updates["emb"].values, V)
   np.testing.assert_allclose(got["emb"], np.asarray(table()) + dense_u, 1e-6)
   np.testing.assert_array_equal(got["w"], np.full(D, 1.5))
@@ -135,11 +158,16 @@ def test_optax_apply_updates_mixed_tree_under_jit():
 @pytest.mark.parametrize("apply", [optax.apply_updates, gtx.apply_updates])
 def test_both_apply_functions_update_in_place_under_donation(apply):
   rows = 5003
-  params = {"emb": jnp.zeros((rows, 8)), "w": jnp.zeros(8)}
+  params = {
+    "emb": np.zeros((rows, 8), np.float32),
+    "w": np.zeros(8, np.float32),
+  }
   tx = gtx.lazy_adam(0.1)
   grads = {
-    "emb": gtx.SparseRows(jnp.arange(16) * 7, jnp.ones((16, 8)), rows),
-    "w": jnp.ones(8),
+    "emb": gtx.SparseRows(
+      np.arange(16, dtype=np.int32) * 7, np.ones((16, 8), np.float32), rows
+    ),
+    "w": np.ones(8, np.float32),
   }
 
   def step(params, state, grads):
@@ -148,7 +176,7 @@ def test_both_apply_functions_update_in_place_under_donation(apply):
 
   compiled = (
     jax.jit(step, donate_argnums=(0, 1))
-    .lower(params, tx.init(params), grads)
+    .lower(params, jax.eval_shape(tx.init, params), grads)  # compiled only
     .compile()
   )
   whole = whole_table_ops(compiled, rows)
@@ -173,8 +201,8 @@ def lookup_loss(params, ids):
 def make_params():
   rng = np.random.RandomState(0)
   return {
-    "emb": jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
-    "w": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+    "emb": cast(rng.normal(size=(V, D)), jnp.float32),
+    "w": cast(rng.normal(size=(D,)), jnp.float32),
   }
 
 
@@ -185,12 +213,15 @@ BATCHES = [
 ]
 
 
+_lookup_grad = jax.jit(jax.grad(lookup_loss))  # one program for every test
+
+
 def reference_run(params, lr):
   """Lazy Adam in float64 on jax.grad's dense gradient, rows read only."""
   opt = LazyAdam({k: np.asarray(v) for k, v in params.items()}, lambda t: lr)
   for ids in BATCHES:
-    now = {k: jnp.asarray(v, jnp.float32) for k, v in opt.p.items()}
-    g = jax.grad(lookup_loss)(now, jnp.asarray(ids))
+    now = {k: cast(v, jnp.float32) for k, v in opt.p.items()}
+    g = _lookup_grad(now, ids)
     rows = np.unique(ids)
     opt.step({"emb": (rows, np.asarray(g["emb"])[rows], V), "w": g["w"]})
   return opt.p
@@ -199,9 +230,11 @@ def reference_run(params, lr):
 def test_flax_train_state_apply_gradients_with_sparse_grads():
   lr = 0.05
   params = make_params()
-  state = train_state.TrainState.create(
-    apply_fn=lookup_loss, params=params, tx=gtx.lazy_adam(lr)
-  )
+  state = jax.jit(  # the optimizer's init, one program
+    lambda p: train_state.TrainState.create(
+      apply_fn=lookup_loss, params=p, tx=gtx.lazy_adam(lr)
+    )
+  )(params)
 
   @jax.jit
   def step(state, ids):
@@ -217,7 +250,8 @@ def test_flax_train_state_apply_gradients_with_sparse_grads():
     np.testing.assert_allclose(state.params[k], want[k], rtol=2e-5, atol=1e-6)
   untouched = np.setdiff1d(np.arange(V), np.concatenate(BATCHES))
   np.testing.assert_array_equal(
-    state.params["emb"][untouched], params["emb"][untouched]
+    np.asarray(state.params["emb"])[untouched],
+    np.asarray(params["emb"])[untouched],
   )
 
 
@@ -311,8 +345,8 @@ def frozen_layer_params():
   rng = np.random.RandomState(1)
   return {
     **make_params(),
-    "frozen_w": jnp.asarray(rng.normal(size=(D, D)), jnp.float32),
-    "frozen_b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+    "frozen_w": cast(rng.normal(size=(D, D)), jnp.float32),
+    "frozen_b": cast(rng.normal(size=(D,)), jnp.float32),
   }
 
 
@@ -328,13 +362,16 @@ def frozen_layer_tx(lr, params):
   )
 
 
+_frozen_layer_grad = jax.jit(jax.grad(frozen_layer_loss))
+
+
 def frozen_layer_reference(params, lr):
   """Lazy Adam on the table, Adam on the rest (one formula, float64), on
   jax.grad's dense gradients."""
   opt = LazyAdam({k: np.asarray(v) for k, v in params.items()}, lambda t: lr)
   for ids in BATCHES:
-    now = {k: jnp.asarray(v, jnp.float32) for k, v in opt.p.items()}
-    g = jax.grad(frozen_layer_loss)(now, jnp.asarray(ids))
+    now = {k: cast(v, jnp.float32) for k, v in opt.p.items()}
+    g = _frozen_layer_grad(now, ids)
     rows = np.unique(ids)
     g = {k: np.asarray(v) for k, v in g.items()}
     opt.step({**g, "emb": (rows, g["emb"][rows], V)})
@@ -366,7 +403,7 @@ def test_optax_adam_on_a_frozen_layer_through_multi_transform():
       u, s = tx.update(g, s, p)
       return gtx.apply_updates(p, u), s
 
-    p, s = params, tx.init(params)
+    p, s = params, jax.jit(tx.init)(params)
     for ids in BATCHES:
       p, s = step(p, s, jnp.asarray(ids))
     _check_frozen_layer(p, params, lr)
@@ -459,12 +496,12 @@ def test_equinox_models_take_sparse_updates_through_gtx_apply_updates():
   with pytest.raises(TypeError, match=r"gtx.apply_updates\(model, updates\)"):
     eqx.apply_updates(params, updates)
   model = jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
-  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+  opt_state = jax.jit(tx.init)(eqx.filter(model, eqx.is_inexact_array))
   model, _, _ = step(ids, model, opt_state)
   np.testing.assert_allclose(model.embed.weight, want, rtol=1e-6)
   untouched = np.setdiff1d(np.arange(V), BATCHES[0])
   np.testing.assert_array_equal(
-    model.embed.weight[untouched], before[untouched]
+    np.asarray(model.embed.weight)[untouched], before[untouched]
   )
 
 
@@ -475,11 +512,11 @@ def test_equinox_models_take_sparse_updates_through_gtx_apply_updates():
 def _dlrm_params():
   rng = np.random.RandomState(7)
   return {
-    "emb": jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
+    "emb": cast(rng.normal(size=(V, D)), jnp.float32),
     "mlp": {
-      "w1": jnp.asarray(rng.normal(size=(D, 4)), jnp.float32),
-      "b1": jnp.zeros(4, jnp.float32),
-      "w2": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+      "w1": cast(rng.normal(size=(D, 4)), jnp.float32),
+      "b1": cast(np.zeros(4), jnp.float32),
+      "w2": cast(rng.normal(size=(4,)), jnp.float32),
     },
   }
 
@@ -491,8 +528,8 @@ def _dlrm_loss(p, ids, y):
 
 def test_sparse_labels_split_the_optimizer_and_its_state():
   params = _dlrm_params()
-  ids = jnp.asarray(np.random.RandomState(8).randint(0, V, (6, 3)))
-  y = jnp.ones(6)
+  ids = cast(np.random.RandomState(8).randint(0, V, (6, 3)), jnp.int32)
+  y = cast(np.ones(6), jnp.float32)
   labels = gtx.sparse_labels(_dlrm_loss)(params, ids, y)
   assert labels == {
     "emb": "sparse",
@@ -501,20 +538,18 @@ def test_sparse_labels_split_the_optimizer_and_its_state():
   tx = optax.multi_transform(
     {"sparse": gtx.rowwise_adagrad(0.1), "dense": optax.adam(1e-2)}, labels
   )
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   # no Adam state for the table, no row-wise state for the MLP
   adam_shapes = {x.shape for x in jax.tree.leaves(state.inner_states["dense"])}
   row_shapes = {x.shape for x in jax.tree.leaves(state.inner_states["sparse"])}
   assert (V, D) not in adam_shapes
   assert row_shapes <= {(V,), ()}
 
-  @jax.jit
   def step(p, s):
     g = gtx.sparse_grad(_dlrm_loss)(p, ids, y)
     u, s = tx.update(g, s, p)
     return gtx.apply_updates(p, u), s
 
-  @jax.jit
   def separately(p):
     # each part as its own optimizer would do it
     g = gtx.sparse_grad(_dlrm_loss)(p, ids, y)
@@ -527,8 +562,10 @@ def test_sparse_labels_split_the_optimizer_and_its_state():
       "mlp": optax.apply_updates(p["mlp"], v),
     }
 
-  got, _ = step(params, state)
-  want = separately(params)
+  # the split step and its parts separately, one program
+  (got, _), want = jax.jit(lambda p, s: (step(p, s), separately(p)))(
+    params, state
+  )
   np.testing.assert_allclose(got["emb"], want["emb"], rtol=1e-5, atol=1e-7)
   for k in want["mlp"]:
     np.testing.assert_allclose(
@@ -542,8 +579,9 @@ def test_sparse_labels_split_the_optimizer_and_its_state():
 
 
 def _sparse_to_dense(tree):
+  # each SparseRows by one jitted program (see _to_dense)
   return jax.tree.map(
-    lambda x: x.to_dense() if isinstance(x, gtx.SparseRows) else x,
+    lambda x: _to_dense(x) if isinstance(x, gtx.SparseRows) else x,
     tree,
     is_leaf=lambda x: isinstance(x, gtx.SparseRows),
   )
@@ -638,37 +676,47 @@ def test_sparse_labels_of_nnx_state_and_module_fit_nnx_optimizer():
     assert dict(labels["head"]) == {"bias": "dense", "kernel": "dense"}
     assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(labels))
 
-  def run(labels):
+  def make(labels):
     model = Bag(nnx.Rngs(0))
     tx = optax.multi_transform(
       {"sparse": gtx.lazy_sgd(0.1), "dense": optax.sgd(0.1)}, labels
     )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def step(model, optimizer, ids, y):
-      grads = gtx.sparse_grad(mse)(model, ids, y)
-      optimizer.update(model, grads)
-
-    for bag in BAGS:
-      step(model, optimizer, jnp.asarray(bag), y)
-    return nnx.state(model, nnx.Param)
-
+  runs = [make(labels) for labels in (from_state, from_module)]
   # reference: optax.sgd on nnx's dense gradients
   want = Bag(nnx.Rngs(0))
   reference = nnx.Optimizer(want, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=0)
+  def step(runs, want, reference, ids, y):
+    # both labelled runs and the reference, one program
+    for model, optimizer in runs:
+      grads = gtx.sparse_grad(mse)(model, ids, y)
+      optimizer.update(model, grads)
+    reference.update(want, nnx.grad(mse)(want, ids, y))
+
   for bag in BAGS:
-    reference.update(want, nnx.grad(mse)(want, jnp.asarray(bag), y))
-  for labels in (from_state, from_module):
-    _assert_states_close(run(labels), nnx.state(want, nnx.Param))
+    step(runs, want, reference, jnp.asarray(bag), y)
+  for model, _ in runs:
+    _assert_states_close(
+      nnx.state(model, nnx.Param), nnx.state(want, nnx.Param)
+    )
 
 
 def test_a_plain_nnx_module_passed_straight_in():
   ids, y = jnp.asarray(BAGS[0]), jnp.asarray(Y)
   model = Bag(nnx.Rngs(0))
-  value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
+
+  @nnx.jit
+  def both(model, ids, y):  # gtx's and nnx's, one program
+    return (
+      gtx.sparse_value_and_grad(mse)(model, ids, y),
+      nnx.value_and_grad(mse)(model, ids, y),
+    )
+
+  (value, grads), (want_value, want) = both(model, ids, y)
   assert isinstance(grads.embed.embedding.get_value(), gtx.SparseRows)
-  want_value, want = nnx.value_and_grad(mse)(model, ids, y)
   np.testing.assert_allclose(value, want_value, rtol=1e-6)
   _assert_states_close(
     nnx.state(_sparse_to_dense(grads)), nnx.state(want), atol=1e-7
@@ -712,20 +760,21 @@ def test_param_only_training_step_under_jit_with_nnx_optimizer():
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit(donate_argnums=(0, 1))
-  def step(model, optimizer, ids, y):
+  def step(model, optimizer, want, reference, ids, y):
+    # the gtx step and nnx's (reference_step), one program
     value, grads = param_only_value_and_grad(model, ids, y)
     optimizer.update(model, grads)
-    return value
+    return value, reference_step(want, reference, ids, y)[0]
 
   want = DropoutBatchNormBag(nnx.Rngs(1))
   reference = nnx.Optimizer(want, optax.sgd(lr), wrt=nnx.Param)
 
   table = model.embed.embedding.get_value()
   for bag in BAGS + BAGS:
-    got = step(model, optimizer, jnp.asarray(bag), y)
-    np.testing.assert_allclose(
-      got, reference_step(want, reference, jnp.asarray(bag), y)[0], rtol=1e-5
+    got, want_value = step(
+      model, optimizer, want, reference, jnp.asarray(bag), y
     )
+    np.testing.assert_allclose(got, want_value, rtol=1e-5)
   assert table.is_deleted()  # donated: updated in place
   assert int(optimizer.step[...]) == 2 * len(BAGS)
   _assert_states_close(nnx.state(model), nnx.state(want), 1e-5, 1e-6)
@@ -761,22 +810,23 @@ def test_accumulate_trains_inside_nnx_optimizer():
   tx = make()
   state = tx.init(params)
 
-  @nnx.jit
-  def step(model, optimizer, ids):
-    value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
-    optimizer.update(model, grads)
-    return value
-
-  @jax.jit
   def reference_step(params, state, ids):
     loss = lambda p: mse(nnx.merge(graphdef, p), ids, y)  # noqa: E731
     value, grads = gtx.sparse_value_and_grad(loss)(params)
     updates, state = tx.update(grads, state, params)
     return gtx.apply_updates(params, updates), state, value
 
+  @nnx.jit
+  def step(model, optimizer, params, state, ids):
+    # the nnx.Optimizer step and the reference on the pure state, one program
+    value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
+    optimizer.update(model, grads)
+    return value, reference_step(params, state, ids)
+
   for bag in BAGS * 3:  # three windows of two
-    got = step(model, optimizer, jnp.asarray(bag))
-    params, state, want = reference_step(params, state, jnp.asarray(bag))
+    got, (params, state, want) = step(
+      model, optimizer, params, state, jnp.asarray(bag)
+    )
     np.testing.assert_allclose(got, want, rtol=1e-6)
   assert int(state.num_updates) == 3
   _assert_states_close(nnx.as_pure(nnx.state(model, nnx.Param)), params)
@@ -899,21 +949,21 @@ def test_recsys_training_straight_through_matches_nnx_value_and_grad():
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit(donate_argnums=(0, 1))
-  def step(model, optimizer, ids, y):
+  def step(model, optimizer, want, reference, ids, y):
+    # the gtx step and nnx's (reference_step), one program
     value, grads = gtx.sparse_value_and_grad(mse)(model, ids, y)
     optimizer.update(model, grads)
-    return value, grads
+    return (value, grads), reference_step(want, reference, ids, y)
 
   want = RecsysModel(rows, nnx.Rngs(3))
   reference = nnx.Optimizer(want, optax.adam(lr), wrt=nnx.Param)
 
   table = model.embed.embedding.get_value()
   for ids, y in zip(batches, ys, strict=True):
-    value, grads = step(model, optimizer, jnp.asarray(ids), jnp.asarray(y))
-    assert isinstance(grads["embed"]["embedding"].get_value(), gtx.SparseRows)
-    want_value, want_grads = reference_step(
-      want, reference, jnp.asarray(ids), jnp.asarray(y)
+    (value, grads), (want_value, want_grads) = step(
+      model, optimizer, want, reference, jnp.asarray(ids), jnp.asarray(y)
     )
+    assert isinstance(grads["embed"]["embedding"].get_value(), gtx.SparseRows)
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     _assert_states_close(_sparse_to_dense(grads), want_grads, 1e-5, 1e-6)
     _assert_same_rest(model, want)
@@ -1011,17 +1061,9 @@ def test_labels_of_a_diff_state_filter_fit_nnx_optimizer_with_that_wrt():
   tables = nnx.All(nnx.Param, nnx.PathContains("embed"))
   argnums = nnx.DiffState(0, tables)
 
-  def run(make_tx, grad):
+  def make(make_tx):
     model = DropoutBatchNormBag(nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, make_tx(model), wrt=tables)
-
-    @nnx.jit
-    def step(model, optimizer, ids):
-      optimizer.update(model, grad(mse, argnums=argnums)(model, ids, y))
-
-    for bag in BAGS:
-      step(model, optimizer, jnp.asarray(bag))
-    return model
+    return model, nnx.Optimizer(model, make_tx(model), wrt=tables)
 
   def labelled(model):
     labels = gtx.sparse_labels(mse, argnums=argnums)(
@@ -1030,8 +1072,18 @@ def test_labels_of_a_diff_state_filter_fit_nnx_optimizer_with_that_wrt():
     assert nnx.to_pure_dict(labels) == {"embed": {"embedding": "sparse"}}
     return optax.multi_transform({"sparse": gtx.lazy_sgd(lr)}, labels)
 
-  got = run(labelled, gtx.sparse_grad)
-  want = run(lambda _: optax.sgd(lr), nnx.grad)
+  got, got_optimizer = make(labelled)
+  want, want_optimizer = make(lambda _: optax.sgd(lr))
+
+  @nnx.jit
+  def step(got, got_optimizer, want, want_optimizer, ids):
+    # the labelled gtx run and the optax.sgd one on nnx.grad, one program
+    grads = gtx.sparse_grad(mse, argnums=argnums)(got, ids, y)
+    got_optimizer.update(got, grads)
+    want_optimizer.update(want, nnx.grad(mse, argnums=argnums)(want, ids, y))
+
+  for bag in BAGS:
+    step(got, got_optimizer, want, want_optimizer, jnp.asarray(bag))
   _assert_states_close(nnx.state(got), nnx.state(want))
   assert not np.allclose(  # the table trained
     got.embed.embedding[...],

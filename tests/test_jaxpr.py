@@ -10,19 +10,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conformance import cast
 from jax import lax
 from jax.extend import core as jcore
 
 import gradtx as gtx
 from gradtx import _jax_compat, _jaxpr
 
+# Inputs are built in numpy and cast by numpy (conformance.cast): eagerly,
+# jax compiles a convert for each shape and dtype.
 V, D = 12, 3
 RNG = np.random.RandomState(0)
-TABLE = jnp.asarray(RNG.normal(size=(V, D)), jnp.float32)
-TABLE2 = jnp.asarray(RNG.normal(size=(7, D)), jnp.float32)
-W = jnp.asarray(RNG.normal(size=(D,)), jnp.float32)
+TABLE = cast(RNG.normal(size=(V, D)), jnp.float32)
+TABLE2 = cast(RNG.normal(size=(7, D)), jnp.float32)
+W = cast(RNG.normal(size=(D,)), jnp.float32)
 IDS = jnp.array([3, 1, 3, 11, 0, 5])  # a repeated id, both ends
 BAD_IDS = jnp.array([3, -1, 12, 40, -20, 0])  # out of range both ways
+
+# A SparseRows densified by one jitted program per shape (eagerly, every op
+# of to_dense compiles on its own).
+_to_dense = jax.jit(lambda g: g.to_dense())
 
 
 def _is_sparse(x):
@@ -57,7 +64,7 @@ def _check(loss, params, *args, sparse=1, rtol=1e-5):
     if _is_sparse(g):
       n += 1
       assert g.dtype == w.dtype
-      g = g.to_dense()
+      g = _to_dense(g)
     np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
   assert n == sparse, f"{n} sparse leaves, expected {sparse}"
   return got
@@ -141,10 +148,10 @@ def test_construct_is_sparse_and_matches_jax_grad(name):
 def test_eager_sparse_grad_matches():
   loss = CONSTRUCTS["scan_rnn"]
   p = {"t": TABLE, "w": W}
-  v, g = gtx.sparse_value_and_grad(loss)(p, IDS)
-  v2, g2 = jax.value_and_grad(loss)(p, IDS)
+  v, g = gtx.sparse_value_and_grad(loss)(p, IDS)  # eager
+  v2, g2 = jax.jit(jax.value_and_grad(loss))(p, IDS)  # the reference
   np.testing.assert_allclose(v, v2, rtol=1e-6)
-  np.testing.assert_allclose(g["t"].to_dense(), g2["t"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_to_dense(g["t"]), g2["t"], rtol=1e-5, atol=1e-6)
 
 
 def test_ids_in_program_order_top_level_then_scan():
@@ -193,14 +200,14 @@ def test_gather_modes_assign_the_rows_read(mode, want):
 def test_vmapped_clip_gather_on_non_row_dims():
   # eqx.nn.Embedding under vmap: a CLIP gather that also indexes dim 1.
   emb = eqx.nn.Embedding(weight=TABLE)
-  ids = jnp.clip(BAD_IDS, 0, V - 1)
+  ids = np.clip(np.asarray(BAD_IDS), 0, V - 1)
   g = _check(lambda m, i: _mlp(jax.vmap(m)(i), W), emb, ids)
   np.testing.assert_array_equal(g.weight.indices, ids)
 
 
 def test_lookup_padding_and_bounds_check_kept():
   g = _check(lambda t, i: _mlp(gtx.lookup(t, i), W), TABLE, BAD_IDS)
-  assert float(jnp.abs(g.to_dense()).sum()) > 0
+  assert float(np.abs(np.asarray(_to_dense(g))).sum()) > 0
   with pytest.raises(ValueError, match=r"outside \[0, 12\)"):
     gtx.sparse_grad(lambda t, i: gtx.lookup(t, i, bounds_check=True).sum())(
       TABLE, BAD_IDS
@@ -240,8 +247,8 @@ def test_a_bounds_checked_lookup_in_a_differentiated_loop_leaks_no_trace():
   rng = np.random.RandomState(8)
   x0 = jnp.asarray([1.25])
   P = (
-    {0: jnp.asarray(rng.normal(size=(50, 2)), jnp.float32)},
-    jnp.asarray(rng.normal(size=(2,)), jnp.float32),
+    {0: cast(rng.normal(size=(50, 2)), jnp.float32)},
+    cast(rng.normal(size=(2,)), jnp.float32),
   )
   loss = _checked_lookups_in_a_loop
   with jax.checking_leaks():  # jitted: one compilation, not one per op
@@ -252,7 +259,7 @@ def test_a_bounds_checked_lookup_in_a_differentiated_loop_leaks_no_trace():
   np.testing.assert_allclose(got_v, want_v, rtol=1e-6)
   assert _is_sparse(got[1][0][0])
   for g, w in zip(_leaves(got), jax.tree.leaves(want), strict=True):
-    g = g.to_dense() if _is_sparse(g) else g
+    g = _to_dense(g) if _is_sparse(g) else g
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   # the check still fails the computation on an id out of range
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"outside \[0, 50\)"):
@@ -285,7 +292,7 @@ def test_remat_policy_and_prevent_cse_kept():
 
 def test_bf16_cast_table_flax_embed():
   model = nn.Embed(V, D, dtype=jnp.bfloat16)
-  variables = model.init(jax.random.key(0), IDS)
+  variables = jax.jit(model.init)(jax.random.key(0), IDS)
 
   def loss(v, ids):
     return _mlp(model.apply(v, ids).astype(jnp.float32), W)
@@ -296,7 +303,7 @@ def test_bf16_cast_table_flax_embed():
 
 
 def test_bf16_table_cast_to_f32():
-  t16 = TABLE.astype(jnp.bfloat16)
+  t16 = cast(TABLE, jnp.bfloat16)
   g = _check(lambda t, i: _mlp(t.astype(jnp.float32)[i], W), t16, IDS)
   assert g.dtype == jnp.bfloat16
 
@@ -310,11 +317,12 @@ def test_argnums_has_aux_and_unused_table():
 
   p = {"a": TABLE, "b": TABLE2, "w": W}
   x = jnp.ones(D)
+  f = gtx.sparse_value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  f2 = jax.value_and_grad(loss, (0, 1), has_aux=True)
+  # gtx's and jax's in one program
+  both = jax.jit(lambda *a: (f(*a), f2(*a)), static_argnums=3)
   for use_b in (False, True):
-    f = gtx.sparse_value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    (v, aux), (gx, gp) = jax.jit(f, static_argnums=3)(x, p, IDS, use_b)
-    f2 = jax.value_and_grad(loss, (0, 1), has_aux=True)
-    (v2, _), (gx2, gp2) = jax.jit(f2, static_argnums=3)(x, p, IDS, use_b)
+    ((v, aux), (gx, gp)), ((v2, _), (gx2, gp2)) = both(x, p, IDS, use_b)
     assert int(aux["n"]) == 6
     np.testing.assert_allclose(v, v2, rtol=1e-6)
     np.testing.assert_allclose(gx, gx2, rtol=1e-5)
@@ -323,7 +331,7 @@ def test_argnums_has_aux_and_unused_table():
 
 
 def _dense(x):
-  return x.to_dense() if _is_sparse(x) else x
+  return _to_dense(x) if _is_sparse(x) else x
 
 
 def test_sparse_grad_of_getitem_inside_shard_map():
@@ -337,13 +345,15 @@ def test_sparse_grad_of_getitem_inside_shard_map():
     g = gtx.sparse_grad(loss)(p, i)
     return jax.tree.map(lambda x: x[None], (g["t"].to_dense(), g["w"]))
 
-  ids = jnp.arange(16) % V
-  got = jax.jit(
-    jax.shard_map(
-      per_replica, mesh=mesh, in_specs=(P(), P("r")), out_specs=P("r")
-    )
-  )({"t": TABLE, "w": W}, ids)
-  want = jax.grad(loss)({"t": TABLE, "w": W}, ids)
+  ids = (np.arange(16) % V).astype(np.int32)
+  mapped = jax.shard_map(
+    per_replica, mesh=mesh, in_specs=(P(), P("r")), out_specs=P("r")
+  )
+  # the shard_map and the reference, one program
+  got, want = jax.jit(lambda p, i: (mapped(p, i), jax.grad(loss)(p, i)))(
+    {"t": TABLE, "w": W}, ids
+  )
+  got = jax.device_get(got)
   np.testing.assert_allclose(got[0][0], want["t"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got[1][0], want["w"], rtol=1e-5, atol=1e-6)
 
@@ -432,8 +442,11 @@ def test_table_in_aux_is_dense():
   def loss(t, i):
     return _mlp(t[i], W), {"table": t}
 
-  (v, aux), g = gtx.sparse_value_and_grad(loss, has_aux=True)(TABLE, IDS)
-  np.testing.assert_array_equal(g, jax.grad(loss, has_aux=True)(TABLE, IDS)[0])
+  # both a value_and_grad in one program, compiled alike (see _vg)
+  gvg = gtx.sparse_value_and_grad(loss, has_aux=True)
+  jvg = jax.value_and_grad(loss, has_aux=True)
+  ((v, aux), g), (_, want) = jax.jit(lambda *a: (gvg(*a), jvg(*a)))(TABLE, IDS)
+  np.testing.assert_array_equal(g, want)
   np.testing.assert_array_equal(aux["table"], TABLE)
   (record,) = gtx.sparsity_report(loss, has_aux=True)(TABLE, IDS)
   assert "returned" in record.reason
@@ -443,7 +456,7 @@ def test_dense_leaves_exact_next_to_a_sparse_table():
   def loss(p, i):
     return jnp.sum(jnp.tanh(p["t"][i] @ p["m"]) ** 2) + jnp.sum(p["b"] ** 3)
 
-  m = jnp.asarray(RNG.normal(size=(D, 4)), jnp.float32)
+  m = cast(RNG.normal(size=(D, 4)), jnp.float32)
   p = {"t": TABLE, "m": m, "b": W}
   (_, got), (_, want) = _vg(loss, p, IDS)
   np.testing.assert_allclose(got["m"], want["m"], rtol=1e-6)
@@ -481,7 +494,8 @@ def test_dense_weight_in_unknown_primitive_does_not_warn():
     f = jax.shard_map(lambda w: w * 2, mesh=mesh, in_specs=P(), out_specs=P())
     return _mlp(t[i], f(w))
 
-  g = gtx.sparse_grad(loss, argnums=(0, 1))(W, TABLE, IDS)  # no warning
+  # no warning (traced under jit: a warning is raised while tracing)
+  g = jax.jit(gtx.sparse_grad(loss, argnums=(0, 1)))(W, TABLE, IDS)
   assert _is_sparse(g[1])
 
 
@@ -512,8 +526,8 @@ def test_report_table_and_records():
     h = p["emb"][i] + p["tied"][i]
     return jnp.sum(h @ p["tied"].T) + jnp.sum(p["w"])
 
-  p = {"emb": TABLE, "tied": TABLE, "w": W, "n": jnp.arange(3)}
-  report = gtx.sparsity_report(loss)(p, IDS.reshape(2, 3))
+  p = {"emb": TABLE, "tied": TABLE, "w": W, "n": np.arange(3, dtype=np.int32)}
+  report = gtx.sparsity_report(loss)(p, np.asarray(IDS).reshape(2, 3))
   by_path = {r.path: r for r in report}
   assert [r.path for r in report] == ["['emb']", "['n']", "['tied']", "['w']"]
   assert by_path["['emb']"].sparse and by_path["['emb']"].rows_per_step == 6
@@ -545,7 +559,7 @@ def test_require_sparse_names_the_leaf_use_and_line():
   with pytest.raises(ValueError, match=r"\['embedding'\].*The leaves are"):
     gtx.sparse_grad(loss, require_sparse=["['embedding']"])(p, IDS)
   ok = gtx.sparse_grad(CONSTRUCTS["getitem"], require_sparse=["['t']"])
-  assert _is_sparse(ok({"t": TABLE, "w": W}, IDS)["t"])
+  assert _is_sparse(jax.jit(ok)({"t": TABLE, "w": W}, IDS)["t"])
 
 
 # ----------------------------------------------------------------------------
@@ -565,11 +579,14 @@ def test_no_table_sized_value_in_compiled_step():
 
     return jnp.sum(lax.scan(step, jnp.zeros(dim), ids)[0] ** 2)
 
+  # shapes only: lowered and compiled, never run
   params = {
-    "emb": model.init(jax.random.key(0), jnp.zeros(1, jnp.int32)),
-    "w": jnp.ones(dim),
+    "emb": jax.eval_shape(
+      model.init, jax.random.key(0), jax.ShapeDtypeStruct((1,), jnp.int32)
+    ),
+    "w": jax.ShapeDtypeStruct((dim,), jnp.float32),
   }
-  ids = jnp.zeros((5,), jnp.int32)
+  ids = jax.ShapeDtypeStruct((5,), jnp.int32)
 
   def step(p, ids):
     g = gtx.sparse_grad(loss)(p, ids)
@@ -660,7 +677,7 @@ def _embed_256(p, i):
   return jnp.sum(jnp.tanh(nn.Embed(256, D).apply(p, i)) ** 2)
 
 
-_T300 = jnp.asarray(RNG.normal(size=(300, D)), jnp.float32)
+_T300 = cast(RNG.normal(size=(300, D)), jnp.float32)
 _NARROW = {
   # name: (loss, table, ids), each id in the dtype a real script passes
   "embed_uint8_256": (
@@ -675,7 +692,7 @@ _NARROW = {
   ),
   "take_int16_32768": (
     lambda t, i: _mlp(jnp.take(t, i, axis=0), W),
-    jnp.asarray(RNG.normal(size=(32768, D)), jnp.float32),
+    cast(RNG.normal(size=(32768, D)), jnp.float32),
     jnp.array([-1, 5, 32767, -32768, 0], jnp.int16),
   ),
   "index_uint16": (
@@ -700,12 +717,12 @@ _NARROW = {
   ),
   "vector_take_int8_257": (
     lambda t, i: jnp.sum(jnp.sin(jnp.take(t, i))),
-    jnp.asarray(RNG.normal(size=(257,)), jnp.float32),
+    cast(RNG.normal(size=(257,)), jnp.float32),
     jnp.array([127, -3, 0], jnp.int8),
   ),
   "scalar_int8_257": (
     lambda t, i: jnp.sum(jnp.sin(t[i])),
-    jnp.asarray(RNG.normal(size=(257,)), jnp.float32),
+    cast(RNG.normal(size=(257,)), jnp.float32),
     jnp.int8(127),
   ),
 }
@@ -719,7 +736,7 @@ def test_ids_of_every_integer_dtype_read_the_row_jax_reads(name):
 
 def test_int64_ids_under_x64_read_the_row_jax_reads():
   with jax.enable_x64(True):
-    table = jnp.asarray(RNG.normal(size=(50, D)), jnp.float32)
+    table = cast(RNG.normal(size=(50, D)), jnp.float32)
     ids = jnp.array([3, 2**40 + 1, -1, 49, 2**33], jnp.int64)
     for mode in ("clip", "fill"):
       _check(
@@ -749,34 +766,38 @@ _CASTS = {
 @pytest.mark.parametrize("name", sorted(_CASTS))
 def test_cast_chains_keep_every_rounding_and_overflow(name):
   loss = _CASTS[name]
-  table = TABLE.at[3].set(1e5) if "overflow" in name else TABLE * 3
-  ids = jnp.array([3, 1, 11, 0, 5])  # unique: each row's gradient exact
+  table = np.array(TABLE)  # numpy: float32 ops, the same bits as jnp's
+  if "overflow" in name:
+    table[3] = 1e5
+  else:
+    table = table * np.float32(3)
+  table = jnp.asarray(table)
+  ids = np.array([3, 1, 11, 0, 5], np.int32)  # unique: each row exact
   (got_v, got), (want_v, want) = _vg(loss, table, ids)
   assert _is_sparse(got)
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(got.to_dense(), want)
+  np.testing.assert_array_equal(_to_dense(got), want)
   # eagerly too (every op rounds on its own)
-  got_v, got = gtx.sparse_value_and_grad(loss)(table, ids)
-  want_v, want = jax.value_and_grad(loss)(table, ids)
+  got_v, got = gtx.sparse_value_and_grad(loss)(table, jnp.asarray(ids))
+  want_v, want = jax.value_and_grad(loss)(table, jnp.asarray(ids))
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(got.to_dense(), want)
+  np.testing.assert_array_equal(_to_dense(got), want)
 
 
 def test_zero_sink_keeps_negative_zero_rows():
-  table = TABLE.at[1].set(-0.0)
+  table = np.array(TABLE)
+  table[1] = -0.0
 
   def loss(t, i):  # 1 / -0.0 is -inf: the sign of a zero row shows
     return jnp.sum(jnp.where(1.0 / t[i] > 0, t[i], 2 * t[i]))
 
-  (got_v, got), (want_v, want) = _vg(loss, table, jnp.array([1, 2]))
+  (got_v, got), (want_v, want) = _vg(loss, table, np.array([1, 2], np.int32))
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(got.to_dense(), want)
+  np.testing.assert_array_equal(_to_dense(got), want)
 
 
 def _block_loss():
-  ws = [
-    jnp.asarray(RNG.normal(size=(D, D)) / 2, jnp.bfloat16) for _ in range(6)
-  ]
+  ws = [cast(RNG.normal(size=(D, D)) / 2, jnp.bfloat16) for _ in range(6)]
 
   @jax.jit
   def block(t, ids):
@@ -790,7 +811,7 @@ def _block_loss():
 
 def test_eager_call_runs_a_jitted_block_compiled_as_jax_does():
   loss = _block_loss()
-  table = TABLE.astype(jnp.bfloat16)
+  table = cast(TABLE, jnp.bfloat16)
   (eqn,) = [
     e for e in jax.make_jaxpr(loss)(table, IDS).eqns if "jaxpr" in e.params
   ]
@@ -805,7 +826,9 @@ def test_eager_call_runs_a_jitted_block_compiled_as_jax_does():
   want_v, want = jax.value_and_grad(loss)(table, IDS)
   np.testing.assert_array_equal(got_v, want_v)
   np.testing.assert_allclose(
-    got.to_dense().astype(jnp.float32), want.astype(jnp.float32), atol=1e-2
+    np.asarray(_to_dense(got), np.float32),
+    np.asarray(want, np.float32),
+    atol=1e-2,
   )
 
 
@@ -848,14 +871,14 @@ def _bert_like(p, ids, segments):
 def _bert_params():
   rng = np.random.RandomState(3)
   return {
-    "emb": jnp.asarray(rng.normal(size=(500, D)), jnp.float32),
-    "seg": jnp.asarray(rng.normal(size=(2, D)), jnp.float32),
+    "emb": cast(rng.normal(size=(500, D)), jnp.float32),
+    "seg": cast(rng.normal(size=(2, D)), jnp.float32),
     "w": W,
   }
 
 
-_TOKENS = jnp.asarray(np.random.RandomState(4).randint(0, 500, (4, 16)))
-_SEGMENTS = jnp.asarray(np.random.RandomState(5).randint(0, 2, (4, 16)))
+_TOKENS = cast(np.random.RandomState(4).randint(0, 500, (4, 16)), jnp.int32)
+_SEGMENTS = cast(np.random.RandomState(5).randint(0, 2, (4, 16)), jnp.int32)
 
 
 def test_a_table_read_many_times_per_row_gets_every_row_once_and_says_why():
@@ -879,15 +902,21 @@ def test_a_table_read_many_times_per_row_gets_every_row_once_and_says_why():
   assert isinstance(seg_g, gtx.SparseRows)
   np.testing.assert_array_equal(seg_g.indices, [0, 1])
   np.testing.assert_allclose(seg_g.values, want["seg"], rtol=1e-6)
+
   # require_sparse keeps a row per read; dense= makes the big table dense
-  g = gtx.sparse_grad(_bert_like, require_sparse="['seg']")(
-    p, _TOKENS, _SEGMENTS
-  )
-  assert isinstance(g["seg"], gtx.SparseRows) and g["seg"].nnz == 64
-  np.testing.assert_allclose(g["seg"].to_dense(), want["seg"], rtol=1e-5)
-  g = gtx.sparse_grad(_bert_like, dense=lambda path: "emb" in path)(
-    p, _TOKENS, _SEGMENTS
-  )
+  @jax.jit
+  def overridden(p, tokens, segments):  # both, one program
+    g = gtx.sparse_grad(_bert_like, require_sparse="['seg']")(
+      p, tokens, segments
+    )
+    assert isinstance(g["seg"], gtx.SparseRows) and g["seg"].nnz == 64
+    g2 = gtx.sparse_grad(_bert_like, dense=lambda path: "emb" in path)(
+      p, tokens, segments
+    )
+    return g["seg"].to_dense(), g2
+
+  seg_dense, g = overridden(p, _TOKENS, _SEGMENTS)
+  np.testing.assert_allclose(seg_dense, want["seg"], rtol=1e-5)
   assert not isinstance(g["emb"], gtx.SparseRows)
   np.testing.assert_allclose(g["emb"], want["emb"], rtol=1e-5, atol=1e-7)
   assert (
@@ -913,8 +942,8 @@ def test_the_threshold_is_reads_per_row():
     (int(DENSE_READS_PER_ROW * rows) - 1, True),
     (int(DENSE_READS_PER_ROW * rows), False),
   ):
-    table = jnp.ones((rows, D))
-    ids = jnp.arange(reads) % rows
+    table = np.ones((rows, D), np.float32)
+    ids = (np.arange(reads) % rows).astype(np.int32)
     (r,) = gtx.sparsity_report(lambda t, i: _mlp(t[i], W))(table, ids)
     assert r.sparse and r.every_row != sparse and r.reads == reads
 
@@ -932,18 +961,22 @@ def test_a_frozen_table_gets_no_gradient_and_no_update():
   (v, g), (want_v, want) = _vg(loss, p, IDS)
   np.testing.assert_array_equal(v, want_v)
   assert isinstance(g["emb"], gtx.SparseRows) and g["emb"].nnz == 0
-  np.testing.assert_array_equal(g["emb"].to_dense(), want["emb"])  # zeros
+  np.testing.assert_array_equal(_to_dense(g["emb"]), want["emb"])  # zeros
   np.testing.assert_array_equal(g["w"], want["w"])
   tx = gtx.lazy_adam(0.1)
-  state = tx.init(p)
-  u, state = tx.update(g, state, p)
-  new = gtx.apply_updates(p, u)
+
+  @jax.jit
+  def update(g, p):  # init, update and apply, one program
+    u, state = tx.update(g, tx.init(p), p)
+    return gtx.apply_updates(p, u), state
+
+  new, state = update(g, p)
   np.testing.assert_array_equal(new["emb"], TABLE)  # no row touched
   np.testing.assert_array_equal(state[0].mu["emb"], 0.0)
   # a table read both frozen and not: the unfrozen reads' rows only
-  g = gtx.sparse_grad(lambda t, i: _mlp(lax.stop_gradient(t)[i] + t[i], W))(
-    TABLE, IDS
-  )
+  g = jax.jit(
+    gtx.sparse_grad(lambda t, i: _mlp(lax.stop_gradient(t)[i] + t[i], W))
+  )(TABLE, IDS)
   assert g.nnz == IDS.size
 
 
@@ -981,8 +1014,8 @@ def test_a_frozen_table_keeps_every_row_under_gtx_optimizers(make):
     return gtx.apply_updates(p, u), s
 
   step = jax.jit(step, donate_argnums=(0, 1))
-  p = {"emb": TABLE + 0.0, "w": W + 0.0}
-  s = tx.init(p)
+  p = {"emb": jnp.array(np.asarray(TABLE)), "w": jnp.array(np.asarray(W))}
+  s = jax.jit(tx.init)(p)
   # the table's state rows: the state leaves shaped like the table's rows
   rows_of = lambda s: [x for x in jax.tree.leaves(s) if x.shape[:1] == (V,)]  # noqa: E731
   init_rows = [np.asarray(x) for x in rows_of(s)]
@@ -1006,8 +1039,8 @@ def _frozen_layer_params():
   rng = np.random.RandomState(7)
   return {
     "emb": TABLE,
-    "frozen_w": jnp.asarray(rng.normal(size=(D, D)), jnp.float32),
-    "frozen_b": jnp.asarray(rng.normal(size=(D,)), jnp.float32),
+    "frozen_w": cast(rng.normal(size=(D, D)), jnp.float32),
+    "frozen_b": cast(rng.normal(size=(D,)), jnp.float32),
     "w": W,
   }
 
@@ -1051,7 +1084,7 @@ def test_only_whole_row_reads_after_stop_gradient_make_a_frozen_table():
   cases = [
     (rows_then_matmul, TABLE, False),
     (jitted_rows, TABLE, True),
-    (row_bias, jnp.arange(V, dtype=jnp.float32), True),
+    (row_bias, np.arange(V, dtype=np.float32), True),
   ]
   for loss, t, table in cases:
     (r,) = gtx.sparsity_report(loss)(t, IDS)
@@ -1067,7 +1100,7 @@ def test_only_whole_row_reads_after_stop_gradient_make_a_frozen_table():
 
 def test_report_summary_first_then_details():
   p = _bert_params()
-  p["b"] = jnp.zeros(D)
+  p["b"] = np.zeros(D, np.float32)
 
   def loss(p, ids, segments):
     return _bert_like(p, ids, segments) + jnp.sum(p["b"])
@@ -1100,17 +1133,29 @@ def test_nnx_value_paths_with_or_without_the_suffix():
   def loss(state, ids, segments):
     return nnx.merge(graphdef, state)(ids, segments)
 
-  ids = _TOKENS % 50
+  ids = cast(np.asarray(_TOKENS) % 50, jnp.int32)
   paths = [r.path for r in gtx.sparsity_report(loss)(state, ids, _SEGMENTS)]
   seg = [q for q in paths if "seg" in q][0]
   emb = [q for q in paths if "emb" in q][0]
-  for name in (seg, seg.removesuffix(".value")):
-    g = gtx.sparse_grad(loss, require_sparse=name)(state, ids, _SEGMENTS)
+  seg_names = (seg, seg.removesuffix(".value"))
+  emb_names = (emb, emb.removesuffix(".value"))
+
+  @jax.jit
+  def grads(state, ids, segments):  # the four, one program
+    return [
+      gtx.sparse_grad(loss, require_sparse=name)(state, ids, segments)
+      for name in seg_names
+    ] + [
+      gtx.sparse_grad(loss, dense=[name])(state, ids, segments)
+      for name in emb_names
+    ]
+
+  out = grads(state, ids, _SEGMENTS)
+  for g in out[:2]:
     assert isinstance(
       jax.tree.leaves(g["seg"], is_leaf=_is_sparse)[0], gtx.SparseRows
     )
-  for name in (emb, emb.removesuffix(".value")):
-    g = gtx.sparse_grad(loss, dense=[name])(state, ids, _SEGMENTS)
+  for g in out[2:]:
     assert not _is_sparse(jax.tree.leaves(g["emb"], is_leaf=_is_sparse)[0])
 
 
