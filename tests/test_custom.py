@@ -22,6 +22,7 @@ from conformance import (
   make_grads,
   make_params,
   step_fn,
+  together,
 )
 
 import gradtx as gtx
@@ -115,16 +116,23 @@ def test_lazy_lion_matches_numpy(jit):
 
 def test_update_is_sparse_on_deduplicated_ids():
   tx = lazy_lion(1.0)
-  ids = jnp.array([5, 2, 5, -1, 9, 2], jnp.int32)
-  g = gtx.SparseRows(ids, jnp.ones((6, 2)), 9)
-  u, _ = tx.update(g, tx.init(jnp.zeros((9, 2))), jnp.zeros((9, 2)))
-  assert isinstance(u, gtx.SparseRows) and u.unique
+  ids = np.array([5, 2, 5, -1, 9, 2], np.int32)
+  g = gtx.SparseRows(ids, np.ones((6, 2), np.float32), 9)
+  unique = []  # a static flag, lost at the jit boundary: read while tracing
+
+  @jax.jit
+  def update(g, table):
+    u, _ = tx.update(g, tx.init(table), table)
+    unique.append(isinstance(u, gtx.SparseRows) and u.unique)
+    return u, u.to_dense()
+
+  u, dense = update(g, jnp.asarray(np.zeros((9, 2), np.float32)))
+  assert isinstance(u, gtx.SparseRows) and unique == [True]
   valid = np.asarray(u.indices)[np.asarray(u.indices) < 9]
   assert sorted(valid.tolist()) == [2, 5]
-  np.testing.assert_array_equal(
-    u.to_dense()[np.array([2, 5])], -np.ones((2, 2))
-  )
-  assert float(jnp.abs(u.to_dense()).sum()) == 4.0
+  dense = np.asarray(dense)
+  np.testing.assert_array_equal(dense[np.array([2, 5])], -np.ones((2, 2)))
+  assert float(np.abs(dense).sum()) == 4.0
 
 
 def test_dense_leaves_equal_optax_lion_bitwise():
@@ -150,7 +158,7 @@ def test_per_row_state_matches_numpy_and_rowwise_adagrad():
   tx = rowwise_adagrad(0.1)
   builtin = gtx.rowwise_adagrad(0.1)
   params = make_params()
-  state = tx.init(params)
+  state, sb = jax.jit(lambda p: (tx.init(p), builtin.init(p)))(params)
   assert state.states[0]["emb"].shape == (40,)
   assert state.states[0]["tab"].shape == (25,)
   assert state.states[0]["w"].shape == (3,)
@@ -158,12 +166,14 @@ def test_per_row_state_matches_numpy_and_rowwise_adagrad():
   want = ref.RowwiseAdagrad(
     {k: np.asarray(v) for k, v in params.items()}, lambda _: 0.1
   )
-  p, pb, sb = params, params, builtin.init(params)
-  step, step_b = jax.jit(step_fn(tx)), jax.jit(step_fn(builtin))
+  carries = [(params, state), (params, sb)]
+  # both optimizers' steps in one program
+  step = jax.jit(
+    together(["custom", "builtin"], [step_fn(tx), step_fn(builtin)])
+  )
   for i in range(3):
     grads = make_grads(i)
-    p, state = step(p, state, grads)
-    pb, sb = step_b(pb, sb, grads)
+    carries = step(carries, [(grads,), (grads,)])
     want.step(
       {
         k: (np.asarray(g.indices), np.asarray(g.values, np.float64), g.num_rows)
@@ -172,6 +182,7 @@ def test_per_row_state_matches_numpy_and_rowwise_adagrad():
         for k, g in grads.items()
       }
     )
+  (p, state), (pb, sb) = carries
   for k in SHAPES:
     np.testing.assert_allclose(p[k], want.p[k], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
@@ -193,8 +204,10 @@ def test_needs_params_passes_the_parameter_rows():
   def init(p):
     return (jnp.zeros(p.shape[:1], jnp.int32),)
 
-  table = jnp.arange(12.0).reshape(6, 2)
-  g = gtx.SparseRows(jnp.array([4, 1, 4, 6]), jnp.ones((4, 2)), 6)
+  table = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(6, 2))
+  g = gtx.SparseRows(
+    np.array([4, 1, 4, 6], np.int32), np.ones((4, 2), np.float32), 6
+  )
   tx = gtx.row_transformation(rule, init, needs_params=True)
   _, state = tx.update(g, tx.init(table), table)
   rows = np.asarray(seen["p"])
@@ -205,7 +218,7 @@ def test_needs_params_passes_the_parameter_rows():
   assert got == {(2.0, 3.0), (8.0, 9.0)}
   np.testing.assert_array_equal(state.states[0], [0, 1, 0, 0, 1, 0])
   # dense: the whole parameter
-  tx.update(jnp.ones((6, 2)), tx.init(table), table)
+  tx.update(jnp.asarray(np.ones((6, 2), np.float32)), tx.init(table), table)
   np.testing.assert_array_equal(seen["p"], table)
   # without needs_params the rule gets None and params are optional
   plain = gtx.row_transformation(rule, init)
@@ -222,24 +235,29 @@ def test_init_may_return_the_parameter_and_no_state():
     lambda g, p, fast, slow: (jnp.zeros_like(g), fast, slow + g),
     lambda p: (p, p),
   )
-  params = {"emb": jnp.ones((8, 2))}
+  params = {"emb": jnp.asarray(np.ones((8, 2), np.float32))}
   state = jax.jit(ema.init)(params)
   bufs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves((params, state))}
   assert len(bufs) == 3
   step = jax.jit(step_fn(ema), donate_argnums=(0, 1))
-  g = {"emb": gtx.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 8)}
+  g = {
+    "emb": gtx.SparseRows(
+      np.array([1], np.int32), np.ones((1, 2), np.float32), 8
+    )
+  }
   params, state = step(params, ema.init(params), g)
-  np.testing.assert_array_equal(state.states[1]["emb"][:, 0], [1, 2] + [1] * 6)
+  slow = np.asarray(state.states[1]["emb"])
+  np.testing.assert_array_equal(slow[:, 0], [1, 2] + [1] * 6)
   sgd = gtx.row_transformation(lambda g, p: (-g,), lambda p: ())
   state = sgd.init(params)
   assert state == gtx.RowTransformationState(())
-  u, _ = sgd.update(g, state)
-  np.testing.assert_array_equal(u["emb"].to_dense()[1], [-1, -1])
+  dense = jax.jit(lambda g: sgd.update(g, state)[0]["emb"].to_dense())(g)
+  np.testing.assert_array_equal(np.asarray(dense)[1], [-1, -1])
 
 
 def test_none_leaves_and_eval_shape():
   tx = rowwise_adagrad(0.1)
-  params = {"emb": jnp.zeros((10, 4)), "frozen": None}
+  params = {"emb": jnp.asarray(np.zeros((10, 4), np.float32)), "frozen": None}
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
   )
@@ -247,10 +265,12 @@ def test_none_leaves_and_eval_shape():
   assert shapes.states[0]["frozen"] is None
   assert shapes.states[0]["emb"].shape == (10,)
   g = {
-    "emb": gtx.SparseRows(jnp.array([3]), jnp.ones((1, 4)), 10),
+    "emb": gtx.SparseRows(
+      np.array([3], np.int32), np.ones((1, 4), np.float32), 10
+    ),
     "frozen": None,
   }
-  u, state = tx.update(g, tx.init(params))
+  u, state = jax.jit(lambda g, p: tx.update(g, tx.init(p)))(g, params)
   assert u["frozen"] is None and state.states[0]["frozen"] is None
 
 
@@ -263,14 +283,14 @@ def test_accumulate_every_2_equals_inner_on_concatenated_window():
   tx = gtx.accumulate(lazy_lion(0.01, weight_decay=0.1), 2, rows_per_step=rows)
   inner = lazy_lion(0.01, weight_decay=0.1)
   params = make_params()
-  p, s = params, tx.init(params)
-  rp, rs = params, inner.init(params)
-  step, inner_step = jax.jit(step_fn(tx)), jax.jit(step_fn(inner))
-  for w in range(2):
-    window = [make_grads(2 * w + j) for j in range(2)]
-    p, s = step(p, s, window[0])
-    assert int(s.num_accumulated) == 1
-    p, s = step(p, s, window[1])
+  s, rs = jax.jit(lambda p: (tx.init(p), inner.init(p)))(params)
+  p, rp = params, params
+  step, inner_step = jax.jit(step_fn(tx)), step_fn(inner)
+
+  @jax.jit
+  def inner_on_mean(rp, rs, window):
+    # the inner step on the mean of the window's gradients (the ids and
+    # rows concatenated), in one program
     mean = {
       k: gtx.SparseRows(
         jnp.concatenate([g[k].indices for g in window]),
@@ -281,7 +301,14 @@ def test_accumulate_every_2_equals_inner_on_concatenated_window():
       else (window[0][k] + window[1][k]) / 2
       for k in SHAPES
     }
-    rp, rs = inner_step(rp, rs, mean)
+    return inner_step(rp, rs, mean)
+
+  for w in range(2):
+    window = [make_grads(2 * w + j) for j in range(2)]
+    p, s = step(p, s, window[0])
+    assert int(s.num_accumulated) == 1
+    p, s = step(p, s, window[1])
+    rp, rs = inner_on_mean(rp, rs, window)
     for k in SHAPES:
       np.testing.assert_allclose(p[k], rp[k], rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(
@@ -302,12 +329,13 @@ def test_optax_chain_with_clipping_and_a_schedule():
     gtx.scale_by_learning_rate(schedule),
   )
   params = make_params()
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   step = jax.jit(step_fn(tx))
+  rate = jax.jit(schedule)  # one program for every step's rate
   for i in range(5):
     new, state = step(params, state, make_grads(i))
-    moved = float(jnp.abs(new["w"] - params["w"]).max())
-    np.testing.assert_allclose(moved, float(schedule(i)), rtol=1e-5)
+    moved = np.abs(np.asarray(new["w"]) - np.asarray(params["w"])).max()
+    np.testing.assert_allclose(float(moved), float(rate(i)), rtol=1e-5)
     params = new
 
 
@@ -360,8 +388,8 @@ def test_bad_init_results_raise():
 
 
 def test_bad_rule_results_raise():
-  table = jnp.zeros((6, 2))
-  g = gtx.SparseRows(jnp.array([1, 1]), jnp.ones((2, 2)), 6)
+  table = jnp.asarray(np.zeros((6, 2), np.float32))
+  g = gtx.SparseRows(np.array([1, 1], np.int32), np.ones((2, 2), np.float32), 6)
   two = lambda p: (jnp.zeros_like(p), jnp.zeros(p.shape[:1]))  # noqa: E731
   cases = [
     (
@@ -388,7 +416,7 @@ def test_bad_rule_results_raise():
   for rule, error, match in cases:
     tx = gtx.row_transformation(rule, two)
     state = tx.init(table)
-    for grad in (g, jnp.ones((6, 2))):
+    for grad in (g, jnp.asarray(np.ones((6, 2), np.float32))):
       with pytest.raises(error, match=match):
         tx.update(grad, state)
       with pytest.raises(error, match=match):
@@ -419,16 +447,21 @@ def test_an_8_bit_state_from_init_runs_dequantized_through_the_rule():
 
   params = make_params()
   exact, quantized = lion(False), lion(True)
-  s8 = jax.jit(quantized.init)(params)
+  s8, s32 = jax.jit(lambda p: (quantized.init(p), exact.init(p)))(params)
   assert isinstance(s8.states[0]["emb"], gtx.QuantizedRows)
   assert not isinstance(s8.states[0]["b"], gtx.QuantizedRows)
-  s32 = exact.init(params)
+
+  @jax.jit
+  def both(g, s32, s8):  # both updates and the dequantized 8-bit moment
+    u32, s32 = exact.update(g, s32)
+    u8, s8 = quantized.update(g, s8)
+    return u32, s32, u8, s8, s8.states[0]["emb"].dequantize()
+
   for i in range(3):
     g = make_grads(i)
-    u32, s32 = jax.jit(exact.update)(g, s32)
-    u8, s8 = jax.jit(quantized.update)(g, s8)
+    u32, s32, u8, s8, m8 = both(g, s32, s8)
     m32 = np.asarray(s32.states[0]["emb"])
-    m8 = np.asarray(s8.states[0]["emb"].dequantize())
+    m8 = np.asarray(m8)
     np.testing.assert_allclose(m8, m32, rtol=1 / 16, atol=1e-6)
   with pytest.raises(ValueError, match="at least 2 dimensions"):
     gtx.QuantizedRows.zeros_like(jnp.zeros(3))

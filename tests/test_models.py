@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conformance import cast
 from flax import nnx
 
 import gradtx as gtx
@@ -29,19 +30,29 @@ B, T, C = 4, 6, 5  # batch, time, classes
 def batch(seed=0, vocab=V):
   rng = np.random.RandomState(seed)
   return (
-    jnp.asarray(rng.randint(0, vocab, size=(B, T)), jnp.int32),
-    jnp.asarray(rng.randint(0, V_TAGS, size=(B,)), jnp.int32),
-    jnp.asarray(rng.randint(0, C, size=(B, T)), jnp.int32),
+    cast(rng.randint(0, vocab, size=(B, T)), jnp.int32),
+    cast(rng.randint(0, V_TAGS, size=(B,)), jnp.int32),
+    cast(rng.randint(0, C, size=(B, T)), jnp.int32),
+  )
+
+
+def random_like(abstract):
+  """Random arrays (built by numpy) for the ``jax.ShapeDtypeStruct`` leaves
+  of ``abstract``; other leaves are kept."""
+  rng = np.random.RandomState(0)
+  return jax.tree.map(
+    lambda s: (
+      cast(rng.normal(0, 0.5, s.shape), s.dtype)
+      if isinstance(s, jax.ShapeDtypeStruct)
+      else s
+    ),
+    abstract,
   )
 
 
 def init_params(init, *args):
   """Random params of the shapes ``init`` makes, without compiling it."""
-  shapes = jax.eval_shape(init, jax.random.key(0), *args)
-  rng = np.random.RandomState(0)
-  return jax.tree.map(
-    lambda s: jnp.asarray(rng.normal(0, 0.5, s.shape), s.dtype), shapes
-  )
+  return random_like(jax.eval_shape(init, jax.random.key(0), *args))
 
 
 def cross_entropy(logits, labels):
@@ -50,6 +61,15 @@ def cross_entropy(logits, labels):
 
 def _is_sparse(x):
   return isinstance(x, gtx.SparseRows)
+
+
+def _dense(g):
+  """The dense array a SparseRows stands for, summed by numpy (float64)."""
+  ids, values = np.asarray(g.indices), np.asarray(g.values, np.float64)
+  out = np.zeros(g.shape, np.float64)
+  ok = (ids >= 0) & (ids < g.num_rows)
+  np.add.at(out, ids[ok], values[ok])
+  return out
 
 
 def compare_grads(value, grads, want_value, want, sparse, rtol=2e-5):
@@ -66,7 +86,7 @@ def compare_grads(value, grads, want_value, want, sparse, rtol=2e-5):
     jax.tree_util.keystr(p) for p, _ in ref
   ]
   for (path, g), (_, w) in zip(got, ref, strict=True):
-    dense = g.to_dense() if _is_sparse(g) else g
+    dense = _dense(g) if _is_sparse(g) else g
     np.testing.assert_allclose(
       dense, w, rtol=rtol, atol=rtol / 20, err_msg=jax.tree_util.keystr(path)
     )
@@ -121,19 +141,20 @@ def check_model(loss, params, args, sparse, shapes, apply=None, rtol=2e-5):
   """
   want_value, want = jax.jit(jax.value_and_grad(loss))(params, *args)
   tx = gtx.lazy_adam(1e-2)
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
   step = jax.jit(make_step(loss, tx, apply=apply), donate_argnums=(0, 1))
   compiled = step.lower(params, opt_state, *args).compile()
   assert_no_table_sized_values(compiled.as_text(), shapes)
-  new_params, _, value, grads = compiled(
-    jax.tree.map(jnp.array, params), opt_state, *args
+  new_params, _, value, grads = compiled(  # donated: a copy (by numpy)
+    jax.tree.map(lambda x: jnp.asarray(np.array(x)), params), opt_state, *args
   )
   compare_grads(value, grads, want_value, want, sparse, rtol=rtol)
   return new_params
 
 
 def touched_rows_only(before, after, ids):
-  changed = np.flatnonzero(np.any(np.asarray(before != after), axis=1))
+  before, after = np.asarray(before), np.asarray(after)
+  changed = np.flatnonzero(np.any(before != after, axis=1))
   assert changed.size, "the step must change the read rows"
   assert set(changed.tolist()) <= set(np.asarray(ids).ravel().tolist())
 
@@ -201,7 +222,9 @@ class NnxModel(nnx.Module):
 
 
 def test_flax_nnx_embed_split_merge_optimizer():
-  model = NnxModel(nnx.Rngs(0))
+  # the model's own graph, its params random by numpy (nothing compiled)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: NnxModel(nnx.Rngs(0))))
+  model = nnx.merge(graphdef, random_like(state))
   ids, tags, labels = batch(1)
   graphdef, state = nnx.split(model)
 
@@ -259,7 +282,8 @@ class EqxModel(eqx.Module):
 
 
 def test_equinox_embeddings_under_vmap_filter_jit():
-  model = EqxModel(jax.random.key(0))
+  # the model's own structure, its params random by numpy (nothing compiled)
+  model = random_like(eqx.filter_eval_shape(EqxModel, jax.random.key(0)))
   params, static = eqx.partition(model, eqx.is_inexact_array)
   ids, tags, labels = batch(2)
 
@@ -286,7 +310,7 @@ def test_equinox_embeddings_under_vmap_filter_jit():
     new_model = eqx.combine(gtx.apply_updates(params, updates), static)
     return new_model, opt_state, value, grads
 
-  opt_state = tx.init(params)
+  opt_state = jax.jit(tx.init)(params)
   compiled = step.lower((ids, tags, labels), model, opt_state).compile()
   hlo = compiled.compiled.as_text()  # eqx.filter_jit's Compiled wraps jax's
   assert_no_table_sized_values(hlo, [(V, D), (V_TAGS, D)])
@@ -394,5 +418,6 @@ def test_flax_embed_bf16_compute_dtype():
   # The check can fail: jax.value_and_grad's step builds [V, D] gradients.
   tx = optax.adam(1e-2)
   dense = jax.jit(make_step(loss, tx, grad=jax.value_and_grad))
-  hlo = dense.lower(params, tx.init(params), ids).compile().as_text()
+  state = jax.eval_shape(tx.init, params)  # lowering needs only its shapes
+  hlo = dense.lower(params, state, ids).compile().as_text()
   assert table_sized_values(hlo, [(V, D)])

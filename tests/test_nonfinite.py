@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conformance import each, step_fn, together
+from conformance import cast, each, step_fn, together
 
 import gradtx as gtx
 
@@ -26,8 +26,8 @@ N = len(IDS)
 def _params():
   rng = np.random.RandomState(0)
   return {
-    "emb": jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
-    "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+    "emb": cast(rng.normal(size=(V, D)), jnp.float32),
+    "w": cast(rng.normal(size=(3,)), jnp.float32),
   }
 
 
@@ -68,7 +68,7 @@ def _run(step, grads, **extra):
   params = _params()
   state = tx.init(params)
   for i, g in enumerate(grads):
-    kw = {k: jnp.int32(v[i]) for k, v in extra.items()}
+    kw = {k: jnp.asarray(np.int32(v[i])) for k, v in extra.items()}
     params, state = step(params, state, g, kw)
   return params, state
 
@@ -140,9 +140,10 @@ def test_a_bad_row_poisons_only_that_row():
   names = list(ROW_OPTIMIZERS)
   txs = [ROW_OPTIMIZERS[n][0]() for n in names]
   step = jax.jit(together(names, [step_fn(tx) for tx in txs]))
+  init = jax.jit(lambda p: [tx.init(p) for tx in txs])  # one program
 
   def run(grads):
-    carries = [(_params(), tx.init(_params())) for tx in txs]
+    carries = [(_params(), s) for s in init(_params())]
     for g in grads:
       carries = step(carries, [(g,)] * len(txs))
     return carries
@@ -164,7 +165,8 @@ def test_a_bad_row_poisons_only_that_row():
 def test_apply_updates_writes_a_bad_value_to_its_row_only():
   params = _params()
   u = _grads(1, np.nan)
-  got = np.asarray(gtx.apply_updates(params, u)["emb"])
+  apply = jax.jit(gtx.apply_updates)  # one program for both updates
+  got = np.asarray(apply(params, u)["emb"])
   want = np.asarray(params["emb"]).copy()
   ids = np.asarray(u["emb"].indices)
   ok = ids < V
@@ -175,14 +177,15 @@ def test_apply_updates_writes_a_bad_value_to_its_row_only():
   vals = np.ones((N, D), np.float32)
   vals[-1] = np.inf
   pad_only = gtx.SparseRows(np.array(IDS, np.int32), vals, V)
-  pad_only = {"emb": pad_only, "w": jnp.zeros(3)}
-  assert not _bad_rows(gtx.apply_updates(params, pad_only)["emb"])
+  pad_only = {"emb": pad_only, "w": jnp.asarray(np.zeros(3, np.float32))}
+  assert not _bad_rows(apply(params, pad_only)["emb"])
 
 
 def test_clip_by_global_norm_nan_poisons_everything_inf_one_row():
   tx = gtx.clip_by_global_norm(1.0)
+  update = jax.jit(lambda g, p: tx.update(g, tx.init(p)))  # for both values
   for bad, want_rows in [(np.nan, {1, BAD_ROW, 5}), (np.inf, {BAD_ROW})]:
-    u, _ = tx.update(_grads(1, bad), tx.init(_params()))
+    u, _ = update(_grads(1, bad), _params())
     table = np.zeros((V, D), np.float32)
     ids = np.asarray(u["emb"].indices)
     ok = ids < V
@@ -200,23 +203,27 @@ def test_accumulate_holds_the_poison_until_it_emits_then_forgets_it():
   tx = gtx.accumulate(gtx.lazy_adam(0.1), 2, rows_per_step=ROWS)
   params = _params()
   state = tx.init(params)
-  tx = tx._replace(update=jax.jit(tx.update))  # one compile for 3 calls
+
+  @jax.jit  # one compile for 3 calls: the update, and the params it gives
+  def update(g, state, p):
+    u, state = tx.update(g, state, p)
+    return u, state, gtx.apply_updates(p, u)
+
   # micro-step 1 (bad, sparse and dense): nothing is applied yet
-  u, state = tx.update(_grads(1, np.nan, bad_dense=True), state, params)
-  p1 = gtx.apply_updates(params, u)
+  u, state, p1 = update(_grads(1, np.nan, bad_dense=True), state, params)
   np.testing.assert_array_equal(p1["emb"], params["emb"])
   assert not np.any(np.isnan(np.asarray(u["emb"].values)))
   # micro-step 2 emits: the bad row, and the bad element of the dense leaf
   # (Adam is elementwise), are poisoned
-  u, state = tx.update(_grads(2), state, p1)
-  p2 = gtx.apply_updates(p1, u)
+  u, state, p2 = update(_grads(2), state, p1)
   assert _bad_rows(p2["emb"]) == {BAD_ROW}
   np.testing.assert_array_equal(np.isnan(p2["w"]), [False, True, False])
   # the buffers are emptied: the next window starts clean
   acc = state.accumulator
-  assert np.all(np.isfinite(acc["w"])) and np.all(acc["w"] == 0)
+  acc_w = np.asarray(acc["w"])
+  assert np.all(np.isfinite(acc_w)) and np.all(acc_w == 0)
   assert np.all(np.isfinite(np.asarray(acc["emb"].values)))
-  u, state = tx.update(_grads(3, ids=(0, 6, 6, 7, PAD)), state, p2)
+  u, state, _ = update(_grads(3, ids=(0, 6, 6, 7, PAD)), state, p2)
   assert np.all(np.isfinite(np.asarray(u["emb"].values)))
 
 
