@@ -107,6 +107,11 @@ def cast(x: Any, dtype: Any) -> jax.Array:
   return jax.device_put(np.asarray(x).astype(dtype))
 
 
+# A SparseRows made dense by one jitted program (eagerly, ``to_dense`` would
+# compile each of its ops for every shape).
+to_dense = jax.jit(lambda g: g.to_dense())
+
+
 def standard_params(dtype: Any = jnp.float32) -> dict[str, jax.Array]:
   """A small embedding table plus dense leaves."""
   rng = np.random.RandomState(0)

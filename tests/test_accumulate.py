@@ -62,11 +62,6 @@ def _table_grads(step, n=N):
   }
 
 
-def _array(x, dtype=np.float32):
-  """``jnp.asarray(x, dtype)`` cast by numpy (no op-by-op compile)."""
-  return cast(x, dtype)
-
-
 def _np_tree(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
 
@@ -185,7 +180,7 @@ def _counting(calls):
 
 def test_inner_not_computed_on_silent_calls():
   ours, theirs = [], []
-  p = _array(np.zeros(3))
+  p = cast(np.zeros(3), np.float32)
   for tx in [
     gtx.accumulate(_counting(ours), 3),
     optax.MultiSteps(_counting(theirs), 3),
@@ -193,7 +188,7 @@ def test_inner_not_computed_on_silent_calls():
     step = jax.jit(lambda g, s, tx=tx: tx.update(g, s, p))
     state = tx.init(p)
     for t in range(7):
-      _, state = step(_array(np.full(3, float(t))), state)
+      _, state = step(cast(np.full(3, float(t)), np.float32), state)
     jax.block_until_ready(state)
     jax.effects_barrier()
   assert len(ours) == 2  # calls 3 and 6 only
@@ -216,7 +211,10 @@ def test_no_extra_gradient_sized_buffer():
   # optax#528: beyond the accumulator in the state, a donated step needs
   # only the updates it returns (one params-sized temporary), less than
   # MultiSteps.
-  params = {"w": _array(np.ones((256, 512))), "b": _array(np.ones((512,)))}
+  params = {
+    "w": cast(np.ones((256, 512)), np.float32),
+    "b": cast(np.ones((512,)), np.float32),
+  }
   size = sum(x.nbytes for x in jax.tree.leaves(params))
 
   def temp_bytes(tx):
@@ -281,12 +279,12 @@ def test_k1_passes_sparse_rows_through():
 
 def test_counters_tell_when_an_update_was_applied():
   tx = gtx.accumulate(optax.sgd(1.0), 3)
-  p = _array(np.ones(2))
+  p = cast(np.ones(2), np.float32)
   state = tx.init(p)
   step = jax.jit(tx.update)
   for t in range(8):
     before = int(state.num_updates)
-    u, state = step(_array(np.full(2, t + 1.0)), state)
+    u, state = step(cast(np.full(2, t + 1.0), np.float32), state)
     applied = int(state.num_accumulated) == 0
     assert applied == (int(state.num_updates) == before + 1)
     assert applied == (not _is_zero_update(u))
@@ -298,12 +296,12 @@ def test_counters_tell_when_an_update_was_applied():
 
 def test_counters_saturate():
   tx = gtx.accumulate(optax.sgd(1.0), 2)
-  state = tx.init(_array(np.ones(2)))._replace(
-    num_micro_steps=_array(INT32_MAX, np.int32),
-    num_updates=_array(INT32_MAX, np.int32),
-    num_accumulated=_array(1, np.int32),
+  state = tx.init(cast(np.ones(2), np.float32))._replace(
+    num_micro_steps=cast(INT32_MAX, np.int32),
+    num_updates=cast(INT32_MAX, np.int32),
+    num_accumulated=cast(1, np.int32),
   )
-  _, state = jax.jit(tx.update)(_array(np.ones(2)), state)
+  _, state = jax.jit(tx.update)(cast(np.ones(2), np.float32), state)
   assert int(state.num_micro_steps) == INT32_MAX
   assert int(state.num_updates) == INT32_MAX
 
@@ -324,10 +322,12 @@ def _scale_by_factor():
 
 def test_extra_args_reach_the_inner_on_the_emitting_call():
   tx = gtx.accumulate(_scale_by_factor(), 2, mean=False)
-  state = tx.init(_array(np.zeros(2)))
-  u, state = tx.update(_array([1.0, 2.0]), state, factor=10.0)
+  state = tx.init(cast(np.zeros(2), np.float32))
+  u, state = tx.update(cast([1.0, 2.0], np.float32), state, factor=10.0)
   np.testing.assert_array_equal(u, [0.0, 0.0])
-  u, state = tx.update(_array([3.0, 4.0]), state, factor=_array(3.0))
+  u, state = tx.update(
+    cast([3.0, 4.0], np.float32), state, factor=cast(3.0, np.float32)
+  )
   np.testing.assert_allclose(u, [12.0, 18.0])
 
 
@@ -336,9 +336,9 @@ def test_plain_inner_ignores_extra_args():
     lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
   )
   tx = gtx.accumulate(plain, 2)
-  state = tx.init(_array(np.zeros(2)))
-  _, state = tx.update(_array(np.ones(2)), state, grad_step=3)
-  u, state = tx.update(_array(np.full(2, 3.0)), state, grad_step=4)
+  state = tx.init(cast(np.zeros(2), np.float32))
+  _, state = tx.update(cast(np.ones(2), np.float32), state, grad_step=3)
+  u, state = tx.update(cast(np.full(2, 3.0), np.float32), state, grad_step=4)
   np.testing.assert_allclose(u, [2.0, 2.0])
 
 
@@ -457,8 +457,10 @@ def test_schedule_out_of_bounds_fails_at_run_time():
   tx = gtx.accumulate(
     gtx.scale(1.0), lambda n: n + 2, rows_per_step=2, max_every_k=2
   )
-  table = _array(np.zeros((4, 1)))
-  g = gtx.SparseRows(_array([0, 1], np.int32), _array(np.ones((2, 1))), 4)
+  table = cast(np.zeros((4, 1)), np.float32)
+  g = gtx.SparseRows(
+    cast([0, 1], np.int32), cast(np.ones((2, 1)), np.float32), 4
+  )
   state = tx.init(table)
   step = jax.jit(lambda g, s: tx.update(g, s, table))
   _, state = step(g, state)
@@ -474,10 +476,10 @@ def test_schedule_out_of_bounds_fails_at_run_time():
 
 def test_float32_accumulator_for_bf16_gradients():
   # bf16 cannot hold 256 + 1: a bf16 running sum loses the small terms.
-  grads = [_array([256.0, 8.0], jnp.bfloat16)] + [
-    _array([1.0, 0.125], jnp.bfloat16)
+  grads = [cast([256.0, 8.0], jnp.bfloat16)] + [
+    cast([1.0, 0.125], jnp.bfloat16)
   ] * 3
-  p = _array(np.zeros(2), jnp.bfloat16)
+  p = cast(np.zeros(2), jnp.bfloat16)
   results = {}
   for acc_dtype in [jnp.float32, None]:
     tx = gtx.accumulate(
@@ -491,14 +493,14 @@ def test_float32_accumulator_for_bf16_gradients():
     assert state.accumulator.dtype == (acc_dtype or jnp.bfloat16)
     results[acc_dtype] = np.asarray(u, np.float64)
   exact = -np.sum([np.asarray(g, np.float64) for g in grads], axis=0)
-  want = np.asarray(_array(exact, jnp.bfloat16), np.float64)
+  want = np.asarray(cast(exact, jnp.bfloat16), np.float64)
   np.testing.assert_array_equal(results[jnp.float32], want)
   assert results[None][0] != want[0]
 
 
 def test_bf16_inner_state_dtype_is_kept():
   # optax.adam on bf16 params (optax#377, #1038): the cond must not fail.
-  params = jax.tree.map(lambda x: _array(x, jnp.bfloat16), _dense_params())
+  params = jax.tree.map(lambda x: cast(x, jnp.bfloat16), _dense_params())
   tx = gtx.accumulate(optax.adam(0.1), 2, accumulator_dtype=jnp.float32)
   state = tx.init(params)
   kinds = jax.tree.map(lambda x: x.dtype, state)
@@ -509,7 +511,7 @@ def test_bf16_inner_state_dtype_is_kept():
     return u, s, optax.apply_updates(p, u)
 
   for t in range(4):
-    g = jax.tree.map(lambda x: _array(x, jnp.bfloat16), _dense_grads(t))
+    g = jax.tree.map(lambda x: cast(x, jnp.bfloat16), _dense_grads(t))
     u, state, params = step(params, state, g)
   assert jax.tree.map(lambda x: x.dtype, state) == kinds
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
@@ -522,7 +524,7 @@ def test_bf16_inner_state_dtype_is_kept():
 def test_shard_map_with_varying_gradients():
   mesh = jax.make_mesh((8,), ("d",))
   tx = gtx.accumulate(optax.adam(0.1), 2)
-  grads = _array(np.random.RandomState(3).normal(size=(3, 8, 2)))
+  grads = cast(np.random.RandomState(3).normal(size=(3, 8, 2)), np.float32)
 
   def body(p, gs):
     state = tx.init(p)

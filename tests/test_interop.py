@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 import references as ref
-from conformance import cast
+from conformance import cast, to_dense
 from flax import nnx
 from flax.training import train_state
 from hlo import whole_table_ops, written_in_place
@@ -33,7 +33,6 @@ def table(dtype=jnp.float32):
 
 # A SparseRows densified by one jitted program per shape (eagerly, every op
 # of to_dense compiles on its own).
-_to_dense = jax.jit(lambda g: g.to_dense())
 
 
 # ----------------------------------------------------------------------------
@@ -579,9 +578,9 @@ def test_sparse_labels_split_the_optimizer_and_its_state():
 
 
 def _sparse_to_dense(tree):
-  # each SparseRows by one jitted program (see _to_dense)
+  # each SparseRows by one jitted program (conformance.to_dense)
   return jax.tree.map(
-    lambda x: _to_dense(x) if isinstance(x, gtx.SparseRows) else x,
+    lambda x: to_dense(x) if isinstance(x, gtx.SparseRows) else x,
     tree,
     is_leaf=lambda x: isinstance(x, gtx.SparseRows),
   )

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conformance import cast
+from conformance import cast, to_dense
 from jax import lax
 from jax.extend import core as jcore
 
@@ -29,7 +29,6 @@ BAD_IDS = jnp.array([3, -1, 12, 40, -20, 0])  # out of range both ways
 
 # A SparseRows densified by one jitted program per shape (eagerly, every op
 # of to_dense compiles on its own).
-_to_dense = jax.jit(lambda g: g.to_dense())
 
 
 def _is_sparse(x):
@@ -64,7 +63,7 @@ def _check(loss, params, *args, sparse=1, rtol=1e-5):
     if _is_sparse(g):
       n += 1
       assert g.dtype == w.dtype
-      g = _to_dense(g)
+      g = to_dense(g)
     np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6)
   assert n == sparse, f"{n} sparse leaves, expected {sparse}"
   return got
@@ -151,7 +150,7 @@ def test_eager_sparse_grad_matches():
   v, g = gtx.sparse_value_and_grad(loss)(p, IDS)  # eager
   v2, g2 = jax.jit(jax.value_and_grad(loss))(p, IDS)  # the reference
   np.testing.assert_allclose(v, v2, rtol=1e-6)
-  np.testing.assert_allclose(_to_dense(g["t"]), g2["t"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(to_dense(g["t"]), g2["t"], rtol=1e-5, atol=1e-6)
 
 
 def test_ids_in_program_order_top_level_then_scan():
@@ -207,7 +206,7 @@ def test_vmapped_clip_gather_on_non_row_dims():
 
 def test_lookup_padding_and_bounds_check_kept():
   g = _check(lambda t, i: _mlp(gtx.lookup(t, i), W), TABLE, BAD_IDS)
-  assert float(np.abs(np.asarray(_to_dense(g))).sum()) > 0
+  assert float(np.abs(np.asarray(to_dense(g))).sum()) > 0
   with pytest.raises(ValueError, match=r"outside \[0, 12\)"):
     gtx.sparse_grad(lambda t, i: gtx.lookup(t, i, bounds_check=True).sum())(
       TABLE, BAD_IDS
@@ -259,7 +258,7 @@ def test_a_bounds_checked_lookup_in_a_differentiated_loop_leaks_no_trace():
   np.testing.assert_allclose(got_v, want_v, rtol=1e-6)
   assert _is_sparse(got[1][0][0])
   for g, w in zip(_leaves(got), jax.tree.leaves(want), strict=True):
-    g = _to_dense(g) if _is_sparse(g) else g
+    g = to_dense(g) if _is_sparse(g) else g
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   # the check still fails the computation on an id out of range
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"outside \[0, 50\)"):
@@ -331,7 +330,7 @@ def test_argnums_has_aux_and_unused_table():
 
 
 def _dense(x):
-  return _to_dense(x) if _is_sparse(x) else x
+  return to_dense(x) if _is_sparse(x) else x
 
 
 def test_sparse_grad_of_getitem_inside_shard_map():
@@ -776,12 +775,12 @@ def test_cast_chains_keep_every_rounding_and_overflow(name):
   (got_v, got), (want_v, want) = _vg(loss, table, ids)
   assert _is_sparse(got)
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(_to_dense(got), want)
+  np.testing.assert_array_equal(to_dense(got), want)
   # eagerly too (every op rounds on its own)
   got_v, got = gtx.sparse_value_and_grad(loss)(table, jnp.asarray(ids))
   want_v, want = jax.value_and_grad(loss)(table, jnp.asarray(ids))
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(_to_dense(got), want)
+  np.testing.assert_array_equal(to_dense(got), want)
 
 
 def test_zero_sink_keeps_negative_zero_rows():
@@ -793,7 +792,7 @@ def test_zero_sink_keeps_negative_zero_rows():
 
   (got_v, got), (want_v, want) = _vg(loss, table, np.array([1, 2], np.int32))
   np.testing.assert_array_equal(got_v, want_v)
-  np.testing.assert_array_equal(_to_dense(got), want)
+  np.testing.assert_array_equal(to_dense(got), want)
 
 
 def _block_loss():
@@ -826,7 +825,7 @@ def test_eager_call_runs_a_jitted_block_compiled_as_jax_does():
   want_v, want = jax.value_and_grad(loss)(table, IDS)
   np.testing.assert_array_equal(got_v, want_v)
   np.testing.assert_allclose(
-    np.asarray(_to_dense(got), np.float32),
+    np.asarray(to_dense(got), np.float32),
     np.asarray(want, np.float32),
     atol=1e-2,
   )
@@ -961,7 +960,7 @@ def test_a_frozen_table_gets_no_gradient_and_no_update():
   (v, g), (want_v, want) = _vg(loss, p, IDS)
   np.testing.assert_array_equal(v, want_v)
   assert isinstance(g["emb"], gtx.SparseRows) and g["emb"].nnz == 0
-  np.testing.assert_array_equal(_to_dense(g["emb"]), want["emb"])  # zeros
+  np.testing.assert_array_equal(to_dense(g["emb"]), want["emb"])  # zeros
   np.testing.assert_array_equal(g["w"], want["w"])
   tx = gtx.lazy_adam(0.1)
 

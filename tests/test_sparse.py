@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 import references as ref
-from conformance import cast
+from conformance import cast, to_dense
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,6 @@ import gradtx as gtx
 
 # Inputs are built in numpy, and a SparseRows is densified by one jitted
 # program per shape (eagerly, every op of to_dense compiles on its own).
-_to_dense = jax.jit(lambda g: g.to_dense())
 _valid_indices = jax.jit(lambda g: g.valid_indices())
 
 # ----------------------------------------------------------------------------
@@ -45,7 +44,7 @@ def test_sparse_rows_to_dense_drops_padding():
   )
   g = gtx.SparseRows(np.array([1, -1, 4, 7, 1]), values, 5)
   np.testing.assert_array_equal(
-    _to_dense(g), ref.to_dense(g.indices, g.values, 5)
+    to_dense(g), ref.to_dense(g.indices, g.values, 5)
   )
 
 
@@ -376,7 +375,7 @@ def test_wide_ids_out_of_range_are_padding_not_wrapped(dtype):
   assert rows.indices.dtype == jnp.int32
   np.testing.assert_array_equal(_valid_indices(rows), [4, 1, 4, 3])
   np.testing.assert_array_equal(
-    np.asarray(_to_dense(rows)).sum(axis=1), [0, 3, 0, 3]
+    np.asarray(to_dense(rows)).sum(axis=1), [0, 3, 0, 3]
   )
   with pytest.raises(ValueError, match="outside"):
     gtx.lookup(table, ids, bounds_check=True)
