@@ -30,7 +30,8 @@ that dict, the matrix passed whole as a ``gtx.Keyed``, jagged features as
 one ``gtx.KeyedJagged``; the pooled rows read as one ``concat=True``
 array or per feature (a logit weight vector per feature: the dict's
 entries one by one, or ``keyed=True``'s ``[B, F, dim]`` in one einsum),
-at 26 and 500 features (``results/compile_tables_forms.md``).
+at 26 and 500 features (``results/compile_tables_forms.md``), each form
+in a fresh process of its own, as a user's program compiles its step.
 
   python -m benchmarks.compile_tables --forms [--tables 26 500]
 """
@@ -38,7 +39,10 @@ at 26 and 500 features (``results/compile_tables_forms.md``).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -228,29 +232,68 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
       return _bce(logit(p, x, y), y)
 
     out[form] = (whole_step(loss, tx), p, s, x, y)
+  # the per-feature head's own ops, without a table: what the user's code
+  # adds per feature to the dict-out form
+  head = {k: p[k] for k in ("w", "b")}
+  pooled = jax.ShapeDtypeStruct((batch, features, dim), jnp.float32)
+
+  def head_loss(p, x, y):
+    return _bce(
+      per_feature_head(p, {n: x[:, i] for i, n in enumerate(names)}), y
+    )
+
+  out[HEAD_ALONE] = (
+    whole_step(head_loss, tx),
+    head,
+    jax.eval_shape(tx.init, head),
+    pooled,
+    y,
+  )
   return out
 
 
-def forms_main(args: argparse.Namespace) -> None:
-  """The ``--forms`` table (see the module docstring)."""
-  for fn, *xs in form_programs(2, 10, 4, 8).values():  # first calls
-    compile_phases(fn, *xs)
-  samples: dict[int, dict[str, list]] = {t: {} for t in args.tables}
-  for _ in range(args.repeats):  # the sizes alternate within a repeat
+HEAD_ALONE = "the per-feature head alone, on a [B, F, dim] array (no table)"
+
+
+FORM_RESULT = "FORM-RESULT "  # the line a form's own process prints
+
+
+def form_samples(args: argparse.Namespace) -> None:
+  """In a process of its own: one form (``args.form``, its index) at each
+  size, the sizes alternating within a repeat; prints the samples as one
+  json line."""
+  form = list(form_programs(2, 10, 4, 8))[args.form]
+  fn, *xs = form_programs(2, 10, 4, 8)[form]  # JAX's own first calls
+  compile_phases(fn, *xs)
+  samples: dict[int, list] = {t: [] for t in args.tables}
+  for _ in range(args.repeats):
     for t in args.tables:
-      for form, (fn, *xs) in form_programs(
-        t, args.cap, args.dim, args.batch
-      ).items():
-        r = compile_phases(fn, *xs)
-        samples[t].setdefault(form, []).append(r)
-        print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
-  results = {
-    t: {
-      form: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-      for form, runs in by_form.items()
-    }
-    for t, by_form in samples.items()
-  }
+      fn, *xs = form_programs(t, args.cap, args.dim, args.batch)[form]
+      r = compile_phases(fn, *xs)
+      samples[t].append(r)
+      print(t, form, {k: r[k] for k in ("total_s", "cpu_s", "kernels")})
+  print(FORM_RESULT + json.dumps([form, samples]), flush=True)
+
+
+def forms_main(args: argparse.Namespace) -> None:
+  """The ``--forms`` table (see the module docstring): each form in a
+  fresh process, as a user's program compiles its one step (one process
+  for all forms charged the later forms with the caches of the earlier:
+  Keyed 500/26 read 2.00x there, 1.07-1.13x alone)."""
+  results: dict[int, dict[str, dict]] = {t: {} for t in args.tables}
+  for i in range(len(form_programs(2, 10, 4, 8))):
+    cmd = [sys.executable, "-m", "benchmarks.compile_tables", "--forms"]
+    cmd += ["--form", str(i), "--repeats", str(args.repeats)]
+    cmd += ["--cap", str(args.cap), "--dim", str(args.dim)]
+    cmd += ["--batch", str(args.batch), "--tables", *map(str, args.tables)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    line = next(x for x in out.stdout.splitlines() if x.startswith(FORM_RESULT))
+    form, samples = json.loads(line[len(FORM_RESULT) :])
+    print(out.stdout.replace(line, "").strip(), flush=True)
+    for t, runs in samples.items():
+      results[int(t)][form] = {
+        k: statistics.median(r[k] for r in runs) for k in runs[0]
+      }
   base, last = args.tables[0], args.tables[-1]
   rows = []
   for form in results[base]:
@@ -274,8 +317,10 @@ def forms_main(args: argparse.Namespace) -> None:
     f"rows, {args.dim} wide, batch {args.batch}, gtx.lazy_adam, the whole "
     "step (sparse_value_and_grad, update, apply_updates, donated) traced, "
     f"lowered and compiled on abstract arguments, median of {args.repeats} "
-    "runs (26 and 500 alternating); `s`: wall "
-    "seconds, `cpu s`: CPU seconds of this process (the ratio is of CPU "
+    f"runs ({base} and {last} alternating), each form in a fresh process "
+    "of its own; `s`: wall "
+    "seconds, `cpu s`: their CPU seconds, every thread of the form's "
+    "process (the ratio is of CPU "
     f"seconds); kernels: the compiled step's launches "
     "(`benchmarks._common.hlo_op_counts`). The jagged form holds "
     f"{args.batch} ids a feature (capacity F x B). {args.note}"
@@ -312,11 +357,15 @@ def main(argv: list[str] | None = None) -> None:
     "--forms", action="store_true", help="a stack's input and output forms"
   )
   p.add_argument("--note", default="", help="a sentence on the machine's state")
+  p.add_argument("--form", type=int, help=argparse.SUPPRESS)  # forms_main
   args = parse(p, argv, quick=dict(tables=[4, 8], batch=64))
   jax.config.update("jax_enable_compilation_cache", False)
   if args.forms:
     if args.tables == [26, 52, 104]:
       args.tables = [26, 500]
+    if args.form is not None:
+      form_samples(args)
+      return
     forms_main(args)
     return
   for fn, *xs in programs(2, 10, 4, 8).values():  # JAX's own first calls
