@@ -8,6 +8,8 @@ shape. :func:`dict_reader` and :func:`keyed_reader` lay a group of
 features out as slots, :func:`pool_rows` reads a group's rows from its
 array with one gather and pools them with one segment sum into
 ``[B, F, dim]``, and :func:`split_features` splits that into features.
+:func:`raw_slots` joins the raw ids of a hashed table's features for the
+id map (``_vocab``) and gives its rows back in each feature's form.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from gradtx import _vocab
 from gradtx._autodiff import lookup
+from gradtx._sharded import split_like, unsplit
 from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int
-from gradtx._vocab import Words
+from gradtx._vocab import Layout, Words
 
 __all__ = ["Jagged", "Keyed", "KeyedJagged", "pad_batch"]
 
@@ -716,3 +720,71 @@ def dict_reader(
     return _Slots(columns("ids", feats), weight, feature, None, True)
 
   return batch, read
+
+
+# -- the raw ids of hashed features -------------------------------------------
+class RawSlots(NamedTuple):
+  """The raw ids of a stack's hashed features: flat words, which slots are
+  ids, each slot's hashed table (static), and ``rebuild(rows)`` -> feature
+  name -> rows in the feature's own form."""
+
+  hi: jax.Array
+  lo: jax.Array
+  valid: jax.Array
+  tab: np.ndarray
+  rebuild: Callable[[jax.Array], dict[str, Any]]
+
+
+def raw_slots(
+  layout: Layout,
+  features: Mapping[str, str],
+  ids: Mapping[str, Any],
+  weights: Mapping[str, ArrayLike] | None,
+  what: str,
+) -> RawSlots | None:
+  """The raw ids in ``ids`` of the features (``features``: feature ->
+  table) of the hashed tables of one id map (``layout``), flat and joined,
+  with a way back to each feature's form; None when ``ids`` holds none.
+  ``what``: the TableStack method reading them, named in errors."""
+  weights = dict(weights or {})
+  # in the plan's order, which jit's sorting of dict keys does not change
+  feats = [f for f, t in features.items() if f in ids and t in layout.tables]
+  if not feats:
+    return None
+  his, los, oks, tabs, backs = [], [], [], [], []
+  for f in feats:
+    x = ids[f]
+    form = feature_form(f, x, weights.get(f), what)
+    split, lo, pad = _vocab.raw_words(form.ids, f"feature {f!r}")
+    # the map's work is over the whole step's ids: split over a data-
+    # parallel batch, they are gathered first, and the rows split back
+    hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
+    ok = ~pad
+    jag = form.lengths is not None
+    if jag:
+      total = jnp.sum(unsplit(form.lengths).astype(jnp.int32))
+      ok = ok & (jnp.arange(hi.shape[0]) < total)
+    if form.weights is not None:
+      ok = ok & (unsplit(jnp.asarray(form.weights)) != 0)
+    his.append(hi.reshape(-1))
+    los.append(lo.reshape(-1))
+    oks.append(ok.reshape(-1))
+    tabs.append(np.full(hi.size, layout.tables.index(features[f])))
+    backs.append((f, split, x if jag else None))
+  sizes = [h.shape[0] for h in his]
+
+  def rebuild(rows: jax.Array) -> dict[str, Any]:
+    parts = jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
+    out = {}
+    for (f, split, jag), r in zip(backs, parts, strict=True):
+      r = split_like(r.reshape(split.shape), split)
+      out[f] = jag._replace(ids=r) if jag is not None else r
+    return out
+
+  return RawSlots(
+    joined(his),
+    joined(los),
+    joined(oks),
+    np.concatenate(tabs).astype(np.int32),
+    rebuild,
+  )

@@ -17,8 +17,8 @@ their forms and the pooled read are ``_pooled``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +40,10 @@ from gradtx._pooled import (
   Keyed,
   KeyedJagged,
   dict_reader,
-  feature_form,
-  joined,
   keyed_batch,
   keyed_reader,
   pool_rows,
+  raw_slots,
   split_features,
 )
 from gradtx._sharded import is_split, split_like, unsplit
@@ -309,7 +308,7 @@ class TableStack:
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
-      slots = self._raw_slots(name, ids, weights, "admit")
+      slots = raw_slots(layout, self.features, ids, weights, "admit")
       if slots is None:
         continue
       bound = _vocab.budgets(layout, slots.tab, max_new)
@@ -396,57 +395,6 @@ class TableStack:
     for name, layout in self.maps.items():
       out.update(_vocab.stats(vocab[name], layout))
     return out
-
-  def _raw_slots(self, name, ids, weights, what) -> _RawSlots | None:
-    """The raw ids of stack ``name``'s hashed features in ``ids``, flat and
-    joined, with a way back to each feature's form."""
-    layout = self.maps[name]
-    weights = dict(weights or {})
-    # in the plan's order, which jit's sorting of dict keys does not change
-    feats = [
-      f for f, t in self.features.items() if f in ids and t in layout.tables
-    ]
-    if not feats:
-      return None
-    his, los, oks, tabs, backs = [], [], [], [], []
-    for f in feats:
-      x = ids[f]
-      form = feature_form(f, x, weights.get(f), what)
-      split, lo, pad = _vocab.raw_words(form.ids, f"feature {f!r}")
-      # the map's work is over the whole step's ids: split over a data-
-      # parallel batch, they are gathered first, and the rows split back
-      hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
-      ok = ~pad
-      jag = form.lengths is not None
-      if jag:
-        total = jnp.sum(unsplit(form.lengths).astype(jnp.int32))
-        ok = ok & (jnp.arange(hi.shape[0]) < total)
-      if form.weights is not None:
-        ok = ok & (unsplit(jnp.asarray(form.weights)) != 0)
-      his.append(hi.reshape(-1))
-      los.append(lo.reshape(-1))
-      oks.append(ok.reshape(-1))
-      tabs.append(np.full(hi.size, layout.tables.index(self.features[f])))
-      backs.append((f, split, x if jag else None))
-    sizes = [h.shape[0] for h in his]
-
-    def rebuild(rows: jax.Array) -> dict[str, Any]:
-      parts = (
-        jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
-      )
-      out = {}
-      for (f, split, jag), r in zip(backs, parts, strict=True):
-        r = split_like(r.reshape(split.shape), split)
-        out[f] = jag._replace(ids=r) if jag is not None else r
-      return out
-
-    return _RawSlots(
-      joined(his),
-      joined(los),
-      joined(oks),
-      np.concatenate(tabs).astype(np.int32),
-      rebuild,
-    )
 
   # -- the lookup -----------------------------------------------------------
   def lookup(
@@ -543,7 +491,7 @@ class TableStack:
         weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
       ids, whole = dict(ids), False
       for name, layout in self.maps.items():
-        slots = self._raw_slots(name, ids, weights, "lookup")
+        slots = raw_slots(layout, self.features, ids, weights, "lookup")
         if slots is not None:
           rows = _vocab.find(
             vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
@@ -623,15 +571,3 @@ class TableStack:
     it is the same eagerly and under ``jax.jit`` (which sorts a dict's
     keys)."""
     return [f for _, feats in self._by_array(ids) for f in feats]
-
-
-class _RawSlots(NamedTuple):
-  """The raw ids of a stack's hashed features: flat words, which slots are
-  ids, each slot's hashed table (static), and ``rebuild(rows)`` -> feature
-  name -> rows in the feature's own form."""
-
-  hi: jax.Array
-  lo: jax.Array
-  valid: jax.Array
-  tab: np.ndarray
-  rebuild: Callable[[jax.Array], dict[str, Any]]
