@@ -20,14 +20,16 @@ uniform ids every step, pre-generated), on the default path (no opt-in
 call). Every built-in optimizer runs, and a user-written one: the guide's
 lazy Lion (docs/guides/custom_optimizer.md) through
 ``gtx.row_transformation``; then the DLRM-shaped step of
-``benchmarks.recsys`` on ``--tables`` tables. torch's
+``benchmarks.recsys`` on ``--tables`` tables, and with ``--bags`` the
+weighted bags of ``benchmarks.stacks`` in one table stack. torch's
 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` runs beside lazy Adam, in
 processes of its own, with ``--torch-python`` (default: ``.venv-bench``'s
 python where it exists, else this one where torch imports).
 
   python -m benchmarks.ab_versions --before REV [REV ...] [--after REV]
       [--rows 1000000] [--dim 64] [--ids 8192] [--rounds 5] [--steps 30]
-      [--only TEXT] [--tables 26] [--torch-python PATH | --no-torch]
+      [--only TEXT] [--tables 26] [--bags]
+      [--torch-python PATH | --no-torch]
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ MANY = {
   "lazy_adam": lambda g: g.lazy_adam(1e-3),
   "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
 }
+# the bags stack steps (--bags): benchmarks.stacks' optimizers by name
+BAGS = ("lazy_adam", "sgd")
 
 
 # ----------------------------------------------------------------------------
@@ -196,6 +200,43 @@ def _gtx_many(spec: dict) -> tuple[Any, dict]:
   )
 
 
+def _gtx_bags(spec: dict) -> tuple[Any, dict]:
+  """The bags step of ``benchmarks.stacks``: 8 tables of 200k x 64 in one
+  ``gtx.TableStack`` made with the batch size, 1,024 examples of 1-20
+  weighted Zipf ids per table as ``gtx.Jagged``, a linear head."""
+  import jax
+  import jax.numpy as jnp
+
+  import gradtx as gtx
+  from benchmarks import stacks
+  from benchmarks.compile_tables import whole_step
+  from benchmarks.recsys import head_params
+
+  tables, rows, batch = 8, 200_000, 1024
+  raw, labels, _ = stacks.bag_data(
+    tables, rows, batch, WARMUP + spec["steps"], "zipf"
+  )
+  stack, names, _, loss = stacks.bag_models(tables, rows, spec["dim"], batch)
+  rng = np.random.default_rng(0)
+  per_table = {
+    n: (0.05 * rng.standard_normal((rows, spec["dim"]))).astype(np.float32)
+    for n in names
+  }
+  head = head_params(tables, spec["dim"], "linear", stacks.HIDDEN, rng)
+  params = jax.tree.map(
+    jnp.asarray, {"emb": stack.stack(per_table), "head": head}
+  )
+  del per_table
+  tx = stacks.OPTIMIZERS[spec["case"]][0]()
+  batches = [
+    ({n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names}, y)
+    for b, y in zip(raw, labels, strict=True)
+  ]
+  return _compiled_runner(
+    whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
+  )
+
+
 def _compiled_runner(jitted, params, state, batches, args) -> tuple[Any, dict]:
   """``(run(k), op counts)``: the step compiled once, run on batch ``k``
   with its donated params and state, waiting for the loss."""
@@ -240,7 +281,7 @@ def worker(spec: dict) -> dict:
     run, ops = _torch_single(spec)
   else:
     sys.path.insert(0, spec["path"])
-    make = _gtx_many if spec["kind"] == "many" else _gtx_single
+    make = {"many": _gtx_many, "bags": _gtx_bags}.get(spec["kind"], _gtx_single)
     run, ops = make(spec)
   for k in range(WARMUP):
     run(k)
@@ -396,6 +437,11 @@ def main(argv: list[str] | None = None) -> None:
     help="also the DLRM-shaped step of benchmarks.recsys on this many "
     "tables (linear head, Zipf ids); 0 to skip",
   )
+  p.add_argument(
+    "--bags",
+    action="store_true",
+    help="also the bags stack step of benchmarks.stacks (Zipf, gtx.Jagged)",
+  )
   p.add_argument("--torch-python", default=None)
   p.add_argument("--no-torch", action="store_true")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -427,6 +473,10 @@ def main(argv: list[str] | None = None) -> None:
     label = f"{case}, {args.tables} tables"
     if not args.only or label in args.only:
       rows += measure(label, "many", case, systems, args)
+  for case in BAGS if args.bags else ():
+    label = f"{case}, bags stack"
+    if not args.only or label in args.only:
+      rows += measure(label, "bags", case, systems, args)
   versions = " vs ".join(
     reversed([n.split("(")[-1].rstrip(")") for n in systems])
   )
