@@ -392,14 +392,24 @@ def _bag(name: str, x: Any, w: Any) -> _Bag:
   ids = _ids(name, form.ids)
   weight = None if form.weights is None else jnp.asarray(form.weights)
   if form.lengths is not None:
-    ends = jnp.cumsum(form.lengths.astype(jnp.int32))
-    slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
-    segment = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
     # slots past the last bag belong to no example
+    segment = _bag_of_slots(form.lengths, ids.shape[0])
     return _Bag(ids, segment, weight, form.lengths.shape[0], 0)
   weight = None if weight is None else weight.reshape(-1)
   per = 1 if ids.ndim == 1 else ids.shape[1]
   return _Bag(ids.reshape(-1), None, weight, ids.shape[0], per)
+
+
+def _bag_of_slots(lengths: jax.Array, n: int) -> jax.Array:
+  """For each of ``n`` slots of flat jagged ids, the bag it belongs to (the
+  bags' ``lengths`` one after the other; ``len(lengths)``: past the last
+  bag): the number of bags ending at or before the slot, counted by one
+  scatter of the bags' ends and one cumulative sum (the values of
+  ``searchsorted(cumsum(lengths), slot, side="right")``, without its loop
+  of dependent gathers)."""
+  ends = jnp.cumsum(lengths.astype(jnp.int32))
+  marks = jnp.zeros([n], jnp.int32).at[jnp.maximum(ends, 0)].add(1, mode="drop")
+  return jnp.cumsum(marks, dtype=jnp.int32)
 
 
 def _ids(name: str, x: Any) -> jax.Array:
@@ -572,10 +582,8 @@ def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
   lengths = jnp.asarray(x.lengths).astype(jnp.int32)
   weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   keys, batch = len(x.names), lengths.shape[1]
-  # each slot's bag (key-major: key * B + example), by one search
-  ends = jnp.cumsum(lengths.reshape(-1))
-  slot = jnp.arange(ids.shape[0], dtype=jnp.int32)
-  bag = jnp.searchsorted(ends, slot, side="right").astype(jnp.int32)
+  # each slot's bag (key-major: key * B + example)
+  bag = _bag_of_slots(lengths.reshape(-1), ids.shape[0])
   key, example = bag // batch, bag % batch  # key == keys: past the bags
 
   def read(feats: list[str]) -> _Slots:

@@ -70,3 +70,25 @@ def test_a_sliced_matrix_adds_no_op_per_feature():
     return len(jaxpr.eqns) - len(user)
 
   assert ops(12) == ops(30)
+
+
+def test_each_jagged_slot_finds_its_bag_as_a_search_of_the_ends():
+  """A slot's bag is the number of bags ending at or before it (numpy's
+  searchsorted of the ends): empty bags, bags filling every slot, bags
+  whose lengths run past the slots, and slots past the last bag."""
+  from gradtx._pooled import _bag_of_slots
+
+  n = 12
+  rng = np.random.default_rng(0)
+  cases = [
+    [0, 0, 0, 0, 0],
+    [3, 0, 4, 0, 5],  # exactly n slots
+    [5, 9, 2, 0, 1],  # past the slots
+    [0, 2, 0, 0, 1],  # slots past the last bag
+    *(rng.integers(0, 5, 5) for _ in range(4)),
+  ]
+  lengths = np.asarray(cases, np.int32)
+  got = np.asarray(jax.jit(jax.vmap(lambda x: _bag_of_slots(x, n)))(lengths))
+  for row, want_of in zip(got, lengths, strict=True):
+    want = np.searchsorted(np.cumsum(want_of), np.arange(n), side="right")
+    np.testing.assert_array_equal(row, want)
