@@ -469,6 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     if case == "lazy_adam" and torch_python:
       with_torch[TORCH] = (torch_python, None)
     rows += measure(case, "single", case, with_torch, args)
+  single = bool(rows)  # the title names the single table's size
   for case in MANY if args.tables else ():
     label = f"{case}, {args.tables} tables"
     if not args.only or label in args.only:
@@ -501,8 +502,13 @@ def main(argv: list[str] | None = None) -> None:
     notes += " torch did not import: no torch row."
   md = write_results(
     "ab_versions",
-    f"Whole step, {versions}: {args.rows:,} x {args.dim} table, "
-    f"{args.ids:,} fresh uniform ids per step",
+    f"Whole step, {versions}"
+    + (
+      f": {args.rows:,} x {args.dim} table, {args.ids:,} fresh uniform ids "
+      "per step"
+      if single
+      else ""
+    ),
     [
       "step",
       "version",
