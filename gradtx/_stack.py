@@ -17,7 +17,7 @@ their forms and the pooled read are ``_pooled``'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -51,6 +51,22 @@ from gradtx._static import is_int
 from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
 
 __all__ = ["TableStack"]
+
+
+def _outside_traces(*trees: Any) -> bool:
+  """Whether a call's arrays are all concrete JAX or numpy arrays that
+  ``jax.jit`` takes as they are: no traced value (inside the user's
+  ``jit`` the method's ops join the user's program) and no numpy 64-bit
+  integers while ``jax_enable_x64`` is off (the id map splits those on
+  the host; ``jit`` would narrow them)."""
+  for leaf in jax.tree.leaves(trees):
+    if isinstance(leaf, np.ndarray):
+      wide = leaf.dtype.kind in "iu" and leaf.dtype.itemsize == 8
+      if wide and not jax.config.jax_enable_x64:
+        return False
+    elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+      return False
+  return True
 
 
 class TableStack:
@@ -150,6 +166,16 @@ class TableStack:
 
   def __repr__(self) -> str:
     return repr(self.plan)
+
+  def _program(self, key: Any, fn: Callable[..., Any]) -> Any:
+    """``jax.jit(fn)``, made once per ``key`` for this stack: a method
+    called outside any trace runs as one compiled program instead of op by
+    op (eagerly, the id map's placement loop compiled again on every
+    call)."""
+    programs = self.__dict__.setdefault("_programs", {})
+    if key not in programs:
+      programs[key] = jax.jit(fn)
+    return programs[key]
 
   __str__ = __repr__
 
@@ -277,6 +303,9 @@ class TableStack:
       params, opt_state = gtx.reset_rows(opt, opt_state, params, fresh)
       loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, ids, ...)
 
+    Called outside ``jax.jit`` (in a notebook, say), it runs as one
+    program, compiled once per stack, argument shapes and ``max_new``.
+
     Args:
       vocab: the maps (:meth:`init_vocab`).
       ids: feature name -> ids, as :meth:`lookup` takes them; a hashed
@@ -305,6 +334,19 @@ class TableStack:
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
     self._check_max_new(max_new)
+    if _outside_traces(vocab, ids, weights):
+      key = (
+        tuple(sorted(max_new.items()))
+        if isinstance(max_new, Mapping)
+        else max_new
+      )
+      run = self._program(
+        ("admit", key), lambda v, i, w: self._admit(v, i, w, max_new)
+      )
+      return run(vocab, ids, weights)
+    return self._admit(vocab, ids, weights, max_new)
+
+  def _admit(self, vocab, ids, weights, max_new):
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
@@ -428,7 +470,8 @@ class TableStack:
     0. ``combiner`` pools a bag: ``"sum"`` (weighted sum), ``"mean"``
     (divided by the sum of its weights, padding excluded) or ``"sqrtn"``
     (divided by the square root of the sum of its squared weights); an
-    empty bag pools to zeros.
+    empty bag pools to zeros. Called outside ``jax.jit``, it runs as one
+    program, compiled once per stack, argument shapes and options.
 
     Args:
       params: the params of :meth:`init` (or any dict with those keys).
@@ -460,6 +503,15 @@ class TableStack:
       ``concat`` one ``[B, sum of dims]`` array; with ``keyed`` a
       :class:`Keyed`.
     """
+    if _outside_traces(params, ids, weights, vocab):
+      run = self._program(
+        ("lookup", combiner, concat, keyed),
+        lambda p, i, w, v: self._lookup(p, i, w, combiner, concat, keyed, v),
+      )
+      return run(params, ids, weights, vocab)
+    return self._lookup(params, ids, weights, combiner, concat, keyed, vocab)
+
+  def _lookup(self, params, ids, weights, combiner, concat, keyed, vocab):
     self._check_params(params, "lookup")
     if combiner not in COMBINERS:
       raise ValueError(

@@ -855,3 +855,46 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
   # a dense gradient of the stack: the rows given out since zeroed
   dense = stack.drop_reassigned({name: jnp.ones((8, 3))}, vocab, s)[name]
   np.testing.assert_array_equal(dense[:, 0], given <= s)
+
+
+def test_calls_outside_jit_run_as_one_compiled_program():
+  """admit and lookup called outside jit (as in a notebook) compile once
+  per stack and shapes: later calls on new ids compile nothing (op by op,
+  the map's placement loop compiled again on every call), and they give
+  what the same calls give under jax.jit."""
+  stack = gtx.TableStack(
+    {"h": gtx.TableSpec(32, 4, hashed=True), "u": gtx.TableSpec(8, 4)}
+  )
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  params = stack.init(jax.random.key(1))
+  rng = np.random.default_rng(0)
+  batches = [
+    {
+      "h": jax.device_put(rng.integers(0, 10**6, 16).astype(np.int32)),
+      "u": jax.device_put(rng.integers(0, 8, 16).astype(np.int32)),
+    }
+    for _ in range(3)
+  ]
+  ids, v1, _ = stack.admit(vocab, batches[0])
+  stack.lookup(params, ids)
+  compiled, active = [], [True]
+
+  def count(event, duration, **kwargs):
+    if active[0] and event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    ids, v2, fresh = stack.admit(v1, batches[1])
+    emb = stack.lookup(params, ids, concat=False)
+    _, v3, _ = stack.admit(v2, batches[2])
+  finally:
+    active[0] = False
+  assert compiled == []
+  want = jax.jit(stack.admit)(v1, batches[1])
+  got = (ids, v2, fresh)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  want_emb = jax.jit(stack.lookup)(params, ids)
+  for f in emb:
+    np.testing.assert_array_equal(emb[f], want_emb[f])
