@@ -34,6 +34,7 @@ BENCHMARKS = [
   "stacks",
   "stack_lanes",
   "vocab",
+  "eager_calls",
   "publish",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>

@@ -175,6 +175,7 @@ SECTIONS = [
   ("stacks", "Table stacks: per-table vs stack vs torch and FBGEMM", None),
   ("vocab", "Open vocabularies: the id map's cost in the step", None),
   ("vocab_quality", "Open vocabularies: held-out loss", None),
+  ("eager_calls", "A table stack's methods called outside jax.jit", None),
   ("publish", "Publishing deltas to serving", None),
   ("accumulate", "Gradient accumulation", plot_accumulate),
   ("async_staleness", "Stale gradients in asynchronous training", None),
