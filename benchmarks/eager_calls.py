@@ -2,7 +2,8 @@
 
 One ``gtx.TableStack`` of hashed tables (``--features`` features of
 ``--rows`` rows, 16 wide) and ``--batch`` raw ids a feature. For
-``admit`` and ``lookup`` (with the map, read-only): the call as a user
+``admit``, ``lookup`` (with the map, read-only) and ``vocab_stats``
+(the map as it was made): the call as a user
 makes it outside ``jit`` (this version: one program compiled once per
 stack and shapes), the same call op by op (what the method did before:
 its private body called eagerly; the map's placement loop compiles again
@@ -32,6 +33,7 @@ def systems(stack: Any, params: Any, vocab: Any) -> dict[str, Any]:
   """(method, way) -> a function of the ids."""
   jit_admit = jax.jit(stack.admit)
   jit_lookup = jax.jit(lambda p, i, v: stack.lookup(p, i, vocab=v))
+  jit_stats = jax.jit(stack.vocab_stats)
   return {
     ("admit", "outside jit"): lambda i: stack.admit(vocab, i),
     ("admit", "op by op"): lambda i: stack._admit(
@@ -43,6 +45,9 @@ def systems(stack: Any, params: Any, vocab: Any) -> dict[str, Any]:
       params, i, None, "sum", False, False, vocab
     ),
     ("lookup", "user's jax.jit"): lambda i: jit_lookup(params, i, vocab),
+    ("vocab_stats", "outside jit"): lambda i: stack.vocab_stats(vocab),
+    ("vocab_stats", "op by op"): lambda i: stack._vocab_stats(vocab),
+    ("vocab_stats", "user's jax.jit"): lambda i: jit_stats(vocab),
   }
 
 
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     label="eager calls",
   )
   rows = []
-  for method in ("admit", "lookup"):
+  for method in ("admit", "lookup", "vocab_stats"):
     ours = t[f"{method}, outside jit"]
     for way in ("outside jit", "op by op", "user's jax.jit"):
       ms = t[f"{method}, {way}"] * 1e3
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
       f"{args.batch} raw ids a feature, new ids every call; first call: "
       "its compiling included; later calls: median of "
       f"{args.rounds} interleaved rounds. `op by op`: the method's body "
-      "called eagerly, what `admit` and `lookup` did before they compiled "
+      "called eagerly, what the methods did before they compiled "
       "themselves outside jit."
     ),
   )

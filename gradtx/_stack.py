@@ -431,8 +431,14 @@ class TableStack:
     ``mean_age`` (steps since the row was given out) and ``mean_count``
     (reads of its id), and the live rows' ``age_buckets``,
     ``idle_buckets`` (steps since last read) and ``count_buckets`` in
-    log2 buckets ``0, 1, 2-3, 4-7, ...``."""
+    log2 buckets ``0, 1, 2-3, 4-7, ...``. Called outside ``jax.jit``, one
+    program compiled once per stack."""
     _vocab.check_vocab(vocab, self.maps, "vocab_stats")
+    if _outside_traces(vocab):
+      return self._program(("vocab_stats",), self._vocab_stats)(vocab)
+    return self._vocab_stats(vocab)
+
+  def _vocab_stats(self, vocab):
     out = {}
     for name, layout in self.maps.items():
       out.update(_vocab.stats(vocab[name], layout))

@@ -858,7 +858,8 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
 
 
 def test_calls_outside_jit_run_as_one_compiled_program():
-  """admit and lookup called outside jit (as in a notebook) compile once
+  """admit, lookup and vocab_stats called outside jit (as in a notebook)
+  compile once
   per stack and shapes: later calls on new ids compile nothing (op by op,
   the map's placement loop compiled again on every call), and they give
   what the same calls give under jax.jit."""
@@ -877,6 +878,7 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   ]
   ids, v1, _ = stack.admit(vocab, batches[0])
   stack.lookup(params, ids)
+  stack.vocab_stats(v1)
   compiled, active = [], [True]
 
   def count(event, duration, **kwargs):
@@ -888,12 +890,18 @@ def test_calls_outside_jit_run_as_one_compiled_program():
     ids, v2, fresh = stack.admit(v1, batches[1])
     emb = stack.lookup(params, ids, concat=False)
     _, v3, _ = stack.admit(v2, batches[2])
+    stats = stack.vocab_stats(v3)
+    stack.vocab_stats(v2)
   finally:
     active[0] = False
   assert compiled == []
   want = jax.jit(stack.admit)(v1, batches[1])
   got = (ids, v2, fresh)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  want_stats = jax.jit(stack.vocab_stats)(v3)
+  pairs = zip(jax.tree.leaves(stats), jax.tree.leaves(want_stats), strict=True)
+  for a, b in pairs:
     np.testing.assert_array_equal(a, b)
   want_emb = jax.jit(stack.lookup)(params, ids)
   for f in emb:
