@@ -177,6 +177,12 @@ class TableStack:
       programs[key] = jax.jit(fn)
     return programs[key]
 
+  def __getstate__(self) -> dict[str, Any]:
+    # a pickled or copied stack (a Ray worker's, say) compiles its own
+    state = dict(self.__dict__)
+    state.pop("_programs", None)
+    return state
+
   __str__ = __repr__
 
   # -- params ---------------------------------------------------------------

@@ -906,3 +906,19 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   want_emb = jax.jit(stack.lookup)(params, ids)
   for f in emb:
     np.testing.assert_array_equal(emb[f], want_emb[f])
+
+
+def test_a_stack_that_ran_outside_jit_still_pickles_and_copies():
+  """The compiled programs of calls outside jit stay with the process: a
+  pickled or deep-copied stack leaves them behind and compiles its own."""
+  import copy
+  import pickle
+
+  stack = gtx.TableStack({"h": gtx.TableSpec(16, 2, hashed=True)})
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  ids = {"h": jax.device_put(np.arange(4, dtype=np.int32) * 1000)}
+  want = stack.admit(vocab, ids)[0]["h"]
+  for other in (pickle.loads(pickle.dumps(stack)), copy.deepcopy(stack)):
+    assert "_programs" not in vars(other)
+    np.testing.assert_array_equal(other.admit(vocab, ids)[0]["h"], want)
+    assert repr(other) == repr(stack)
