@@ -61,8 +61,7 @@ def _outside_traces(*trees: Any) -> bool:
   the host; ``jit`` would narrow them)."""
   for leaf in jax.tree.leaves(trees):
     if isinstance(leaf, np.ndarray):
-      wide = leaf.dtype.kind in "iu" and leaf.dtype.itemsize == 8
-      if wide and not jax.config.jax_enable_x64:
+      if _vocab.split_on_host(leaf.dtype):
         return False
     elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
       return False
@@ -167,6 +166,8 @@ class TableStack:
   def __repr__(self) -> str:
     return repr(self.plan)
 
+  __str__ = __repr__
+
   def _program(self, key: Any, fn: Callable[..., Any]) -> Any:
     """``jax.jit(fn)``, made once per ``key`` for this stack: a method
     called outside any trace runs as one compiled program instead of op by
@@ -182,8 +183,6 @@ class TableStack:
     state = dict(self.__dict__)
     state.pop("_programs", None)
     return state
-
-  __str__ = __repr__
 
   # -- params ---------------------------------------------------------------
   def init(self, key: Any) -> dict[str, jax.Array]:
@@ -341,11 +340,11 @@ class TableStack:
     _vocab.check_vocab(vocab, self.maps, "admit")
     self._check_max_new(max_new)
     if _outside_traces(vocab, ids, weights):
-      key = (
-        tuple(sorted(max_new.items()))
-        if isinstance(max_new, Mapping)
-        else max_new
+      # typed: max_new=1 (one id) and 1.0 (every slot) compare equal
+      bounds = (
+        max_new.items() if isinstance(max_new, Mapping) else [(None, max_new)]
       )
+      key = tuple(sorted((str(t), type(v).__name__, v) for t, v in bounds))
       run = self._program(
         ("admit", key), lambda v, i, w: self._admit(v, i, w, max_new)
       )

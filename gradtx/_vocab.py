@@ -266,6 +266,16 @@ def _not_int(what: str, dtype: Any) -> str:
   )
 
 
+def split_on_host(dtype: Any) -> bool:
+  """Whether ids of ``dtype`` are 64-bit integers that JAX, with
+  ``jax_enable_x64`` off, cannot hold: a host (numpy) array of them is
+  split into words on the host (:func:`raw_words`), and ``jax.jit`` would
+  narrow it."""
+  dtype = np.dtype(dtype)
+  wide = np.issubdtype(dtype, np.integer) and dtype.itemsize == 8
+  return wide and not jax.config.jax_enable_x64
+
+
 def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Raw ids -> ``(hi, lo, padding)``: uint32 words of the 64-bit id and
   where it is padding (a negative value of a signed type; every value of
@@ -282,8 +292,7 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
       )
     return hi, lo, jnp.zeros(hi.shape, bool)
   dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
-  wide = np.issubdtype(dtype, np.integer) and dtype.itemsize == 8
-  if wide and not jax.config.jax_enable_x64:
+  if split_on_host(dtype):
     if isinstance(x, jax.core.Tracer):
       raise TypeError(
         f"gradtx: {what} has traced 64-bit ids while jax_enable_x64 is off, "

@@ -922,3 +922,17 @@ def test_a_stack_that_ran_outside_jit_still_pickles_and_copies():
     assert "_programs" not in vars(other)
     np.testing.assert_array_equal(other.admit(vocab, ids)[0]["h"], want)
     assert repr(other) == repr(stack)
+
+
+def test_calls_outside_jit_keep_an_int_and_a_float_max_new_apart():
+  """max_new=1 (one new id) and max_new=1.0 (all the id slots) compile
+  their own programs outside jit, as under jax.jit."""
+  stack = gtx.TableStack({"h": gtx.TableSpec(128, 2, hashed=True)})
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  ids = {"h": jax.device_put(np.arange(100, dtype=np.int32) * 7919)}
+  for max_new in (1, 1.0, {"h": 1}, {"h": 1.0}):
+    got = stack.admit(vocab, ids, max_new=max_new)[0]["h"]
+    want = jax.jit(lambda v, i, m=max_new: stack.admit(v, i, max_new=m))(
+      vocab, ids
+    )[0]["h"]
+    np.testing.assert_array_equal(got, want)
