@@ -27,6 +27,7 @@ BENCHMARKS = [
   "dense_threshold",
   "lr_pass",
   "row_reader",
+  "row_gather",
   "convergence",
   "low_precision",
   "recsys",

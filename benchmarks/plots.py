@@ -193,6 +193,7 @@ SECTIONS = [
   ("ab_versions", "Whole step before and after this round of changes", None),
   ("lr_pass", "The learning rate's separate pass", None),
   ("row_reader", "One row reader", None),
+  ("row_gather", "A row read alone: the gather against numpy", None),
 ]
 
 
