@@ -28,6 +28,7 @@ BENCHMARKS = [
   "lr_pass",
   "row_reader",
   "row_gather",
+  "cpu_overlap",
   "convergence",
   "low_precision",
   "recsys",

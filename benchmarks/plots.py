@@ -194,6 +194,7 @@ SECTIONS = [
   ("lr_pass", "The learning rate's separate pass", None),
   ("row_reader", "One row reader", None),
   ("row_gather", "A row read alone: the gather against numpy", None),
+  ("cpu_overlap", "Independent row updates: does XLA:CPU overlap them", None),
 ]
 
 
