@@ -16,9 +16,10 @@ process:
 
 Two tables at 2.0x one table's time means the two chains ran one after
 the other; 1.0x, side by side. ``cores busy`` is the process's CPU time
-over the wall time of 20 more calls of each program: XLA:CPU splits a big
-kernel over its threads itself, so one chain may already keep every core
-busy.
+over the wall time of 20 more calls of each program (XLA:CPU splits big
+kernels over its threads; threads that wait by spinning count too). Run
+it pinned to one core (``taskset -c 0``) to see what the second core
+adds to one chain.
 
 Writes ``benchmarks/results/cpu_overlap.{md,json}``.
 
@@ -137,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
       f"{sched.describe()}; all in one process, params and state donated. "
       "`vs one table`: against the one-table program of the same form "
       "(loop or unrolled); 2.00x: the two tables' chains ran one after "
-      "the other."
+      "the other. `cores busy`: the process's CPU time over the wall time "
+      "of 20 more calls (threads that wait by spinning count too). "
+      f"Cores this process may run on: {len(os.sched_getaffinity(0))}."
     ),
   )
 
