@@ -86,11 +86,10 @@ def programs(trips: int, chunk: int) -> dict:
 
 def cores_busy(fn, calls: int = 20) -> float:
   """The process's CPU time over the wall time of ``calls`` calls."""
-  cpu0, wall0 = os.times(), time.perf_counter()
+  cpu, wall = time.process_time(), time.perf_counter()
   for _ in range(calls):
     fn()
-  cpu1, wall = os.times(), time.perf_counter() - wall0
-  return (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / wall
+  return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
 def main(argv: list[str] | None = None) -> None:
