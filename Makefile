@@ -13,9 +13,12 @@ VENV := .venv
 VENV_NEWEST := .venv-newest
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
-PYTEST := -m pytest -q -n 2 --dist worksteal
+# pytest workers: two for one suite run alone; `make test` runs its three
+# suites side by side, one worker each (see there).
+WORKERS ?= -n 2 --dist worksteal
+PYTEST = -m pytest -q $(WORKERS)
 
-.PHONY: test test-oldest test-newest lint fuzz demo bench docs clean
+.PHONY: test test-oldest test-newest test-newest-library test-examples lint fuzz demo bench docs clean
 
 comma := ,
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints
@@ -34,24 +37,38 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 
-test:
-	$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VENV_NEWEST)/.installed
-	$(MAKE) --no-print-directory lint test-oldest test-newest
-
 # The published examples (docstrings, guides, README, the docs site, the
 # quickstart notebook, the example programs: the demo and the Ray trainer)
 # run on the newest environment, the one a new user installs; everything
 # else, the library's own tests, runs on both.
-EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
-  --ignore=tests/test_demo.py --ignore=tests/test_ray.py
+EXAMPLES := tests/test_docs.py tests/test_notebook.py tests/test_demo.py \
+  tests/test_ray.py
+EXAMPLE_TESTS := $(addprefix --ignore=,$(EXAMPLES))
+
+# Three suites side by side, one pytest process each: the library's tests
+# on each environment and the examples on the newest. One process per suite
+# compiles less than two workers each (a program, a reference run, a trace
+# one test made serves the suite's later tests in memory, where another
+# worker would trace it again), and the examples beside the two library
+# suites keep both cores busy to the end. Each suite's output is printed
+# whole when it ends.
+test:
+	$(MAKE) --no-print-directory -j4 --output-sync=target WORKERS=-n1 \
+	  lint test-oldest test-newest-library test-examples
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
 	$(PY) $(PYTEST) $(EXAMPLE_TESTS)
 
-test-newest: $(VENV_NEWEST)/.installed
+test-newest: test-newest-library test-examples
+
+test-newest-library: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST)
+	$(PY_NEWEST) $(PYTEST) $(EXAMPLE_TESTS)
+
+test-examples: $(VENV_NEWEST)/.installed
+	@$(PY_NEWEST) -c 'import sys, jax; print("== examples, newest: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY_NEWEST) $(PYTEST) $(EXAMPLES)
 
 # The differential fuzzer of the rewrite, long: N random losses (default
 # 2000) against jax.value_and_grad on each environment.
