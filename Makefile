@@ -13,12 +13,12 @@ VENV := .venv
 VENV_NEWEST := .venv-newest
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
-# pytest workers: two for one suite run alone; `make test` runs its three
-# suites side by side, one worker each (see there).
+# pytest workers: two for one suite run alone; `make test` runs the two
+# environments' suites side by side, one process each (see there).
 WORKERS ?= -n 2 --dist worksteal
 PYTEST = -m pytest -q $(WORKERS)
 
-.PHONY: test test-oldest test-newest test-newest-library test-examples lint fuzz demo bench docs clean
+.PHONY: test test-oldest test-newest lint fuzz demo bench docs clean
 
 comma := ,
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints
@@ -45,30 +45,21 @@ EXAMPLES := tests/test_docs.py tests/test_notebook.py tests/test_demo.py \
   tests/test_ray.py
 EXAMPLE_TESTS := $(addprefix --ignore=,$(EXAMPLES))
 
-# Three suites side by side, one pytest process each: the library's tests
-# on each environment and the examples on the newest. One process per suite
-# compiles less than two workers each (a program, a reference run, a trace
-# one test made serves the suite's later tests in memory, where another
-# worker would trace it again), and the examples beside the two library
-# suites keep both cores busy to the end. Each suite's output is printed
-# whole when it ends.
+# The two environments' suites side by side, one pytest process each: one
+# process traces a program or runs a shared reference once for its whole
+# suite, where two workers each did it again, and the two processes keep
+# both cores busy. Each suite's output is printed whole when it ends.
 test:
-	$(MAKE) --no-print-directory -j4 --output-sync=target WORKERS=-n1 \
-	  lint test-oldest test-newest-library test-examples
+	$(MAKE) --no-print-directory -j3 --output-sync=target WORKERS= \
+	  lint test-oldest test-newest
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
 	$(PY) $(PYTEST) $(EXAMPLE_TESTS)
 
-test-newest: test-newest-library test-examples
-
-test-newest-library: $(VENV_NEWEST)/.installed
+test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST) $(EXAMPLE_TESTS)
-
-test-examples: $(VENV_NEWEST)/.installed
-	@$(PY_NEWEST) -c 'import sys, jax; print("== examples, newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST) $(EXAMPLES)
+	$(PY_NEWEST) $(PYTEST)
 
 # The differential fuzzer of the rewrite, long: N random losses (default
 # 2000) against jax.value_and_grad on each environment.
