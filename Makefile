@@ -48,9 +48,9 @@ EXAMPLE_TESTS := $(addprefix --ignore=,$(EXAMPLES))
 # The two environments' suites side by side, one pytest process each: one
 # process traces a program or runs a shared reference once for its whole
 # suite, where two workers each did it again, and the two processes keep
-# both cores busy. Each suite's output is printed whole when it ends.
+# both cores busy. Their output comes a line at a time, each line whole.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=target WORKERS= \
+	$(MAKE) --no-print-directory -j3 --output-sync=line WORKERS= \
 	  lint test-oldest test-newest
 
 test-oldest: $(VENV)/.installed
