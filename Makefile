@@ -41,9 +41,8 @@ lint: $(VENV)/.installed
 # quickstart notebook, the example programs: the demo and the Ray trainer)
 # run on the newest environment, the one a new user installs; everything
 # else, the library's own tests, runs on both.
-EXAMPLES := tests/test_docs.py tests/test_notebook.py tests/test_demo.py \
-  tests/test_ray.py
-EXAMPLE_TESTS := $(addprefix --ignore=,$(EXAMPLES))
+EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
+  --ignore=tests/test_demo.py --ignore=tests/test_ray.py
 
 # The two environments' suites side by side, one pytest process each: one
 # process traces a program or runs a shared reference once for its whole
