@@ -27,9 +27,9 @@ from jax.typing import ArrayLike
 from gradtx import _vocab
 from gradtx._autodiff import lookup
 from gradtx._sharded import split_like, unsplit
-from gradtx._sparse_rows import MAX_ROWS, narrow_ids
+from gradtx._sparse_rows import MAX_ROWS, narrow_ids, narrow_wide
 from gradtx._static import is_int
-from gradtx._vocab import Layout, Words
+from gradtx._vocab import HostWords, Layout, Words
 
 __all__ = ["Jagged", "Keyed", "KeyedJagged", "pad_batch"]
 
@@ -344,7 +344,44 @@ class Feature(NamedTuple):
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-  return tuple(np.shape(x.hi if isinstance(x, Words) else x))
+  return tuple(np.shape(x.hi if isinstance(x, (Words, HostWords)) else x))
+
+
+def host_ready(ids: Any, weights: Any, raw: Sequence[str]) -> tuple[Any, Any]:
+  """``(ids, weights)`` with their numpy 64-bit integer arrays made fit on
+  the host for a compiled program, which would narrow them to 32 bits
+  while ``jax_enable_x64`` is off: an array whose values an int32 (or a
+  uint32) holds is cast to it, exactly; the ids of a dict feature past
+  that are split into words (:class:`HostWords`, padding kept) when the
+  feature is in ``raw`` (the raw ids of a hashed table), else narrowed as
+  any row ids are (:func:`narrow_ids`: an id no int32 holds is padding).
+  Any other such array (a keyed input's, a length past int32) stays: the
+  caller reads it op by op."""
+
+  def cast(x: Any) -> Any:
+    if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
+      return x
+    for dtype in (np.int32, np.uint32):
+      info = np.iinfo(dtype)
+      if x.size == 0 or (x.min() >= info.min and x.max() <= info.max):
+        return x.astype(dtype)
+    return x
+
+  def feature(name: str, x: Any) -> Any:
+    if isinstance(x, Jagged):
+      return Jagged(feature(name, x.ids), cast(x.lengths), cast(x.weights))
+    x = cast(x)
+    if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
+      return x
+    if name in raw:
+      return _vocab.host_words(x, f"feature {name!r} `ids`")
+    return narrow_wide(x, MAX_ROWS)
+
+  if isinstance(ids, (Keyed, KeyedJagged)):
+    ids = jax.tree.map(cast, ids)
+  elif isinstance(ids, Mapping):
+    ids = {f: feature(f, x) for f, x in ids.items()}
+  return ids, jax.tree.map(cast, weights)
 
 
 def feature_form(name: str, x: Any, w: Any, what: str) -> Feature:

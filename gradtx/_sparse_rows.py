@@ -67,15 +67,7 @@ def narrow_ids(ids: Any, num_rows: int, what: str) -> jax.Array:
       ids = np.asarray(ids)
     except Exception:  # jnp.asarray reports it
       pass
-  dtype = getattr(ids, "dtype", None)
-  if (
-    dtype is not None
-    and jnp.issubdtype(dtype, jnp.integer)
-    and jnp.dtype(dtype).itemsize > 4
-  ):
-    xp = jnp if isinstance(ids, jax.Array) else np
-    in_range = (ids >= 0) & (ids < num_rows)
-    ids = xp.where(in_range, ids, num_rows).astype(np.int32)
+  ids = narrow_wide(ids, num_rows)
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(
@@ -83,6 +75,22 @@ def narrow_ids(ids: Any, num_rows: int, what: str) -> jax.Array:
       "with `.astype(jnp.int32)`."
     )
   return ids.astype(jnp.int32)
+
+
+def narrow_wide(ids: Any, num_rows: int) -> Any:
+  """:func:`narrow_ids`' narrowing of 64-bit ids: int32, an id outside
+  ``[0, num_rows)`` ``num_rows`` (padding); numpy ids stay numpy (on the
+  host, no program), other ids and dtypes pass unchanged."""
+  dtype = getattr(ids, "dtype", None)
+  if (
+    dtype is None
+    or not jnp.issubdtype(dtype, jnp.integer)
+    or jnp.dtype(dtype).itemsize <= 4
+  ):
+    return ids
+  xp = jnp if isinstance(ids, jax.Array) else np
+  in_range = (ids >= 0) & (ids < num_rows)
+  return xp.where(in_range, ids, num_rows).astype(np.int32)
 
 
 @jax.tree_util.register_pytree_node_class

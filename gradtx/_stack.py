@@ -40,6 +40,7 @@ from gradtx._pooled import (
   Keyed,
   KeyedJagged,
   dict_reader,
+  host_ready,
   keyed_batch,
   keyed_reader,
   pool_rows,
@@ -57,8 +58,8 @@ def _outside_traces(*trees: Any) -> bool:
   """Whether a call's arrays are all concrete JAX or numpy arrays that
   ``jax.jit`` takes as they are: no traced value (inside the user's
   ``jit`` the method's ops join the user's program) and no numpy 64-bit
-  integers while ``jax_enable_x64`` is off (the id map splits those on
-  the host; ``jit`` would narrow them)."""
+  integers while ``jax_enable_x64`` is off (``jit`` would narrow them:
+  :func:`host_ready` makes those of the usual input forms fit first)."""
   for leaf in jax.tree.leaves(trees):
     if isinstance(leaf, np.ndarray):
       if _vocab.split_on_host(leaf.dtype):
@@ -339,7 +340,16 @@ class TableStack:
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
     self._check_max_new(max_new)
-    if _outside_traces(vocab, ids, weights):
+    raw = self._hashed_features()
+    # the program takes a dict's hashed features alone: the others come
+    # back as they were given
+    keyed = isinstance(ids, (Keyed, KeyedJagged))
+    given, given_weights = host_ready(
+      ids if keyed else {f: x for f, x in ids.items() if f in raw},
+      {f: w for f, w in (weights or {}).items() if f in raw},
+      raw,
+    )
+    if _outside_traces(vocab, given, given_weights):
       # typed: max_new=1 (one id) and 1.0 (every slot) compare equal
       bounds = (
         max_new.items() if isinstance(max_new, Mapping) else [(None, max_new)]
@@ -348,8 +358,13 @@ class TableStack:
       run = self._program(
         ("admit", key), lambda v, i, w: self._admit(v, i, w, max_new)
       )
-      return run(vocab, ids, weights)
+      out, vocab, fresh = run(vocab, given, given_weights)
+      return (out if keyed else {**ids, **out}), vocab, fresh
     return self._admit(vocab, ids, weights, max_new)
+
+  def _hashed_features(self) -> list[str]:
+    hashed = {t for layout in self.maps.values() for t in layout.tables}
+    return [f for f, t in self.features.items() if t in hashed]
 
   def _admit(self, vocab, ids, weights, max_new):
     out = dict(ids)
@@ -514,7 +529,10 @@ class TableStack:
       ``concat`` one ``[B, sum of dims]`` array; with ``keyed`` a
       :class:`Keyed`.
     """
-    if _outside_traces(params, ids, weights, vocab):
+    raw = [] if vocab is None else self._hashed_features()
+    ready, ready_weights = host_ready(ids, weights, raw)
+    if _outside_traces(params, ready, ready_weights, vocab):
+      ids, weights = ready, ready_weights
       run = self._program(
         ("lookup", combiner, concat, keyed),
         lambda p, i, w, v: self._lookup(p, i, w, combiner, concat, keyed, v),

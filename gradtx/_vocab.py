@@ -246,17 +246,28 @@ def table_seed(name: str, seed: int) -> int:
     )
 
 
-def host_words(x: Any, what: str) -> tuple[np.ndarray, ...]:
-  """Integer ids on the host -> numpy ``(hi, lo, padding)``: the uint32
-  words of each id as a 64-bit integer (two's complement) and where it is
-  padding (a negative value of a signed type)."""
+class HostWords(NamedTuple):
+  """Raw ids split into words on the host (:func:`host_words`): uint32
+  ``hi`` and ``lo`` and bool ``pad`` (a negative value of a signed type),
+  one shape. Unlike :class:`Words` it keeps the padding of signed ids, so
+  a compiled program can take numpy 64-bit ids split before it runs."""
+
+  hi: Any
+  lo: Any
+  pad: Any
+
+
+def host_words(x: Any, what: str) -> HostWords:
+  """Integer ids on the host -> numpy words: the uint32 words of each id
+  as a 64-bit integer (two's complement) and where it is padding."""
   a = np.asarray(x)
   if not np.issubdtype(a.dtype, np.integer):
     raise TypeError(_not_int(what, a.dtype))
   v = a.astype(np.int64).view(np.uint64) if a.dtype.kind == "i" else a
   v = v.astype(np.uint64)
   pad = a < 0 if a.dtype.kind == "i" else np.zeros(a.shape, bool)
-  return (v >> np.uint64(32)).astype(np.uint32), v.astype(np.uint32), pad
+  hi = (v >> np.uint64(32)).astype(np.uint32)
+  return HostWords(hi, v.astype(np.uint32), pad)
 
 
 def _not_int(what: str, dtype: Any) -> str:
@@ -291,6 +302,8 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
         f"shape; got {hi.dtype}{list(hi.shape)} and {lo.dtype}{list(lo.shape)}."
       )
     return hi, lo, jnp.zeros(hi.shape, bool)
+  if isinstance(x, HostWords):
+    return tuple(jnp.asarray(v) for v in x)
   dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
   if split_on_host(dtype):
     if isinstance(x, jax.core.Tracer):
@@ -793,6 +806,6 @@ def check_vocab(vocab: Any, maps: Mapping[str, Layout], what: str) -> None:
 def _shapes(layout: Layout) -> tuple[tuple[int, ...], ...]:
   """The shape of each field of ``layout``'s map."""
   state = jax.eval_shape(
-    lambda k: init_state(layout, k), jnp.zeros(2, jnp.uint32)
+    lambda k: init_state(layout, k), jax.ShapeDtypeStruct((2,), jnp.uint32)
   )
   return tuple(tuple(x.shape) for x in state)

@@ -2,6 +2,7 @@
 fresh rows in the table and every optimizer state against numpy references
 of the optimizers, read-only lookups, checkpoints, 8 devices."""
 
+import contextlib
 import functools
 
 import jax
@@ -879,21 +880,12 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   ids, v1, _ = stack.admit(vocab, batches[0])
   stack.lookup(params, ids)
   stack.vocab_stats(v1)
-  compiled, active = [], [True]
-
-  def count(event, duration, **kwargs):
-    if active[0] and event == "/jax/core/compile/backend_compile_duration":
-      compiled.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(count)
-  try:
+  with _compilations() as compiled:
     ids, v2, fresh = stack.admit(v1, batches[1])
     emb = stack.lookup(params, ids, concat=False)
     _, v3, _ = stack.admit(v2, batches[2])
     stats = stack.vocab_stats(v3)
     stack.vocab_stats(v2)
-  finally:
-    active[0] = False
   assert compiled == []
   want = jax.jit(stack.admit)(v1, batches[1])
   got = (ids, v2, fresh)
@@ -906,6 +898,61 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   want_emb = jax.jit(stack.lookup)(params, ids)
   for f in emb:
     np.testing.assert_array_equal(emb[f], want_emb[f])
+
+
+def test_numpy_64_bit_ids_outside_jit_run_as_one_compiled_program():
+  """numpy's default int64 ids (a notebook's) given to admit and lookup
+  outside jit with x64 off: made fit on the host, then one compiled
+  program per call, not op by op. Raw ids past 32 bits give the rows of
+  their gtx.Words under jax.jit; a row id past int32 is padding, as under
+  gtx.lookup; the features that are not hashed come back as given."""
+  stack = gtx.TableStack(
+    {"h": gtx.TableSpec(32, 4, hashed=True), "u": gtx.TableSpec(8, 4)}
+  )
+  vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
+  params = jax.jit(stack.init)(jax.random.key(1))
+  raw = np.array([3, 2**40 + 3, 2**33, 7, 2**40 + 3, 2**63 + 1], np.uint64)
+  rows = np.array([1, 2**32 + 1, 7, 0, 2**31, 3])  # int64, two past int32
+  small = np.array([3, -1, 7, 2**31 - 1])  # int64, each fits int32
+  bag = gtx.Jagged(small, np.array([1, 1, 0, 1, 1, 0]))  # int64 lengths
+  with _compilations() as compiled, jax.enable_x64(False):
+    ids, v1, fresh = stack.admit(vocab, {"h": raw, "u": rows})
+    emb = stack.lookup(params, {"h": bag, "u": rows}, vocab=v1)
+  assert len(compiled) <= 2, f"{len(compiled)} compilations: op by op"
+  assert ids["u"] is rows
+  want = jax.jit(stack.admit)(vocab, {"h": gtx.Words.of(raw)})
+  got = (ids["h"], v1, fresh)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  by_hand = {  # the words split by hand, the padding as weight 0
+    "h": gtx.Jagged(
+      gtx.Words.of(np.maximum(small, 0)), bag.lengths, 1.0 * (small >= 0)
+    ),
+    "u": np.where(rows < 2**31, rows, -1).astype(np.int32),
+  }
+  want_emb = jax.jit(lambda p, i, v: stack.lookup(p, i, vocab=v))(
+    params, by_hand, v1
+  )
+  for f in emb:
+    np.testing.assert_array_equal(emb[f], want_emb[f])
+  np.testing.assert_array_equal(np.asarray(emb["u"])[1], 0.0)  # not row 1
+  assert np.abs(np.asarray(emb["h"])[[0, 3]]).min() > 0  # 3 and 7 read rows
+
+
+@contextlib.contextmanager
+def _compilations():
+  """The XLA compilations (persistent-cache hits included) made inside."""
+  compiled, active = [], [True]
+
+  def count(event, duration, **kwargs):
+    if active[0] and event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    yield compiled
+  finally:
+    active[0] = False
 
 
 def test_a_stack_that_ran_outside_jit_still_pickles_and_copies():
