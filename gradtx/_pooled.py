@@ -361,9 +361,9 @@ def host_ready(ids: Any, weights: Any, raw: Sequence[str]) -> tuple[Any, Any]:
   def cast(x: Any) -> Any:
     if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
       return x
+    low, high = (x.min(), x.max()) if x.size else (0, 0)
     for dtype in (np.int32, np.uint32):
-      info = np.iinfo(dtype)
-      if x.size == 0 or (x.min() >= info.min and x.max() <= info.max):
+      if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
         return x.astype(dtype)
     return x
 
