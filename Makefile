@@ -18,7 +18,7 @@ PY_NEWEST := $(VENV_NEWEST)/bin/python
 WORKERS ?= -n 2 --dist worksteal
 PYTEST = -m pytest -q $(WORKERS)
 
-.PHONY: test test-oldest test-newest lint fuzz demo bench docs clean
+.PHONY: test test-oldest test-newest test-ray lint fuzz demo bench docs clean
 
 comma := ,
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints
@@ -47,10 +47,14 @@ EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
 # The two environments' suites side by side, one pytest process each: one
 # process traces a program or runs a shared reference once for its whole
 # suite, where two workers each did it again, and the two processes keep
-# both cores busy. Their output comes a line at a time, each line whole.
+# both cores busy. The Ray trainer's tests run beside them in a process of
+# their own: most of their time is spent waiting on Ray's processes, which
+# would hold back the newest suite at its end while the oldest is done.
+# The output comes a line at a time, each line whole.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=line WORKERS= \
-	  lint test-oldest test-newest
+	$(MAKE) --no-print-directory -j4 --output-sync=line WORKERS= \
+	  NEWEST_APART=--ignore=tests/test_ray.py lint test-oldest test-newest \
+	  test-ray
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
@@ -58,7 +62,10 @@ test-oldest: $(VENV)/.installed
 
 test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST)
+	$(PY_NEWEST) $(PYTEST) $(NEWEST_APART)
+
+test-ray: $(VENV_NEWEST)/.installed
+	$(PY_NEWEST) -m pytest -q tests/test_ray.py
 
 # The differential fuzzer of the rewrite, long: N random losses (default
 # 2000) against jax.value_and_grad on each environment.
