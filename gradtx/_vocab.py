@@ -302,17 +302,18 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
         f"shape; got {hi.dtype}{list(hi.shape)} and {lo.dtype}{list(lo.shape)}."
       )
     return hi, lo, jnp.zeros(hi.shape, bool)
-  if isinstance(x, HostWords):
+  if not isinstance(x, HostWords):
+    dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+    if split_on_host(dtype):
+      if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+          f"gradtx: {what} has traced 64-bit ids while jax_enable_x64 is "
+          "off, which JAX cannot hold: pass them as gradtx.Words (`gtx."
+          "Words.of(ids)` on the host), or turn jax_enable_x64 on."
+        )
+      x = host_words(x, what)
+  if isinstance(x, HostWords):  # split on the host, here or before a program
     return tuple(jnp.asarray(v) for v in x)
-  dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
-  if split_on_host(dtype):
-    if isinstance(x, jax.core.Tracer):
-      raise TypeError(
-        f"gradtx: {what} has traced 64-bit ids while jax_enable_x64 is off, "
-        "which JAX cannot hold: pass them as gradtx.Words (`gtx.Words.of("
-        "ids)` on the host), or turn jax_enable_x64 on."
-      )
-    return tuple(jnp.asarray(v) for v in host_words(x, what))
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(_not_int(what, x.dtype))
