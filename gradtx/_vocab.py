@@ -603,7 +603,8 @@ def admit(
     jnp.full(m, -1, jnp.int32), jnp.full(m, size, jnp.int32),
     jnp.zeros(m, bool), jnp.asarray(True),
   )  # fmt: skip
-  done = lax.while_loop(cond, round_, start)
+  with jax.named_scope("gtx_id_map_placement"):  # tests tell it apart
+    done = lax.while_loop(cond, round_, start)
   row = row.at[jnp.where(done.local >= 0, slot, n)].set(done.local, mode="drop")
   # the new ids that waited: a duplicate may have placed theirs
   after = state._replace(
