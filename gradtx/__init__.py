@@ -28,6 +28,8 @@ from gradtx._memory import use_huge_pages as use_huge_pages
 from gradtx._mirrored import AllReduce as AllReduce
 from gradtx._mirrored import Mirrored as Mirrored
 from gradtx._mirrored import all_reduce as all_reduce
+from gradtx._open_vocab import OpenVocab as OpenVocab
+from gradtx._open_vocab import OpenVocabState as OpenVocabState
 from gradtx._optimizers import FtrlState as FtrlState
 from gradtx._optimizers import LazyTraceState as LazyTraceState
 from gradtx._optimizers import ScaleByRowwiseRssState as ScaleByRowwiseRssState
@@ -95,6 +97,8 @@ __all__ = [
   "LazyTraceState",
   "LeafSparsity",
   "Mirrored",
+  "OpenVocab",
+  "OpenVocabState",
   "QuantizedRows",
   "RowTransformationState",
   "ScaleByLazyAdamCatchUpState",

@@ -1,0 +1,344 @@
+"""gtx.OpenVocab, the open-vocabulary step as one object, against the bare
+calls it stands for (TableStack.admit, reset_rows, drop_reassigned, the
+optimizer's update, delta with stack=/vocab=/since_vocab=): bit for bit,
+with evictions, late gradients, a padded short batch, every gradtx
+optimizer, inside optax.multi_transform, through orbax, on 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from checkpoint_worker import restore_orbax, save_orbax
+
+import gradtx as gtx
+
+B = 6
+L = 3
+STEPS = 8
+TABLES = {
+  "user": gtx.TableSpec(5, 3, hashed=gtx.Hashed(probes=3)),
+  "item": gtx.TableSpec(6, 3, hashed=gtx.Hashed(policy="lfu", probes=4)),
+  "country": gtx.TableSpec(3, 3),
+}
+FEATURES = {"user_id": "user", "history": "item", "country": "country"}
+FEATURE_ORDER = list(FEATURES)
+# the rows one gradient of the stack carries: user_id, history, country
+ROWS_PER_STEP = {"emb": {"float32x3": B * (1 + L + 1)}, "w": None}
+
+
+def _stack():
+  return gtx.TableStack(TABLES, features=FEATURES)
+
+
+def _params(stack):
+  return {
+    "emb": stack.init(jax.random.key(0)),
+    "w": jnp.linspace(-1.0, 1.0, 3 * 3).reshape(3, 3).astype(jnp.float32),
+  }
+
+
+def _batch(rng, short=False):
+  """Raw ids drawn from more ids than rows (evictions), and a short batch
+  padded to B (its mask marks the real examples)."""
+  n = 4 if short else B
+  batch = {
+    "user_id": rng.randint(0, 12, n).astype(np.int32) * 1_000_003,
+    "history": rng.randint(-1, 14, (n, L)).astype(np.int32) * 7_919,
+    "country": rng.randint(0, 3, n).astype(np.int32),
+    "weights": (rng.rand(n, L) > 0.2).astype(np.float32),
+    "labels": (rng.rand(n) > 0.5).astype(np.float32),
+  }
+  padded, mask = gtx.pad_batch(batch, B)
+  return padded, mask.astype(np.float32)
+
+
+def _loss(stack, p, ids, weights, labels, mask):
+  emb = stack.lookup(p["emb"], ids, weights=weights)
+  x = jnp.stack([emb[f] for f in FEATURE_ORDER], 1)  # [B, 3, dim]
+  logit = jnp.sum(x * p["w"][None], axis=(1, 2))
+  per = optax.sigmoid_binary_cross_entropy(logit, labels)
+  return jnp.sum(mask * per) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _split(batch):
+  raw = {f: batch[f] for f in FEATURE_ORDER}
+  return raw, {"history": batch["weights"]}, batch["labels"]
+
+
+def _inner_states(state):
+  """The optimizer state with each OpenVocabState replaced by the state it
+  wraps: the hand-wired state's tree."""
+  return jax.tree.map(
+    lambda x: x.inner_state if isinstance(x, gtx.OpenVocabState) else x,
+    state,
+    is_leaf=lambda x: isinstance(x, gtx.OpenVocabState),
+  )
+
+
+def _equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+OPTIMIZERS = {
+  "lazy_adam": lambda: gtx.lazy_adam(0.05),
+  "lazy_adam_catch_up": lambda: gtx.lazy_adam(0.05, catch_up=True),
+  "rowwise_adagrad": lambda: gtx.rowwise_adagrad(0.1),
+  "adagrad": lambda: gtx.adagrad(0.1),
+  "ftrl": lambda: gtx.ftrl(0.1),
+  "lazy_sgd": lambda: gtx.lazy_sgd(0.1, momentum=0.9),
+  "partial_rowwise_adam": lambda: gtx.partial_rowwise_adam(0.05),
+  "accumulate": lambda: gtx.accumulate(
+    gtx.lazy_adam(0.05), 2, rows_per_step=ROWS_PER_STEP
+  ),
+}
+
+
+def _transforms(stack, sparse, where):
+  """(object's tx, OpenVocab, hand-wired tx): the OpenVocab inside
+  optax.multi_transform beside adam for the dense head, each with its
+  tracker ("inside"), or around a multi_transform of the whole params and
+  one tracker after it ("around")."""
+  key = jax.random.key(1)
+  labels = {"emb": "sparse", "w": "dense"}
+  if where == "inside":
+    sparse = optax.chain(sparse, gtx.track_changes())
+    dense = optax.chain(optax.adam(1e-2), gtx.track_changes())
+    wired = optax.multi_transform({"sparse": sparse, "dense": dense}, labels)
+    ov = gtx.OpenVocab(stack, sparse, at="emb", key=key)
+    tx = optax.multi_transform({"sparse": ov, "dense": dense}, labels)
+  else:
+    wired = optax.chain(
+      optax.multi_transform(
+        {"sparse": sparse, "dense": optax.adam(1e-2)}, labels
+      ),
+      gtx.track_changes(),
+    )
+    ov = gtx.OpenVocab(stack, wired, at="emb", key=key)
+    tx = ov
+  return tx, ov, wired
+
+
+@pytest.mark.parametrize(
+  "opt,where",
+  [(name, "inside") for name in OPTIMIZERS] + [("lazy_adam", "around")],
+)
+def test_the_step_and_publish_equal_the_hand_wired_calls(opt, where):
+  stack = _stack()
+  (name,) = stack.stacks
+  tx, ov, wired = _transforms(stack, OPTIMIZERS[opt](), where)
+  params = _params(stack)
+  state = tx.init(params)
+  h_params = params
+  h_state, h_vocab = wired.init(params), stack.init_vocab(jax.random.key(1))
+
+  @jax.jit(donate_argnums=(0, 1))
+  def step(params, state, batch, mask):
+    raw, weights, labels = _split(batch)
+    ids, params, state = ov.admit(state, params, raw, weights=weights)
+    value, grads = gtx.sparse_value_and_grad(_loss, argnums=1)(
+      stack, params, ids, weights, labels, mask
+    )
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state, value
+
+  @jax.jit
+  def wired_step(params, state, vocab, batch, mask):
+    raw, weights, labels = _split(batch)
+    ids, vocab, fresh = stack.admit(vocab, raw, weights=weights)
+    params, state = gtx.reset_rows(wired, state, params, {"emb": fresh})
+    value, grads = gtx.sparse_value_and_grad(_loss, argnums=1)(
+      stack, params, ids, weights, labels, mask
+    )
+    updates, state = wired.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state, vocab, value
+
+  serving = jax.tree.map(np.asarray, params)
+  kv = {}  # serving's store of the hashed rows: (table, raw id) -> row
+  last, last_vocab = None, None
+  rng = np.random.RandomState(3)
+  evicted = 0
+  for i in range(STEPS):
+    batch, mask = _batch(rng, short=i == STEPS - 1)
+    params, state, value = step(params, state, batch, mask)
+    h_params, h_state, h_vocab, h_value = wired_step(
+      h_params, h_state, h_vocab, batch, mask
+    )
+    np.testing.assert_array_equal(value, h_value)
+    _equal(params, h_params)
+    _equal(_inner_states(state), h_state)
+    _equal(ov.vocab(state), h_vocab)
+    evicted += sum(
+      int(s["evicted"]) for s in stack.vocab_stats(h_vocab).values()
+    )
+    if i % 3 == 2 or i == STEPS - 1:
+      d, state = ov.publish(params, state)
+      want = gtx.delta(
+        h_params,
+        h_state,
+        since=last,
+        stack=stack,
+        vocab={"emb": h_vocab},
+        since_vocab=None if last_vocab is None else {"emb": last_vocab},
+      )
+      last, last_vocab = want.step, jax.tree.map(jnp.copy, h_vocab)
+      _equal(d, want)
+      serving = gtx.apply_delta(serving, d)
+      _equal(serving, jax.tree.map(np.asarray, params))
+      m, rows = d.maps[name], d.params["emb"][name]
+      if m is not None:
+        if m["tombstones"] is not None:
+          for t, raw_id in zip(*m["tombstones"].values(), strict=True):
+            del kv[int(t), int(raw_id)]
+        for t, raw_id, r in zip(
+          m["tables"], m["owners"], rows["values"], strict=True
+        ):
+          if raw_id >= 0:
+            kv[int(t), int(raw_id)] = r
+  assert evicted > 0
+  # the store holds exactly the live ids, with their rows
+  v = ov.vocab(state)[name]
+  table = np.asarray(params["emb"][name])
+  tables = list(stack.tables)
+  live = {}
+  for t in ("user", "item"):
+    lo, hi = stack.stacks[name].offsets[tables.index(t)], None
+    hi = lo + TABLES[t].rows
+    for r in range(lo, hi):
+      if int(v.last_seen[r]) >= 0:
+        live[tables.index(t), int(v.key_lo[r])] = table[r]
+  assert set(kv) == set(live)
+  for k, r in live.items():
+    np.testing.assert_array_equal(kv[k], r)
+
+
+@pytest.mark.parametrize("wrap", ["drop_stale", "drop_stale_accumulate"])
+def test_late_gradients_are_dropped_as_drop_reassigned_drops_them(wrap):
+  """Gradients applied two steps late: the object's update, given the
+  mapping step of the gradient's ids (`mapped_at`), drops the rows given
+  out since, as the hand-wired drop_reassigned does, bit for bit."""
+  stack = _stack()
+  (name,) = stack.stacks
+  inner = gtx.lazy_adam(0.05)
+  if wrap == "drop_stale_accumulate":
+    inner = gtx.accumulate(inner, 2, rows_per_step=ROWS_PER_STEP)
+  tx = gtx.drop_stale(inner, 3)
+  ov = gtx.OpenVocab(stack, tx, at="emb", key=jax.random.key(1))
+  params = _params(stack)
+  state = ov.init(params)
+  h_params, h_state = params, tx.init(params)
+  h_vocab = stack.init_vocab(jax.random.key(1))
+
+  @jax.jit
+  def mapped(params, state, h_params, h_state, h_vocab, batch, mask):
+    raw, weights, labels = _split(batch)
+    ids, params, state = ov.admit(state, params, raw, weights=weights)
+    h_ids, h_vocab, fresh = stack.admit(h_vocab, raw, weights=weights)
+    h_params, h_state = gtx.reset_rows(tx, h_state, h_params, {"emb": fresh})
+    g = gtx.sparse_grad(_loss, argnums=1)(
+      stack, params, ids, weights, labels, mask
+    )
+    return params, state, h_params, h_state, h_vocab, g, ov.mapped_at(state)
+
+  @jax.jit
+  def apply(params, state, h_params, h_state, h_vocab, g, stamp, grad_step):
+    u, state = ov.update(g, state, params, mapped_at=stamp, grad_step=grad_step)
+    params = gtx.apply_updates(params, u)
+    kept = {**g, "emb": stack.drop_reassigned(g["emb"], h_vocab, stamp)}
+    u, h_state = tx.update(kept, h_state, h_params, grad_step=grad_step)
+    return params, state, gtx.apply_updates(h_params, u), h_state
+
+  rng = np.random.RandomState(5)
+  pending, dropped = [], 0
+  for i in range(STEPS + 2):
+    batch, mask = _batch(rng)
+    step = jnp.int32(i)
+    params, state, h_params, h_state, h_vocab, g, stamp = mapped(
+      params, state, h_params, h_state, h_vocab, batch, mask
+    )
+    pending.append((g, stamp, step))
+    if len(pending) > 2:
+      g, stamp, grad_step = pending.pop(0)
+      born = np.asarray(h_vocab[name].born)
+      idx = np.asarray(g["emb"][name].indices)
+      live = idx < born.shape[0]
+      dropped += int((born[idx[live]] > int(stamp[name])).sum())
+      params, state, h_params, h_state = apply(
+        params, state, h_params, h_state, h_vocab, g, stamp, grad_step
+      )
+      _equal(params, h_params)
+      _equal(_inner_states(state), h_state)
+  assert dropped > 0
+
+
+def test_resume_through_orbax_gives_the_same_next_step_and_publish(tmp_path):
+  stack = _stack()
+  tx = optax.chain(gtx.lazy_adam(0.05), gtx.track_changes())
+  ov = gtx.OpenVocab(stack, tx, at="emb", key=jax.random.key(1))
+  params = _params(stack)
+  state = ov.init(params)
+
+  @jax.jit
+  def step(params, state, batch, mask):
+    raw, weights, labels = _split(batch)
+    ids, params, state = ov.admit(state, params, raw, weights=weights)
+    grads = gtx.sparse_grad(_loss, argnums=1)(
+      stack, params, ids, weights, labels, mask
+    )
+    updates, state = ov.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state
+
+  rng = np.random.RandomState(7)
+  batches = [_batch(rng) for _ in range(5)]
+  for batch, mask in batches[:3]:
+    params, state = step(params, state, batch, mask)
+  _, state = ov.publish(params, state)
+  save_orbax(tmp_path / "ckpt", {"params": params, "state": state})
+  abstract = {
+    "params": jax.eval_shape(lambda: params),
+    "state": jax.eval_shape(ov.init, params),
+  }
+  back = restore_orbax(tmp_path / "ckpt", abstract)
+  assert isinstance(back["state"], gtx.OpenVocabState)
+  _equal(back, {"params": params, "state": state})
+  runs = []
+  for p, s in ((params, state), (back["params"], back["state"])):
+    for batch, mask in batches[3:]:
+      p, s = step(p, s, batch, mask)
+    d, s = ov.publish(p, s)
+    runs.append((p, s, d))
+  _equal(runs[0], runs[1])
+  assert runs[1][2].maps is not None and int(runs[1][2].step) == 5
+
+
+def test_errors_name_the_argument_and_the_fix():
+  stack = _stack()
+  with pytest.raises(TypeError, match="`stack` must be a gradtx.TableStack"):
+    gtx.OpenVocab(
+      gtx.TableStack({"a": gtx.TableSpec(3, 2)}),
+      gtx.lazy_sgd(1.0),
+      key=jax.random.key(0),
+    )
+  with pytest.raises(TypeError, match="`at` must be None"):
+    gtx.OpenVocab(stack, gtx.lazy_sgd(1.0), at=["emb"], key=jax.random.key(0))
+  ov = gtx.OpenVocab(
+    stack, gtx.lazy_sgd(1.0), at="tables", key=jax.random.key(0)
+  )
+  with pytest.raises(ValueError, match="no stack params at `at`='tables'"):
+    ov.init(_params(stack))
+  ov = gtx.OpenVocab(stack, gtx.lazy_sgd(1.0), at="emb", key=jax.random.key(0))
+  with pytest.raises(ValueError, match="must hold one OpenVocabState"):
+    ov.admit({"a": 1}, _params(stack), {})
+  # a tracker outside the object would keep the old owners' record
+  params = _params(stack)
+  tx = optax.chain(
+    optax.multi_transform(
+      {"sparse": ov, "dense": optax.adam(1e-2)}, {"emb": "sparse", "w": "dense"}
+    ),
+    gtx.track_changes(),
+  )
+  with pytest.raises(ValueError, match="Put the tracker in the OpenVocab"):
+    ov.admit(tx.init(params), params, {"user_id": jnp.array([3])})
