@@ -138,7 +138,9 @@ def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], lookup_ids(ids), concat=True)
     x = x.reshape(batch, len(features), dim)
-    return _bce(jnp.sum(x * p["head"]["w"], axis=(1, 2)) + p["head"]["b"], y)
+    return _bce(
+      jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
+    )
 
   def params_fn(key):
     k1, k2 = jax.random.split(key)
@@ -237,7 +239,9 @@ def hashed(
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], ids, concat=True)
     x = x.reshape(batch, features, dim)
-    return _bce(jnp.sum(x * p["head"]["w"], axis=(1, 2)) + p["head"]["b"], y)
+    return _bce(
+      jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
+    )
 
   update = _update(tx, loss)
 

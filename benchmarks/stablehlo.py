@@ -29,8 +29,10 @@ PLACEMENT_SCOPE = "gtx_id_map_placement"
 
 _OP = re.compile(
   r"^\s*(?:(%[\w.\-]+)(?::(\d+))?(?:\s*,\s*%[\w.\-]+(?::\d+)?)*\s*=\s*)?"
-  r"\"?([a-z_]+\.[a-z_0-9.]+)\"?"
+  r"\"?([a-z_]+\.[a-z_0-9.]+|call|return)\b\"?"
 )
+_SHORT = {"call": "func.call", "return": "func.return"}
+_REF = re.compile(r"%([\w.\-]+)(?:#\d+)?")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
 _DTYPE_BITS = {"i1": 8, "pred": 8}  # a bool is a byte in memory
@@ -92,6 +94,20 @@ class Op:
   func: str = ""  # the function it is in
   children: list[int] = dataclasses.field(default_factory=list)
   loc: str = ""  # the location reference or literal of its last line
+  region: int = 0  # which region of its parent holds it (while: 0 cond)
+  result: str = ""  # its (first) SSA result name, without "%"
+  regions: int = 0  # how many regions it has
+
+  @cached_property
+  def uses(self) -> list[str]:
+    """The SSA values it reads (names without ``%``): its operands, not
+    the values its regions read."""
+    body = self.head.split(" = ", 1)[1] if self.result else self.head
+    if self.name == "stablehlo.while":  # "%iterArg = %137": the inits
+      return re.findall(r"= %([\w.\-]+)", body)
+    ends = [body.find(t) for t in (" : ", " <{", " ({", " loc(")]
+    cut = min([e for e in ends if e >= 0], default=len(body))
+    return _REF.findall(body[:cut])
 
   @cached_property
   def signature(self) -> str:
@@ -125,7 +141,7 @@ class Op:
 
   @property
   def callee(self) -> str | None:
-    m = re.search(r"func\.call @([\w.\-$]+)", self.head)
+    m = re.search(r"(?:func\.)?call @([\w.\-$]+)", self.head)
     return m.group(1) if m else None
 
   def attribute(self, name: str) -> bool:
@@ -232,10 +248,15 @@ def read(text: str) -> Program:
       continue
     start = None
     om = _OP.match(line)
-    if om and not line.lstrip().startswith(("}", "^")):
-      op = Op(len(ops), om.group(3), line)
+    stripped = line.lstrip()
+    if stripped.startswith("}") and stripped.rstrip().endswith("{") and open_:
+      ops[open_[-1][0]].regions += 1  # "} do {", "}, {": the next region
+    if om and not stripped.startswith(("}", "^")):
+      op = Op(len(ops), _SHORT.get(om.group(3), om.group(3)), line)
+      op.result = (om.group(1) or "").lstrip("%")
       if open_:
         op.parent = open_[-1][0]
+        op.region = ops[op.parent].regions
         ops[op.parent].children.append(op.index)
       if op.name == "func.func":
         fm = re.search(r"@([\w.\-$]+)", line)

@@ -1,0 +1,450 @@
+"""A cost model of the guides' steps on one GPU, read from the program
+exported for cuda: a model, not a measurement.
+
+Each step of :mod:`benchmarks.gpu_steps` is exported for ``cuda`` on this
+host (``jax.export``, no device) and its StableHLO read
+(:mod:`benchmarks.stablehlo`). The model:
+
+* **Kernels.** Every op that is not elementwise is a kernel: gather,
+  scatter, sort, reduce, reduce_window, dot, dynamic slice and update,
+  custom call, a composite the compiler implements (``chlo.scan``, jax
+  0.12's cumulative sum on GPU). Elementwise ops (arithmetic, compare,
+  select, convert, broadcast, reshape, slice, concatenate, pad, iota,
+  transpose) fuse into the kernel that reads them; one whose value no
+  kernel reads (a value returned, or carried by a loop) ends a fusion of
+  its own, one more kernel.
+* **Bytes** from the shapes: a gather reads its rows and indices and
+  writes its rows; a scatter reads its updates and indices and reads and
+  writes the rows it updates (in place); a dynamic slice reads and writes
+  its slice, a dynamic update its update; a sort is a radix sort of
+  ``bits / 8`` passes, each reading and writing every operand; the others
+  read their operands and write their results. A scatter into a value no
+  kernel made (zeros, a broadcast) first writes it whole.
+* **Control.** One stream: every kernel is on the critical path, one after
+  another (XLA:GPU's default). A ``case`` costs a host sync (the branch
+  index read back) and its costliest branch. A ``while`` costs, per
+  trip, its condition and body and a host sync (XLA:GPU's ``WhileThunk``
+  reads the condition back each trip unless the loop is captured in a
+  CUDA graph); its trips are the constant bound where the program has
+  one, the worst case where the body walks a buffer by dynamic slices
+  (every id slot a unique row), else :data:`ASSUMED_TRIPS`.
+* **Time** = kernels x :data:`LAUNCH_US` + syncs x :data:`SYNC_US` +
+  bytes / :data:`HBM_BYTES_PER_S` (an H100 SXM's HBM3, 3.35 TB/s).
+
+Beside it, FBGEMM's published figures (shared/ANCHORS.md): its TBE
+backward at about 1.04 TB/s in TorchRec's reports (meta-pytorch/torchrec
+#4757), its scatter-add ceiling about 2.5 TB/s on an H100
+(pytorch/FBGEMM#3993): the same bytes at those rates.
+
+Writes ``benchmarks/results/gpu_model.md``.
+
+  python -m benchmarks.gpu_model [--platform cuda] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from benchmarks import stablehlo as sh
+
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM, HBM3
+LAUNCH_US = 5.0  # a kernel launch and its gap to the next kernel
+SYNC_US = 10.0  # a device-to-host read of a loop's condition or case index
+ASSUMED_TRIPS = 4  # a loop with no static bound (hash or placement rounds)
+FBGEMM_BACKWARD_BYTES_PER_S = 1.04e12  # TorchRec's reported TBE backward
+FBGEMM_SCATTER_BYTES_PER_S = 2.5e12  # FBGEMM's H100 scatter-add ceiling
+LABEL = "a model, not a measurement"
+
+KERNELS = {
+  "gather", "scatter", "sort", "reduce", "reduce_window", "dot_general",
+  "dot", "convolution", "custom_call", "dynamic_slice",
+  "dynamic_update_slice", "select_and_scatter", "rng_bit_generator",
+  "fft", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+  "collective_permute", "cholesky", "triangular_solve",
+}  # fmt: skip
+FREE = {"constant", "optimization_barrier", "get_dimension_size", "return"}
+CONTROL = {"while", "case", "if", "composite"}
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One kernel of the program, with how many times a step launches it."""
+
+  op: str
+  shapes: str
+  read: float  # bytes a launch reads
+  written: float  # bytes a launch writes
+  launches: float  # per step (a loop's trips included)
+  origin: str
+  in_loop: bool = False  # launched by a while loop's trips
+
+  @property
+  def bytes(self) -> float:
+    return (self.read + self.written) * self.launches
+
+  @property
+  def seconds(self) -> float:
+    return self.launches * LAUNCH_US * 1e-6 + self.bytes / HBM_BYTES_PER_S
+
+
+@dataclasses.dataclass
+class Loop:
+  origin: str
+  trips: float
+  why: str  # "constant", "worst case ...", "assumed"
+  kernels: float  # kernel launches a trip
+
+
+@dataclasses.dataclass
+class Cost:
+  """A program's predicted cost on one GPU (:data:`LABEL`)."""
+
+  kernels: list[Kernel] = dataclasses.field(default_factory=list)
+  syncs: float = 0.0
+  loops: list[Loop] = dataclasses.field(default_factory=list)
+
+  @property
+  def launches(self) -> float:
+    return sum(k.launches for k in self.kernels)
+
+  @property
+  def bytes(self) -> float:
+    return sum(k.bytes for k in self.kernels)
+
+  @property
+  def launch_s(self) -> float:
+    return self.launches * LAUNCH_US * 1e-6 + self.syncs * SYNC_US * 1e-6
+
+  @property
+  def seconds(self) -> float:
+    return self.launch_s + self.bytes / HBM_BYTES_PER_S
+
+  def loop_seconds(self) -> float:
+    """The part of :attr:`seconds` spent in while loops."""
+    kernels = sum(k.seconds for k in self.kernels if k.in_loop)
+    return kernels + sum(lp.trips for lp in self.loops) * SYNC_US * 1e-6
+
+
+def _kind(name: str) -> str:
+  return name.split(".", 1)[1] if name.startswith("stablehlo.") else name
+
+
+class _Model:
+  def __init__(self, prog: sh.Program) -> None:
+    self.prog = prog
+    self.cost = Cost()
+    self.loop_depth = 0
+    # (function, value) -> the op that defines it
+    self.defs: dict[tuple[str, str], sh.Op] = {}
+    self.users: dict[tuple[str, str], list[sh.Op]] = {}
+    for op in prog.ops:
+      if op.result:
+        self.defs[(op.func, op.result)] = op
+      for u in op.uses:
+        self.users.setdefault((op.func, u), []).append(op)
+
+  # -- walking
+
+  def body(self, op: sh.Op, region: int | None = None) -> list[sh.Op]:
+    return [
+      self.prog.ops[c]
+      for c in op.children
+      if region is None or self.prog.ops[c].region == region
+    ]
+
+  def run(self, ops: list[sh.Op], times: float) -> None:
+    for op in ops:
+      self.op(op, times)
+
+  def op(self, op: sh.Op, times: float) -> None:
+    kind = _kind(op.name)
+    if op.name == "func.call":
+      callee = self.prog.funcs.get(op.callee or "")
+      if callee is not None:
+        self.run(self.body(self.prog.ops[callee]), times)
+      return
+    if op.name.startswith("func.") or kind in FREE:
+      return
+    if kind == "while":
+      self.loop(op, times)
+    elif kind in ("case", "if"):
+      self.case(op, times)
+    elif kind == "composite":
+      self.composite(op, times)
+    elif kind in KERNELS:
+      self.kernel(op, times)
+    elif self.ends_fusion(op):
+      read = sum(t.nbytes for t in op.operands)
+      self.add(op, "fusion", read, _out(op), times)
+
+  def add(self, op, kind, read, written, times, launches=1.0) -> None:
+    shapes = ", ".join(str(t) for t in op.operands[:3])
+    k = Kernel(kind, shapes, read, written, times * launches, self.origin(op))
+    k.in_loop = self.loop_depth > 0
+    self.cost.kernels.append(k)
+
+  def origin(self, op: sh.Op) -> str:
+    return self.prog.origin(op)
+
+  def ends_fusion(self, op: sh.Op) -> bool:
+    """An elementwise op whose value no kernel reads: returned, carried
+    by a loop, or read by a case or a call."""
+    for user in self.users.get((op.func, op.result), []):
+      kind = _kind(user.name)
+      if kind in ("return", "while", "case") or user.name.startswith("func."):
+        return True
+    return False
+
+  def made_by_fusion(self, op: sh.Op, value: str) -> bool:
+    d = self.defs.get((op.func, value))
+    if d is None:  # an argument or a loop's carried value
+      return False
+    return _kind(d.name) not in KERNELS | CONTROL and d.name != "func.call"
+
+  # -- kernels
+
+  def kernel(self, op: sh.Op, times: float) -> None:
+    kind = _kind(op.name)
+    ins, out = op.operands, _out(op)
+    if kind == "gather":
+      read, written = out + ins[1].nbytes, out
+    elif kind == "scatter":
+      n = len(ins) // 2  # operands..., indices, updates...
+      updates = sum(t.nbytes for t in ins[n + 1 :]) or ins[-1].nbytes
+      read = updates * 2 + ins[n].nbytes
+      written = updates
+      if op.uses and self.made_by_fusion(op, op.uses[0]):
+        written += ins[0].nbytes  # the operand materialized first
+    elif kind == "dynamic_slice":
+      read, written = out, out
+    elif kind == "dynamic_update_slice":
+      read = written = ins[1].nbytes
+    elif kind == "sort":
+      passes = math.ceil(sh.dtype_bytes(ins[0].dtype))
+      total = sum(t.nbytes for t in ins)
+      self.add(op, "sort", total * passes, total * passes, times, passes)
+      return
+    else:
+      read, written = sum(t.nbytes for t in ins), out
+    self.add(op, kind, read, written, times)
+
+  def composite(self, op: sh.Op, times: float) -> None:
+    text = op.head + op.tail
+    if '"chlo.scan"' in text or '"chlo.' in text:
+      self.add(op, "scan", sum(t.nbytes for t in op.operands), _out(op), times)
+      return
+    m = re.search(r"decomposition = @([\w.\-$]+)", text)
+    callee = self.prog.funcs.get(m.group(1)) if m else None
+    if callee is not None:
+      self.run(self.body(self.prog.ops[callee]), times)
+
+  # -- control
+
+  def case(self, op: sh.Op, times: float) -> None:
+    self.cost.syncs += times
+    best, best_s = None, -1.0
+    for r in range(op.regions + 1):
+      sub = _Model.__new__(_Model)
+      sub.__dict__.update(self.__dict__)
+      sub.cost = Cost()
+      sub.run(self.body(op, r), times)
+      if sub.cost.seconds > best_s:
+        best, best_s = sub.cost, sub.cost.seconds
+    if best is not None:
+      self.cost.kernels += best.kernels
+      self.cost.syncs += best.syncs
+      self.cost.loops += best.loops
+
+  def loop(self, op: sh.Op, times: float) -> None:
+    trips, why = self.trips(op)
+    before = self.cost.launches
+    self.loop_depth += 1
+    self.run(self.body(op, 0), times * trips)  # the condition
+    self.run(self.body(op, 1), times * trips)
+    self.loop_depth -= 1
+    self.cost.syncs += times * trips
+    per_trip = (self.cost.launches - before) / max(times * trips, 1e-9)
+    self.cost.loops.append(Loop(self.origin(op), times * trips, why, per_trip))
+
+  def trips(self, op: sh.Op) -> tuple[float, str]:
+    inits = dict(
+      re.findall(r"(%[\w.\-]+) = %([\w.\-]+)", op.head.split(") :")[0])
+    )
+    for c in self.body(op, 0):
+      m = re.search(r"compare\s+LT, %([\w.\-]+), %([\w.\-]+)", c.head)
+      if not m:
+        continue
+      start = self.constant(op, inits.get("%" + m.group(1), ""))
+      stop = self.constant(op, m.group(2))
+      if start is not None and stop is not None:
+        return float(max(stop - start, 0)), "constant"
+    for c in self.prog.region_ops(op):
+      if _kind(c.name) == "dynamic_slice" and c.operands and c.results:
+        whole, part = c.operands[0].shape, c.results[0].shape
+        if whole and part and part[0] < whole[0]:
+          n = math.ceil(whole[0] / part[0])
+          return float(n), f"worst case: {whole[0]:,} slots / {part[0]:,}"
+    return float(ASSUMED_TRIPS), "assumed"
+
+  def constant(self, op: sh.Op, value: str) -> int | None:
+    d = self.defs.get((op.func, value.lstrip("%")))
+    if d is None or _kind(d.name) != "constant":
+      return None
+    m = re.search(r"dense<(-?\d+)>", d.head)
+    return int(m.group(1)) if m else None
+
+
+def _out(op: sh.Op) -> float:
+  return sum(t.nbytes for t in op.results)
+
+
+def model(prog: sh.Program) -> Cost:
+  """The predicted cost of ``prog`` (its ``main``) on one GPU."""
+  m = _Model(prog)
+  main = prog.funcs.get("main")
+  if main is None:
+    raise ValueError("model: the program has no main function")
+  m.run(m.body(prog.ops[main]), 1.0)
+  return m.cost
+
+
+def predict(program: Any, platform: str = "cuda") -> Cost:
+  """The cost of a :class:`benchmarks.gpu_steps.Program`'s step."""
+  text = sh.export_text(program.step, program.args, platform)
+  return model(sh.read(text))
+
+
+# ----------------------------------------------------------------------------
+# the table
+
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:.3f}"
+
+
+def summary_rows(costs: dict[str, Cost]) -> list[list[str]]:
+  rows = []
+  for name, c in costs.items():
+    loops = "; ".join(
+      f"{lp.trips:g} trips ({lp.why}) x {lp.kernels:.0f} kernels"
+      for lp in c.loops
+    )
+    rows.append([
+      name,
+      f"{len(c.kernels)}",
+      f"{c.launches:,.0f}",
+      f"{c.syncs:,.0f}",
+      f"{c.bytes / 1e6:,.1f}",
+      _ms(c.seconds),
+      _ms(c.launch_s),
+      _ms(c.loop_seconds()),
+      _ms(c.bytes / FBGEMM_SCATTER_BYTES_PER_S),
+      _ms(c.bytes / FBGEMM_BACKWARD_BYTES_PER_S),
+      loops or "none",
+    ])  # fmt: skip
+  return rows
+
+
+HEADERS = [
+  "step",
+  "kernels (static)",
+  "launches a step",
+  "host syncs",
+  "MB moved",
+  "model ms (3.35 TB/s + launches)",
+  "of which launches + syncs ms",
+  "of which while loops ms",
+  "same bytes at FBGEMM's 2.5 TB/s scatter ceiling ms",
+  "same bytes at FBGEMM's 1.04 TB/s TBE backward ms",
+  "while loops",
+]
+
+
+def top_kernels(c: Cost, n: int = 8) -> list[list[str]]:
+  ks = sorted(c.kernels, key=lambda k: -k.seconds)[:n]
+  return [
+    [
+      k.op,
+      k.shapes,
+      f"{k.launches:g}",
+      f"{(k.read + k.written) / 1e6:.3f}",
+      f"{k.seconds * 1e3:.3f}",
+      k.origin,
+    ]
+    for k in ks
+  ]
+
+
+def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
+  from benchmarks._common import markdown_table
+
+  md = [
+    f"## The guides' steps on one H100: {LABEL}",
+    "",
+    f"**{LABEL.capitalize()}.** Predicted from each step's program exported "
+    f"for {platform} on a CPU host (`python -m benchmarks.gpu_model`), "
+    "not run on any GPU. Kernels: every op that is not elementwise "
+    "(gather, scatter, sort, reduce, dot, dynamic slice/update, custom "
+    "call, scan); elementwise ops fuse into the kernel that reads them, or "
+    "end a fusion of their own where no kernel reads them. Bytes from the "
+    "shapes; one stream, so every kernel is on the critical path. Time = "
+    f"launches x {LAUNCH_US:g} us + host syncs x {SYNC_US:g} us (a while "
+    "loop's condition or a case's index read back each time) + bytes / "
+    f"{HBM_BYTES_PER_S / 1e12:g} TB/s. A while loop's trips: its constant "
+    "bound, or the worst case where its body walks a buffer by slices "
+    f"(every id slot a unique row), else {ASSUMED_TRIPS} (assumed). "
+    "FBGEMM's published figures, for scale: TBE backward about 1.04 TB/s "
+    "(TorchRec, meta-pytorch/torchrec#4757, card not stated), scatter-add "
+    "ceiling about 2.5 TB/s and gather 2.6 TB/s on an H100 "
+    "(pytorch/FBGEMM#3993); TBE fp32 forward + backward, 32 tables of "
+    "100k x 128, bags of 20, B=512: 515 us, 978 GB/s.",
+    "",
+    markdown_table(HEADERS, summary_rows(costs)),
+  ]
+  if note:
+    md += ["", note]
+  for name, c in costs.items():
+    md += [
+      "",
+      f"### {name}: the costliest kernels ({LABEL})",
+      "",
+      markdown_table(
+        ["op", "operands", "launches", "MB a launch", "model ms", "from"],
+        top_kernels(c),
+      ),
+    ]
+  return "\n".join(md) + "\n"
+
+
+def main(argv: list[str] | None = None) -> str:
+  from benchmarks import gpu_steps
+  from benchmarks._common import RESULTS, commit
+
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--platform", default="cuda")
+  ap.add_argument("--out", type=Path, default=RESULTS / "gpu_model.md")
+  ap.add_argument(
+    "--toy", action="store_true", help="the steps at toy sizes (dry runs)"
+  )
+  args = ap.parse_args(argv)
+  steps = gpu_steps.TOY if args.toy else gpu_steps.STEPS
+  costs = {name: predict(make(), args.platform) for name, make in steps.items()}
+  import jax
+
+  note = f"Exported with JAX {jax.__version__} from gradtx at {commit()}" + (
+    " (toy sizes)." if args.toy else "."
+  )
+  md = report(costs, args.platform, note)
+  print(md)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.write_text(md)
+  return md
+
+
+if __name__ == "__main__":
+  main()
