@@ -7,7 +7,9 @@ optimizer's ``init`` gives (a SparseRows buffer drops its entries on them),
 so a row made fresh continues as a row never touched. It works for any optax
 transformation; the id map of hashed tables (``_vocab``) builds the
 FreshRows of the rows it gives to new ids. :func:`drop_entries` makes entries of
-a SparseRows padding.
+a SparseRows padding. :class:`FreshMarks`, a part of a state that must know
+which leaves had rows made fresh (``track_changes``, whose record does not
+hold them), is stamped by every :func:`reset_rows`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from gradtx._rowio import scatter_rows
 from gradtx._sparse_rows import SparseRows
 
-__all__ = ["FreshRows", "reset_rows"]
+__all__ = ["FreshMarks", "FreshRows", "reset_rows"]
 
 
 class FreshRows(NamedTuple):
@@ -34,6 +36,17 @@ class FreshRows(NamedTuple):
 
   rows: jax.Array
   values: jax.Array
+
+
+class FreshMarks(NamedTuple):
+  """Which params leaves :func:`reset_rows` made rows fresh in: held by a
+  state that must know it (``gradtx.track_changes``: the rows are written
+  outside the updates it records), stamped by every :func:`reset_rows`
+  that gets the state."""
+
+  # Like params: int32 [] per leaf (1: reset_rows has made rows of it fresh,
+  # even if every slot was unused; 0: never), None where no leaf.
+  made: Any
 
 
 # -- fresh rows in the params and every optimizer state -----------------------
@@ -191,7 +204,28 @@ def reset_rows(
     for j, yes in enumerate(follows):
       if yes:
         state_leaves[j] = _reset_leaf(state_leaves[j], fresh_state[j], m.rows)
-  return params, state_def.unflatten(state_leaves)
+  made = {
+    path for (path, _), m in zip(paths, marks, strict=True) if m is not None
+  }
+  return params, _stamp(state_def.unflatten(state_leaves), made)
+
+
+def _stamp(opt_state: Any, made: set[Any]) -> Any:
+  """``opt_state`` with every :class:`FreshMarks` marking the leaves at
+  the params paths ``made``."""
+
+  def stamp(x):
+    if not isinstance(x, FreshMarks):
+      return x
+    return FreshMarks(
+      jax.tree_util.tree_map_with_path(
+        lambda path, v: jnp.ones_like(v) if path in made else v, x.made
+      )
+    )
+
+  return jax.tree.map(
+    stamp, opt_state, is_leaf=lambda x: isinstance(x, FreshMarks)
+  )
 
 
 def _reset_leaf(leaf: Any, init: Any, rows: jax.Array) -> Any:

@@ -41,6 +41,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gradtx._fresh_rows import FreshMarks
 from gradtx._rowio import gather_rows, scatter_rows
 from gradtx._sharded import is_split, per_row_full
 from gradtx._sparse_rows import SparseRows
@@ -64,6 +65,9 @@ class TrackChangesState(NamedTuple):
   # step each row last changed; any other leaf's is int32 [], the step it
   # last changed. 0: not changed since init.
   changed: Any
+  # Which leaves gradtx.reset_rows made rows fresh in (an id map gave
+  # them to new ids): their changes are in the map, not in `changed`.
+  fresh: FreshMarks
 
 
 class Delta(NamedTuple):
@@ -211,7 +215,12 @@ def track_changes(per_row: Any = None) -> optax.GradientTransformationExtraArgs:
       params,
       is_leaf=lambda x: x is None,
     )
-    return TrackChangesState(zero_counter(), changed)
+    made = jax.tree.map(
+      lambda p: None if p is None else zero_counter(),
+      params,
+      is_leaf=lambda x: x is None,
+    )
+    return TrackChangesState(zero_counter(), changed, FreshMarks(made))
 
   def update_fn(updates, state, params=None, **extra):
     del params, extra
@@ -221,7 +230,7 @@ def track_changes(per_row: Any = None) -> optax.GradientTransformationExtraArgs:
       updates,
       state.changed,
     )
-    return updates, TrackChangesState(step, changed)
+    return updates, TrackChangesState(step, changed, state.fresh)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -241,8 +250,9 @@ def _trackers(opt_state: Any) -> list[TrackChangesState]:
   return [s for s in found if isinstance(s, TrackChangesState)]
 
 
-def _records(params: Any, opt_state: Any) -> tuple[int, list[Any]]:
-  """The tracker's step and one record per params leaf (None: no param)."""
+def _records(params: Any, opt_state: Any) -> tuple[int, list[Any], list[bool]]:
+  """The tracker's step, one record per params leaf (None: no param), and
+  per params leaf whether :func:`gradtx.reset_rows` made rows of it fresh."""
   trackers = _trackers(opt_state)
   if not trackers:
     raise ValueError(
@@ -259,15 +269,18 @@ def _records(params: Any, opt_state: Any) -> tuple[int, list[Any]]:
     )
   leaves, treedef = jax.tree.flatten(params, is_leaf=_is_skip)
   out: list[Any] = [None] * len(leaves)
+  fresh = [False] * len(leaves)
   for t in trackers:
     recs = jax.tree.leaves(t.changed, is_leaf=_is_skip)
-    if len(recs) != len(leaves):
+    made = jax.tree.leaves(t.fresh.made, is_leaf=_is_skip)
+    if len(recs) != len(leaves) or len(made) != len(leaves):
       raise ValueError(
         "gradtx.delta: the gradtx.track_changes state in `opt_state` does not "
         f"have the tree structure of `params` ({treedef}). Pass the params "
         "this optimizer state was made for."
       )
-    for i, r in enumerate(recs):
+    for i, (r, f) in enumerate(zip(recs, made, strict=True)):
+      fresh[i] |= not _is_skip(f) and bool(f)
       if _is_skip(r):
         continue
       if out[i] is not None:
@@ -291,7 +304,7 @@ def _records(params: Any, opt_state: Any) -> tuple[int, list[Any]]:
       f"leaves {missing}. Put track_changes after optax.multi_transform or "
       "optax.masked, in the chain, so that it sees every leaf."
     )
-  return steps.pop(), out
+  return steps.pop(), out, fresh
 
 
 def _since(since: Any, step: int) -> int:
@@ -368,6 +381,13 @@ def _fresh_mask(
   return (rec > since) | ((last_seen >= 0) & (born >= v))
 
 
+def _finite(x: np.ndarray) -> bool:
+  """No NaN or inf in ``x`` (True for integers)."""
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return True
+  return bool(np.isfinite(x).all())
+
+
 def _raw(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
   """int64 raw ids from their uint32 words."""
   return ((hi.astype(np.uint64) << np.uint64(32)) | lo).view(np.int64)
@@ -386,10 +406,32 @@ class _Map(NamedTuple):
   then: VocabState | None
 
 
+def _check_alive(tree: Any, name: str, fix: str) -> None:
+  """Refuses a tree with an array freed by donation: reading it would fail
+  later with JAX's error, which names no argument."""
+  if any(
+    isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree)
+  ):
+    raise ValueError(
+      f"gradtx.delta `{name}` holds arrays that were deleted (donated to a "
+      f"jitted step, which reused their memory). {fix}"
+    )
+
+
 def _maps(
   params: Any, stack: Any, vocab: Any, since_vocab: Any, since: int
 ) -> dict[Any, _Map]:
   """The id maps by params key path, checked against ``stack``."""
+  _check_alive(
+    vocab, "vocab", "Pass the maps the step returned, after the step."
+  )
+  _check_alive(
+    since_vocab,
+    "since_vocab",
+    "Keep a copy of the maps at each publish, beside `last`: "
+    "`last_vocab = jax.tree.map(jnp.copy, vocab)`, and pass it as "
+    "`since_vocab`.",
+  )
   if vocab is None:
     if stack is not None or since_vocab is not None:
       raise ValueError(
@@ -492,6 +534,7 @@ def delta(
   stack: Any = None,
   vocab: Any = None,
   since_vocab: Any = None,
+  skip_hashed: bool = False,
 ) -> Delta:
   """The rows changed after step ``since``, with their current values.
 
@@ -520,6 +563,13 @@ def delta(
   delta (``since=None``) gives every live row with its owner: the whole
   map, for a first publish.
 
+  Params whose rows :func:`gradtx.reset_rows` made fresh (a hashed stack's)
+  are refused without ``vocab``: their record is in the map, and a delta
+  without it would miss those rows and name no owner. A consumer that
+  serves none of them passes ``skip_hashed=True``. A delta whose rows hold
+  NaN or inf is refused too: a non-finite update never reaches serving
+  (``optax.apply_if_finite`` around the chain skips such steps).
+
   Args:
     params: the params now.
     opt_state: the state of an optimizer holding :func:`track_changes`.
@@ -527,6 +577,10 @@ def delta(
     stack: a :class:`gradtx.TableStack` (with ``vocab``).
     vocab: its id maps now.
     since_vocab: its id maps at the delta ``since`` came from.
+    skip_hashed: True to publish without the leaves whose rows
+      :func:`gradtx.reset_rows` made fresh (their entries None, ``maps``
+      None), for a consumer that serves none of the hashed tables;
+      without ``vocab`` only.
 
   Returns:
     A :class:`Delta`.
@@ -551,19 +605,36 @@ def delta(
     >>> bool((serving["emb"] == params["emb"]).all())
     True
   """
-  step, records = _records(params, opt_state)
+  step, records, fresh = _records(params, opt_state)
   since = _since(since, step)
   maps = _maps(params, stack, vocab, since_vocab, since)
   paths, treedef = jax.tree_util.tree_flatten_with_path(
     params, is_leaf=_is_skip
   )
+  # Which leaves hold a hashed stack's rows: those gradtx.reset_rows made
+  # fresh, as the tracker's state records it (FreshMarks). Not the params'
+  # keys (a plain stack's are named alike) nor a registry of stacks (a
+  # publishing process may never build one): the mark lives in the
+  # optimizer state, is checkpointed with it, and is set by the one call
+  # whose writes the record cannot see, so a delta without the map would
+  # miss rows, not only their owners.
+  marked = [k for (k, _), f in zip(paths, fresh, strict=True) if f]
+  _check_fresh(
+    _names(marked),
+    _names([k for k in marked if k not in maps]),
+    vocab,
+    skip_hashed,
+  )
   since_arr = jnp.asarray(since, jnp.int32)
-  out, map_out = [], {}
-  for (path, p), rec in zip(paths, records, strict=True):
+  out, map_out, bad = [], {}, []
+  for (path, p), rec, f in zip(paths, records, fresh, strict=True):
     if _is_skip(p):
       out.append(None)
       continue
     m = maps.pop(path, None)
+    if skip_hashed and f:
+      out.append(None)
+      continue
     if rec.ndim == 0:
       if m is not None:
         raise ValueError(
@@ -572,6 +643,8 @@ def delta(
           "whole; record it row by row (`per_row` True for it)."
         )
       out.append(np.asarray(p) if int(rec) > since else None)
+      if out[-1] is not None and not _finite(out[-1]):
+        bad.append(path)
       continue
     rec = _whole(rec)
     if m is None:
@@ -591,6 +664,18 @@ def delta(
       map_out[m.name] = _owners(m, ids, padded)
     values = np.asarray(_take(jnp.asarray(p), padded))[: len(ids)]
     out.append({"ids": ids, "values": values})
+    if not _finite(values):
+      bad.append(path)
+  if bad:
+    raise ValueError(
+      f"gradtx.delta: the rows it would publish of {_names(bad)} "
+      "hold NaN or inf: a non-finite update reached the params, and "
+      "nothing was published. Restore the params and optimizer state from "
+      "the last checkpoint, and skip such steps with "
+      "`optax.apply_if_finite(optax.chain(opt, gtx.track_changes()), "
+      "max_consecutive_errors)` (it applies a non-finite update after that "
+      "many in a row)."
+    )
   if maps:
     raise ValueError(
       "gradtx.delta `vocab` places maps at "
@@ -602,6 +687,46 @@ def delta(
     params=jax.tree.unflatten(treedef, out),
     maps=map_out if vocab is not None else None,
   )
+
+
+def _names(paths: list[Any]) -> str:
+  """Params leaves as the user indexes them: ``params['emb'], ...``."""
+  return ", ".join("params" + jax.tree_util.keystr(k) for k in paths)
+
+
+def _check_fresh(
+  fresh: str, unmapped: str, vocab: Any, skip_hashed: bool
+) -> None:
+  """Refuses a delta that would lose the rows an id map gave out."""
+  if not isinstance(skip_hashed, bool):
+    raise TypeError(
+      f"gradtx.delta `skip_hashed` must be a bool; got {skip_hashed!r}."
+    )
+  if skip_hashed:
+    if vocab is not None:
+      raise ValueError(
+        "gradtx.delta: `skip_hashed=True` publishes without the hashed "
+        "tables, `vocab` with them; pass one of the two."
+      )
+    return
+  if vocab is None and fresh:
+    raise ValueError(
+      f"gradtx.delta: gradtx.reset_rows made rows of {fresh} fresh (a "
+      "hashed gtx.TableStack's rows given to new ids); "
+      "their changes are in the id map, not in the track_changes record, "
+      "so a delta without it would miss rows and name no owner or evicted "
+      "id. Pass the stack and its maps: `gtx.delta(params, state, "
+      "since=last, stack=stack, vocab=vocab, since_vocab=last_vocab)` "
+      "(`last_vocab = jax.tree.map(jnp.copy, vocab)` kept at each "
+      "publish), or `skip_hashed=True` to publish without these leaves "
+      "(for a consumer that serves none of them)."
+    )
+  if vocab is not None and unmapped:
+    raise ValueError(
+      f"gradtx.delta `vocab` has no map for {unmapped}, "
+      "whose rows gradtx.reset_rows made fresh: pass every stack's maps "
+      "(`stack.init_vocab`'s dict, placed where the stack's params sit)."
+    )
 
 
 def _field(d: Any, name: str) -> Any:
