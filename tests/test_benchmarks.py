@@ -195,3 +195,32 @@ def test_step_runner_keeps_the_new_params_and_state():
   np.testing.assert_allclose(box[0], p)
   assert int(box[1]) == 3
   np.testing.assert_allclose(losses, want)
+
+
+def test_gpu_sh_dry_run(tmp_path):
+  """benchmarks/gpu.sh --dry-run: every part of the GPU figures at toy
+  sizes on the CPU (torch's where torch imports), so the script for the
+  first lent GPU cannot rot."""
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PY=sys.executable, GPU_DRY_RUN_OUT=str(tmp_path))
+  subprocess.run(
+    ["bash", str(root / "benchmarks" / "gpu.sh"), "--dry-run"],
+    env=env,
+    check=True,
+    capture_output=True,
+    timeout=170,
+  )
+  md = (tmp_path / "gpu.md").read_text()
+  assert "DRY RUN" in md
+  for step in ("single table", "criteo", "bags", "hashed"):
+    assert f"| {step} | " in md, step
+  for step in ("keyed 26", "keyed 500"):
+    assert f"| {step} | " in md, step
+  payload = json.loads((tmp_path / "gpu.json").read_text())
+  assert payload["dry_run"] and payload["steps"]
+  assert "a model, not a measurement" in md

@@ -1,0 +1,398 @@
+"""The whole-step figures on one GPU, gtx beside torch (and FBGEMM where it
+imports), with the cost model's prediction beside each gtx figure.
+
+The steps of :mod:`benchmarks.gpu_steps`, each the guides' whole step
+(forward with the loss returned, sparse backward, optimizer, updates
+applied, state donated; fresh ids every step, uniform), compiled once
+ahead of time and timed round-robin in one process
+(:func:`benchmarks._common.time_interleaved`):
+
+* ``single table``: 1M x 64, 8,192 ids, ``gtx.lazy_adam``; torch
+  ``nn.Embedding(sparse=True)`` + ``SparseAdam``.
+* ``criteo``: the 26-feature Criteo stack, batch 2048, a linear logit per
+  feature; torch 26 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (the
+  head on ``Adam``); FBGEMM's table-batched module on the GPU with its
+  fused Adam (``EmbOptimType.ADAM``, bags of one id) where ``fbgemm_gpu``
+  imports.
+* ``bags``: the same tables read by bags of 1-20 weighted ids
+  (``gtx.Jagged``), batch 1024; torch ``nn.EmbeddingBag(mode="sum",
+  sparse=True, per_sample_weights)``; FBGEMM as above.
+* ``hashed``: the 26 tables hashed, ``admit`` + ``reset_rows`` + the step
+  (torch has no id map: gtx only).
+* compile: trace + lower + compile of the ``gtx.Keyed`` step at 26 and 500
+  features.
+
+For every gtx step: the milliseconds, the model's prediction
+(:mod:`benchmarks.gpu_model`, a model, not a measurement), the compile
+seconds and the while loops left in the compiled program (what the GPU
+runs, after XLA's passes). ``--dry-run`` runs every part at toy sizes on
+the CPU (torch parts where torch imports, FBGEMM never) in well under a
+minute, so the script cannot rot; ``benchmarks/gpu.sh`` is the command
+for a lent GPU. Writes ``<out>/gpu.md`` and ``gpu.json`` (default
+``benchmarks/results``).
+
+  python -m benchmarks.gpu [--dry-run] [--rounds 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from benchmarks import gpu_model, gpu_steps
+from benchmarks._common import (
+  RESULTS,
+  Schedule,
+  available,
+  commit,
+  compile_phases,
+  machine,
+  markdown_table,
+)
+
+SEED = 0
+BATCHES = 8  # distinct batches a system cycles through
+LR = 1e-3
+
+
+# ----------------------------------------------------------------------------
+# gtx
+
+
+def compiled_step(program: gpu_steps.Program) -> tuple[Any, dict]:
+  """The step compiled ahead of time for this backend, with its compile
+  seconds and op counts (``while``: loops left after XLA's passes)."""
+  t0 = time.perf_counter()
+  compiled = program.step.trace(*program.args).lower().compile()
+  seconds = time.perf_counter() - t0
+  from benchmarks._common import hlo_op_counts
+
+  return compiled, {"compile_s": seconds, **hlo_op_counts(compiled.as_text())}
+
+
+def gtx_runner(program: gpu_steps.Program, compiled: Any, batches: list):
+  box = list(program.init(jax.random.key(SEED)))
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    batch = batches[i[0] % len(batches)]
+    i[0] += 1
+    out = compiled(*box, *batch)
+    box[:] = out[: program.donated]
+    out[-1].block_until_ready()
+
+  run()
+  return run
+
+
+# ----------------------------------------------------------------------------
+# torch and FBGEMM, on the same ids
+
+
+def _torch_device(torch) -> Any:
+  return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def torch_single(torch, program, batches):
+  dev = _torch_device(torch)
+  rows, dim = program.info["rows"], program.info["dim"]
+  emb = torch.nn.Embedding(rows, dim, sparse=True, device=dev)
+  opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
+  ids = [torch.from_numpy(b[0].astype(np.int64)).to(dev) for b in batches]
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    x = ids[i[0] % len(ids)]
+    i[0] += 1
+    opt.zero_grad(set_to_none=True)
+    loss = (torch.tanh(emb(x)) * 0.01).sum()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+  run()
+  return run
+
+
+def _head(torch, features, dim, dev):
+  g = torch.Generator().manual_seed(SEED)
+  w = (0.1 * torch.randn(features, dim, generator=g)).to(dev)
+  return w.requires_grad_(), torch.zeros((), device=dev, requires_grad=True)
+
+
+def _torch_batches(torch, program, batches, bags: bool):
+  """Per batch: per feature ``(ids, offsets, weights)`` (bags) or ids,
+  and the labels, on the device."""
+  dev = _torch_device(torch)
+  out = []
+  for feats, y in batches:
+    per = []
+    for f in sorted(feats, key=lambda n: int(n[1:])):
+      if bags:
+        ids, lengths, w = feats[f]
+        n = int(lengths.sum())
+        off = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        per.append(
+          tuple(
+            torch.from_numpy(np.asarray(a)).to(dev)
+            for a in (ids[:n].astype(np.int64), off.astype(np.int64), w[:n])
+          )
+        )
+      else:
+        per.append(torch.from_numpy(feats[f].astype(np.int64)).to(dev))
+    out.append((per, torch.from_numpy(y).to(dev)))
+  return out
+
+
+def torch_tables(torch, program, batches, bags: bool):
+  """One ``nn.Embedding`` / ``nn.EmbeddingBag`` per table, sparse, with
+  ``SparseAdam``; the head on ``Adam``."""
+  dev = _torch_device(torch)
+  dim, features = program.info["dim"], program.info["features"]
+  rows = gpu_steps.criteo_rows(features, program.info["cap"])
+  cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
+  kw = {"mode": "sum"} if bags else {}
+  tables = [cls(r, dim, sparse=True, device=dev, **kw) for r in rows]
+  w, b = _head(torch, features, dim, dev)
+  opts = [
+    torch.optim.SparseAdam([t.weight for t in tables], lr=LR),
+    torch.optim.Adam([w, b], lr=LR),
+  ]
+  data = _torch_batches(torch, program, batches, bags)
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    per, y = data[i[0] % len(data)]
+    i[0] += 1
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    if bags:
+      xs = [t(ids, off, per_sample_weights=wt) for t, (ids, off, wt) in
+            zip(tables, per, strict=True)]  # fmt: skip
+    else:
+      xs = [t(ids) for t, ids in zip(tables, per, strict=True)]
+    logit = (torch.stack(xs, 1) * w).sum((1, 2)) + b
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  run()
+  return run
+
+
+def fbgemm_tables(torch, program, batches, bags: bool):
+  """FBGEMM's table-batched module on the GPU, all tables in one, its
+  fused Adam in the backward (``EmbOptimType.ADAM``), pooled by a sum."""
+  from fbgemm_gpu.split_embedding_configs import EmbOptimType
+  from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+    EmbeddingLocation,
+    PoolingMode,
+  )
+  from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+  )
+
+  dev = _torch_device(torch)
+  dim, features = program.info["dim"], program.info["features"]
+  rows = gpu_steps.criteo_rows(features, program.info["cap"])
+  module = SplitTableBatchedEmbeddingBagsCodegen(
+    [(r, dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in rows],
+    optimizer=EmbOptimType.ADAM,
+    pooling_mode=PoolingMode.SUM,
+    learning_rate=LR,
+  ).to(dev)
+  w, b = _head(torch, features, dim, dev)
+  head = torch.optim.Adam([w, b], lr=LR)
+  data = []
+  for per, y in _torch_batches(torch, program, batches, bags):
+    if bags:
+      ids = torch.cat([p[0] for p in per])
+      lengths = torch.cat([torch.diff(p[1], append=p[1].new_tensor(
+        [p[0].numel()])) for p in per])  # fmt: skip
+      wt = torch.cat([p[2] for p in per])
+    else:
+      ids = torch.cat(per)
+      lengths = torch.ones_like(ids)
+      wt = None
+    offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+    data.append((ids, offsets, wt, y))
+
+  def run(i=[0]):  # noqa: B006 - the step counter
+    ids, offsets, wt, y = data[i[0] % len(data)]
+    i[0] += 1
+    head.zero_grad(set_to_none=True)
+    x = module(ids, offsets, per_sample_weights=wt).view(-1, features, dim)
+    logit = (x * w).sum((1, 2)) + b
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()  # the tables' Adam runs fused in here
+    head.step()
+    return loss.item()
+
+  run()
+  return run
+
+
+# ----------------------------------------------------------------------------
+# the run
+
+
+def step_figures(args, steps, torch) -> tuple[list[dict], list[str]]:
+  rows, notes = [], []
+  rng = np.random.default_rng(SEED)
+  sched = Schedule(args.rounds, args.burst, args.settle)
+  for name in ("single table", "criteo", "bags", "hashed"):
+    program = steps[name]()
+    compiled, counts = compiled_step(program)
+    batches = [jax.device_put(program.batch(rng)) for _ in range(args.batches)]
+    fns = {"gtx": gtx_runner(program, compiled, batches)}
+    np_batches = [jax.tree.map(np.asarray, b) for b in batches]
+    others = {
+      "single table": [("torch", torch_single)],
+      "criteo": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
+      "bags": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
+    }.get(name, [])
+    for system, make in others:
+      if torch is None:
+        continue
+      if system == "fbgemm" and not (
+        available("fbgemm_gpu") and torch.cuda.is_available()
+      ):
+        continue
+      try:
+        extra = () if name == "single table" else (name == "bags",)
+        fns[system] = make(torch, program, np_batches, *extra)
+      except Exception as e:  # noqa: BLE001 - a competitor that fails is noted
+        notes.append(f"{name}: {system} did not run ({type(e).__name__}: {e})")
+    times = sched.time(fns, label=name)
+    cost = gpu_model.predict(program)
+    for system, s in times.items():
+      row = {"step": name, "system": system, "ms": s * 1e3}
+      if system == "gtx":
+        row.update(
+          model_ms=cost.seconds * 1e3,
+          compile_s=counts["compile_s"],
+          kernels=counts["kernels"],
+          whiles=counts["while"],
+        )
+      rows.append(row)
+      print(row, flush=True)
+  return rows, notes
+
+
+def compile_figures(steps) -> list[dict]:
+  out = []
+  for name in ("keyed 26", "keyed 500"):
+    program = steps[name]()
+    phases = compile_phases(program.step, *program.args)
+    cost = gpu_model.predict(program)
+    row = {
+      "step": name,
+      "compile_s": phases["total_s"],
+      "kernels": phases["kernels"],
+      "whiles": phases["while"],
+      "model_ms": cost.seconds * 1e3,
+    }
+    out.append(row)
+    print(row, flush=True)
+  return out
+
+
+def write(args, rows, compiles, notes) -> str:
+  m = machine()
+  by_step: dict[str, dict] = {}
+  for r in rows:
+    by_step.setdefault(r["step"], {})[r["system"]] = r
+  table = []
+  for step, systems in by_step.items():
+    g = systems["gtx"]
+    cell = {s: f"{systems[s]['ms']:.3f}" if s in systems else "n/a"
+            for s in ("torch", "fbgemm")}  # fmt: skip
+    table.append([
+      step,
+      f"{g['ms']:.3f}",
+      f"{g['model_ms']:.3f}",
+      f"{g['ms'] / g['model_ms']:.2f}x",
+      cell["torch"],
+      cell["fbgemm"],
+      f"{g['compile_s']:.1f}",
+      g["kernels"],
+      g["whiles"],
+    ])  # fmt: skip
+  ctable = [
+    [c["step"], f"{c['compile_s']:.1f}", c["kernels"], c["whiles"],
+     f"{c['model_ms']:.3f}"]
+    for c in compiles
+  ]  # fmt: skip
+  kind = "DRY RUN at toy sizes (not figures)" if args.dry_run else "measured"
+  md = "\n".join([
+    f"## The guides' whole steps on one GPU: {kind}",
+    "",
+    f"Device: {m['device']} (backend {m['backend']}), JAX {m['jax']}, "
+    f"torch {_version('torch')}, fbgemm_gpu {_version('fbgemm_gpu')}; "
+    f"gradtx at {commit()}. Median ms of a whole step "
+    f"({Schedule(args.rounds, args.burst, args.settle).describe()}), "
+    "fresh uniform ids, state donated. `model ms`: the cost model's "
+    "prediction for the same program (`benchmarks/gpu_model.py`: a model, "
+    "not a measurement; H100 HBM at 3.35 TB/s plus launch and sync costs). "
+    "`device whiles`: while loops left in the program XLA compiled for "
+    "this device.",
+    "",
+    markdown_table(
+      ["step", "gtx ms", "model ms (a model)", "measured / model",
+       "torch ms", "fbgemm ms", "gtx compile s", "kernels",
+       "device whiles"],
+      table,
+    ),
+    "",
+    "Compile (trace + lower + compile) of the `gtx.Keyed` step:",
+    "",
+    markdown_table(
+      ["step", "compile s", "kernels", "device whiles",
+       "model ms (a model)"],
+      ctable,
+    ),
+  ] + ([""] + [f"- {n}" for n in notes] if notes else []))  # fmt: skip
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "gpu.md").write_text(md + "\n")
+  payload = {"machine": m, "steps": rows, "compile": compiles, "notes": notes}
+  payload["dry_run"] = args.dry_run
+  (args.out / "gpu.json").write_text(json.dumps(payload, indent=2))
+  print(md)
+  return md
+
+
+def _version(module: str) -> str:
+  if not available(module):
+    return "not installed"
+  return getattr(__import__(module), "__version__", "?")
+
+
+def main(argv: list[str] | None = None) -> str:
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--dry-run", action="store_true")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--burst", type=int, default=10)
+  ap.add_argument("--settle", type=int, default=3)
+  ap.add_argument("--batches", type=int, default=BATCHES)
+  ap.add_argument("--out", type=Path, default=RESULTS)
+  ap.add_argument("--no-torch", action="store_true")
+  args = ap.parse_args(argv)
+  if args.dry_run:
+    args.rounds, args.burst, args.settle, args.batches = 1, 1, 0, 2
+  steps = gpu_steps.TOY if args.dry_run else gpu_steps.STEPS
+  torch = None
+  if not args.no_torch and available("torch"):
+    import torch
+  rows, notes = step_figures(args, steps, torch)
+  compiles = compile_figures(steps)
+  return write(args, rows, compiles, notes)
+
+
+if __name__ == "__main__":
+  main()
