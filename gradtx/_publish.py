@@ -172,8 +172,9 @@ def track_changes(per_row: Any = None) -> optax.GradientTransformationExtraArgs:
   publishes what the uninterrupted run would.
 
   :func:`gradtx.reset_rows` resets a row's record with the rest of its
-  optimizer state; :func:`delta` finds the rows given to new ids in the id
-  map instead (pass ``vocab``).
+  optimizer state and marks its leaf in this state; :func:`delta` finds
+  the rows given to new ids in the id map instead, and refuses a marked
+  leaf without ``vocab``.
 
   Args:
     per_row: which leaves are recorded row by row: None for every leaf of
@@ -617,7 +618,9 @@ def delta(
   # publishing process may never build one): the mark lives in the
   # optimizer state, is checkpointed with it, and is set by the one call
   # whose writes the record cannot see, so a delta without the map would
-  # miss rows, not only their owners.
+  # miss rows, not only their owners. (A step that maps ids without
+  # reset_rows leaves no mark; it also gives new ids stale rows, which the
+  # guides' step rules out.)
   marked = [k for (k, _), f in zip(paths, fresh, strict=True) if f]
   _check_fresh(
     _names(marked),
