@@ -192,11 +192,19 @@ class _Model:
     return self.prog.origin(op)
 
   def ends_fusion(self, op: sh.Op) -> bool:
-    """An elementwise op whose value no kernel reads: returned, carried
-    by a loop, or read by a case or a call."""
+    """An elementwise op whose value no kernel reads: returned by the
+    step, carried by a loop, or read by a loop or a case as an operand.
+    (A value a private function returns flows on to its caller's ops.)"""
     for user in self.users.get((op.func, op.result), []):
       kind = _kind(user.name)
-      if kind in ("return", "while", "case") or user.name.startswith("func."):
+      if user.name == "func.return":
+        if op.func == "main":
+          return True
+      elif kind == "return":
+        parent = self.prog.ops[user.parent] if user.parent is not None else None
+        if parent is not None and _kind(parent.name) == "while":
+          return True
+      elif kind in ("while", "case"):
         return True
     return False
 
@@ -431,14 +439,19 @@ def main(argv: list[str] | None = None) -> str:
   ap.add_argument(
     "--toy", action="store_true", help="the steps at toy sizes (dry runs)"
   )
+  ap.add_argument(
+    "--label",
+    default="",
+    help="the library read, in words (default: its commit)",
+  )
   args = ap.parse_args(argv)
   steps = gpu_steps.TOY if args.toy else gpu_steps.STEPS
   costs = {name: predict(make(), args.platform) for name, make in steps.items()}
   import jax
 
-  note = f"Exported with JAX {jax.__version__} from gradtx at {commit()}" + (
-    " (toy sizes)." if args.toy else "."
-  )
+  source = args.label or f"gradtx at {commit()}"
+  toy = " (toy sizes)" if args.toy else ""
+  note = f"Exported with JAX {jax.__version__}{toy}; {source}"
   md = report(costs, args.platform, note)
   print(md)
   args.out.parent.mkdir(parents=True, exist_ok=True)
