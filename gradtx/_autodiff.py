@@ -53,22 +53,24 @@ def _raise_bad_ids(bad: np.ndarray, num_rows: int) -> None:
     )
 
 
-def _checked_zeros(bad: np.ndarray, num_rows: int) -> np.ndarray:
-  _raise_bad_ids(np.asarray(bad), num_rows)
-  return np.zeros(np.shape(bad), np.int32)
+def _checked_zeros(check: Callable[..., None], *args: np.ndarray) -> np.ndarray:
+  check(*(np.asarray(a) for a in args))
+  return np.zeros(np.shape(args[0]), np.int32)
 
 
-def _bounds_check(ids: Any, checked: jax.Array, num_rows: int) -> jax.Array:
-  """``checked`` (``ids`` as int32), after a check that raises for ids
-  outside ``[0, num_rows)``: at once for concrete ids (also where a trace
-  closes over them), in the computation for traced ones."""
+def host_check(
+  check: Callable[..., None], checked: jax.Array, *args: Any
+) -> jax.Array:
+  """``checked`` (int32 ids), after ``check(*args)`` on the host, which
+  raises for bad ids (``args[0]`` of ``checked``'s shape): at once when
+  ``args`` are concrete (also where a trace closes over them), in the
+  computation when traced."""
   try:
-    concrete = np.asarray(ids)
+    concrete = [np.asarray(a) for a in args]
   except jax.errors.TracerArrayConversionError:
     pass
   else:
-    wide = concrete.astype(np.int64)
-    _raise_bad_ids((wide < 0) | (wide >= num_rows), num_rows)
+    check(*concrete)
     return checked
   # Traced ids: a host check whose zeros the read adds to its ids, so it
   # runs before the read and is never dropped. A pure callback, not
@@ -76,14 +78,27 @@ def _bounds_check(ids: Any, checked: jax.Array, num_rows: int) -> jax.Array:
   # vmap under remat) makes JAX's partial evaluation keep its trace in a
   # reference cycle (trace -> effect handle -> tracers -> trace), which
   # jax.checking_leaks reports as a leaked trace.
-  bad = (checked < 0) | (checked >= num_rows)
   zeros = jax.pure_callback(
-    functools.partial(_checked_zeros, num_rows=num_rows),
-    jax.ShapeDtypeStruct(bad.shape, jnp.int32),
-    bad,
+    functools.partial(_checked_zeros, check),
+    jax.ShapeDtypeStruct(jnp.shape(args[0]), jnp.int32),
+    *args,
     vmap_method="expand_dims",
   )
   return checked + zeros
+
+
+def _bounds_check(ids: Any, checked: jax.Array, num_rows: int) -> jax.Array:
+  """``checked`` (``ids`` as int32), after a check that raises for ids
+  outside ``[0, num_rows)`` (:func:`host_check`; concrete ``ids`` are
+  checked as given, 64-bit ones included)."""
+  try:
+    ids = np.asarray(ids).astype(np.int64)
+  except jax.errors.TracerArrayConversionError:
+    ids = checked
+  bad = (ids < 0) | (ids >= num_rows)
+  return host_check(
+    functools.partial(_raise_bad_ids, num_rows=num_rows), checked, bad
+  )
 
 
 def gtx_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:

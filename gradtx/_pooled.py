@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 from jax.typing import ArrayLike
 
 from gradtx import _vocab
-from gradtx._autodiff import lookup
+from gradtx._autodiff import host_check, lookup
 from gradtx._sharded import split_like, unsplit
-from gradtx._sparse_rows import MAX_ROWS, narrow_ids, narrow_wide
+from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int
 from gradtx._vocab import HostWords, Layout, Words
 
@@ -104,15 +105,19 @@ class Keyed(_KeyedMapping):
   ``values`` are the pooled rows ``[B, F, dim]``, which a per-feature
   head reads whole (``jnp.einsum("bfd,fd->b", out.values, w)``).
 
-  The names are static (pytree metadata), so a ``Keyed`` passes through
-  ``jax.jit`` as its arrays. It is a read-only mapping too: ``x[name]``
-  is that feature's slice of ``values`` (``[B]``, ``[B, L]`` or
-  ``[B, dim]``; its weights ``x.weights[:, i]``), and ``dict(x)`` the
-  dict form, one slice per feature.
+  64-bit ids fit as they do in a dict: numpy ``int64`` / ``uint64``
+  ``values`` are split on the host when they do not fit an int32, and
+  inside a jitted step ``values`` may be :class:`gradtx.Words` (a hashed
+  feature's raw ids exact; a plain feature's row ids read from the words,
+  padding by weight 0). The names are static (pytree metadata), so a
+  ``Keyed`` passes through ``jax.jit`` as its arrays. It is a read-only
+  mapping too: ``x[name]`` is that feature's slice of ``values``
+  (``[B]``, ``[B, L]`` or ``[B, dim]``; its weights ``x.weights[:, i]``),
+  and ``dict(x)`` the dict form, one slice per feature.
 
   Attributes:
     names: the feature names (``keys``), one per index of axis 1.
-    values: ``[B, F, ...]`` ids or pooled rows.
+    values: ``[B, F, ...]`` ids (or :class:`gradtx.Words`) or pooled rows.
     weights: optional per-id weights, the shape of ``values``.
   """
 
@@ -122,14 +127,14 @@ class Keyed(_KeyedMapping):
     self.names = _key_names(keys, "Keyed")
     self.values = values
     self.weights = weights
-    shape = getattr(values, "shape", None)
-    if shape is not None and (len(shape) < 2 or shape[1] != len(self.names)):
+    shape = _shape(values)
+    if len(shape) < 2 or shape[1] != len(self.names):
       raise ValueError(
         f"gradtx.Keyed `values` must be [B, {len(self.names)}, ...] (axis 1 "
         f"holds the {len(self.names)} keys); got shape {tuple(shape)}."
       )
-    wshape = getattr(weights, "shape", None)
-    if wshape is not None and tuple(wshape) != tuple(shape):
+    wshape = None if weights is None else _shape(weights)
+    if wshape is not None and wshape != shape:
       raise ValueError(
         f"gradtx.Keyed `weights` must have the shape of `values` "
         f"{tuple(shape)}; got {tuple(wshape)}."
@@ -146,10 +151,11 @@ class Keyed(_KeyedMapping):
     return out
 
   def __getitem__(self, key: str) -> Any:
-    return self.values[:, self._index(key)]
+    k = self._index(key)
+    return _each_word(self.values, lambda v: v[:, k])
 
   def __repr__(self) -> str:
-    shape = getattr(self.values, "shape", "?")
+    shape = _shape(self.values)
     return f"Keyed(keys={list(self.names)}, values: {shape})"
 
 
@@ -166,13 +172,22 @@ class KeyedJagged(_KeyedMapping):
   lengths, its feature's offset added by one take, then one gather and
   one segment sum, whatever the number of features.
 
+  ``sum(lengths)`` may not pass the capacity: outside ``jax.jit`` a
+  lookup or ``admit`` raises, inside it the ids that did not fit are a
+  ``checkify`` error (:meth:`gradtx.TableStack.lookup`). 64-bit ids fit as
+  in a dict: numpy ``int64`` / ``uint64`` ``ids`` are split on the host
+  when they do not fit an int32, and inside a jitted step ``ids`` may be
+  :class:`gradtx.Words` (a hashed feature's raw ids exact, a plain
+  feature's row ids read from the words), so one array mixes a hashed
+  feature's raw 64-bit ids with the row ids of the others.
+
   It is a read-only mapping too: ``x[name]`` is that feature as a
   :class:`Jagged` (its slots moved to the front), ``dict(x)`` the dict
   form.
 
   Attributes:
     names: the feature names (``keys``), in the order of their slots.
-    ids: ``[capacity]`` integer ids.
+    ids: ``[capacity]`` integer ids, or :class:`gradtx.Words`.
     lengths: ``[F, B]`` integer bag lengths.
     weights: optional ``[capacity]`` per-id weights.
   """
@@ -203,12 +218,21 @@ class KeyedJagged(_KeyedMapping):
     k = self._index(key)
     lengths = jnp.asarray(self.lengths).astype(jnp.int32)
     start = jnp.sum(lengths[:k])
-    roll = lambda x: None if x is None else jnp.roll(jnp.asarray(x), -start)  # noqa: E731
-    return Jagged(roll(self.ids), lengths[k], roll(self.weights))
+    roll = lambda x: jnp.roll(jnp.asarray(x), -start)  # noqa: E731
+    weights = None if self.weights is None else roll(self.weights)
+    return Jagged(_each_word(self.ids, roll), lengths[k], weights)
 
   def __repr__(self) -> str:
-    shape = getattr(self.ids, "shape", "?")
+    shape = _shape(self.ids)
     return f"KeyedJagged(keys={list(self.names)}, ids: {shape})"
+
+
+def _each_word(x: Any, fn: Callable[[Any], Any]) -> Any:
+  """``fn`` of ids, or of each array of words (:class:`Words`,
+  :class:`HostWords`)."""
+  if isinstance(x, (Words, HostWords)):
+    return type(x)(*(fn(v) for v in x))
+  return fn(x)
 
 
 def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
@@ -223,6 +247,14 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
   :class:`Jagged`'s ``lengths`` (and a :class:`KeyedJagged`'s, along
   ``B``) get empty bags; its flat ids keep their capacity. A
   :class:`Keyed` is padded like its arrays. Scalars pass unchanged.
+
+  64-bit ids as :class:`gradtx.Words` have no padding value (every value
+  is an id), so a length or a weight marks their padding: a
+  :class:`Jagged` or :class:`KeyedJagged` of Words pads as any (empty
+  bags), a :class:`Keyed` of Words with ``weights`` gets weights 0; bare
+  Words (give them as ``Jagged(Words.of(ids), lengths)`` in every batch,
+  lengths 1 for one id per example) and a Keyed of Words without weights
+  are refused.
 
   The padded examples read zero rows, so :meth:`gradtx.TableStack.lookup` and
   the sparse gradients are those of the short batch; the loss must not
@@ -266,12 +298,24 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
       sizes[jax.tree_util.keystr(path)] = shape[axis]
 
   def collect(path, x):
+    where = f"`batch{jax.tree_util.keystr(path)}`"
     if isinstance(x, Words):
       raise TypeError(
-        f"gradtx.pad_batch: `batch{jax.tree_util.keystr(path)}` holds "
-        "gradtx.Words: every value of a 64-bit id is an id, so none pads. "
-        "Give the feature weights (0 pads it) and pad its ids yourself."
+        f"gradtx.pad_batch: {where} holds gradtx.Words, and every value of "
+        "a 64-bit id is an id, so none pads. Give the feature as a "
+        "gtx.Jagged(gtx.Words.of(ids), lengths) in every batch (lengths of "
+        "1 for one id per example), whose padded examples get length 0."
       )
+    if isinstance(x, Keyed) and isinstance(x.values, Words):
+      if x.weights is None:
+        raise TypeError(
+          f"gradtx.pad_batch: {where} is a gradtx.Keyed of gradtx.Words "
+          "without weights: every value of a 64-bit id is an id, so none "
+          "pads. Give it weights (1.0 for every id) in every batch, whose "
+          "padded examples get weight 0, or pass a gtx.KeyedJagged."
+        )
+      axis0(path, x.values.hi)
+      return
     if isinstance(x, Jagged):
       axis0(path, x.lengths)
     elif isinstance(x, KeyedJagged):
@@ -316,8 +360,10 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
       return x._replace(lengths=pad(x.lengths, 0))
     if isinstance(x, KeyedJagged):
       return KeyedJagged(x.names, x.ids, pad(x.lengths, 0, 1), x.weights)
-    if isinstance(x, Keyed):
-      return Keyed(x.names, pad(x.values, -1), pad(x.weights, 0))
+    if isinstance(x, Keyed):  # of words: the weights 0 pad them
+      fill = 0 if isinstance(x.values, Words) else -1
+      values = _each_word(x.values, lambda v: pad(v, fill))
+      return Keyed(x.names, values, pad(x.weights, 0))
     return pad(x, -1)
 
   padded = jax.tree.map(one, batch, is_leaf=is_special)
@@ -347,22 +393,28 @@ def _shape(x: Any) -> tuple[int, ...]:
   return tuple(np.shape(x.hi if isinstance(x, (Words, HostWords)) else x))
 
 
-def host_ready(ids: Any, weights: Any, raw: Sequence[str]) -> tuple[Any, Any]:
-  """``(ids, weights)`` with their numpy 64-bit integer arrays made fit on
-  the host for a compiled program, which would narrow them to 32 bits
-  while ``jax_enable_x64`` is off: an array whose values an int32 (or a
-  uint32) holds is cast to it, exactly; the ids of a dict feature past
-  that are split into words (:class:`HostWords`, padding kept) when the
-  feature is in ``raw`` (the raw ids of a hashed table), else narrowed as
-  any row ids are (:func:`narrow_ids`: an id no int32 holds is padding).
-  Any other such array (a keyed input's, a length past int32) stays: the
-  caller reads it op by op."""
+def host_ready(
+  ids: Any, weights: Any, raw: Sequence[str], what: str
+) -> tuple[Any, Any]:
+  """``(ids, weights)`` made fit on the host for a compiled program, the
+  one conversion of every input form, for the TableStack method ``what``
+  that names it in errors.
 
-  def cast(x: Any) -> Any:
+  A jagged feature's lengths are checked (:func:`check_lengths`). A numpy
+  64-bit integer array, which a compiled program would narrow to 32 bits
+  while ``jax_enable_x64`` is off, is cast to int32 when its values fit,
+  exactly; past that, the raw ids of a hashed feature (one in ``raw``) are
+  split into words (:class:`HostWords`, padding kept): a dict feature's
+  alone, a keyed input's whole array, whose plain features' row ids then
+  read from the words. A plain feature's row id past int32 raises: no
+  table has that many rows."""
+  check_lengths(ids, what)
+
+  def cast(x: Any, unsigned: bool = False) -> Any:
     if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
       return x
     low, high = (x.min(), x.max()) if x.size else (0, 0)
-    for dtype in (np.int32, np.uint32):
+    for dtype in (np.int32, np.uint32) if unsigned else (np.int32,):
       if np.iinfo(dtype).min <= low and high <= np.iinfo(dtype).max:
         return x.astype(dtype)
     return x
@@ -370,18 +422,141 @@ def host_ready(ids: Any, weights: Any, raw: Sequence[str]) -> tuple[Any, Any]:
   def feature(name: str, x: Any) -> Any:
     if isinstance(x, Jagged):
       return Jagged(feature(name, x.ids), cast(x.lengths), cast(x.weights))
-    x = cast(x)
+    x = cast(x, unsigned=name in raw)
     if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
       return x
     if name in raw:
       return _vocab.host_words(x, f"feature {name!r} `ids`")
-    return narrow_wide(x, MAX_ROWS)
+    _check_row_ids(name, x, what)
+    return x
 
   if isinstance(ids, (Keyed, KeyedJagged)):
-    ids = jax.tree.map(cast, ids)
+    ids = _keyed_ready(jax.tree.map(cast, ids), raw, what)
   elif isinstance(ids, Mapping):
     ids = {f: feature(f, x) for f, x in ids.items()}
   return ids, jax.tree.map(cast, weights)
+
+
+def _keyed_ready(x: Any, raw: Sequence[str], what: str) -> Any:
+  """A keyed input whose numpy 64-bit ids do not fit an int32: its plain
+  features' row ids checked, its whole array split into words."""
+  values = x.values if isinstance(x, Keyed) else x.ids
+  if not isinstance(values, np.ndarray) or not _vocab.split_on_host(
+    values.dtype
+  ):
+    return x
+  slots = _keyed_slots(x)
+  for k, name in enumerate(x.names):
+    if name not in raw:
+      _check_row_ids(name, values[slots == k], what)
+  words = _vocab.host_words(values, f"gradtx.{type(x).__name__} `ids`")
+  if isinstance(x, Keyed):
+    return Keyed(x.names, words, x.weights)
+  return KeyedJagged(x.names, words, x.lengths, x.weights)
+
+
+def _keyed_slots(x: Any) -> np.ndarray:
+  """Each value's feature (its index in ``x.names``) in a keyed input with
+  numpy ids; ``len(names)`` for a jagged slot past the bags, and every
+  feature's where lengths are traced (each value then checked as every
+  feature's)."""
+  if isinstance(x, Keyed):
+    shape = np.shape(x.values)
+    k = np.arange(shape[1]).reshape((1, -1) + (1,) * (len(shape) - 2))
+    return np.broadcast_to(k, shape)
+  try:
+    lengths = np.asarray(x.lengths).astype(np.int64)
+  except jax.errors.TracerArrayConversionError:
+    return np.zeros(np.shape(x.ids), np.int64) - 1  # matches no feature
+  ends = np.cumsum(lengths.sum(axis=1))
+  return np.searchsorted(ends, np.arange(np.shape(x.ids)[0]), side="right")
+
+
+def _check_row_ids(name: str, x: np.ndarray, what: str) -> None:
+  """Numpy row ids of a plain feature fit an int32 (a wider id would read
+  as padding eagerly and wrap onto another row under ``jax.jit``)."""
+  bad = (x < np.iinfo(np.int32).min) | (x > np.iinfo(np.int32).max)
+  if np.any(bad):
+    raise ValueError(
+      f"gradtx.TableStack.{what}: feature {name!r} has row id "
+      f"{x[bad].flat[0]}, past int32: no table has that many rows, and it "
+      "would read as padding here and as another row under jax.jit. Pass "
+      "the feature's row ids (a hashed table's raw ids go to `stack.admit`"
+      ", or to `stack.lookup` with `vocab=`)."
+    )
+
+
+def check_lengths(ids: Any, what: str) -> None:
+  """The jagged features of ``ids`` (a dict's :class:`Jagged` ones, a
+  :class:`KeyedJagged`) hold their bags: no length is negative and the
+  lengths sum to no more than the capacity (the ids' length). Concrete
+  lengths are checked at once (a ValueError naming the feature, the sum
+  and the capacity); traced ones by ``checkify`` checks, which cost
+  nothing unless the caller turns them on (``checkify.checkify(step,
+  errors=checkify.user_checks)``); ``what``: the TableStack method."""
+  if isinstance(ids, KeyedJagged):
+    jagged = [(list(ids.names), ids.lengths, _shape(ids.ids))]
+  elif isinstance(ids, Mapping) and not isinstance(ids, Keyed):
+    jagged = [
+      ([f], x.lengths, _shape(x.ids))
+      for f, x in ids.items()
+      if isinstance(x, Jagged)
+    ]
+  else:
+    return
+  where = f"gradtx.TableStack.{what}"
+  for names, lengths, shape in jagged:
+    capacity = shape[0] if len(shape) == 1 else None
+    if not hasattr(lengths, "dtype"):  # a list, of traced values maybe
+      try:
+        lengths = np.asarray(lengths)
+      except jax.errors.TracerArrayConversionError:
+        lengths = jnp.asarray(lengths)
+    dtype = lengths.dtype
+    if capacity is None or not jnp.issubdtype(dtype, jnp.integer):
+      continue  # feature_form / keyed_batch refuse the form itself
+    try:
+      concrete = np.asarray(lengths).astype(np.int64)
+    except jax.errors.TracerArrayConversionError:
+      _check_traced_lengths(names, jnp.asarray(lengths), capacity, where)
+      continue
+    per_feature = concrete.reshape(len(names), -1)
+    ends = np.cumsum(per_feature.sum(axis=1))
+    for k, name in enumerate(names):
+      if (per_feature[k] < 0).any():
+        raise ValueError(
+          f"{where}: feature {name!r} has a negative length "
+          f"{per_feature[k].min()} in its jagged `lengths`; a bag holds 0 "
+          "ids or more (0: an empty bag)."
+        )
+      if ends[k] > capacity:
+        raise ValueError(
+          f"{where}: feature {name!r}: its bags end at jagged slot {ends[k]} "
+          f"(the `lengths` sum to {ends[-1]}), past the capacity {capacity} "
+          f"of the `ids`: {ends[-1] - capacity} ids would be dropped. Size "
+          "the capacity for the largest batch (the sum of its lengths), or "
+          "split the batch."
+        )
+
+
+def _check_traced_lengths(
+  names: list[str], lengths: jax.Array, capacity: int, where: str
+) -> None:
+  total = jnp.sum(lengths.astype(jnp.int32))
+  which = "feature " + repr(names[0]) if len(names) == 1 else f"keys {names}"
+  which = which.replace("{", "{{").replace("}", "}}")
+  checkify.debug_check(
+    jnp.min(lengths) >= 0,
+    f"{where}: {which}: a jagged length is negative ({{low}})",
+    low=jnp.min(lengths),
+  )
+  checkify.debug_check(
+    total <= capacity,
+    f"{where}: {which}: the jagged `lengths` sum to {{total}}, past the "
+    f"capacity {capacity} of the ids: {{dropped}} ids dropped",
+    total=total,
+    dropped=total - capacity,
+  )
 
 
 def feature_form(name: str, x: Any, w: Any, what: str) -> Feature:
@@ -450,11 +625,38 @@ def _bag_of_slots(lengths: jax.Array, n: int) -> jax.Array:
 
 
 def _ids(name: str, x: Any) -> jax.Array:
-  """Feature ``name``'s ids as int32 (:func:`narrow_ids`): an id no int32
-  holds is padding."""
-  return narrow_ids(
-    x, MAX_ROWS, f"gradtx.TableStack.lookup: feature {name!r} `ids`"
-  )
+  """Feature ``name``'s ids as int32 (:func:`row_ids`)."""
+  return row_ids(x, f"gradtx.TableStack.lookup: feature {name!r} `ids`")
+
+
+def row_ids(x: Any, what: str) -> jax.Array:
+  """Row ids as int32: integer ids by :func:`narrow_ids` (an id no int32
+  holds is out of range), or words (a keyed input's 64-bit ids,
+  :class:`Words` or :class:`HostWords`): a negative id of a signed type is
+  -1 (padding), an id past int32 ``MAX_ROWS`` (out of every table's
+  range). ``what`` names the ids in errors."""
+  if not isinstance(x, (Words, HostWords)):
+    return narrow_ids(x, MAX_ROWS, what)
+  hi, lo, pad = _vocab.raw_words(x, what)
+  fits = (hi == 0) & (lo <= np.uint32(MAX_ROWS))
+  rows = jnp.where(fits, lax.bitcast_convert_type(lo, jnp.int32), MAX_ROWS)
+  return jnp.where(pad, -1, rows)
+
+
+def plain_features(x: Keyed | KeyedJagged, hashed: Sequence[str]) -> dict:
+  """A keyed input as its dict, feature by feature: the hashed features'
+  ids as given (raw), the others' as row ids (:func:`row_ids`)."""
+  out = {}
+  for f in x.names:
+    v = x[f]
+    if f not in hashed:
+      what = f"gradtx.TableStack: feature {f!r} `ids`"
+      if isinstance(v, Jagged):
+        v = v._replace(ids=row_ids(v.ids, what))
+      else:
+        v = row_ids(v, what)
+    out[f] = v
+  return out
 
 
 def _check_lengths(name: str, lengths: jax.Array, what: str) -> None:
@@ -546,35 +748,38 @@ def _dict_slots(bags: list[_Bag], batch: int) -> _Slots:
   return _Slots(ids, weight, feature, segment, True, example < batch)
 
 
-def keyed_batch(x: Keyed | KeyedJagged) -> int:
-  """The batch of a keyed input, its arrays' forms checked."""
+def keyed_batch(x: Keyed | KeyedJagged, hashed: Sequence[str]) -> int:
+  """The batch of a keyed input, its arrays' forms checked; ``hashed``:
+  the stack's hashed features, whose raw ids (words) a lookup without
+  ``vocab=`` cannot read."""
   what = type(x).__name__
-  arrays = (x.values,) if isinstance(x, Keyed) else (x.ids, x.lengths)
-  if any(isinstance(a, Words) for a in arrays):
+  words = x.values if isinstance(x, Keyed) else x.ids
+  raw = [f for f in x.names if f in hashed]
+  if isinstance(words, (Words, HostWords)) and raw:
     raise TypeError(
-      f"gradtx.TableStack.lookup: the gradtx.{what} holds raw gradtx.Words "
-      "ids; pass `vocab=` to map them read-only, or the ids `stack.admit` "
-      "returned."
+      f"gradtx.TableStack.lookup: the gradtx.{what} holds raw 64-bit ids "
+      f"of the hashed features {raw}; pass `vocab=` to map them read-only, "
+      "or the ids `stack.admit` returned."
     )
+  shape = _shape(words)
   if isinstance(x, Keyed):
-    v = jnp.asarray(x.values)
-    if v.ndim not in (2, 3):
+    if len(shape) not in (2, 3):
       raise ValueError(
         "gradtx.TableStack.lookup: a gradtx.Keyed of ids must have `values` "
-        f"[B, F] or [B, F, L]; got {v.shape}."
+        f"[B, F] or [B, F, L]; got {shape}."
       )
-    return v.shape[0]
-  ids, lengths = jnp.asarray(x.ids), jnp.asarray(x.lengths)
+    return shape[0]
+  lengths = jnp.asarray(x.lengths)
   _check_lengths(what, lengths, "lookup")
-  if ids.ndim != 1:
+  if len(shape) != 1:
     raise ValueError(
       f"gradtx.TableStack.lookup: gradtx.KeyedJagged `ids` must be "
-      f"[capacity]; got {ids.shape}."
+      f"[capacity]; got {shape}."
     )
-  if x.weights is not None and jnp.shape(x.weights) != ids.shape:
+  if x.weights is not None and _shape(x.weights) != shape:
     raise ValueError(
       "gradtx.TableStack.lookup: gradtx.KeyedJagged `weights` must have the "
-      f"ids' shape {ids.shape}; got {jnp.shape(x.weights)}."
+      f"ids' shape {shape}; got {_shape(x.weights)}."
     )
   return lengths.shape[1]
 
@@ -584,9 +789,7 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
   order) of a keyed input, with no op per feature."""
   if isinstance(x, KeyedJagged):
     return _jagged_reader(x)
-  values = narrow_ids(
-    x.values, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.Keyed `values`"
-  )
+  values = row_ids(x.values, "gradtx.TableStack.lookup: gradtx.Keyed `values`")
   weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   batch, width = values.shape[:2]
 
@@ -613,9 +816,7 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
 
 
 def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
-  ids = narrow_ids(
-    x.ids, MAX_ROWS, "gradtx.TableStack.lookup: gradtx.KeyedJagged `ids`"
-  )
+  ids = row_ids(x.ids, "gradtx.TableStack.lookup: gradtx.KeyedJagged `ids`")
   lengths = jnp.asarray(x.lengths).astype(jnp.int32)
   weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   keys, batch = len(x.names), lengths.shape[1]
@@ -638,11 +839,12 @@ def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
   return read
 
 
-def pool_rows(table, slots, batch, offsets, rows, stack, combiner):
+def pool_rows(table, slots, batch, offsets, rows, stack, combiner, check=None):
   """One gather of a group's rows from ``table`` (features offset into
   its logical rows, placed by ``stack``; padding = the table's row count:
   out of range, a zero row and no gradient) and one segment sum into
-  ``[B, F, dim]``.
+  ``[B, F, dim]``. ``check``: the group's feature names, to raise for an
+  id read outside its table's rows other than -1 (:func:`bounds_check`).
 
   The pooled rows are laid out example-major (``[B, F, dim]``), the layout
   a head that concatenates or stacks the features reads: one-hot features
@@ -660,9 +862,13 @@ def pool_rows(table, slots, batch, offsets, rows, stack, combiner):
   else:
     off, lim = jnp.asarray(off)[slots.feature], jnp.asarray(lim)[slots.feature]
   ids, weight = slots.ids, slots.weight
-  valid = (ids >= 0) & (ids < lim) & slots.ok
+  read = jnp.asarray(slots.ok)
   if weight is not None:
-    valid = valid & (weight != 0)
+    read = read & (weight != 0)
+  if check is not None:  # of the group's features: -1 is their padding
+    read_here = read & (jnp.asarray(slots.feature) < nf) & (ids != -1)
+    ids = bounds_check(ids, read_here, slots.feature, lim, check)
+  valid = (ids >= 0) & (ids < lim) & read
   row = ids + off
   row = row if stack is None else stack.physical(row)
   got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
@@ -693,6 +899,31 @@ def pool_rows(table, slots, batch, offsets, rows, stack, combiner):
   if one_hot:
     return pooled.reshape(batch, nf, -1)
   return jnp.swapaxes(pooled.reshape(nf, batch, -1), 0, 1)
+
+
+def bounds_check(ids, read, feature, lim, names) -> jax.Array:
+  """``ids`` after a check (``gtx.lookup``'s, :func:`host_check`) that
+  raises for a slot read (``read``) whose id is outside ``[0, lim)``,
+  naming the slot's feature (``names[feature]``) and the id."""
+  bad = read & ((ids < 0) | (ids >= lim))
+  feature = jnp.broadcast_to(jnp.asarray(feature, jnp.int32), ids.shape)
+  lim = jnp.broadcast_to(jnp.asarray(lim, jnp.int32), ids.shape)
+  report = functools.partial(_raise_out_of_range, names=tuple(names))
+  return host_check(report, ids, bad, ids, feature, lim)
+
+
+def _raise_out_of_range(bad, ids, feature, lim, names) -> None:
+  if not bad.any():
+    return
+  k = np.flatnonzero(bad.reshape(-1))[0]
+  name = names[int(feature.reshape(-1)[k])]
+  raise ValueError(
+    f"gradtx.TableStack.lookup: feature {name!r} has id "
+    f"{int(ids.reshape(-1)[k])}, outside its table's rows [0, "
+    f"{int(lim.reshape(-1)[k])}) ({int(bad.sum())} such id(s) in the batch; "
+    "bounds_check=True). Fix the ids; mark padding with -1, a weight 0 or "
+    "a jagged length."
+  )
 
 
 def split_features(pooled: jax.Array, names: list[str]) -> dict:

@@ -43,6 +43,7 @@ from gradtx._pooled import (
   host_ready,
   keyed_batch,
   keyed_reader,
+  plain_features,
   pool_rows,
   raw_slots,
   split_features,
@@ -348,6 +349,7 @@ class TableStack:
       ids if keyed else {f: x for f, x in ids.items() if f in raw},
       {f: w for f, w in (weights or {}).items() if f in raw},
       raw,
+      "admit",
     )
     if _outside_traces(vocab, given, given_weights):
       # typed: max_new=1 (one id) and 1.0 (every slot) compare equal
@@ -360,13 +362,20 @@ class TableStack:
       )
       out, vocab, fresh = run(vocab, given, given_weights)
       return (out if keyed else {**ids, **out}), vocab, fresh
-    return self._admit(vocab, ids, weights, max_new)
+    if not keyed:  # the others come back as they were given
+      given = {**ids, **given}
+      given_weights = {**(weights or {}), **given_weights}
+    return self._admit(vocab, given, given_weights, max_new)
 
   def _hashed_features(self) -> list[str]:
     hashed = {t for layout in self.maps.values() for t in layout.tables}
     return [f for f, t in self.features.items() if t in hashed]
 
   def _admit(self, vocab, ids, weights, max_new):
+    if isinstance(ids, (Keyed, KeyedJagged)):  # read feature by feature
+      if isinstance(ids, Keyed) and ids.weights is not None:
+        weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
+      ids = plain_features(ids, self._hashed_features())
     out = dict(ids)
     new_vocab, fresh = dict(vocab), {}
     for name, layout in self.maps.items():
@@ -475,6 +484,7 @@ class TableStack:
     concat: bool = False,
     keyed: bool = False,
     vocab: Mapping[str, VocabState] | None = None,
+    bounds_check: bool = False,
   ) -> dict[str, jax.Array] | jax.Array | Keyed:
     """Every feature's pooled rows: one gather and one segment sum a stack.
 
@@ -523,6 +533,15 @@ class TableStack:
         its row, an unknown one zeros, and nothing is inserted or evicted.
         Without it, they take the rows :meth:`admit` returned. (A keyed
         input is then read as its dict, feature by feature.)
+      bounds_check: raise a ValueError naming the feature and the id for
+        an id read outside its table's rows other than -1 (padding; so
+        are ids of weight 0 and jagged slots past the bags), where
+        without it such an id reads zeros and gets no gradient (an
+        off-by-one or a stale vocabulary in the pipeline trains on
+        zeros). Called outside ``jax.jit`` it runs op by op and raises at
+        once; under ``jax.jit`` a host callback checks the ids before the
+        read and fails the computation (``gradtx.lookup``'s check). Off
+        by default: it costs the step a round trip to the host.
 
     Returns:
       feature name -> ``[B, dim]`` rows in the table's dtype; with
@@ -530,17 +549,20 @@ class TableStack:
       :class:`Keyed`.
     """
     raw = [] if vocab is None else self._hashed_features()
-    ready, ready_weights = host_ready(ids, weights, raw)
-    if _outside_traces(params, ready, ready_weights, vocab):
-      ids, weights = ready, ready_weights
+    ids, weights = host_ready(ids, weights, raw, "lookup")
+    options = (combiner, concat, keyed)
+    # checked op by op outside jit, so that a bad id raises at once
+    if not bounds_check and _outside_traces(params, ids, weights, vocab):
       run = self._program(
-        ("lookup", combiner, concat, keyed),
-        lambda p, i, w, v: self._lookup(p, i, w, combiner, concat, keyed, v),
+        ("lookup", *options),
+        lambda p, i, w, v: self._lookup(p, i, w, *options, v),
       )
       return run(params, ids, weights, vocab)
-    return self._lookup(params, ids, weights, combiner, concat, keyed, vocab)
+    return self._lookup(params, ids, weights, *options, vocab, bounds_check)
 
-  def _lookup(self, params, ids, weights, combiner, concat, keyed, vocab):
+  def _lookup(
+    self, params, ids, weights, combiner, concat, keyed, vocab, check=False
+  ):
     self._check_params(params, "lookup")
     if combiner not in COMBINERS:
       raise ValueError(
@@ -570,7 +592,8 @@ class TableStack:
       _vocab.check_vocab(vocab, self.maps, "lookup")
       if isinstance(ids, Keyed) and ids.weights is not None:
         weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
-      ids, whole = dict(ids), False
+      if whole:
+        ids, whole = plain_features(ids, self._hashed_features()), False
       for name, layout in self.maps.items():
         slots = raw_slots(layout, self.features, ids, weights, "lookup")
         if slots is not None:
@@ -587,7 +610,8 @@ class TableStack:
         lambda x: unsplit(x) if is_split(x) else x, (ids, weights)
       )
     if whole:
-      batch, read = keyed_batch(ids), keyed_reader(ids)
+      batch = keyed_batch(ids, self._hashed_features())
+      read = keyed_reader(ids)
     else:
       batch, read = dict_reader(
         ids, weights, [f for f in self.features if f in set(names)]
@@ -604,6 +628,7 @@ class TableStack:
         [self.tables[t].rows for t in tables],
         s,
         combiner,
+        feats if check else None,
       )
       if split is not None:
         pooled = split_like(pooled, split)

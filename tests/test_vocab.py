@@ -904,8 +904,9 @@ def test_numpy_64_bit_ids_outside_jit_run_as_one_compiled_program():
   """numpy's default int64 ids (a notebook's) given to admit and lookup
   outside jit with x64 off: made fit on the host, then one compiled
   program per call, not op by op. Raw ids past 32 bits give the rows of
-  their gtx.Words under jax.jit; a row id past int32 is padding, as under
-  gtx.lookup; the features that are not hashed come back as given."""
+  their gtx.Words under jax.jit; a row id past int32 raises, naming the
+  feature (it would read as padding here and wrap under jax.jit); the
+  features that are not hashed come back as given."""
   stack = gtx.TableStack(
     {"h": gtx.TableSpec(32, 4, hashed=True), "u": gtx.TableSpec(8, 4)}
   )
@@ -913,13 +914,16 @@ def test_numpy_64_bit_ids_outside_jit_run_as_one_compiled_program():
   params = jax.jit(stack.init)(jax.random.key(1))
   raw = np.array([3, 2**40 + 3, 2**33, 7, 2**40 + 3, 2**63 + 1], np.uint64)
   rows = np.array([1, 2**32 + 1, 7, 0, 2**31, 3])  # int64, two past int32
+  fits = np.where(rows < 2**31, rows, -1)  # int64, each fits int32
   small = np.array([3, -1, 7, 2**31 - 1])  # int64, each fits int32
   bag = gtx.Jagged(small, np.array([1, 1, 0, 1, 1, 0]))  # int64 lengths
   with _compilations() as compiled, jax.enable_x64(False):
     ids, v1, fresh = stack.admit(vocab, {"h": raw, "u": rows})
-    emb = stack.lookup(params, {"h": bag, "u": rows}, vocab=v1)
+    emb = stack.lookup(params, {"h": bag, "u": fits}, vocab=v1)
   assert len(compiled) <= 2, f"{len(compiled)} compilations: op by op"
   assert ids["u"] is rows
+  with pytest.raises(ValueError, match="feature 'u' has row id 4294967297"):
+    stack.lookup(params, {"h": bag, "u": rows}, vocab=v1)
   want = jax.jit(stack.admit)(vocab, {"h": gtx.Words.of(raw)})
   got = (ids["h"], v1, fresh)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -928,7 +932,7 @@ def test_numpy_64_bit_ids_outside_jit_run_as_one_compiled_program():
     "h": gtx.Jagged(
       gtx.Words.of(np.maximum(small, 0)), bag.lengths, 1.0 * (small >= 0)
     ),
-    "u": np.where(rows < 2**31, rows, -1).astype(np.int32),
+    "u": fits.astype(np.int32),
   }
   want_emb = jax.jit(lambda p, i, v: stack.lookup(p, i, vocab=v))(
     params, by_hand, v1
