@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 
 from gradtx import _jaxpr
 from gradtx._jax_compat import varying_axes
-from gradtx._rowio import gather_rows
+from gradtx._rowio import dense_sums, gather_rows
 from gradtx._sparse_rows import SparseRows, narrow_ids
 from gradtx._update_trees import map_updates
 
@@ -642,19 +642,14 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
   _warn_unknown(route.report, route.uses)
   leaves = route.leaves
   frozen = [i for i, r in enumerate(route.report) if r.frozen]
-  sparse = [
-    i
-    for i, r in enumerate(route.report)
-    if r.sparse and not (r.frozen or r.every_row)
-  ]
+  # every table read as whole rows gets a sink, an every_row one too: its
+  # rows are summed by _dedup.dense_sums (no atomics on accelerators), not
+  # by jax's transpose of the gather (a float scatter-add of every read)
+  sparse = [i for i, r in enumerate(route.report) if r.sparse and not r.frozen]
   if not sparse and not frozen:  # nothing to do: exactly jax's gradients
     out, grads = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
       *args, **kwargs
     )
-    if any(r.every_row for r in route.report):
-      flat = route.treedef.flatten_up_to((grads,) if single else grads)
-      grads = jax.tree.unflatten(route.treedef, _every_row(flat, route))
-      grads = grads[0] if single else grads
     # As below: no table copy when a dense gradient skips the reads.
     return out, _order_after(grads, out[0] if has_aux else out)
   dense_slots = [
@@ -694,22 +689,28 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
   for s in sparse:
     t = leaves[s]
     row = tuple(t.shape[1:])
-    idx = _concat(
-      [
-        _jaxpr.row_ids(r, i, t.shape[0]).reshape(-1)
-        for r, i in zip(route.uses[s].reads, ids[s], strict=True)
-      ]
-    )
-    vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
+    reads = route.uses[s].reads
+    read_ids = [
+      _jaxpr.row_ids(r, i, t.shape[0])
+      for r, i in zip(reads, ids[s], strict=True)
+    ]
     # As jax.grad: under shard_map's type checks the gradient of a
     # replicated table is the sum over the axes its ids vary along, which
     # for rows is the gather of every replica's rows.
-    axes = frozenset().union(*(r.vma for r in route.uses[s].reads))
+    axes = frozenset().union(*(r.vma for r in reads))
     axes = tuple(sorted(axes - varying_axes(t)))
+    if route.report[s].every_row and not axes:
+      # each read's rows in its own shape: no copy to flatten them
+      out[s] = _every_row(read_ids, g_sinks[s], t.shape[0])
+      continue
+    idx = _concat([i.reshape(-1) for i in read_ids])
+    vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
     if axes:
       idx = lax.all_gather(idx, axes, tiled=True, to="invarying")
       vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
     out[s] = SparseRows(idx, vals, t.shape[0])
+    if route.report[s].every_row:
+      out[s] = _every_row([idx], [vals], t.shape[0])
   for f in frozen:  # no gradient: no row for an optimizer to touch
     t = leaves[f]
     out[f] = SparseRows(
@@ -719,7 +720,7 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
       unique=True,
       normalized=True,
     )
-  grads = jax.tree.unflatten(route.treedef, _every_row(out, route))
+  grads = jax.tree.unflatten(route.treedef, out)
   grads = grads[0] if single else grads
   # Every forward read of a table before any in-place write of its update:
   # else XLA copies a donated table when the gradient does not read the
@@ -1002,22 +1003,20 @@ def sparse_labels(
   return labels_fn
 
 
-def _every_row(flat: list[Any], route: _Route) -> list[Any]:
-  """The flat gradients with each dense gradient of an ``every_row`` table
-  as the SparseRows of all its rows (ids ``0..rows-1``), so a table keeps
-  one gradient form whatever the batch size."""
-  return [
-    SparseRows(
-      jnp.arange(g.shape[0], dtype=jnp.int32),
-      g,
-      g.shape[0],
-      unique=True,
-      normalized=True,
-    )
-    if r.every_row
-    else g
-    for g, r in zip(flat, route.report, strict=True)
-  ]
+def _every_row(
+  ids: list[jax.Array], rows: list[jax.Array], num_rows: int
+) -> SparseRows:
+  """The SparseRows of every row of a table read many times per row (ids
+  ``0..num_rows-1``), each row the sum of the rows its reads got (``rows[k]``
+  at ``ids[k]``, padding ``num_rows``), so a table keeps one gradient form
+  whatever the batch size."""
+  return SparseRows(
+    jnp.arange(num_rows, dtype=jnp.int32),
+    dense_sums(ids, rows, num_rows),
+    num_rows,
+    unique=True,
+    normalized=True,
+  )
 
 
 def _concat(parts: list[jax.Array]) -> jax.Array:

@@ -3,17 +3,17 @@
 Three algorithms, all deterministic:
 
 - :func:`coalesce_rows` (``SparseRows.coalesce``): sorted unique ids, each
-  segment of equal ids summed; on CPU/TPU by a scatter-add in input order
-  (:func:`_segment_sum_scatter`), on GPUs by a segmented scan over the
-  stably sorted rows (:func:`_segment_sum_scan`), whose order of additions
-  is fixed where a scatter-add's is not.
+  segment of equal ids summed; on CPU by a scatter-add in input order
+  (:func:`_segment_sum_scatter`), on accelerators (GPU, TPU) by a
+  segmented scan over the stably sorted rows (:func:`_segment_sum_scan`),
+  whose order of additions is fixed where an atomic scatter-add's is not.
 - :func:`unique_rows` (the row engine's, ``SparseRows.deduplicated``): each
   id kept at its first position, so a group of tables deduplicated
-  together keeps each table's ids in its own slice. On CPU/TPU without a
+  together keeps each table's ids in its own slice. On CPU without a
   sort: a hash ``while_loop`` finds each id's first position
   (:func:`_first_positions`) and the later duplicates are added into it
-  (:func:`_add_duplicates`); on GPUs coalesce's sort and scan, placed in
-  the same layout.
+  (:func:`_add_duplicates`); on accelerators coalesce's sort and scan,
+  placed in the same layout, with no loop (see :mod:`gradtx._platform`).
 
 The kernels take ids whose padding is exactly ``num_rows`` (a SparseRows'
 ``valid_indices()``); ids split over Explicit mesh axes are made whole
@@ -49,7 +49,7 @@ def coalesce_rows(
   # permutation (it finds each row's segment by a binary search).
   sidx = jnp.sort(idx)
   first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
-  seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
+  seg = _platform.prefix_sum(first) - 1
   uniq = jnp.full([n], num_rows, jnp.int32)
   uniq = uniq.at[jnp.where(first, seg, n)].set(
     sidx, mode="drop", unique_indices=True
@@ -59,8 +59,8 @@ def coalesce_rows(
     idx,
     sidx,
     seg,
-    gpu=_segment_sum_scan,
-    default=_segment_sum_scatter,
+    cpu=_segment_sum_scatter,
+    accelerator=_segment_sum_scan,
   )
   keep = (uniq < num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
   summed = jnp.where(keep, summed, jnp.zeros_like(summed))
@@ -74,15 +74,16 @@ def unique_rows(
   (padding ``num_rows``) once with its duplicates summed, static length
   ``n``.
 
-  On CPU (and TPU) the ids stay in input order: an id's first position holds
+  On CPU the ids stay in input order: an id's first position holds
   its sum and every later duplicate (and every padding id) becomes the
   padding index ``num_rows``, its value left as it was (consumers skip
   padding rows). No sort: :func:`_first_positions` finds each id's first
   position by hashing into a ``4n`` scratch, and :func:`_add_duplicates`
   adds the later duplicates into it in input order, the same additions as
-  :func:`coalesce_rows` (sequential scatter). On GPUs, whose scatter-add is
-  atomic, the sums are :func:`coalesce_rows`' (a stable sort and a
-  segmented scan, fixed order), placed in the same layout.
+  :func:`coalesce_rows` (sequential scatter). On accelerators (GPUs, whose
+  scatter-add is atomic, and TPUs), the sums are :func:`coalesce_rows`' (a
+  stable sort and a segmented scan, fixed order), placed in the same
+  layout.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -104,7 +105,9 @@ def unique_rows(
   idx, values = _sharded.unsplit(idx), _sharded.unsplit(values)
   by_hash = functools.partial(_unique_by_hash, num_rows=num_rows)
   by_sort = functools.partial(_unique_by_sort, num_rows=num_rows)
-  return _platform.platform_dependent(idx, values, gpu=by_sort, default=by_hash)
+  return _platform.platform_dependent(
+    idx, values, cpu=by_hash, accelerator=by_sort
+  )
 
 
 def _segment_sum_scatter(
@@ -116,7 +119,7 @@ def _segment_sum_scatter(
   binary search finds each input row's segment, so the rows are never
   sorted. Each segment starts as a copy of its first input row (one gather)
   and a scatter-add adds the segment's other rows, skipping the first ones
-  (most ids are unique, so it writes little). A scatter on CPU/TPU is
+  (most ids are unique, so it writes little). A scatter on CPU is
   sequential: each sum runs in input order, the same additions as summing
   into zeros (except that a lone ``-0.0`` stays ``-0.0``; ``0 + x`` made it
   ``0.0``, which no optimizer can tell apart).
@@ -134,8 +137,8 @@ def _segment_sum_scan(
   values: jax.Array, idx: jax.Array, sidx: jax.Array, seg: jax.Array
 ) -> jax.Array:
   """Sums rows into their segments by a segmented associative scan over the
-  stably sorted rows: no atomics, so the order of additions is fixed on
-  GPUs."""
+  stably sorted rows: no atomics and no loop, so the order of additions
+  is fixed on accelerators."""
   del sidx
   n = values.shape[0]
   svals = values[jnp.argsort(idx, stable=True)]
@@ -156,7 +159,7 @@ def _segment_sum_scan(
 
 
 def _unique_by_hash(idx: jax.Array, values: jax.Array, num_rows: int):
-  """:func:`unique_rows` on CPU and TPU: hashing, no sort."""
+  """:func:`unique_rows` on CPU: hashing, no sort."""
   n = idx.shape[0]
   first = _first_positions(idx, num_rows)
   pos = lax.iota(jnp.int32, n)
@@ -166,20 +169,21 @@ def _unique_by_hash(idx: jax.Array, values: jax.Array, num_rows: int):
 
 
 def _unique_by_sort(idx: jax.Array, values: jax.Array, num_rows: int):
-  """:func:`unique_rows` on GPUs: :func:`coalesce_rows`' fixed-order sums (a
-  stable sort and a segmented scan), each placed at its id's first
-  position, the layout of :func:`_unique_by_hash` (a group's tables keep
-  their ids' slices)."""
+  """:func:`unique_rows` on accelerators: :func:`coalesce_rows`'
+  fixed-order sums (a stable sort and a segmented scan), each placed at
+  its id's first position, the layout of :func:`_unique_by_hash` (a
+  group's tables keep their ids' slices)."""
   n = idx.shape[0]
-  order = jnp.argsort(idx, stable=True)
+  order = jnp.argsort(idx, stable=True).astype(jnp.int32)
   sidx = idx[order]
   first = jnp.concatenate([jnp.ones([1], bool), sidx[1:] != sidx[:-1]])
-  seg = (jnp.cumsum(first, dtype=jnp.int32) - 1).astype(jnp.int32)
+  seg = lax.associative_scan(lax.add, first.astype(jnp.int32)) - 1
   sums = _segment_sum_scan(values, idx, sidx, seg)  # segment k's sum at k
   start = jnp.where(first, seg, n)
   at = jnp.full([n], n, jnp.int32).at[start].set(order, mode="drop")
-  ids = jnp.full([n], num_rows, jnp.int32).at[start].set(sidx, mode="drop")
-  uniq = jnp.full([n], num_rows, jnp.int32).at[at].set(ids, mode="drop")
+  # the ids' own dtype, as the CPU branch keeps it (int64 under x64)
+  ids = jnp.full([n], num_rows, idx.dtype).at[start].set(sidx, mode="drop")
+  uniq = jnp.full([n], num_rows, idx.dtype).at[at].set(ids, mode="drop")
   return uniq, values.at[at].set(sums.astype(values.dtype), mode="drop")
 
 

@@ -148,18 +148,24 @@ def barrier_computes_once() -> bool:
   Newer XLA keeps a barrier through fusion; older XLA:CPU (jax 0.10)
   expands it before, and then duplicates the cheap producer into each
   consumer and leaves the gather a kernel of its own, as if there were no
-  barrier. Read once, on JAX's default backend, from a small compiled
-  program: the producer's scale appears once in it when the barrier holds,
-  in each consumer when it does not.
+  barrier. Read once from a small program compiled for the CPU (whatever
+  JAX's default backend is: only the CPU code asks, and a program traced
+  on a GPU host carries the CPU's answer in its CPU branch only): the
+  producer's scale appears once in it when the barrier holds, in each
+  consumer when it does not. False where JAX has no CPU backend.
   """
 
   def probe(t, i):
     r = lax.optimization_barrier(jax.numpy.tanh(t[i]) * _PROBE_SCALE)
     return t.at[i].set(r, unique_indices=True), r * 3.0
 
+  try:
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  except RuntimeError:  # JAX_PLATFORMS without cpu
+    return False
   args = (
-    jax.ShapeDtypeStruct((64, 8), jax.numpy.float32),
-    jax.ShapeDtypeStruct((16,), jax.numpy.int32),
+    jax.ShapeDtypeStruct((64, 8), jax.numpy.float32, sharding=cpu),
+    jax.ShapeDtypeStruct((16,), jax.numpy.int32, sharding=cpu),
   )
   text = jax.jit(probe, donate_argnums=0).lower(*args).compile().as_text()
   return text.count(f"constant({_PROBE_SCALE})") == 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from gradtx import _rows
 from gradtx._autodiff import DENSE_READS_PER_ROW, format_bytes
 from gradtx._sharded import spread_row
 from gradtx._static import is_int
@@ -190,34 +190,25 @@ def _stack_name(dim: int, dtype: str, lane: int = 0, dense=False) -> str:
 
 
 # A stack made for a batch of at least this many examples is spread over
-# two lanes by default on a CPU of two cores or more (``lanes=None``). The
-# rule reads the batch, not the features, so a model's program keeps its
-# shape as features are added.
+# AUTO_LANES lanes by default (``lanes=None``). The rule reads the plan's
+# arguments alone, never the host (its backend or its cores), so a stack's
+# params keys are the same on every host, and a program exported on a CPU
+# host for a GPU is the one a GPU host builds. It reads the batch, not the
+# features, so a model's program keeps its shape as features are added.
 AUTO_LANES_MIN_BATCH = 2048
-
-
-def _host_lanes() -> int:
-  """The lanes a CPU step runs side by side: 2 where JAX computes on a CPU
-  of two cores or more (XLA:CPU runs independent kernels on its threads,
-  and one stack is one chain of kernels), 1 elsewhere (a GPU or TPU runs
-  one stack's kernels across the whole device)."""
-  if jax.default_backend() != "cpu":
-    return 1
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    cores = os.cpu_count() or 1
-  return 2 if cores >= 2 else 1
+AUTO_LANES = 2
 
 
 def _auto_lanes(names: list[str], batch_size: int | None, shards: int) -> int:
-  """The default lanes of one width and dtype (``lanes=None``): two on a
-  CPU (:func:`_host_lanes`) for a step of at least
-  :data:`AUTO_LANES_MIN_BATCH` examples, one otherwise (no ``batch_size``,
-  a smaller batch, one table, a row-sharded stack)."""
+  """The default lanes of one width and dtype (``lanes=None``):
+  :data:`AUTO_LANES` for a step of at least :data:`AUTO_LANES_MIN_BATCH`
+  examples, one otherwise (no ``batch_size``, a smaller batch, one table,
+  a row-sharded stack). Each lane is one chain of kernels: XLA:CPU runs
+  independent chains on its threads side by side; a GPU or TPU runs each
+  across the whole device, one after the other."""
   if batch_size is None or shards > 1 or len(names) < 2:
     return 1
-  return _host_lanes() if batch_size >= AUTO_LANES_MIN_BATCH else 1
+  return AUTO_LANES if batch_size >= AUTO_LANES_MIN_BATCH else 1
 
 
 def _lanes(
@@ -242,6 +233,24 @@ def _lanes(
     lane_of[t] = k
     load[k] = (load[k][0] + readers.get(t, 0), load[k][1] + int(tables[t].rows))
   return [[t for t in names if lane_of[t] == k] for k in range(lanes)]
+
+
+def _platform_lines(lanes: int) -> list[str]:
+  """What each platform runs for a stack's step (chosen inside the
+  program, gradtx/_platform.py): one plan and params keys on every host."""
+  cpu, accelerator = (
+    ("; lanes side by side", "; lanes one after the other")
+    if lanes > 1
+    else ("", "")
+  )
+  return [
+    "  on CPU: ids deduplicated by hashing; a stack of "
+    f"{_rows.LOOP_MIN_IDS:,} id slots or more a step updated in a loop, "
+    f"{_rows.LOOP_CHUNK:,} unique rows a trip{cpu}",
+    "  on GPU and TPU: ids deduplicated by sort, duplicates summed by a "
+    "segmented scan, every unique row updated in one pass (no loop, the "
+    f"same bits run after run){accelerator}",
+  ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -305,7 +314,8 @@ class StackPlan:
     if self.lanes > 1:
       lines.append(
         f"  up to {self.lanes} lanes: the tables of one width and dtype "
-        "spread over stacks that a CPU step updates side by side"
+        "spread over stacks that a CPU step updates side by side (a GPU "
+        "or TPU, one after the other)"
       )
     for s in self.stacks.values():
       item = jnp.dtype(s.dtype).itemsize
@@ -361,6 +371,7 @@ class StackPlan:
         f"  outside {t!r}: {spec.rows:,} rows x {spec.dim} "
         f"{jnp.dtype(spec.dtype).name}: {why}"
       )
+    lines.extend(_platform_lines(self.lanes))
     return "\n".join(lines)
 
   __str__ = __repr__

@@ -21,6 +21,7 @@ ids and rows (the SparseRows type sits above this module):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gradtx import _platform
-from gradtx._dedup import unique_rows
+from gradtx._dedup import coalesce_rows, unique_rows
 from gradtx._precision import QuantizedRows, dequantize_rows, quantize_rows
 from gradtx._sharded import (
   entry_axes,
@@ -357,11 +358,12 @@ def scatter_add_rows(
   rule of ``optax.apply_updates``. Shared by :func:`gradtx.apply_updates`
   and ``array + SparseRows``.
 
-  A plain scatter-add where it is deterministic (CPU/TPU scatters are
-  sequential: duplicates are added in turn, each add rounded to ``p``'s
-  dtype); on GPUs, whose scatter-add is atomic, and for updates that
-  promote the param (float32 rows into a bf16 table, which a cast-then-add
-  would round twice) the rows are deduplicated and written once.
+  A plain scatter-add on CPU, where it is deterministic (XLA:CPU scatters
+  are sequential: duplicates are added in turn, each add rounded to ``p``'s
+  dtype); on accelerators (a GPU's scatter-add is atomic), and for updates
+  that promote the param (float32 rows into a bf16 table, which a
+  cast-then-add would round twice), the rows are deduplicated and written
+  once.
   """
   if jnp.result_type(p.dtype, values.dtype) != p.dtype:
     return add_unique_rows(p, idx, values, unique=unique)
@@ -375,8 +377,54 @@ def scatter_add_rows(
     return add_unique_rows(p, idx, vals)
 
   return _platform.platform_dependent(
-    p, idx, values, gpu=deduplicated, default=direct
+    p, idx, values, cpu=direct, accelerator=deduplicated
   )
+
+
+def dense_sums(
+  ids: list[jax.Array], rows: list[jax.Array], num_rows: int
+) -> jax.Array:
+  """The dense ``[num_rows, *row]`` array whose row ``i`` is the sum of the
+  rows ``rows[k][j]`` whose id ``ids[k][j]`` is ``i`` (ids outside
+  ``[0, num_rows)`` dropped): a table's gradient from its reads, each read
+  ``k`` in its own shape (``ids[k].shape + row``).
+
+  On CPU, ``jax.grad``'s own: each read's transpose of :func:`gather_rows`
+  (a scatter-add in input order into zeros), summed. On accelerators no
+  atomics: the reads' rows flattened and summed by
+  :func:`~gradtx._dedup.coalesce_rows`' sorted, fixed-order segment sums,
+  each row written once (a float scatter-add of many reads onto a few
+  hundred rows is contended atomics on a GPU, whose sums change from run
+  to run).
+  """
+  row = rows[0].shape[ids[0].ndim :]
+  zeros = jax.ShapeDtypeStruct((num_rows, *row), rows[0].dtype)
+
+  def cpu(ids, rows):
+    sums = [
+      jax.linear_transpose(functools.partial(_gather_of, i), zeros)(r)[0]
+      for i, r in zip(ids, rows, strict=True)
+    ]
+    return functools.reduce(jnp.add, sums)
+
+  def accelerator(ids, rows):
+    idx = jnp.concatenate([i.reshape(-1) for i in ids])
+    idx = jnp.where((idx >= 0) & (idx < num_rows), idx, num_rows)
+    flat = jnp.concatenate([r.reshape((-1, *row)) for r in rows])
+    uniq, summed = coalesce_rows(idx.astype(jnp.int32), flat, num_rows)
+    return (
+      jnp.zeros(zeros.shape, zeros.dtype)
+      .at[uniq]
+      .set(summed, mode="drop", unique_indices=True, indices_are_sorted=True)
+    )
+
+  return _platform.platform_dependent(
+    list(ids), list(rows), cpu=cpu, accelerator=accelerator
+  )
+
+
+def _gather_of(ids: jax.Array, table: jax.Array) -> jax.Array:
+  return gather_rows(table, ids)
 
 
 def read_param_rows(p: Any, idx: jax.Array) -> jax.Array:

@@ -32,16 +32,19 @@ its scatter, extra passes over the rows (benchmarks/results/
 design_figures.md). Dense leaves call the rule once each on the whole
 arrays, so they get the dense optimizer.
 
-**Cost follows unique rows.** A table's slice of many ids (at least
-``_LOOP_MIN_IDS``, a stack's or a big table's) with a state of whole rows
-runs the rule in a loop over its unique rows, compacted, ``_CHUNK`` a trip
-(:func:`_update_unique`): the state reads and writes, the new rows and the
-update then follow the unique rows, in cache a chunk at a time, and
+**Cost follows unique rows.** On CPU, a table's slice of many ids (at
+least ``LOOP_MIN_IDS``, a stack's or a big table's) with a state of whole
+rows runs the rule in a loop over its unique rows, compacted, ``LOOP_CHUNK`` a
+trip (:func:`_update_unique`): the state reads and writes, the new rows and
+the update then follow the unique rows, in cache a chunk at a time, and
 duplicates and padding cost the deduplication and the compaction only.
-Smaller slices take one pass over every id slot, whose padding slots read
-nothing from the tables. Such a big leaf (a stack) is a group of its own:
-joined with small leaves (a head's weights read by a gather), its rows would
-be copied into the group's buffer and sliced out again.
+Smaller slices, and every slice on an accelerator (GPU, TPU: a loop trip
+there is a launch and a host sync, and the device is wide enough for every
+slot at once; :mod:`gradtx._platform`), take one pass over every id slot
+(:func:`_update_all`), whose padding slots read nothing from the tables.
+Such a big leaf (a stack) is a group of its own: joined with small leaves
+(a head's weights read by a gather), its rows would be copied into the
+group's buffer and sliced out again.
 
 A state leaf is shaped like its parameter (``[V, *row]``) or per row
 (``[V]``), or is an 8-bit :class:`~gradtx.QuantizedRows`; the row I/O of
@@ -60,6 +63,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from gradtx import _platform
 from gradtx._jax_compat import barrier_computes_once, varying_axes
 from gradtx._rowio import (
   per_row,
@@ -156,10 +160,11 @@ def _check_dense_shape(g: Any, p: Any, states: list[Any], what: str) -> None:
 
 
 def _materialize(x: jax.Array) -> jax.Array:
-  """``x`` exactly, as a value XLA computes once, in a buffer of its own.
+  """``x`` exactly, as a value XLA computes once, in a buffer of its own
+  (on an accelerator, behind an optimization barrier).
 
-  Why: the new state rows feed two consumers, the in-place scatter into the
-  table and the update. XLA:CPU duplicates a cheap elementwise producer
+  Why, on CPU: the new state rows feed two consumers, the in-place scatter
+  into the table and the update. XLA:CPU duplicates a cheap elementwise producer
   into each consumer, so the gather of the old state rows gets two
   consumers and stays a standalone gather kernel, slower per row than a
   gather fused into its one consumer's loop. Behind an optimization
@@ -185,6 +190,14 @@ def _materialize(x: jax.Array) -> jax.Array:
   """
   if is_split(x):
     return x
+  # On accelerators a barrier: XLA:GPU and TPU keep it, and the rows
+  # written and the update read one computation of them.
+  return _platform.platform_dependent(
+    x, cpu=_materialize_on_cpu, accelerator=lax.optimization_barrier
+  )
+
+
+def _materialize_on_cpu(x: jax.Array) -> jax.Array:
   if x.ndim > 1 and barrier_computes_once():
     return lax.optimization_barrier(x)
   slots = lax.iota(jnp.int32, x.shape[0])
@@ -294,11 +307,11 @@ def _rule_on_rows(rule, g, ids, p, states, num_rows, materialize):
   return jnp.where(per_row(ids < num_rows, u.ndim), u, jnp.zeros_like(u)), new
 
 
-# A table's slice of at least _LOOP_MIN_IDS id slots, with a state of whole
-# rows, runs the rule on its unique rows only, _CHUNK at a time
+# A table's slice of at least LOOP_MIN_IDS id slots, with a state of whole
+# rows, runs the rule on its unique rows only, LOOP_CHUNK at a time
 # (:func:`_update_unique`).
-_CHUNK = 2048
-_LOOP_MIN_IDS = 8 * _CHUNK
+LOOP_CHUNK = 2048
+LOOP_MIN_IDS = 8 * LOOP_CHUNK
 
 
 def _loops(g: SparseRows, p: Any, states: list[Any], nnz: int) -> bool:
@@ -308,9 +321,7 @@ def _loops(g: SparseRows, p: Any, states: list[Any], nnz: int) -> bool:
   intermediates, in cache), nothing split over mesh axes or varying over
   ``shard_map``'s axes (row-sharded tables take their owner-local writes,
   and a replica's own ids the pass over every slot)."""
-  if (
-    not nnz or nnz < _LOOP_MIN_IDS or is_split(g.values) or is_split(g.indices)
-  ):
+  if not nnz or nnz < LOOP_MIN_IDS or is_split(g.values) or is_split(g.indices):
     return False
   arrays = [state_array(x) for x in states] + ([] if p is None else [p])
   if any(row_axes(a) for a in arrays):
@@ -328,7 +339,7 @@ def _update_unique(rule, ids, values, p, states, num_rows, materialize):
 
   ``ids`` are deduplicated (each id once, padding ``num_rows`` at the
   duplicates' and padding's slots) and ``values`` their rows. The unique
-  ids are compacted to the front and a loop runs the rule on ``_CHUNK`` of
+  ids are compacted to the front and a loop runs the rule on ``LOOP_CHUNK`` of
   them a trip, as many trips as the step has unique rows: the new state
   rows and the update live in cache for one chunk, and duplicates and
   padding cost the compaction only. The update is written into ``values``
@@ -340,7 +351,7 @@ def _update_unique(rule, ids, values, p, states, num_rows, materialize):
   new_states)``, or None when the rule's update has another dtype than
   ``values`` (it could not be written in place)."""
   n = ids.shape[0]
-  c = min(_CHUNK, n)
+  c = min(LOOP_CHUNK, n)
   chunk = jax.ShapeDtypeStruct((c,) + values.shape[1:], values.dtype)
   cids = jax.ShapeDtypeStruct((c,), ids.dtype)
 
@@ -406,27 +417,41 @@ def _update_group(
     # the rule per table, on its slice (see the module docstring)
     states = leaf_states[s.leaf]
     p = p_list[s.leaf] if needs_params else None
+    args = (rule, ids, values[s.start : s.stop], p, states, s.num_rows)
     if _loops(g_list[s.leaf], p, states, s.stop - s.start):
-      done = _update_unique(
-        rule,
-        ids,
-        values[s.start : s.stop],
-        p,
-        states,
-        s.num_rows,
-        materialize,
+      # The loop is the CPU's tactic; an accelerator runs every unique
+      # row at once (a loop trip is a launch and a host sync there).
+      u, new = _platform.platform_dependent(
+        cpu=functools.partial(_update_looped, *args, materialize),
+        accelerator=functools.partial(_update_all, *args, materialize),
       )
-      if done is not None:
-        out[s.leaf] = done
-        continue
-    u, new = _rule_on_rows(
-      rule, values[s.start : s.stop], ids, p, states, s.num_rows, materialize
-    )
-    out[s.leaf] = (
-      SparseRows(ids, u, s.num_rows, unique=True, normalized=True),
-      [write_state_rows(x, ids, r) for x, r in zip(states, new, strict=True)],
-    )
+      # a SparseRows' facts are not pytree data: said again here
+      u = SparseRows(
+        u.indices, u.values, s.num_rows, unique=True, normalized=True
+      )
+      out[s.leaf] = u, new
+    else:
+      out[s.leaf] = _update_all(*args, materialize)
   return out
+
+
+def _update_looped(rule, ids, values, p, states, num_rows, materialize):
+  """:func:`_update_unique`, or :func:`_update_all` where its update could
+  not be written in place."""
+  args = (rule, ids, values, p, states, num_rows, materialize)
+  done = _update_unique(*args)
+  return _update_all(*args) if done is None else done
+
+
+def _update_all(rule, ids, values, p, states, num_rows, materialize):
+  """One table's rule on every id slot of its slice at once (padding and
+  duplicate slots read nothing and get a zero update): ``(update,
+  new_states)``."""
+  u, new = _rule_on_rows(rule, values, ids, p, states, num_rows, materialize)
+  return (
+    SparseRows(ids, u, num_rows, unique=True, normalized=True),
+    [write_state_rows(x, ids, r) for x, r in zip(states, new, strict=True)],
+  )
 
 
 def update_rows(
@@ -512,7 +537,7 @@ Array([1, 0, 0, 1], dtype=int32))
       for s, name in zip(leaf_states[i], names, strict=True):
         _check_state_leaf(g, s, what, name)
       keys[i] = _group_key(g, p if needs_params else None, leaf_states[i])
-      if g.nnz >= _LOOP_MIN_IDS:
+      if g.nnz >= LOOP_MIN_IDS:
         # a big leaf (a stack) alone: joined with small ones, its rows would
         # be copied into the group's buffer and sliced out again
         keys[i] = ("alone", i, *keys[i])

@@ -370,7 +370,7 @@ class SparseRows:
   def deduplicated(self) -> SparseRows:
     """Each id once, duplicates summed (itself when :attr:`unique`): the
     form the row engine needs, in input order on CPU (see
-    :func:`gradtx._dedup.unique_rows`), sorted on GPUs."""
+    :func:`gradtx._dedup.unique_rows`), sorted on accelerators."""
     if self._unique and self._normalized:
       return self
     idx, values = self.valid_indices(), self._values
@@ -379,17 +379,20 @@ class SparseRows:
     return SparseRows(idx, values, self._num_rows, unique=True, normalized=True)
 
   def to_dense(self) -> jax.Array:
-    """The dense ``(num_rows, *row_shape)`` array (duplicates summed)."""
+    """The dense ``(num_rows, *row_shape)`` array (duplicates summed, the
+    way :func:`gradtx.apply_updates` adds them: deterministic everywhere)."""
     out = jnp.zeros(self.shape, self.dtype)
-    return out.at[self.valid_indices()].add(self._values, mode="drop")
+    return scatter_add_rows(
+      out, self.valid_indices(), self._values, unique=self._unique
+    )
 
   def coalesce(self) -> SparseRows:
     """Sorted unique indices with duplicates summed, same static length.
 
     The unused tail holds the padding index ``num_rows`` with zero values,
     and so do ids that were padding on input. The sum of duplicates is
-    deterministic on every backend (a sequential scatter on CPU/TPU, a
-    segmented scan on GPUs, whose scatter-add is atomic).
+    deterministic on every backend (a sequential scatter on CPU, a
+    segmented scan on accelerators, where a scatter-add is atomic).
     """
     n = self.nnz
     idx = self.valid_indices()

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from gradtx import _platform
 from gradtx._fresh_rows import FreshRows, drop_entries
 from gradtx._sharded import is_split, spread_row
 from gradtx._sparse_rows import SparseRows
@@ -538,7 +539,7 @@ def admit(
   by_tab = tab[order]
   first = np.searchsorted(by_tab, np.arange(ntab)).clip(0, n - 1)
   a = admitted[order].astype(jnp.int32)
-  before = jnp.cumsum(a) - a
+  before = _platform.prefix_sum(a) - a
   pos = before - before[first][by_tab]
   take = (a > 0) & (pos < bound[by_tab])
   part = np.concatenate([[0], np.cumsum(bound)[:-1]]).astype(np.int32)

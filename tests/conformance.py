@@ -20,8 +20,8 @@ tests/test_conformance.py runs it, once for every transformation:
   the step at run time without recompiling; a ``Mirrored`` step equals the
   single-device one; a table split by rows over 8 devices equals the
   single-device one and stays split.
-* :func:`check_gpu_branches` on all of them: the CUDA/ROCm branches of
-  gradtx's platform-dependent code (sorted dedup, the segmented-scan
+* :func:`check_gpu_branches` on all of them: the accelerator (GPU, TPU)
+  branches of gradtx's platform-dependent code (sorted dedup, the segmented-scan
   segment sum, the deduplicating scatter-add), taken on CPU, give the CPU
   branch's results.
 
@@ -53,25 +53,24 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
-from gradtx import _platform
+from gradtx import _jax_compat, _platform
 
 NUM_ROWS = 32
 DIM = 4
 IDS_PER_STEP = 6
 
-# The GPU branches on CPU: gradtx stages its platform-dependent code out
+# The accelerator branches on CPU: gradtx stages its platform-dependent code out
 # through one wrapper, gradtx._platform.platform_dependent (the one private
 # gradtx name the suite patches), which every caller looks up through its
 # module.
 _CPU_WRAPPER = _platform.platform_dependent
 
 
-def _gpu_branch_on_cpu(
-  *args: Any, gpu: Callable[..., Any], default: Callable[..., Any]
+def _accelerator_branch_on_cpu(
+  *args: Any, cpu: Callable[..., Any], accelerator: Callable[..., Any]
 ) -> Any:
-  return lax.platform_dependent(
-    *args, cpu=gpu, cuda=gpu, rocm=gpu, default=default
-  )
+  del cpu
+  return lax.platform_dependent(*args, cpu=accelerator, default=accelerator)
 
 
 def gpu_branches_active() -> bool:
@@ -82,7 +81,7 @@ def gpu_branches_active() -> bool:
 @contextlib.contextmanager
 def gpu_branches() -> Iterator[None]:
   """Every platform-dependent call of gradtx traced inside takes its
-  CUDA/ROCm branch on CPU, so the GPU code paths run without a GPU.
+  accelerator (GPU, TPU) branch on CPU, so that code runs without a device.
 
   Inside, ``jax.default_device`` is set to the device JAX uses anyway: it is
   part of every jit cache key, so a jitted function called on both sides of
@@ -91,7 +90,7 @@ def gpu_branches() -> Iterator[None]:
   """
   if gpu_branches_active():
     raise RuntimeError("gpu_branches() is already active")
-  _platform.platform_dependent = _gpu_branch_on_cpu
+  _platform.platform_dependent = _accelerator_branch_on_cpu
   try:
     with jax.default_device(jax.devices()[0]):
       yield
@@ -892,7 +891,7 @@ def runs(groups: dict[str, list[Case]]) -> list[tuple[str, Any, list[Case]]]:
 
 def check_gpu_branches(cases: list[Case]) -> None:
   """Traced inside :data:`gpu_branches` (each platform-dependent call takes
-  its CUDA/ROCm code: dedup by sorting, the segment sum by a segmented
+  its accelerator code: dedup by sorting, the segment sum by a segmented
   scan, the scatter-add of duplicate ids deduplicated first), the jitted
   steps give the CPU branch's params and state, for every case whose step
   has platform-dependent code (one at least).
@@ -926,11 +925,17 @@ def check_gpu_branches(cases: list[Case]) -> None:
   with gpu_branches():
     got = _jitted_runs(cases, txs, carries=carries)
 
+  # The accelerator code computes a row optimizer's new rows once, behind
+  # an optimization barrier; run on an XLA:CPU that drops barriers before
+  # fusion (jax 0.10), XLA computes them again inside the update's fusion,
+  # where a reduction may sum in another order: equal to rounding there.
+  kept = _jax_compat.barrier_computes_once()
+
   def same(k, case):
-    if case.inject is not None:  # a row optimizer
+    if case.inject is not None and kept:  # a row optimizer
       _assert_identical(got[k], want[k])
     else:
-      _assert_close(got[k], want[k], case.rtol)
+      _assert_close(got[k], want[k], case.rtol, codes=case.inject is not None)
 
   each(cases, same)
 

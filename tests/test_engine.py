@@ -489,8 +489,8 @@ def test_unique_row_loop_compacts_the_update_and_zeroes_its_tail(monkeypatch):
   # numpy: cast eagerly, jax arrays would compile the convert
   table = rng.normal(size=(40, 3)).astype(np.float32)
   vals = rng.normal(size=(16, 3)).astype(np.float32)
-  monkeypatch.setattr(_rows, "_CHUNK", 4)
-  monkeypatch.setattr(_rows, "_LOOP_MIN_IDS", 0)
+  monkeypatch.setattr(_rows, "LOOP_CHUNK", 4)
+  monkeypatch.setattr(_rows, "LOOP_MIN_IDS", 0)
   loops = _rows._loops
   p = {"t": table}
   state = jax.jit(gtx.lazy_adam(0.1).init)(p)  # one program, not op by op

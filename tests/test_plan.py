@@ -1,24 +1,18 @@
 """The stack plan's default lanes (``TableStack(lanes=None)``)."""
 
+import os
+
 import jax
 import pytest
 
 import gradtx as gtx
-from gradtx import _plan
 
 
 def _specs(n=4, rows=20000, dim=4):
   return {f"t{i}": gtx.TableSpec(rows + i, dim) for i in range(n)}
 
 
-@pytest.fixture
-def two_cores(monkeypatch):
-  # what _host_lanes answers on a CPU host of two cores or more, whatever
-  # the machine running the tests
-  monkeypatch.setattr(_plan, "_host_lanes", lambda: 2)
-
-
-def test_default_lanes_split_a_big_step_on_a_cpu(two_cores):
+def test_default_lanes_split_a_big_step():
   # a batch of 2048: two lanes
   stack = gtx.TableStack(_specs(), batch_size=2048)
   assert stack.lanes == 2
@@ -46,14 +40,14 @@ def test_default_lanes_split_a_big_step_on_a_cpu(two_cores):
     {"batch_size": 4096, "shards": 2},  # row-sharded: the mesh splits it
   ],
 )
-def test_default_lanes_keep_one_stack(two_cores, kwargs):
+def test_default_lanes_keep_one_stack(kwargs):
   stack = gtx.TableStack(_specs(), **kwargs)
   assert stack.lanes == 1
   assert list(stack.stacks) == ["float32x4"]
   assert "lanes" not in str(stack)
 
 
-def test_default_lanes_split_each_width_of_two_tables_or_more(two_cores):
+def test_default_lanes_split_each_width_of_two_tables_or_more():
   # 3 tables of width 4, one table of width 8 (alone in its width: nothing
   # to split): only width 4 splits; 2 features or 300 split alike
   specs = {**_specs(3), "wide": gtx.TableSpec(40000, 8)}
@@ -63,14 +57,20 @@ def test_default_lanes_split_each_width_of_two_tables_or_more(two_cores):
   assert len(gtx.TableStack(_specs(300), batch_size=2048).stacks) == 2
 
 
-def test_host_lanes_follow_the_backend_and_the_cores(monkeypatch):
-  monkeypatch.setattr(_plan.os, "sched_getaffinity", lambda _: {0, 1})
-  assert _plan._host_lanes() == (2 if jax.default_backend() == "cpu" else 1)
-  monkeypatch.setattr(_plan.os, "sched_getaffinity", lambda _: {0})
-  assert _plan._host_lanes() == 1
-  monkeypatch.setattr(_plan.jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(_plan.os, "sched_getaffinity", lambda _: {0, 1, 2})
-  assert _plan._host_lanes() == 1
+def test_the_plan_does_not_depend_on_the_host(monkeypatch):
+  # A stack built on a GPU host, or on a CPU of one core, has the plan and
+  # the params keys of one built here: a program exported on a CPU host
+  # for a GPU is the one a GPU host builds.
+  def plan():
+    stack = gtx.TableStack(_specs(), batch_size=4096)
+    return str(stack), {k: s.tables for k, s in stack.stacks.items()}
+
+  here = plan()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
+  monkeypatch.setattr(os, "cpu_count", lambda: 1)
+  assert plan() == here
+  assert "on GPU and TPU" in here[0] and "on CPU" in here[0]
 
 
 def test_lanes_none_or_a_positive_int():

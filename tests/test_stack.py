@@ -363,8 +363,8 @@ def test_every_optimizer_updates_a_stack_as_its_tables_one_by_one(monkeypatch):
   # optimizer.
   stack_rows = max(g.num_rows for g in g_stack[0].values())
   loops = _rows._loops
-  monkeypatch.setattr(_rows, "_CHUNK", 8)
-  monkeypatch.setattr(_rows, "_LOOP_MIN_IDS", 0)
+  monkeypatch.setattr(_rows, "LOOP_CHUNK", 8)
+  monkeypatch.setattr(_rows, "LOOP_MIN_IDS", 0)
   monkeypatch.setattr(
     _rows, "_loops", lambda g, *a: g.num_rows == stack_rows and loops(g, *a)
   )
