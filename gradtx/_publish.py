@@ -273,7 +273,8 @@ def _records(params: Any, opt_state: Any) -> tuple[int, list[Any], list[bool]]:
   fresh = [False] * len(leaves)
   for t in trackers:
     recs = jax.tree.leaves(t.changed, is_leaf=_is_skip)
-    made = jax.tree.leaves(t.fresh.made, is_leaf=_is_skip)
+    # one transfer for every mark, not one per leaf
+    made = jax.device_get(jax.tree.leaves(t.fresh.made, is_leaf=_is_skip))
     if len(recs) != len(leaves) or len(made) != len(leaves):
       raise ValueError(
         "gradtx.delta: the gradtx.track_changes state in `opt_state` does not "
