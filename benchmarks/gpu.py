@@ -242,64 +242,102 @@ def fbgemm_tables(torch, program, batches, bags: bool):
 # the run
 
 
+def _model_ms(program: gpu_steps.Program) -> float:
+  try:
+    return gpu_model.predict(program).seconds * 1e3
+  except Exception:  # noqa: BLE001 - a figure without its model is kept
+    return float("nan")
+
+
+def _guarded(args, notes: list[str], what: str, fn, *a):
+  """``fn(*a)``; on a device a part that fails is noted and the run goes
+  on (the other figures are worth the lent minutes); a dry run raises."""
+  if args.dry_run:
+    return fn(*a)
+  try:
+    return fn(*a)
+  except Exception as e:  # noqa: BLE001
+    notes.append(f"{what} did not run ({type(e).__name__}: {e})")
+    print(notes[-1], flush=True)
+    return None
+
+
+def one_step(args, name, program, torch, rng, notes) -> list[dict]:
+  sched = Schedule(args.rounds, args.burst, args.settle)
+  compiled, counts = compiled_step(program)
+  batches = [jax.device_put(program.batch(rng)) for _ in range(args.batches)]
+  fns = {"gtx": gtx_runner(program, compiled, batches)}
+  np_batches = [jax.tree.map(np.asarray, b) for b in batches]
+  others = {
+    "single table": [("torch", torch_single)],
+    "criteo": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
+    "bags": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
+  }.get(name, [])
+  for system, make in others:
+    if torch is None:
+      continue
+    if system == "fbgemm" and not (
+      available("fbgemm_gpu") and torch.cuda.is_available()
+    ):
+      continue
+    extra = () if name == "single table" else (name == "bags",)
+    run = _guarded(
+      args, notes, f"{name}: {system}", make, torch, program, np_batches,
+      *extra,
+    )  # fmt: skip
+    if run is not None:
+      fns[system] = run
+  times = sched.time(fns, label=name)
+  rows = []
+  for system, s in times.items():
+    row = {"step": name, "system": system, "ms": s * 1e3}
+    if system == "gtx":
+      row.update(
+        model_ms=_model_ms(program),
+        compile_s=counts["compile_s"],
+        kernels=counts["kernels"],
+        whiles=counts["while"],
+      )
+    rows.append(row)
+    print(row, flush=True)
+  return rows
+
+
 def step_figures(args, steps, torch) -> tuple[list[dict], list[str]]:
   rows, notes = [], []
   rng = np.random.default_rng(SEED)
-  sched = Schedule(args.rounds, args.burst, args.settle)
   for name in ("single table", "criteo", "bags", "hashed"):
-    program = steps[name]()
-    compiled, counts = compiled_step(program)
-    batches = [jax.device_put(program.batch(rng)) for _ in range(args.batches)]
-    fns = {"gtx": gtx_runner(program, compiled, batches)}
-    np_batches = [jax.tree.map(np.asarray, b) for b in batches]
-    others = {
-      "single table": [("torch", torch_single)],
-      "criteo": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
-      "bags": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
-    }.get(name, [])
-    for system, make in others:
-      if torch is None:
-        continue
-      if system == "fbgemm" and not (
-        available("fbgemm_gpu") and torch.cuda.is_available()
-      ):
-        continue
-      try:
-        extra = () if name == "single table" else (name == "bags",)
-        fns[system] = make(torch, program, np_batches, *extra)
-      except Exception as e:  # noqa: BLE001 - a competitor that fails is noted
-        notes.append(f"{name}: {system} did not run ({type(e).__name__}: {e})")
-    times = sched.time(fns, label=name)
-    cost = gpu_model.predict(program)
-    for system, s in times.items():
-      row = {"step": name, "system": system, "ms": s * 1e3}
-      if system == "gtx":
-        row.update(
-          model_ms=cost.seconds * 1e3,
-          compile_s=counts["compile_s"],
-          kernels=counts["kernels"],
-          whiles=counts["while"],
-        )
-      rows.append(row)
-      print(row, flush=True)
+
+    def run(name=name):
+      return one_step(args, name, steps[name](), torch, rng, notes)
+
+    rows += _guarded(args, notes, name, run) or []
   return rows, notes
 
 
-def compile_figures(steps) -> list[dict]:
+def compile_point(name: str, program: gpu_steps.Program) -> dict:
+  phases = compile_phases(program.step, *program.args)
+  row = {
+    "step": name,
+    "compile_s": phases["total_s"],
+    "kernels": phases["kernels"],
+    "whiles": phases["while"],
+    "model_ms": _model_ms(program),
+  }
+  print(row, flush=True)
+  return row
+
+
+def compile_figures(args, steps, notes) -> list[dict]:
   out = []
   for name in ("keyed 26", "keyed 500"):
-    program = steps[name]()
-    phases = compile_phases(program.step, *program.args)
-    cost = gpu_model.predict(program)
-    row = {
-      "step": name,
-      "compile_s": phases["total_s"],
-      "kernels": phases["kernels"],
-      "whiles": phases["while"],
-      "model_ms": cost.seconds * 1e3,
-    }
-    out.append(row)
-    print(row, flush=True)
+
+    def run(name=name):
+      return compile_point(name, steps[name]())
+
+    row = _guarded(args, notes, f"compile {name}", run)
+    if row is not None:
+      out.append(row)
   return out
 
 
@@ -390,7 +428,7 @@ def main(argv: list[str] | None = None) -> str:
   if not args.no_torch and available("torch"):
     import torch
   rows, notes = step_figures(args, steps, torch)
-  compiles = compile_figures(steps)
+  compiles = compile_figures(args, steps, notes)
   return write(args, rows, compiles, notes)
 
 
