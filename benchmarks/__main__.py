@@ -37,6 +37,7 @@ BENCHMARKS = [
   "stack_lanes",
   "vocab",
   "eager_calls",
+  "bounds_check",
   "publish",
 ]
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>

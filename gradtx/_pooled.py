@@ -44,7 +44,9 @@ class Jagged(NamedTuple):
 
   Example ``b``'s ids are ``ids[offsets[b]:offsets[b] + lengths[b]]`` with
   ``offsets`` the exclusive cumulative sum of ``lengths``; the slots past
-  ``sum(lengths)`` are padding.
+  ``sum(lengths)`` are padding. Lengths summing past the capacity, or
+  negative, raise outside ``jax.jit``; inside it they are a ``checkify``
+  check (:meth:`gradtx.TableStack.lookup`).
 
   Attributes:
     ids: ``[capacity]`` integer ids.

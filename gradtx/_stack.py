@@ -315,12 +315,15 @@ class TableStack:
 
     Args:
       vocab: the maps (:meth:`init_vocab`).
-      ids: feature name -> ids, as :meth:`lookup` takes them; a hashed
-        table's features take raw ids: int32, uint32, int64 or uint64
-        (numpy ones split on the host when ``jax_enable_x64`` is off;
-        inside a jitted step pass :meth:`gradtx.Words.of` of them) or
-        :class:`gradtx.Words`. Every value of an unsigned type or of
-        Words is an id; a negative one of a signed type is padding.
+      ids: feature name -> ids, as :meth:`lookup` takes them, or a
+        :class:`gradtx.Keyed` / :class:`gradtx.KeyedJagged` of them (read
+        feature by feature, returned as the dict of its features); a
+        hashed table's features take raw ids: int32, uint32, int64 or
+        uint64 (numpy ones split on the host when ``jax_enable_x64`` is
+        off; inside a jitted step pass :meth:`gradtx.Words.of` of them,
+        a keyed input's whole array) or :class:`gradtx.Words`. Every
+        value of an unsigned type or of Words is an id; a negative one of
+        a signed type is padding.
       weights: per-id weights of ``[B, L]`` features (0: padding).
       max_new: the most new ids each hashed table places in one step,
         every table its own bound: an int, or a float, that fraction of
@@ -494,7 +497,11 @@ class TableStack:
     * ``[B, L]``: a bag of ``L`` ids per example, with optional ``[B, L]``
       ``weights`` (a weight 0 marks padding), pooled by ``combiner``;
     * :class:`Jagged`: flat ids padded to a static capacity, per-example
-      lengths and optional weights.
+      lengths and optional weights. Lengths that sum past the capacity
+      (the ids that would not fit) or are negative raise a ValueError
+      outside ``jax.jit``; inside it a ``checkify`` check counts the ids
+      that did not fit, dropped unless the step is wrapped in
+      ``checkify.checkify(step, errors=checkify.user_checks)``.
 
     or every feature at once, keyed by name: a :class:`Keyed` ``[B, F]``
     matrix (or ``[B, F, L]`` bags) or a :class:`KeyedJagged`, read whole
@@ -541,7 +548,8 @@ class TableStack:
         zeros). Called outside ``jax.jit`` it runs op by op and raises at
         once; under ``jax.jit`` a host callback checks the ids before the
         read and fails the computation (``gradtx.lookup``'s check). Off
-        by default: it costs the step a round trip to the host.
+        by default: it costs the step a round trip to the host
+        (``benchmarks/results/bounds_check.md``).
 
     Returns:
       feature name -> ``[B, dim]`` rows in the table's dtype; with
