@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.typing import DTypeLike
@@ -124,9 +123,7 @@ def _resolve_rows_per_step(rows_per_step: Any, params: Any) -> Any:
     return _rows_from_report(rows_per_step, params)
   if rows_per_step is None:
     return tree_map(lambda _: None, params)
-  if isinstance(rows_per_step, (int, np.integer)) and not isinstance(
-    rows_per_step, bool
-  ):
+  if is_int(rows_per_step):
     n = _check_rows(rows_per_step, "")
     return tree_map(lambda p: None if p is None else n, params)
   try:

@@ -160,33 +160,27 @@ def _check_dense_shape(g: Any, p: Any, states: list[Any], what: str) -> None:
 
 
 def _materialize(x: jax.Array) -> jax.Array:
-  """``x`` exactly, as a value XLA computes once, in a buffer of its own
-  (on an accelerator, behind an optimization barrier).
+  """``x`` exactly, as a value XLA computes once, in a buffer of its own.
 
-  Why, on CPU: the new state rows feed two consumers, the in-place scatter
-  into the table and the update. XLA:CPU duplicates a cheap elementwise producer
-  into each consumer, so the gather of the old state rows gets two
-  consumers and stays a standalone gather kernel, slower per row than a
-  gather fused into its one consumer's loop. Behind an optimization
-  barrier the new rows are computed once, with the old rows' gather fused
-  in, where XLA keeps the barrier through fusion
-  (:func:`~gradtx._jax_compat.barrier_computes_once`). Elsewhere (older
-  XLA:CPU drops it before fusion, which leaves the gather standalone and
-  a buffer of new rows faulted in afresh each step), and for rows of one
-  value each (``[n]``, row-wise state: in cache, where the barrier
-  measured a little slower), the rows are copied by a scatter into a
-  buffer of zeros instead. (That copy of whole rows zeroes a fresh
-  ``[n, *row]`` buffer every step, slower than a kept barrier: the figure
-  is in ``benchmarks/results/design_figures.md``.) Reading the rows back
-  from the written table does the same, but inside a ``lax.cond``
-  (accumulate, drop_stale, optax.apply_if_finite) XLA then copies the whole
-  table. Rows split over mesh axes are left as they are.
+  Why: the new state rows feed two consumers, the in-place scatter into
+  the table and the update. Left alone, XLA duplicates a cheap
+  elementwise producer into each consumer, and the gather of the old
+  state rows feeding it stays a kernel of its own (XLA:CPU) or is done
+  twice. So the rows go behind an optimization barrier, with the old
+  rows' gather fused into their one computation: on accelerators always;
+  on CPU where XLA:CPU keeps the barrier through fusion
+  (:func:`~gradtx._jax_compat.barrier_computes_once`) and the rows are
+  whole rows. Elsewhere on CPU the rows are copied by a scatter into a
+  buffer of zeros. Reading the rows back from the written table would do
+  the same, but inside a ``lax.cond`` (accumulate, drop_stale,
+  optax.apply_if_finite) XLA then copies the whole table. Rows split over
+  mesh axes are left as they are.
 
-  No copy is made where it would be one more pass and nothing else: for an
-  update the rule computed already (an array, which reads no new rows),
-  and with ``materialize=False``, for a rule whose new rows are cheap next
-  to what else reads the old ones (lazy Adam's catch-up reads them again
-  for the drift). Figures: benchmarks/results/design_figures.md.
+  No copy is made for an update the rule computed already (an array,
+  which reads no new rows), and with ``materialize=False``, for a rule
+  whose new rows are cheap next to what else reads the old ones (lazy
+  Adam's catch-up reads them again for the drift). What each choice
+  measured on XLA:CPU: benchmarks/results/design_figures.md.
   """
   if is_split(x):
     return x

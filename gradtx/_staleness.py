@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from gradtx._conditional import apply_if
@@ -45,7 +44,7 @@ def _check_max_staleness(max_staleness: Any) -> Any:
       "gradtx.drop_stale `max_staleness` must be an int >= 0 or None (no "
       f"limit); got the bool {max_staleness!r}."
     )
-  if isinstance(max_staleness, (int, np.integer)):
+  if is_int(max_staleness):  # the bool was refused above
     if max_staleness < 0:
       raise ValueError(
         "gradtx.drop_stale `max_staleness` must be >= 0 (0 accepts only "
