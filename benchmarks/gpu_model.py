@@ -21,8 +21,10 @@ host (``jax.export``, no device) and its StableHLO read
   read their operands and write their results. A scatter into a value no
   kernel made (zeros, a broadcast) first writes it whole.
 * **Control.** One stream: every kernel is on the critical path, one after
-  another (XLA:GPU's default). A ``case`` costs a host sync (the branch
-  index read back) and its costliest branch. A ``while`` costs, per
+  another (XLA:GPU's default). A ``case`` on a value costs a host sync
+  (the branch index read back) and its costliest branch; a ``case`` of
+  one branch or on a constant (what ``lax.platform_dependent`` lowers to)
+  is folded by XLA: its branch alone. A ``while`` costs, per
   trip, its condition and body and a host sync (XLA:GPU's ``WhileThunk``
   reads the condition back each trip unless the loop is captured in a
   CUDA graph); its trips are the constant bound where the program has
@@ -254,6 +256,13 @@ class _Model:
   # -- control
 
   def case(self, op: sh.Op, times: float) -> None:
+    branches = op.regions + 1
+    index = self.constant(op, op.uses[0]) if op.uses else None
+    if branches == 1 or index is not None:
+      # XLA folds it: lax.platform_dependent lowers to such cases
+      chosen = 0 if branches == 1 else min(max(index, 0), branches - 1)
+      self.run(self.body(op, chosen), times)
+      return
     self.cost.syncs += times
     best, best_s = None, -1.0
     for r in range(op.regions + 1):

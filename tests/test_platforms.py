@@ -262,3 +262,30 @@ def test_cost_model_table_has_every_step(tmp_path):
   table = [x for x in md.splitlines() if x.startswith("| ")]
   for step in gpu_steps.TOY:
     assert any(x.startswith(f"| {step} |") for x in table), step
+
+
+def test_cost_model_folds_platform_cases():
+  """``lax.platform_dependent`` lowers to cases on constants, which XLA
+  folds: no host sync, and only the lowered platform's kernels."""
+  import jax.numpy as jnp
+  from jax import lax
+
+  from benchmarks import gpu_model
+
+  def f(t, i):
+    def gpu(t, i):
+      return jnp.sort(t[i])  # a gather and a sort
+
+    def cpu(t, i):
+      return lax.while_loop(lambda c: c[0] < 3, lambda c: c + 1, t[i])
+
+    return lax.platform_dependent(t, i, cpu=cpu, default=gpu)
+
+  args = (
+    jax.ShapeDtypeStruct((100,), jnp.int32),
+    jax.ShapeDtypeStruct((16,), jnp.int32),
+  )
+  text = sh.export_text(jax.jit(f), args, "cuda")
+  cost = gpu_model.model(sh.read(text))
+  assert cost.syncs == 0 and not cost.loops
+  assert sorted({k.op for k in cost.kernels}) == ["gather", "sort"]
