@@ -111,6 +111,25 @@ def test_a_keyed_input_of_words_reads_plain_row_ids_without_a_vocab():
     jax.jit(hashed.lookup)(hp, kj)
 
 
+def test_a_keyed_input_keeps_a_plain_features_padding_beside_wide_ids():
+  """-1 of a plain feature in a numpy int64 KeyedJagged that also holds a
+  hashed feature's 64-bit ids stays padding (a zero row), as in a dict;
+  the hashed ids keep their dict rows."""
+  st = _stack()
+  v0 = st.init_vocab(jax.random.key(0))
+  params = st.init(jax.random.key(1))
+  flat = np.array([2**40 + 5, 2**41 + 5, -1, 4])
+  kj = gtx.KeyedJagged(["uid", "ctry"], flat, np.array([[1, 1], [1, 1]]))
+  rows, v, _ = st.admit(v0, kj)
+  want, want_v, _ = st.admit(v0, {"uid": flat[:2], "ctry": flat[2:]})
+  np.testing.assert_array_equal(_jagged_rows(rows["uid"]), want["uid"])
+  np.testing.assert_array_equal(_jagged_rows(rows["ctry"]), [-1, 4])
+  _same(v, want_v)
+  got = st.lookup(params, kj, vocab=v)
+  _same(got, st.lookup(params, want))
+  np.testing.assert_array_equal(got["ctry"][0], 0.0)
+
+
 # -- 2. jagged lengths checked ------------------------------------------------
 @pytest.mark.parametrize("what", ["lookup", "admit"])
 def test_jagged_lengths_past_the_capacity_raise_outside_jit(what):
@@ -172,6 +191,16 @@ def test_jagged_lengths_past_the_capacity_are_a_checkify_error_under_jit():
   assert err.get() is None
   # without checkify the check costs nothing and the step runs
   jax.jit(st.lookup)(params, over)
+
+
+def test_admit_counts_the_ids_past_the_capacity_under_checkify():
+  st = _stack()
+  v0 = st.init_vocab(jax.random.key(0))
+  words = gtx.Words.of(np.array([2**40 + 5, 2**41 + 5, 3, 4], np.uint64))
+  over = gtx.KeyedJagged(["uid", "ctry"], words, jnp.array([[2, 1], [1, 1]]))
+  admit = checkify.checkify(st.admit, errors=checkify.user_checks)
+  err, _ = jax.jit(admit)(v0, over)
+  assert "sum to 5, past the capacity 4 of the ids: 1 ids dropped" in err.get()
 
 
 # -- 3. a bounds check for plain ids ------------------------------------------
