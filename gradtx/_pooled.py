@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import checkify
 from jax.typing import ArrayLike
 
-from gradtx import _vocab
+from gradtx import _platform, _vocab
 from gradtx._autodiff import host_check, lookup
 from gradtx._sharded import split_like, unsplit
 from gradtx._sparse_rows import MAX_ROWS, narrow_ids
@@ -621,9 +621,9 @@ def _bag_of_slots(lengths: jax.Array, n: int) -> jax.Array:
   scatter of the bags' ends and one cumulative sum (the values of
   ``searchsorted(cumsum(lengths), slot, side="right")``, without its loop
   of dependent gathers)."""
-  ends = jnp.cumsum(lengths.astype(jnp.int32))
+  ends = _platform.prefix_sum(lengths)
   marks = jnp.zeros([n], jnp.int32).at[jnp.maximum(ends, 0)].add(1, mode="drop")
-  return jnp.cumsum(marks, dtype=jnp.int32)
+  return _platform.prefix_sum(marks)
 
 
 def _ids(name: str, x: Any) -> jax.Array:
