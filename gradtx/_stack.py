@@ -106,13 +106,14 @@ class TableStack:
       (``"<dtype>x<dim>"``, then ``"<dtype>x<dim>_lane1"``, ...), balanced by
       the features that read them. Each stack is one chain of gather, update
       and scatter; independent chains can run on different cores of a CPU, one
-      chain cannot. None (the default): two where JAX computes on a CPU of two
-      cores or more and ``batch_size`` is at least 2048, one otherwise:
-      without ``batch_size``, for a smaller batch, on a GPU or TPU, for a
-      row-sharded stack. The rule reads the batch, not the number of features,
+      chain cannot; a GPU or TPU runs them one after the other. None (the
+      default): two where ``batch_size`` is at least 2048, one otherwise:
+      without ``batch_size``, for a smaller batch, for a row-sharded stack.
+      The rule reads the plan's arguments, never the host, so the params keys
+      are the same on every host, and the batch, not the number of features,
       so the program keeps its shape as features are added. ``print(stack)``
-      shows the choice; pass ``lanes=1`` for one stack everywhere (e.g. to
-      keep one params layout between a CPU and a GPU host).
+      shows the choice and what each platform runs; pass ``lanes=1`` for one
+      stack.
 
   Attributes:
     plan: the :class:`gradtx.StackPlan`: the tables, features, stacks and
