@@ -14,7 +14,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks._common import RESULTS, machine, markdown_table, parse, parser
+from benchmarks._common import parse, parser
+from benchmarks._results import RESULTS, machine, markdown_table
 
 BENCHMARKS = [
   "sparse_grad",

@@ -1,40 +1,29 @@
-"""The benchmark harness: every benchmark's arguments, timing, competitors
-and results files.
-
-A benchmark holds its model and its table; from here it takes
-:func:`parser` / :func:`parse` (``--quick``, ``--rounds`` or the
-:class:`Schedule`, ``--steps``, ``--huge-pages``, ``--fresh-memory``),
-:func:`time_interleaved` (systems alternated in one process: the machine
-is shared and noisy, so it reports medians, ratios, and each system's
-:func:`spread`), the competitor runners' plumbing (:func:`import_torch`
-with its threads set, :func:`torch_huge_pages`, :func:`fbgemm` and
-:func:`tbe`), and :func:`write_results`, which prints a markdown table
-and writes ``benchmarks/results/<name>.md`` and ``.json`` with the
-machine, the load and the timings' spread. Then the compiled-program
-helpers (:func:`hlo_op_counts`, :func:`compile_phases`). It imports jax
-only inside functions: ``benchmarks.fbgemm_anchor`` runs where jax is not
-installed.
+"""The benchmark harness's shared pieces besides the timer (``_timing``)
+and the writer (``_results``): the arguments every benchmark shares
+(:func:`parser` / :func:`parse`: ``--quick``, ``--rounds`` or the
+:class:`~benchmarks._timing.Schedule`, ``--steps``, ``--huge-pages``,
+``--fresh-memory``), the ids of a step (:func:`make_ids`), the
+competitors' plumbing (:func:`import_torch` with its threads set,
+:func:`torch_huge_pages`, :func:`fbgemm` and :func:`tbe`), the one-table
+step of the A/B runs, and the compiled-program readers
+(:func:`hlo_op_counts`, :func:`compile_phases`). It imports jax only inside
+functions: ``benchmarks.fbgemm_anchor`` runs where jax is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import re
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-# appended to every results file's name: "_quick" under --quick
-SUFFIX_ENV = "GRADTX_BENCH_SUFFIX"
+from benchmarks import _timing
+from benchmarks._results import SUFFIX_ENV
+from benchmarks._timing import Schedule, load_note
 
 
 def fake_cpu_devices(n: int) -> None:
@@ -48,73 +37,9 @@ def fake_cpu_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def cpu_name() -> str:
-  """The CPU model (from /proc/cpuinfo where there is one)."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-  """What the numbers were measured on (jax's devices where jax is
-  installed)."""
-  out = {"cpu": cpu_name(), "cores": os.cpu_count()}
-  out.update(backend="cpu", device="cpu", devices=1, jax="not installed")
-  if available("jax"):
-    import jax
-
-    dev = jax.devices()[0]
-    out.update(
-      backend=jax.default_backend(),
-      device=getattr(dev, "device_kind", str(dev)),
-      devices=jax.device_count(),
-      jax=jax.__version__,
-    )
-  return {**out, "python": platform.python_version()}
-
-
-def load_note() -> str:
-  """The 1/5/15-minute load averages (the machine may be shared)."""
-  try:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
-  except OSError:
-    return "unknown"
-
-
-def oversubscribed(consequence: str) -> str:
-  """A caution for a results note, empty unless the load average exceeded
-  the core count (the machine is shared): ``consequence`` says what that
-  does to the figures."""
-  if max(os.getloadavg()) <= (os.cpu_count() or 1):
-    return ""
-  return (
-    " OVERSUBSCRIBED: the load average exceeded the core count during the "
-    f"run, {consequence}"
-  )
-
-
 # ----------------------------------------------------------------------------
 # one run: the arguments every benchmark shares
 
-
-class _Run:
-  """What the harness records of this process's run: one benchmark per
-  process (``python -m benchmarks`` starts one for each)."""
-
-  def __init__(self) -> None:
-    self.quick = False
-    self.huge_pages: bool | None = None  # None: the benchmark has no flag
-    self.memory_reused: bool | None = None  # None: no --fresh-memory flag
-    self.load_start = load_note()
-    self.timings: list[dict[str, Any]] = []
-
-
-RUN = _Run()
 
 HUGE_PAGES_HELP = (
   "back every system's tables and state by huge pages (gtx.use_huge_pages, "
@@ -184,21 +109,21 @@ def parse(
   :func:`torch_huge_pages`; ``--fresh-memory`` calls
   ``gtx.reuse_host_memory(False)``. :func:`write_results` notes them."""
   args = p.parse_args(argv)
-  RUN.quick = args.quick
+  _timing.RUN.quick = args.quick
   if args.quick:
     os.environ.setdefault(SUFFIX_ENV, "_quick")
     for k, v in (quick or {}).items():
       if getattr(args, k) == p.get_default(k):
         setattr(args, k, v)
   if hasattr(args, "huge_pages"):
-    RUN.huge_pages = args.huge_pages
+    _timing.RUN.huge_pages = args.huge_pages
   if hasattr(args, "fresh_memory"):
-    RUN.memory_reused = True
+    _timing.RUN.memory_reused = True
     if args.fresh_memory:
       import gradtx
 
-      RUN.memory_reused = not gradtx.reuse_host_memory(False)
-  RUN.load_start = load_note()
+      _timing.RUN.memory_reused = not gradtx.reuse_host_memory(False)
+  _timing.RUN.load_start = load_note()
   return args
 
 
@@ -233,58 +158,6 @@ def add_head_args(p: argparse.ArgumentParser, optimizers: Any) -> None:
   )
 
 
-# ----------------------------------------------------------------------------
-# timing: systems alternated in one process, medians and spread
-
-# Consecutive steps each system runs per round (time_interleaved) in the
-# whole-step benchmarks: a training loop's steady state, which is what a
-# user's loop (one system alone) runs in. torch's OpenMP workers keep
-# spinning on the cores for tens of ms after torch's step and slow the next
-# system's first 2-3 steps (gtx rowwise_adagrad at 1M x 64, medians by
-# position after 30 torch steps: 8.5, 6.2, 5.8, then 4.1-5.3 ms; lazy_adam
-# after 5: 14.9, 11.4, 14.1, 8.9, 9.2 ms). SETTLE steps run untimed before
-# each system's BURST timed ones, for every system alike. --burst 1
-# --settle 0 gives strict round-robin.
-BURST = 10
-SETTLE = 3
-
-
-class Schedule(NamedTuple):
-  """How :func:`time_interleaved` alternates systems (see there)."""
-
-  rounds: int = 10
-  burst: int = BURST
-  settle: int = SETTLE
-
-  @classmethod
-  def from_args(cls, args: Any) -> Schedule:
-    return cls(args.rounds, args.burst, args.settle)
-
-  @property
-  def steps(self) -> int:
-    """Steps each system runs (warmup 2, one HLO check, the rounds), so
-    that every step can get fresh ids."""
-    return self.rounds * (self.burst + self.settle) + 3
-
-  def time(
-    self, fns: dict[str, Callable[[], Any]], *, warmup: int = 2, **kw: Any
-  ) -> dict[str, float]:
-    """:func:`time_interleaved` of ``fns`` on this schedule."""
-    return time_interleaved(fns, warmup=warmup, **self._asdict(), **kw)
-
-  def describe(self) -> str:
-    settle = (
-      f" after {self.settle} untimed ones (the steps that pay for the "
-      "previous system's leftovers)"
-      if self.settle
-      else ""
-    )
-    return (
-      f"median of {self.rounds} round-robin rounds x {self.burst} timed "
-      f"consecutive steps of each system{settle}"
-    )
-
-
 def add_schedule_args(
   p: argparse.ArgumentParser, default: Schedule | None = None
 ) -> None:
@@ -305,112 +178,6 @@ def add_schedule_args(
     help="untimed steps of a system before its timed ones, each round (0: "
     "time the steps right after another system's turn too)",
   )
-
-
-def spread(seconds: Sequence[float], burst: int = 1) -> dict[str, float]:
-  """Milliseconds of one system's timed calls (``burst`` consecutive ones
-  per round, in order): the median, the 10th percentile, the quartiles,
-  and the lowest and highest of the rounds' medians."""
-  ms = [1e3 * s for s in seconds]
-  rounds = [
-    statistics.median(ms[i : i + burst]) for i in range(0, len(ms), burst)
-  ]
-  if len(ms) > 1:
-    deciles = statistics.quantiles(ms, n=10, method="inclusive")
-    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
-  else:
-    deciles, q1, q3 = ms * 9, ms[0], ms[0]
-  return {
-    "median": statistics.median(ms),
-    "p10": deciles[0],
-    "q1": q1,
-    "q3": q3,
-    "round_min": min(rounds),
-    "round_max": max(rounds),
-  }
-
-
-def time_interleaved(
-  fns: dict[str, Callable[[], Any]],
-  *,
-  warmup: int = 2,
-  rounds: int = 15,
-  burst: int = 1,
-  settle: int = 0,
-  samples: dict[str, list[float]] | None = None,
-  label: str | None = None,
-) -> dict[str, float]:
-  """Median seconds per call of each function, measured round-robin so that
-  machine noise hits every variant alike.
-
-  Each round runs every function ``settle`` times untimed, then ``burst``
-  times timed; the median is over all ``rounds * burst`` timed calls.
-  ``burst > 1`` with ``settle > 0`` measures a training loop's steady
-  state, the state a user's loop (one system alone) is in: a system's
-  first steps after another system's turn pay for that system's leftovers
-  (torch's OpenMP workers spin on the cores for tens of milliseconds after
-  each step), and ``settle`` keeps those out of the sample, for every
-  system alike. ``samples``, when given, receives every timed call's
-  seconds per function. Every call records each function's
-  :func:`spread` under ``label`` (default: the functions' names) for the
-  json that :func:`write_results` writes.
-  """
-  for fn in fns.values():
-    for _ in range(warmup):
-      fn()
-  times: dict[str, list[float]] = {k: [] for k in fns}
-  if samples is not None:
-    samples.update(times)
-  for _ in range(rounds):
-    for k, fn in fns.items():
-      for _ in range(settle):
-        fn()
-      for _ in range(burst):
-        t0 = time.perf_counter()
-        fn()
-        times[k].append(time.perf_counter() - t0)
-  label = label or ", ".join(map(_name, fns))
-  record(label, times, burst, rounds=rounds, settle=settle)
-  return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _name(system: Any) -> str:
-  """A system's name in the json: a tuple key (the variant of a variant)
-  as its parts joined by " / "."""
-  if isinstance(system, tuple):
-    return " / ".join(map(str, system))
-  return str(system)
-
-
-def record(
-  label: str, times: dict[str, Sequence[float]], burst: int = 1, **how: Any
-) -> None:
-  """Keeps each system's :func:`spread` of ``times`` (seconds of its timed
-  calls in order, ``burst`` a round) for the json of :func:`write_results`,
-  under ``label``, with ``how`` they were timed: for a benchmark that
-  times its systems in a loop of its own (a training run)."""
-  RUN.timings.append(
-    {
-      "label": label,
-      "burst": burst,
-      **how,
-      "ms": {_name(k): spread(v, burst) for k, v in times.items() if v},
-    }
-  )
-
-
-def time_fn(
-  fn: Callable[[], Any],
-  *,
-  warmup: int = 2,
-  repeats: int = 20,
-  label: str | None = None,
-) -> float:
-  """Median seconds per call of ``fn`` (which must block on its result)."""
-  name = label or getattr(fn, "__name__", "fn")
-  return time_interleaved(
-    {name: fn}, warmup=warmup, rounds=repeats, label=label
-  )[name]
 
 
 # ----------------------------------------------------------------------------
@@ -436,37 +203,6 @@ def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = 0) -> list:
     rank = np.searchsorted(cdf, rng.random(n), side="right")
     out.append(perm[np.minimum(rank, rows - 1)])
   return out
-
-
-def step_runner(
-  step: Callable[..., Any], box: list, args_of: Callable[[int], tuple]
-) -> Callable[[int], Any]:
-  """``run(i)``: the jitted ``step(params, state, *args_of(i))`` on the
-  params and state in ``box`` (donated: the step returns them new, and
-  maybe a loss), the new ones kept in ``box``; waits for them and returns
-  the step's third output, its loss, where it has one."""
-  import jax
-
-  def run(i: int) -> Any:
-    out = step(box[0], box[1], *args_of(i))
-    box[0], box[1] = out[0], out[1]
-    jax.block_until_ready(out)
-    return out[2] if len(out) > 2 else None
-
-  return run
-
-
-class Counter:
-  """``fn(i)`` as a call without arguments, ``i`` counting up from
-  ``start``: each call a step on the next fresh batch."""
-
-  def __init__(self, fn: Callable[[int], Any], start: int = 1):
-    self.fn, self.i = fn, start  # 1: step 0 may have run (torch state init)
-
-  def __call__(self) -> Any:
-    out = self.fn(self.i)
-    self.i += 1
-    return out
 
 
 # ----------------------------------------------------------------------------
@@ -515,7 +251,7 @@ def with_threads(n: int, run: Callable[..., Any]) -> Callable[..., Any]:
 
 def huge_pages(tree: Any) -> None:
   """``gtx.use_huge_pages(tree)`` under ``--huge-pages``."""
-  if RUN.huge_pages:
+  if _timing.RUN.huge_pages:
     import gradtx
 
     gradtx.use_huge_pages(tree)
@@ -524,7 +260,7 @@ def huge_pages(tree: Any) -> None:
 def torch_huge_pages(tensors: Sequence[Any]) -> None:
   """Under ``--huge-pages``, torch's tables and state on huge pages too, as
   ``gtx.use_huge_pages`` does for JAX's arrays."""
-  if not RUN.huge_pages:
+  if not _timing.RUN.huge_pages:
     return
   from gradtx._memory import _advise, _madvise
 
@@ -576,125 +312,6 @@ def tbe(rows: int | list[int], dim: int, optim: str, pooling: str, lr: float):
   )
 
 
-def commit() -> str:
-  """The last commit that changed ``gradtx/`` (and whether it has
-  uncommitted changes): the code the numbers measure."""
-  root = Path(__file__).resolve().parent.parent
-
-  def git(*cmd: str) -> str:
-    return subprocess.run(
-      ["git", "-C", str(root), *cmd], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-  try:
-    last = git("log", "-1", "--format=%h", "--", "gradtx")
-    dirty = git("status", "--porcelain", "--", "gradtx")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return last + (" with uncommitted changes" if dirty else "")
-
-
-# ----------------------------------------------------------------------------
-# results: markdown + json, the machine, the load, the settings
-
-
-def markdown_table(
-  headers: Sequence[str], rows: Sequence[Sequence[Any]]
-) -> str:
-  """A GitHub markdown table."""
-
-  def cell(x: Any) -> str:
-    if isinstance(x, float):
-      return f"{x:.4g}"
-    return str(x)
-
-  lines = ["| " + " | ".join(headers) + " |"]
-  lines.append("|" + "|".join("---" for _ in headers) + "|")
-  lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-  return "\n".join(lines)
-
-
-def result_path(name: str, ext: str) -> Path:
-  """``results/<name><suffix><ext>`` (the suffix: see
-  :func:`write_results`), its folder made."""
-  RESULTS.mkdir(exist_ok=True)
-  return RESULTS / f"{name}{os.environ.get(SUFFIX_ENV, '')}{ext}"
-
-
-def settings_note() -> str:
-  """The run's shared settings in words: pages, host memory, load."""
-  out = []
-  if RUN.huge_pages is not None:
-    out.append(
-      "Every system's tables and optimizer state on transparent huge pages "
-      "(`gtx.use_huge_pages`; the same madvise for torch's tensors)."
-      if RUN.huge_pages
-      else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
-    )
-  if RUN.memory_reused is not None:
-    out.append(
-      "Host memory reused as gradtx sets it at import, for the whole "
-      "process (every system's step reuses freed memory for its "
-      "temporaries)."
-      if RUN.memory_reused
-      else "malloc as it is (`--fresh-memory`: each step faults its "
-      "temporaries in afresh)."
-    )
-  out.append(
-    f"Load average (1/5/15 min) at the start: {RUN.load_start}, at the "
-    f"end: {load_note()} (the machine is shared: compare ratios within a "
-    "row)."
-  )
-  return " ".join(out)
-
-
-def write_results(
-  name: str,
-  title: str,
-  headers: Sequence[str],
-  rows: Sequence[Sequence[Any]],
-  *,
-  notes: str = "",
-  extra: dict[str, Any] | None = None,
-) -> str:
-  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``.
-
-  The markdown: the title, the machine, the table, ``notes``, then the
-  run's settings and load (:func:`settings_note`). The json also holds
-  ``extra``, the load, and the spread of every :func:`time_interleaved`
-  call since the previous results file (``timing``).
-  ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` and by ``gpu.sh``) is
-  appended to ``name``, so smoke runs and other machines never overwrite
-  the reference results.
-  """
-  m = machine()
-  table = markdown_table(headers, rows)
-  md = (
-    f"## {title}\n\n"
-    f"Machine: {m['cpu']}, {m['cores']} cores, backend {m['backend']} "
-    f"({m['device']} x{m['devices']}), JAX {m['jax']}.\n\n{table}\n"
-  )
-  if notes:
-    md += f"\n{notes}\n"
-  md += f"\n{settings_note()}\n"
-  print(md)
-  result_path(name, ".md").write_text(md)
-  payload = {
-    "title": title,
-    "machine": m,
-    "headers": list(headers),
-    "rows": [list(r) for r in rows],
-    "notes": notes,
-    **(extra or {}),
-    "load": {"start": RUN.load_start, "end": load_note()},
-    "quick": RUN.quick,
-    "timing": RUN.timings,
-  }
-  result_path(name, ".json").write_text(json.dumps(payload, indent=2))
-  RUN.timings = []  # the next results file gets the timings made after
-  return md
-
-
 def memory(compiled: Any) -> dict[str, int]:
   """Bytes from ``compiled.memory_analysis()``."""
   m = compiled.memory_analysis()
@@ -704,55 +321,6 @@ def memory(compiled: Any) -> dict[str, int]:
     "temp": int(m.temp_size_in_bytes),
     "alias": int(m.alias_size_in_bytes),
   }
-
-
-def copy_bandwidth(num_bytes: int = 256 * 2**20) -> float:
-  """Measured device copy bandwidth in bytes/s (read + write counted)."""
-  import jax
-  import jax.numpy as jnp
-
-  x = jnp.ones(num_bytes // 4, jnp.float32)
-  f = jax.jit(lambda a: a + 1.0)
-  sec = time_fn(lambda: f(x).block_until_ready(), repeats=10)
-  return 2 * num_bytes / sec
-
-
-def warm_copy_bandwidth(
-  num_bytes: int = 256 * 2**20, repeats: int = 10
-) -> float:
-  """Bytes/s (read + write counted) of a copy into an already-faulted buffer.
-
-  On CPU, ``np.copyto`` into a destination written once before timing: an
-  in-place optimizer step never pays page faults, and a fresh output buffer
-  would (2-3x slower). On accelerators, a jitted ``a + 1`` updated in
-  place (donated). The best of ``repeats``: a floor should be optimistic.
-  """
-  import jax
-  import numpy as np
-
-  if jax.default_backend() == "cpu":
-    src = np.ones(num_bytes // 4, np.float32)
-    dst = np.zeros_like(src)
-    np.copyto(dst, src)  # fault the pages in
-
-    def call():
-      np.copyto(dst, src)
-
-  else:
-    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
-    box = [jax.numpy.ones(num_bytes // 4, jax.numpy.float32)]
-
-    def call():
-      box[0] = f(box[0])
-      box[0].block_until_ready()
-
-  call()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    call()
-    best = min(best, time.perf_counter() - t0)
-  return 2 * num_bytes / best
 
 
 def hlo_table_copies(

@@ -49,14 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import (
-  import_torch,
-  parse,
-  parser,
-  record,
-  result_path,
-  write_results,
-)
+from benchmarks._common import import_torch, parse, parser
+from benchmarks._results import result_path, write_results
+from benchmarks._timing import record
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKOUT = "this checkout"

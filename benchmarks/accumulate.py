@@ -24,13 +24,9 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import (
-  memory,
-  parse,
-  parser,
-  time_interleaved,
-  write_results,
-)
+from benchmarks._common import memory, parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import time_interleaved
 
 DIM = 64
 

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import parse, parser, time_interleaved, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import time_interleaved
 
 
 def make_step(stack, tx, bounds_check: bool):

@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 
 import gradtx as gtx
-from benchmarks._common import compile_phases, parse, parser, write_results
+from benchmarks._common import compile_phases, parse, parser
+from benchmarks._results import write_results
 from benchmarks.recsys import _bce, table_rows
 
 

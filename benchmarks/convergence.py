@@ -114,7 +114,9 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import parse, parser, record, result_path, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import result_path, write_results
+from benchmarks._timing import record
 from examples.demo import build_vocab
 
 DIM = 64

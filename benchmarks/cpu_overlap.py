@@ -37,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks._common import Schedule, parse, parser, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 
 
 def _trip(k, carry, ids, chunk):

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import Schedule, parse, parser, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 from gradtx._autodiff import DENSE_READS_PER_ROW
 
 RATIOS = (0.05, 0.1, 0.25, 0.35, 0.5, 1.0, 2.0, 4.0, 8.0, 64.0, 2048.0)

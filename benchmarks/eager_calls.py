@@ -29,7 +29,9 @@ import jax
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import parse, parser, time_interleaved, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import time_interleaved
 from gradtx._vocab import DEFAULT_MAX_NEW
 
 WAYS = ("outside jit", "op by op", "user's jax.jit")

@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks._common import fbgemm, import_torch, parse, parser, tbe, version
+from benchmarks._results import write_results
+
 # The harness imports jax only where it is installed: this runs without it.
-from benchmarks._common import (
-  Counter,
-  fbgemm,
-  import_torch,
-  parse,
-  parser,
-  tbe,
-  time_interleaved,
-  version,
-  write_results,
-)
+from benchmarks._timing import Counter, time_interleaved
 
 
 def tbe_step(rows, dim, optim, pooling, lr, ids, ct):

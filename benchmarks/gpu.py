@@ -5,7 +5,7 @@ The steps of :mod:`benchmarks.gpu_steps`, each the guides' whole step
 (forward with the loss returned, sparse backward, optimizer, updates
 applied, state donated; fresh ids every step, uniform), compiled once
 ahead of time and timed round-robin in one process
-(:func:`benchmarks._common.time_interleaved`):
+(:func:`benchmarks._timing.time_interleaved`):
 
 * ``single table``: 1M x 64, 8,192 ids, ``gtx.lazy_adam``; torch
   ``nn.Embedding(sparse=True)`` + ``SparseAdam``.
@@ -46,15 +46,9 @@ import jax
 import numpy as np
 
 from benchmarks import gpu_model, gpu_steps
-from benchmarks._common import (
-  RESULTS,
-  Schedule,
-  available,
-  commit,
-  compile_phases,
-  machine,
-  markdown_table,
-)
+from benchmarks._common import available, compile_phases
+from benchmarks._results import RESULTS, commit, machine, markdown_table
+from benchmarks._timing import Schedule
 
 SEED = 0
 BATCHES = 8  # distinct batches a system cycles through

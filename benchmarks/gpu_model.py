@@ -398,7 +398,7 @@ def top_kernels(c: Cost, n: int = 8) -> list[list[str]]:
 
 
 def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
-  from benchmarks._common import markdown_table
+  from benchmarks._results import markdown_table
 
   md = [
     f"## The guides' steps on one H100: {LABEL}",
@@ -440,7 +440,7 @@ def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> str:
   from benchmarks import gpu_steps
-  from benchmarks._common import RESULTS, commit
+  from benchmarks._results import RESULTS, commit
 
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--platform", default="cuda")

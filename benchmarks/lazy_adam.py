@@ -34,14 +34,9 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import (
-  parse,
-  parser,
-  time_fn,
-  time_interleaved,
-  warm_copy_bandwidth,
-  write_results,
-)
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import time_fn, time_interleaved, warm_copy_bandwidth
 
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 ROUNDS = 15

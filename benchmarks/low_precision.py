@@ -33,16 +33,18 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   QUICK_TABLE,
-  Counter,
-  Schedule,
   add_table_args,
   available,
   make_ids,
   parse,
   parser,
+)
+from benchmarks._results import write_results
+from benchmarks._timing import (
+  Counter,
+  Schedule,
   step_runner,
   warm_copy_bandwidth,
-  write_results,
 )
 from benchmarks.train_step import _torch
 

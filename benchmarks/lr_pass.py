@@ -19,7 +19,6 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   QUICK_TABLE,
-  Schedule,
   add_table_args,
   parse,
   parser,
@@ -27,8 +26,9 @@ from benchmarks._common import (
   table_runner,
   table_step,
   uniform_batches,
-  write_results,
 )
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 
 
 def main(argv: list[str] | None = None) -> None:

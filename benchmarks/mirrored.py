@@ -30,14 +30,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-  hlo_collectives,
-  memory,
-  parse,
-  parser,
-  time_interleaved,
-  write_results,
-)
+from benchmarks._common import hlo_collectives, memory, parse, parser  # noqa: E402
+from benchmarks._results import write_results  # noqa: E402
+from benchmarks._timing import time_interleaved  # noqa: E402
 
 LR = 0.01
 SEQ = 16  # ids per example

@@ -44,9 +44,6 @@ import optax
 import gradtx as gtx
 from benchmarks._common import (
   QUICK_TABLE,
-  RUN,
-  Counter,
-  Schedule,
   add_table_args,
   available,
   fbgemm,
@@ -56,12 +53,12 @@ from benchmarks._common import (
   make_ids,
   parse,
   parser,
-  step_runner,
   torch_huge_pages,
   torch_state,
   version,
-  write_results,
 )
+from benchmarks._results import write_results
+from benchmarks._timing import RUN, Counter, Schedule, step_runner
 from benchmarks.fbgemm_anchor import tbe_step
 
 LR = 1e-2

@@ -38,16 +38,9 @@ import optax
 import orbax.checkpoint as ocp
 
 import gradtx as gtx
-from benchmarks._common import (
-  Schedule,
-  hlo_op_counts,
-  markdown_table,
-  oversubscribed,
-  parse,
-  parser,
-  time_interleaved,
-  write_results,
-)
+from benchmarks._common import hlo_op_counts, parse, parser
+from benchmarks._results import markdown_table, oversubscribed, write_results
+from benchmarks._timing import Schedule, time_interleaved
 
 SEED = 0
 

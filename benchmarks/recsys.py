@@ -65,29 +65,33 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import (
-  RUN,
-  Counter,
-  Schedule,
   add_head_args,
   available,
-  commit,
   compile_phases,
   fbgemm,
   huge_pages,
   make_ids,
-  markdown_table,
-  oversubscribed,
   parse,
   parser,
-  result_path,
-  step_runner,
   tbe,
   torch_huge_pages,
   torch_state,
   version,
-  warm_copy_bandwidth,
   with_threads,
+)
+from benchmarks._results import (
+  commit,
+  markdown_table,
+  oversubscribed,
+  result_path,
   write_results,
+)
+from benchmarks._timing import (
+  RUN,
+  Counter,
+  Schedule,
+  step_runner,
+  warm_copy_bandwidth,
 )
 
 # Criteo Kaggle's 26 categorical cardinalities (DLRM, dlrm_s_criteo_kaggle).

@@ -26,13 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import (
-  Schedule,
-  parse,
-  parser,
-  warm_copy_bandwidth,
-  write_results,
-)
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule, warm_copy_bandwidth
 
 
 def systems(table_np: np.ndarray, ids_np: list[np.ndarray]) -> dict:

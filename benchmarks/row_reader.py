@@ -22,15 +22,15 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   QUICK_TABLE,
-  Schedule,
   add_table_args,
   parse,
   parser,
   ratio_rows,
   table_runner,
   uniform_batches,
-  write_results,
 )
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 from gradtx import _rowio
 
 _ONE_READER = _rowio.gather_rows

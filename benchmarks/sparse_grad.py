@@ -28,13 +28,12 @@ import gradtx as gtx
 from benchmarks._common import (
   add_table_args,
   compile_phases,
-  markdown_table,
   memory,
   parse,
   parser,
-  time_interleaved,
-  write_results,
 )
+from benchmarks._results import markdown_table, write_results
+from benchmarks._timing import time_interleaved
 
 SEQ = 16  # ids per example
 POOL = 16  # distinct id batches, cycled: fresh ids every step

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks._common import parse, parser, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
 from benchmarks.ab_versions import ROOT
 from benchmarks.recsys import table_rows
 

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import Schedule, parse, parser, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 from benchmarks.compile_tables import whole_step
 from benchmarks.recsys import CRITEO_KAGGLE, _bce, _logit, head_params
 from benchmarks.stacks import (

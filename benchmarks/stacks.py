@@ -52,22 +52,20 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   ZIPF_S,
-  Schedule,
   add_head_args,
   compile_phases,
   fbgemm,
   huge_pages,
   import_torch,
   make_ids,
-  markdown_table,
   parse,
   parser,
-  result_path,
   tbe,
   torch_huge_pages,
   torch_state,
-  write_results,
 )
+from benchmarks._results import markdown_table, result_path, write_results
+from benchmarks._timing import Schedule
 from benchmarks.compile_tables import whole_step
 from benchmarks.recsys import (
   CRITEO_KAGGLE,

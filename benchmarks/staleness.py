@@ -25,7 +25,8 @@ import statistics
 
 import numpy as np
 
-from benchmarks._common import parse, parser, result_path, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import result_path, write_results
 from examples import async_trainer as at
 
 

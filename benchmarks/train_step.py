@@ -39,21 +39,22 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import (
-  Counter,
-  Schedule,
   available,
   hlo_table_copies,
   huge_pages,
   import_torch,
   make_ids,
-  oversubscribed,
   parse,
   parser,
-  step_runner,
   torch_huge_pages,
   torch_state,
+)
+from benchmarks._results import oversubscribed, write_results
+from benchmarks._timing import (
+  Counter,
+  Schedule,
+  step_runner,
   warm_copy_bandwidth,
-  write_results,
 )
 
 LR = 1e-3

@@ -36,7 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import Schedule, parse, parser, write_results
+from benchmarks._common import parse, parser
+from benchmarks._results import write_results
+from benchmarks._timing import Schedule
 from benchmarks.recsys import _bce
 
 SEED = 0

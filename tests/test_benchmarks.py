@@ -1,6 +1,7 @@
-"""The benchmark harness (``benchmarks/_common.py``): the spread it reports,
-the order in which it alternates systems, the shared flags, the results
-files and the HLO readers, against numpy and hand-counted references."""
+"""The benchmark harness (``benchmarks/_timing.py``, ``_results.py``,
+``_common.py``): the spread it reports, the order in which it alternates
+systems, the shared flags, the results files and the HLO readers, against
+numpy and hand-counted references."""
 
 import json
 
@@ -8,22 +9,24 @@ import numpy as np
 import pytest
 
 from benchmarks import _common as bench
+from benchmarks import _results as results
+from benchmarks import _timing as timing
 
 
 @pytest.fixture
 def run(monkeypatch, tmp_path):
   """A fresh run record and results folder, the suffix unset."""
-  monkeypatch.setattr(bench, "RUN", bench._Run())
-  monkeypatch.setattr(bench, "RESULTS", tmp_path)
-  monkeypatch.setenv(bench.SUFFIX_ENV, "")  # restored after the test
-  monkeypatch.delenv(bench.SUFFIX_ENV)
-  return bench.RUN
+  monkeypatch.setattr(timing, "RUN", timing._Run())
+  monkeypatch.setattr(results, "RESULTS", tmp_path)
+  monkeypatch.setenv(results.SUFFIX_ENV, "")  # restored after the test
+  monkeypatch.delenv(results.SUFFIX_ENV)
+  return timing.RUN
 
 
 def test_spread_matches_numpy():
   rng = np.random.default_rng(0)
   seconds = rng.exponential(0.01, 4 * 5)
-  got = bench.spread(list(seconds), burst=5)
+  got = timing.spread(list(seconds), burst=5)
   ms = seconds * 1e3
   rounds = np.median(ms.reshape(4, 5), axis=1)
   want = {
@@ -40,7 +43,7 @@ def test_spread_matches_numpy():
 
 
 def test_spread_of_one_call():
-  got = bench.spread([0.002])
+  got = timing.spread([0.002])
   assert set(got.values()) == {2.0}
 
 
@@ -50,7 +53,7 @@ def test_time_interleaved_alternates_and_records(run):
   def system(name):
     return lambda: calls.append(name)
 
-  medians = bench.time_interleaved(
+  medians = timing.time_interleaved(
     {"a": system("a"), "b": system("b")},
     warmup=1,
     rounds=2,
@@ -70,14 +73,14 @@ def test_time_interleaved_alternates_and_records(run):
 
 
 def test_time_interleaved_names_tuple_keys(run):
-  bench.time_interleaved({("ours", 4): lambda: None}, warmup=0, rounds=1)
+  timing.time_interleaved({("ours", 4): lambda: None}, warmup=0, rounds=1)
   assert run.timings[0]["label"] == "ours / 4"
   assert list(run.timings[0]["ms"]) == ["ours / 4"]
 
 
 def test_schedule_time_uses_its_rounds(run):
   calls = []
-  bench.Schedule(rounds=3, burst=1, settle=0).time(
+  timing.Schedule(rounds=3, burst=1, settle=0).time(
     {"a": lambda: calls.append(1)}, warmup=0
   )
   assert len(calls) == 3
@@ -86,7 +89,7 @@ def test_schedule_time_uses_its_rounds(run):
 
 def test_counter_counts_from_its_start():
   seen = []
-  step = bench.Counter(seen.append, start=1)
+  step = timing.Counter(seen.append, start=1)
   step()
   step()
   assert seen == [1, 2]
@@ -94,7 +97,7 @@ def test_counter_counts_from_its_start():
 
 def test_parser_shared_flags_and_quick_sizes(run):
   p = bench.parser(
-    "doc", schedule=bench.Schedule(6, 3, 1), steps=8, huge_pages=True
+    "doc", schedule=timing.Schedule(6, 3, 1), steps=8, huge_pages=True
   )
   p.add_argument("--rows", type=int, default=1000)
   p.add_argument("--dim", type=int, default=64)
@@ -108,18 +111,18 @@ def test_parser_shared_flags_and_quick_sizes(run):
   # --quick sets what the command line left at its default
   assert (args.rows, args.dim, args.rounds) == (10, 32, 2)
   assert run.quick and run.huge_pages
-  assert bench.result_path("x", ".md").name == "x_quick.md"
+  assert results.result_path("x", ".md").name == "x_quick.md"
 
 
 def test_parser_rejects_schedule_and_rounds():
   with pytest.raises(ValueError, match="schedule"):
-    bench.parser("doc", schedule=bench.Schedule(), rounds=3)
+    bench.parser("doc", schedule=timing.Schedule(), rounds=3)
 
 
 def test_write_results_files(run, tmp_path):
   run.huge_pages = False
-  bench.time_interleaved({"a": lambda: None}, warmup=0, rounds=2, label="t")
-  md = bench.write_results(
+  timing.time_interleaved({"a": lambda: None}, warmup=0, rounds=2, label="t")
+  md = results.write_results(
     "demo",
     "A title",
     ["system", "ms"],
@@ -186,7 +189,7 @@ def test_step_runner_keeps_the_new_params_and_state():
 
   box = [jnp.zeros(3), jnp.zeros((), jnp.int32)]
   xs = [np.arange(3.0), np.ones(3)]
-  run = bench.step_runner(step, box, lambda i: (xs[i % 2],))
+  run = timing.step_runner(step, box, lambda i: (xs[i % 2],))
   losses = [float(run(i)) for i in range(3)]
   p, want = np.zeros(3), []
   for i in range(3):  # the same steps in numpy

@@ -1,0 +1,183 @@
+"""The benchmarks' writer: ``benchmarks/results/<name>.md`` and ``.json``.
+
+:func:`write_results` prints a markdown table and writes it with the
+machine (:func:`machine`), the code measured (:func:`commit`), the run's
+settings and load, and the spread of every timing since the previous
+file; :func:`result_path` names any other output (plots) with the run's
+suffix (``_quick`` under ``--quick``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _timing
+from benchmarks._timing import load_note
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# appended to every results file's name: "_quick" under --quick
+SUFFIX_ENV = "GRADTX_BENCH_SUFFIX"
+
+
+def cpu_name() -> str:
+  """The CPU model (from /proc/cpuinfo where there is one)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+  """What the numbers were measured on (jax's devices where jax is
+  installed)."""
+  out = {"cpu": cpu_name(), "cores": os.cpu_count()}
+  out.update(backend="cpu", device="cpu", devices=1, jax="not installed")
+  try:
+    import jax
+  except ImportError:
+    return {**out, "python": platform.python_version()}
+  dev = jax.devices()[0]
+  out.update(
+    backend=jax.default_backend(),
+    device=getattr(dev, "device_kind", str(dev)),
+    devices=jax.device_count(),
+    jax=jax.__version__,
+  )
+  return {**out, "python": platform.python_version()}
+
+
+def oversubscribed(consequence: str) -> str:
+  """A caution for a results note, empty unless the load average exceeded
+  the core count (the machine is shared): ``consequence`` says what that
+  does to the figures."""
+  if max(os.getloadavg()) <= (os.cpu_count() or 1):
+    return ""
+  return (
+    " OVERSUBSCRIBED: the load average exceeded the core count during the "
+    f"run, {consequence}"
+  )
+
+
+def commit() -> str:
+  """The last commit that changed ``gradtx/`` (and whether it has
+  uncommitted changes): the code the numbers measure."""
+  root = Path(__file__).resolve().parent.parent
+
+  def git(*cmd: str) -> str:
+    return subprocess.run(
+      ["git", "-C", str(root), *cmd], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+  try:
+    last = git("log", "-1", "--format=%h", "--", "gradtx")
+    dirty = git("status", "--porcelain", "--", "gradtx")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return last + (" with uncommitted changes" if dirty else "")
+
+
+def markdown_table(
+  headers: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> str:
+  """A GitHub markdown table."""
+
+  def cell(x: Any) -> str:
+    if isinstance(x, float):
+      return f"{x:.4g}"
+    return str(x)
+
+  lines = ["| " + " | ".join(headers) + " |"]
+  lines.append("|" + "|".join("---" for _ in headers) + "|")
+  lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def result_path(name: str, ext: str) -> Path:
+  """``results/<name><suffix><ext>`` (the suffix: see
+  :func:`write_results`), its folder made."""
+  RESULTS.mkdir(exist_ok=True)
+  return RESULTS / f"{name}{os.environ.get(SUFFIX_ENV, '')}{ext}"
+
+
+def settings_note() -> str:
+  """The run's shared settings in words: pages, host memory, load."""
+  out, run = [], _timing.RUN
+  if run.huge_pages is not None:
+    out.append(
+      "Every system's tables and optimizer state on transparent huge pages "
+      "(`gtx.use_huge_pages`; the same madvise for torch's tensors)."
+      if run.huge_pages
+      else "Tables on the OS's default 4 KiB pages (no `--huge-pages`)."
+    )
+  if run.memory_reused is not None:
+    out.append(
+      "Host memory reused as gradtx sets it at import, for the whole "
+      "process (every system's step reuses freed memory for its "
+      "temporaries)."
+      if run.memory_reused
+      else "malloc as it is (`--fresh-memory`: each step faults its "
+      "temporaries in afresh)."
+    )
+  out.append(
+    f"Load average (1/5/15 min) at the start: {run.load_start}, at the "
+    f"end: {load_note()} (the machine is shared: compare ratios within a "
+    "row)."
+  )
+  return " ".join(out)
+
+
+def write_results(
+  name: str,
+  title: str,
+  headers: Sequence[str],
+  rows: Sequence[Sequence[Any]],
+  *,
+  notes: str = "",
+  extra: dict[str, Any] | None = None,
+) -> str:
+  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``.
+
+  The markdown: the title, the machine, the table, ``notes``, then the
+  run's settings and load (:func:`settings_note`). The json also holds
+  ``extra``, the load, and the spread of every :func:`time_interleaved`
+  call since the previous results file (``timing``).
+  ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` and by ``gpu.sh``) is
+  appended to ``name``, so smoke runs and other machines never overwrite
+  the reference results.
+  """
+  m, run = machine(), _timing.RUN
+  table = markdown_table(headers, rows)
+  md = (
+    f"## {title}\n\n"
+    f"Machine: {m['cpu']}, {m['cores']} cores, backend {m['backend']} "
+    f"({m['device']} x{m['devices']}), JAX {m['jax']}.\n\n{table}\n"
+  )
+  if notes:
+    md += f"\n{notes}\n"
+  md += f"\n{settings_note()}\n"
+  print(md)
+  result_path(name, ".md").write_text(md)
+  payload = {
+    "title": title,
+    "machine": m,
+    "headers": list(headers),
+    "rows": [list(r) for r in rows],
+    "notes": notes,
+    **(extra or {}),
+    "load": {"start": run.load_start, "end": load_note()},
+    "quick": run.quick,
+    "timing": run.timings,
+  }
+  result_path(name, ".json").write_text(json.dumps(payload, indent=2))
+  run.timings = []  # the next results file gets the timings made after
+  return md

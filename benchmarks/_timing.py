@@ -1,0 +1,270 @@
+"""The benchmarks' timer: systems alternated in one process.
+
+:func:`time_interleaved` (and :class:`Schedule`, its rounds, burst and
+settle) runs every system round-robin, so that the noise of a shared
+machine hits each alike, and returns medians; :func:`record` keeps each
+system's :func:`spread` for the results' json (``RUN.timings``).
+:func:`step_runner` and :class:`Counter` turn a donated jitted step into a
+call without arguments on fresh ids; :func:`warm_copy_bandwidth` gives the
+floor of a copy. Why a burst and a settle: ``results/timing_schedule.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+
+def load_note() -> str:
+  """The 1/5/15-minute load averages (the machine may be shared)."""
+  try:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+  except OSError:
+    return "unknown"
+
+
+class _Run:
+  """What the harness records of this process's run: one benchmark per
+  process (``python -m benchmarks`` starts one for each)."""
+
+  def __init__(self) -> None:
+    self.quick = False
+    self.huge_pages: bool | None = None  # None: the benchmark has no flag
+    self.memory_reused: bool | None = None  # None: no --fresh-memory flag
+    self.load_start = load_note()
+    self.timings: list[dict[str, Any]] = []
+
+
+RUN = _Run()
+
+
+# The whole-step benchmarks' defaults: SETTLE untimed steps of a system,
+# then BURST timed ones, each round (a training loop's steady state; the
+# measurements behind them: results/timing_schedule.md).
+BURST = 10
+SETTLE = 3
+
+
+class Schedule(NamedTuple):
+  """How :func:`time_interleaved` alternates systems (see there)."""
+
+  rounds: int = 10
+  burst: int = BURST
+  settle: int = SETTLE
+
+  @classmethod
+  def from_args(cls, args: Any) -> Schedule:
+    return cls(args.rounds, args.burst, args.settle)
+
+  @property
+  def steps(self) -> int:
+    """Steps each system runs (warmup 2, one HLO check, the rounds), so
+    that every step can get fresh ids."""
+    return self.rounds * (self.burst + self.settle) + 3
+
+  def time(
+    self, fns: dict[str, Callable[[], Any]], *, warmup: int = 2, **kw: Any
+  ) -> dict[str, float]:
+    """:func:`time_interleaved` of ``fns`` on this schedule."""
+    return time_interleaved(fns, warmup=warmup, **self._asdict(), **kw)
+
+  def describe(self) -> str:
+    settle = (
+      f" after {self.settle} untimed ones (the steps that pay for the "
+      "previous system's leftovers)"
+      if self.settle
+      else ""
+    )
+    return (
+      f"median of {self.rounds} round-robin rounds x {self.burst} timed "
+      f"consecutive steps of each system{settle}"
+    )
+
+
+def spread(seconds: Sequence[float], burst: int = 1) -> dict[str, float]:
+  """Milliseconds of one system's timed calls (``burst`` consecutive ones
+  per round, in order): the median, the 10th percentile, the quartiles,
+  and the lowest and highest of the rounds' medians."""
+  ms = [1e3 * s for s in seconds]
+  rounds = [
+    statistics.median(ms[i : i + burst]) for i in range(0, len(ms), burst)
+  ]
+  if len(ms) > 1:
+    deciles = statistics.quantiles(ms, n=10, method="inclusive")
+    q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+  else:
+    deciles, q1, q3 = ms * 9, ms[0], ms[0]
+  return {
+    "median": statistics.median(ms),
+    "p10": deciles[0],
+    "q1": q1,
+    "q3": q3,
+    "round_min": min(rounds),
+    "round_max": max(rounds),
+  }
+
+
+def time_interleaved(
+  fns: dict[str, Callable[[], Any]],
+  *,
+  warmup: int = 2,
+  rounds: int = 15,
+  burst: int = 1,
+  settle: int = 0,
+  samples: dict[str, list[float]] | None = None,
+  label: str | None = None,
+) -> dict[str, float]:
+  """Median seconds per call of each function, measured round-robin so that
+  machine noise hits every variant alike.
+
+  Each round runs every function ``settle`` times untimed, then ``burst``
+  times timed; the median is over all ``rounds * burst`` timed calls.
+  ``burst > 1`` with ``settle > 0`` measures a training loop's steady
+  state, the state a user's loop (one system alone) is in: a system's
+  first steps after another system's turn pay for that system's leftovers
+  (torch's OpenMP workers spin on the cores for tens of milliseconds after
+  each step), and ``settle`` keeps those out of the sample, for every
+  system alike. ``samples``, when given, receives every timed call's
+  seconds per function. Every call records each function's
+  :func:`spread` under ``label`` (default: the functions' names) for the
+  json that :func:`write_results` writes.
+  """
+  for fn in fns.values():
+    for _ in range(warmup):
+      fn()
+  times: dict[str, list[float]] = {k: [] for k in fns}
+  if samples is not None:
+    samples.update(times)
+  for _ in range(rounds):
+    for k, fn in fns.items():
+      for _ in range(settle):
+        fn()
+      for _ in range(burst):
+        t0 = time.perf_counter()
+        fn()
+        times[k].append(time.perf_counter() - t0)
+  label = label or ", ".join(map(_name, fns))
+  record(label, times, burst, rounds=rounds, settle=settle)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _name(system: Any) -> str:
+  """A system's name in the json: a tuple key (the variant of a variant)
+  as its parts joined by " / "."""
+  if isinstance(system, tuple):
+    return " / ".join(map(str, system))
+  return str(system)
+
+
+def record(
+  label: str, times: dict[str, Sequence[float]], burst: int = 1, **how: Any
+) -> None:
+  """Keeps each system's :func:`spread` of ``times`` (seconds of its timed
+  calls in order, ``burst`` a round) for the json of :func:`write_results`,
+  under ``label``, with ``how`` they were timed: for a benchmark that
+  times its systems in a loop of its own (a training run)."""
+  RUN.timings.append(
+    {
+      "label": label,
+      "burst": burst,
+      **how,
+      "ms": {_name(k): spread(v, burst) for k, v in times.items() if v},
+    }
+  )
+
+
+def time_fn(
+  fn: Callable[[], Any],
+  *,
+  warmup: int = 2,
+  repeats: int = 20,
+  label: str | None = None,
+) -> float:
+  """Median seconds per call of ``fn`` (which must block on its result)."""
+  name = label or getattr(fn, "__name__", "fn")
+  return time_interleaved(
+    {name: fn}, warmup=warmup, rounds=repeats, label=label
+  )[name]
+
+
+def step_runner(
+  step: Callable[..., Any], box: list, args_of: Callable[[int], tuple]
+) -> Callable[[int], Any]:
+  """``run(i)``: the jitted ``step(params, state, *args_of(i))`` on the
+  params and state in ``box`` (donated: the step returns them new, and
+  maybe a loss), the new ones kept in ``box``; waits for them and returns
+  the step's third output, its loss, where it has one."""
+  import jax
+
+  def run(i: int) -> Any:
+    out = step(box[0], box[1], *args_of(i))
+    box[0], box[1] = out[0], out[1]
+    jax.block_until_ready(out)
+    return out[2] if len(out) > 2 else None
+
+  return run
+
+
+class Counter:
+  """``fn(i)`` as a call without arguments, ``i`` counting up from
+  ``start``: each call a step on the next fresh batch."""
+
+  def __init__(self, fn: Callable[[int], Any], start: int = 1):
+    self.fn, self.i = fn, start  # 1: step 0 may have run (torch state init)
+
+  def __call__(self) -> Any:
+    out = self.fn(self.i)
+    self.i += 1
+    return out
+
+
+def copy_bandwidth(num_bytes: int = 256 * 2**20) -> float:
+  """Measured device copy bandwidth in bytes/s (read + write counted)."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones(num_bytes // 4, jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)
+  sec = time_fn(lambda: f(x).block_until_ready(), repeats=10)
+  return 2 * num_bytes / sec
+
+
+def warm_copy_bandwidth(
+  num_bytes: int = 256 * 2**20, repeats: int = 10
+) -> float:
+  """Bytes/s (read + write counted) of a copy into an already-faulted buffer.
+
+  On CPU, ``np.copyto`` into a destination written once before timing: an
+  in-place optimizer step never pays page faults, and a fresh output buffer
+  would (2-3x slower). On accelerators, a jitted ``a + 1`` updated in
+  place (donated). The best of ``repeats``: a floor should be optimistic.
+  """
+  import jax
+  import numpy as np
+
+  if jax.default_backend() == "cpu":
+    src = np.ones(num_bytes // 4, np.float32)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # fault the pages in
+
+    def call():
+      np.copyto(dst, src)
+
+  else:
+    f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+    box = [jax.numpy.ones(num_bytes // 4, jax.numpy.float32)]
+
+    def call():
+      box[0] = f(box[0])
+      box[0].block_until_ready()
+
+  call()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    call()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * num_bytes / best
