@@ -7,7 +7,8 @@ first row, how a stack's rows spread over its shards, and the id map of
 each stack with hashed tables. It returns a :class:`StackPlan`, which
 prints itself (``print(stack)``) and whose :class:`StackSpec` records
 ``TableStack.stacks`` hands out. The default initializer of the tables
-(:func:`default_init`, :func:`default_tables`) is here too.
+(:func:`default_tables`) is here too; the rows an id map gives to new ids
+draw its distribution themselves (``_vocab``).
 """
 
 from __future__ import annotations
@@ -30,14 +31,6 @@ from gradtx._static import is_int
 from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout
 
 __all__ = ["StackPlan", "StackSpec", "TableSpec"]
-
-
-def default_init(key: Any, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """The default initializer as an initializer function (a hashed table's
-  rows given to new ids): normal with standard deviation ``1 / sqrt(dim)``,
-  Flax's ``nn.Embed`` default."""
-  std = 1.0 / math.sqrt(shape[-1])
-  return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def _default_rows(
@@ -500,7 +493,7 @@ def plan_stacks(
         tuple(tables[t].hashed for t, _ in hashed),
         s.size,
         s.shards,
-        tuple(tables[t].initializer or default_init for t, _ in hashed),
+        tuple(tables[t].initializer for t, _ in hashed),
         s.dim,
         s.dtype,
       )

@@ -31,7 +31,10 @@ every backend.
 
 A row given to a new id is fresh: the map draws its new values from the
 table's initializer (the layout carries it), keyed by the map's key and
-step, and returns them as :class:`gradtx.FreshRows`;
+step, and returns them as :class:`gradtx.FreshRows`. The default
+initializer's normal values come from a counter-based hash of (the map's
+key, step, row, column), :func:`fresh_normal`: straight-line integer ops,
+no loop, whatever the number of new ids.
 :func:`gradtx.reset_rows` (``_fresh_rows``) writes them into the params
 and resets the row in every optimizer state, so that the new id inherits
 nothing from the old one, and :func:`drop_reassigned` keeps a gradient
@@ -345,8 +348,10 @@ class Layout:
   settings: tuple[Hashed, ...]
   size: int  # rows of the stack's array
   shards: int  # the stack's round-robin split (_sharded.spread_row)
-  # each table's initializer(key, shape, dtype), the rows given to new ids
-  initializers: tuple[Callable[..., Any], ...]
+  # each table's initializer(key, shape, dtype) of the rows given to new
+  # ids; None: the default normal of standard deviation 1 / sqrt(dim),
+  # drawn by fresh_normal
+  initializers: tuple[Callable[..., Any] | None, ...]
   dim: int
   dtype: Any
 
@@ -648,29 +653,95 @@ def admit(
     sketch=sketch,
     rng=state.rng,
   )
-  values = _fresh_values(state, layout, btab)
+  values = _fresh_values(state, layout, btab, done.fresh)
   return row, new_state, FreshRows(done.fresh, values)
 
 
 def _fresh_values(
-  state: VocabState, layout: Layout, tab: np.ndarray
+  state: VocabState, layout: Layout, tab: np.ndarray, rows: jax.Array
 ) -> jax.Array:
-  """``[m, dim]`` new rows, the k-th for the k-th row placed (of hashed
-  table ``tab[k]``): each table's initializer, keyed by the map's key and
-  step; the tables of one initializer share one draw."""
-  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+  """``[m, dim]`` new rows, the k-th for the k-th row placed (row
+  ``rows[k]`` of hashed table ``tab[k]``): the default initializer's from
+  :func:`fresh_normal`, keyed by the map's key and step; a table's own
+  initializer from JAX's PRNG with the same key, the tables of one
+  initializer sharing one draw."""
   n, dtype = tab.shape[0], jnp.dtype(layout.dtype)
   by_init: dict[Any, list[int]] = {}
   for k, init in enumerate(layout.initializers):
     by_init.setdefault(init, []).append(k)
   values = None
   for g, (init, members) in enumerate(by_init.items()):
-    v = init(jax.random.fold_in(key, g), (n, layout.dim), dtype).astype(dtype)
+    if init is None:
+      std = 1.0 / math.sqrt(layout.dim)
+      z = fresh_normal(state.rng, state.step, rows, layout.dim)
+      v = (std * z).astype(dtype)
+    else:
+      key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+      v = init(jax.random.fold_in(key, g), (n, layout.dim), dtype)
+      v = v.astype(dtype)
     if values is None:
       values = v
     else:
       values = jnp.where(jnp.isin(tab, np.asarray(members))[:, None], v, values)
   return values
+
+
+# Threefry-2x32's rotations and key-schedule constant (Salmon et al. 2011)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA
+
+
+def threefry2x32(
+  key: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  """Threefry-2x32 with 20 rounds, written out round by round: two uint32
+  words of key and of counter (broadcast alike) to two uint32 words. The
+  cipher of JAX's default PRNG; unrolled here so that its program is
+  straight-line integer ops, with no loop on any backend."""
+  k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
+  ks = (k0, k1, k0 ^ k1 ^ _U32(_PARITY))
+  x0 = jnp.asarray(x[0], jnp.uint32) + ks[0]
+  x1 = jnp.asarray(x[1], jnp.uint32) + ks[1]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = (x1 << _U32(r)) | (x1 >> _U32(32 - r))
+      x1 = x1 ^ x0
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + _U32(i + 1)
+  return x0, x1
+
+
+def fresh_normal(
+  rng: jax.Array, step: jax.Array, rows: jax.Array, dim: int
+) -> jax.Array:
+  """``[m, dim]`` float32 standard normal values, row ``k`` a function of
+  (``rng``, ``step``, ``rows[k]``) alone: the key of the step is
+  Threefry-2x32 of the map's key words ``rng`` and counter ``(step, 0)``;
+  element ``(k, j)`` takes word ``j % 2`` of Threefry-2x32 of that key and
+  counter ``(rows[k], j // 2)``, as a uniform in ``(-1, 1)`` turned normal
+  by ``sqrt(2) * erfinv``, the transform of ``jax.random.normal``. A
+  counter-based draw: no state, no loop, the same values on every
+  backend and sharding, and a row given out twice in different steps
+  gets different values."""
+  rng = jnp.asarray(rng, jnp.uint32)
+  step_key = threefry2x32(
+    (rng[0], rng[1]), (jnp.asarray(step).astype(jnp.uint32), _U32(0))
+  )
+  blocks = (dim + 1) // 2
+  shape = (rows.shape[0], blocks)
+  r = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
+  b = jnp.broadcast_to(lax.iota(jnp.uint32, blocks)[None, :], shape)
+  w0, w1 = threefry2x32(step_key, (r, b))
+  bits = jnp.stack([w0, w1], axis=-1).reshape(rows.shape[0], 2 * blocks)
+  bits = bits[:, :dim]
+  # 23 bits of mantissa: a float in [1, 2), then [0, 1), then (-1, 1)
+  one = lax.bitcast_convert_type(
+    (bits >> _U32(9)) | _U32(0x3F800000), jnp.float32
+  )
+  low = np.nextafter(np.float32(-1.0), np.float32(1.0))
+  u = jnp.maximum(low, (one - 1.0) * (1.0 - low) + low)
+  return np.float32(np.sqrt(2.0)) * lax.erf_inv(u)
 
 
 def check_not_split(state: VocabState, what: str) -> None:
