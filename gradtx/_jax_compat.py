@@ -27,6 +27,7 @@ the only places that know JAX's internals:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import re
@@ -153,8 +154,16 @@ def barrier_computes_once() -> bool:
   on a GPU host carries the CPU's answer in its CPU branch only): the
   producer's scale appears once in it when the barrier holds, in each
   consumer when it does not. False where JAX has no CPU backend.
-  """
 
+  Compiled on a thread of its own: the caller may be tracing a step under
+  a mesh (``jax.set_mesh``) or a default device, whose thread-local
+  settings would apply to the probe's program.
+  """
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(_barrier_probe).result()
+
+
+def _barrier_probe() -> bool:
   def probe(t, i):
     r = lax.optimization_barrier(jax.numpy.tanh(t[i]) * _PROBE_SCALE)
     return t.at[i].set(r, unique_indices=True), r * 3.0
