@@ -2,7 +2,8 @@
 # Two environments, both ends of the supported JAX range, each pinned by a
 # constraints file: .venv (Python 3.11, jax 0.10.2) and .venv-newest
 # (Python 3.13, the newest jax). `make test` builds both at once, lints
-# once and runs the whole suite on both; test-oldest / test-newest run one.
+# once, runs the whole suite on the newest and the version-dependent tests
+# on the oldest (VERSION_TESTS); test-oldest / test-newest run one.
 # pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set
 # (as on the reference machine) nothing else would, and every Python
 # process the tests start would compile its imports again (7.1 s against
@@ -18,7 +19,8 @@ PY_NEWEST := $(VENV_NEWEST)/bin/python
 WORKERS ?= -n 2 --dist worksteal
 PYTEST = -m pytest -q $(WORKERS)
 
-.PHONY: test test-oldest test-newest test-ray lint fuzz demo bench docs clean
+.PHONY: test test-oldest test-oldest-all test-newest test-ray lint fuzz demo bench \
+  docs clean
 
 comma := ,
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints
@@ -44,6 +46,19 @@ lint: $(VENV)/.installed
 EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
   --ignore=tests/test_demo.py --ignore=tests/test_ray.py
 
+# The oldest environment runs the tests whose outcome can depend on the JAX
+# version: the jaxpr reader and the models it reads, the compatibility
+# layer (shard_map, pmap, multi-process, orbax, checkify, the flatten
+# guard), what the compiler makes of a step (HLO, fusion, exported
+# programs, determinism), and the conformance suite over every
+# transformation as the smoke set; the newest runs everything.
+# `make test-oldest-all` runs the whole suite on the oldest.
+VERSION_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
+  jaxpr fuzz sparse models interop batch_shapes \
+  mirrored sharded multihost checkpoint optax_errors bad_inputs \
+  input_traps engine no_table_copy platforms accelerator_branches memory \
+  determinism conformance lazy_adam layout))
+
 # The two environments' suites side by side, one pytest process each: one
 # process traces a program or runs a shared reference once for its whole
 # suite, where two workers each did it again, and the two processes keep
@@ -58,6 +73,9 @@ test:
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY) $(PYTEST) $(VERSION_TESTS)
+
+test-oldest-all: $(VENV)/.installed
 	$(PY) $(PYTEST) $(EXAMPLE_TESTS)
 
 test-newest: $(VENV_NEWEST)/.installed
