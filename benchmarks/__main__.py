@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from benchmarks._common import parse, parser
 from benchmarks._results import RESULTS, machine, markdown_table
+from benchmarks._timing import Clock
 
 BENCHMARKS = [
   "sparse_grad",
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     cmd = [sys.executable, "-m", f"benchmarks.{name}"]
     cmd += ["--quick"] if args.quick else []
     print(f"\n=== {' '.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
+    clock = Clock()
     if subprocess.run(cmd).returncode:
       failed.append(name)
-    print(f"=== {name}: {time.perf_counter() - t0:.0f}s", flush=True)
+    print(f"=== {name}: {clock.wall():.0f}s", flush=True)
   if args.quick:
     print("quick run: results written with suffix _quick; plots unchanged")
     return

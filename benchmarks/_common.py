@@ -17,13 +17,12 @@ import math
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks import _timing
 from benchmarks._results import SUFFIX_ENV
-from benchmarks._timing import Schedule, load_note
+from benchmarks._timing import Clock, Schedule, load_note
 
 
 def fake_cpu_devices(n: int) -> None:
@@ -531,27 +530,20 @@ def compile_phases(jitted: Any, *args: Any) -> dict[str, Any]:
   """Wall and CPU (this process's) seconds to trace, lower and compile
   ``jitted`` on ``args`` (abstract values are fine), and the compiled
   program's op counts (:func:`hlo_op_counts`) and HLO lines."""
-  wall, cpu = [time.perf_counter()], [time.process_time()]
-
-  def mark() -> None:
-    wall.append(time.perf_counter())
-    cpu.append(time.process_time())
-
-  traced = jitted.trace(*args)
-  mark()
-  lowered = traced.lower()
-  mark()
-  compiled = lowered.compile()
-  mark()
-  text = compiled.as_text()
   out: dict[str, Any] = {}
-  for phase, k in (("trace", 1), ("lower", 2), ("compile", 3)):
-    out[f"{phase}_s"] = wall[k] - wall[k - 1]
-    out[f"{phase}_cpu_s"] = cpu[k] - cpu[k - 1]
+  total, program = Clock(), jitted
+  for phase, call in (
+    ("trace", lambda f: f.trace(*args)),
+    ("lower", lambda traced: traced.lower()),
+    ("compile", lambda lowered: lowered.compile()),
+  ):
+    clock = Clock()
+    program = call(program)
+    out[f"{phase}_s"], out[f"{phase}_cpu_s"] = clock.wall(), clock.cpu()
+  out.update(total_s=total.wall(), cpu_s=total.cpu())
+  text = program.as_text()
   return {
     **out,
-    "total_s": wall[3] - wall[0],
-    "cpu_s": cpu[3] - cpu[0],
     "hlo_lines": text.count("\n"),
     **hlo_op_counts(text),
   }

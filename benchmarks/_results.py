@@ -181,3 +181,22 @@ def write_results(
   result_path(name, ".json").write_text(json.dumps(payload, indent=2))
   run.timings = []  # the next results file gets the timings made after
   return md
+
+
+def figure(*args: Any, **kw: Any) -> tuple[Any, Any]:
+  """``plt.subplots(*args, **kw)`` on matplotlib's Agg backend."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  return plt.subplots(*args, **kw)
+
+
+def save_figure(fig: Any, path: Path | str, dpi: int = 120) -> None:
+  """``fig`` laid out tight, written to ``path`` and closed."""
+  import matplotlib.pyplot as plt
+
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)

@@ -6,7 +6,7 @@ machine hits each alike, and returns medians; :func:`record` keeps each
 system's :func:`spread` for the results' json (``RUN.timings``).
 :func:`step_runner` and :class:`Counter` turn a donated jitted step into a
 call without arguments on fresh ids; :func:`warm_copy_bandwidth` gives the
-floor of a copy. Why a burst and a settle: ``results/timing_schedule.md``.
+floor of a copy. Why a burst and a settle: ``results/harness_notes.md``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,30 @@ RUN = _Run()
 
 # The whole-step benchmarks' defaults: SETTLE untimed steps of a system,
 # then BURST timed ones, each round (a training loop's steady state; the
-# measurements behind them: results/timing_schedule.md).
+# measurements behind them: results/harness_notes.md).
 BURST = 10
 SETTLE = 3
+
+
+class Clock:
+  """Wall and CPU seconds (this process's threads together) since it was
+  made: ``c = Clock(); ...; c.wall(), c.cpu()``."""
+
+  def __init__(self) -> None:
+    self.start = time.perf_counter(), time.process_time()
+
+  def wall(self) -> float:
+    return time.perf_counter() - self.start[0]
+
+  def cpu(self) -> float:
+    return time.process_time() - self.start[1]
+
+
+def once(fn: Callable[[], Any]) -> float:
+  """Wall seconds of one call of ``fn`` (which must block on its result)."""
+  clock = Clock()
+  fn()
+  return clock.wall()
 
 
 class Schedule(NamedTuple):
@@ -219,17 +240,6 @@ class Counter:
     out = self.fn(self.i)
     self.i += 1
     return out
-
-
-def copy_bandwidth(num_bytes: int = 256 * 2**20) -> float:
-  """Measured device copy bandwidth in bytes/s (read + write counted)."""
-  import jax
-  import jax.numpy as jnp
-
-  x = jnp.ones(num_bytes // 4, jnp.float32)
-  f = jax.jit(lambda a: a + 1.0)
-  sec = time_fn(lambda: f(x).block_until_ready(), repeats=10)
-  return 2 * num_bytes / sec
 
 
 def warm_copy_bandwidth(

@@ -44,14 +44,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
 
 from benchmarks._common import import_torch, parse, parser
 from benchmarks._results import result_path, write_results
-from benchmarks._timing import record
+from benchmarks._timing import Clock, record
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKOUT = "this checkout"
@@ -172,26 +171,16 @@ def _gtx_many(spec: dict) -> tuple[Any, dict]:
   import jax.numpy as jnp
 
   import gradtx as gtx
-  from benchmarks import recsys
+  from benchmarks import models, recsys
 
-  rows = recsys.table_rows(spec["tables"], 100_000)
+  rows = models.table_rows(spec["tables"], 100_000)
   data = recsys.make_data(rows, 2048, WARMUP + spec["steps"], "zipf")
   params = jax.tree.map(jnp.asarray, recsys.init_params(rows, 64, "linear", 0))
   loss = recsys.per_table_loss(spec["tables"])
   tx = MANY[spec["case"]](gtx)
-
-  def step(p, s, ids, y):
-    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s, value
-
   batches = list(zip(data.ids, data.labels, strict=True))
   return _compiled_runner(
-    jax.jit(step, donate_argnums=(0, 1)),
-    params,
-    tx.init(params),
-    batches,
-    lambda b: b,
+    models.whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
   )
 
 
@@ -203,21 +192,19 @@ def _gtx_bags(spec: dict) -> tuple[Any, dict]:
   import jax.numpy as jnp
 
   import gradtx as gtx
-  from benchmarks import stacks
-  from benchmarks.compile_tables import whole_step
-  from benchmarks.recsys import head_params
+  from benchmarks import models, stacks
 
   tables, rows, batch = 8, 200_000, 1024
-  raw, labels, _ = stacks.bag_data(
+  raw, labels, _ = models.bag_data(
     tables, rows, batch, WARMUP + spec["steps"], "zipf"
   )
-  stack, names, _, loss = stacks.bag_models(tables, rows, spec["dim"], batch)
+  stack, names, _, loss = models.bag_models(tables, rows, spec["dim"], batch)
   rng = np.random.default_rng(0)
   per_table = {
     n: (0.05 * rng.standard_normal((rows, spec["dim"]))).astype(np.float32)
     for n in names
   }
-  head = head_params(tables, spec["dim"], "linear", stacks.HIDDEN, rng)
+  head = models.head_params(tables, spec["dim"], "linear", models.HIDDEN, rng)
   params = jax.tree.map(
     jnp.asarray, {"emb": stack.stack(per_table), "head": head}
   )
@@ -228,7 +215,7 @@ def _gtx_bags(spec: dict) -> tuple[Any, dict]:
     for b, y in zip(raw, labels, strict=True)
   ]
   return _compiled_runner(
-    whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
+    models.whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
   )
 
 
@@ -282,10 +269,10 @@ def worker(spec: dict) -> dict:
     run(k)
   wall, cpu = [], []
   for k in range(WARMUP, WARMUP + spec["steps"]):
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = Clock()
     run(k)
-    wall.append(1e3 * (time.perf_counter() - t0))
-    cpu.append(1e3 * (time.process_time() - c0))
+    wall.append(1e3 * clock.wall())
+    cpu.append(1e3 * clock.cpu())
   return {"wall": wall, "cpu": cpu, "ops": ops}
 
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import gradtx as gtx
 from benchmarks._common import compile_phases, parse, parser
 from benchmarks._results import write_results
-from benchmarks.recsys import _bce, table_rows
+from benchmarks.models import bce, table_rows, whole_step
 
 
 def per_table_loss(tables: int):
@@ -95,15 +95,6 @@ STACKED_TWIN = {
   "per-table grad": "stacked grad",
   "per-table step": "stacked step",
 }
-
-
-def whole_step(loss, tx):
-  def step(p, s, ids, y):
-    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s, value
-
-  return jax.jit(step, donate_argnums=(0, 1))
 
 
 PHASES = ["trace_s", "lower_s", "compile_s"]
@@ -230,7 +221,7 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
   for form, (logit, x) in losses.items():
 
     def loss(p, x, y, logit=logit):
-      return _bce(logit(p, x, y), y)
+      return bce(logit(p, x, y), y)
 
     out[form] = (whole_step(loss, tx), p, s, x, y)
   # the per-feature head's own ops, without a table: what the user's code
@@ -239,7 +230,7 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
   pooled = jax.ShapeDtypeStruct((batch, features, dim), jnp.float32)
 
   def head_loss(p, x, y):
-    return _bce(
+    return bce(
       per_feature_head(p, {n: x[:, i] for i, n in enumerate(names)}), y
     )
 
@@ -279,8 +270,8 @@ def form_samples(args: argparse.Namespace) -> None:
 def forms_main(args: argparse.Namespace) -> None:
   """The ``--forms`` table (see the module docstring): each form in a
   fresh process, as a user's program compiles its one step (one process
-  for all forms charged the later forms with the caches of the earlier:
-  Keyed 500/26 read 2.00x there, 1.07-1.13x alone)."""
+  for all forms charges the later forms with the caches of the earlier:
+  results/harness_notes.md)."""
   results: dict[int, dict[str, dict]] = {t: {} for t in args.tables}
   for i in range(len(form_programs(2, 10, 4, 8))):
     cmd = [sys.executable, "-m", "benchmarks.compile_tables", "--forms"]

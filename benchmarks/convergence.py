@@ -63,33 +63,8 @@ with its ratio to ``lazy_adam``'s. Writes
 Learning rates: one peak rate per task and optimizer family, decayed to 0
 by a cosine schedule over the run (``--schedule constant`` keeps the peak), the
 low-precision variants using their float32 twin's (never tuned per
-variant). Chosen by a sweep of the float32 optimizers at the default sizes
-and schedule (5,000 steps, 5 evaluations), final held-out loss:
-
-=================  ==========================  ==========================
-family             skip-gram                   next-token LM
-=================  ==========================  ==========================
-Adam (lazy_adam)   3e-3 2.123, **1e-2 2.086**, 1e-3 2.521, 3e-3 2.320,
-                   3e-2 2.107                  **1e-2 2.225**, 3e-2 2.562
-rowwise_adagrad    0.03 2.145, **0.1 2.088**,  0.03 2.445, **0.1 2.343**,
-                   0.3 2.081                   0.3 2.613
-adagrad            3 2.280, 10 2.165,          0.3 2.437, **1 2.273**,
-                   **30 2.132**, 100 5.83      3 2.664
-lazy_sgd momentum  1 2.285, 3 2.183,           0.03 2.653, 0.1 2.417,
-                   **10 2.111**, 30 nan        **0.3 2.296**, 1 2.589
-=================  ==========================  ==========================
-
-Adam's 1e-2 is best on both tasks. Row-wise Adagrad gets 0.1 on both (0.3
-is 0.3% better on skip-gram but 12% worse on the LM). Adagrad and SGD
-cannot share a rate: they see the gradient's scale, and skip-gram's
-per-row gradients (a mean over 1,024 examples, a row in a few of them)
-are far smaller than the LM's dense-layer gradients; Adagrad's
-``initial_accumulator_value=0.1`` (optax's default) dominates its
-denominator for such gradients, so it needs an SGD-sized rate too. The
-best rate shared by both tasks in the sweep costs Adagrad 7% on skip-gram
-and 17% on the LM (3: 2.280, 2.664) and SGD 8% and 13% (1: 2.285, 2.589),
-more than the differences measured here, so each of those two gets its best
-rate per task (within a factor 3).
+variant), chosen by a sweep of the float32 optimizers at the default sizes
+and schedule (``LR``; the sweep: ``results/convergence_lr_sweep.md``).
 
   python -m benchmarks.convergence [--quick] [--only NAME ...]
       [--tasks skip-gram lm] [--steps 5000] [--evals 10]
@@ -102,7 +77,6 @@ import io
 import statistics
 import sys
 import sysconfig
-import time
 import tokenize
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +89,8 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
-from benchmarks._results import result_path, write_results
-from benchmarks._timing import record
+from benchmarks._results import figure, result_path, save_figure, write_results
+from benchmarks._timing import Clock, record
 from examples.demo import build_vocab
 
 DIM = 64
@@ -125,10 +99,10 @@ HELD_OUT_EVERY = 10  # every 10th file (sorted order) is held out
 SETTLE = 3  # untimed steps at the start of each config's round
 STEPS = 5000  # per config and task
 MAX_TOKENS = 2_000_000
-# Peak learning rate per task and optimizer family (the sweep in the module
-# docstring). Adam and row-wise Adagrad are invariant to the gradient's
-# scale and share one rate across tasks; Adagrad (its 0.1 initial
-# accumulator) and SGD are not.
+# Peak learning rate per task and optimizer family (the sweep:
+# results/convergence_lr_sweep.md). Adam and row-wise Adagrad are invariant
+# to the gradient's scale and share one rate across tasks; Adagrad (its 0.1
+# initial accumulator) and SGD are not.
 LR = {
   "skip-gram": {
     "adam": 1e-2,
@@ -428,13 +402,13 @@ class Run:
 
   def train(self, batches: list[Any]) -> None:
     for i, batch in enumerate(batches):
-      t0 = time.perf_counter()
+      clock = Clock()
       self.params, self.state, loss = self.step(
         self.params, self.state, batch, self.count
       )
       loss.block_until_ready()
       if i >= SETTLE:
-        self.times.append(time.perf_counter() - t0)
+        self.times.append(clock.wall())
       self.count += 1
 
 
@@ -541,15 +515,13 @@ def _plot(curves: dict[str, dict[str, list]], path: Path) -> None:
   their float32 twin's (bottom)."""
   import matplotlib
 
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   n = len(curves)
   # 13 configs: tab20's dark shades, then its light ones.
   colors = [
-    plt.get_cmap("tab20")(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]
+    matplotlib.colormaps["tab20"](i)
+    for i in [*range(0, 20, 2), *range(1, 20, 2)]
   ]
-  fig, axes = plt.subplots(
+  fig, axes = figure(
     2, n, figsize=(6.5 * n, 7.5), squeeze=False, height_ratios=[3, 2]
   )
   for col, (task, by_config) in enumerate(curves.items()):
@@ -579,9 +551,7 @@ def _plot(curves: dict[str, dict[str, list]], path: Path) -> None:
       ax.grid(True, alpha=0.3)
   axes[0, -1].legend(fontsize=8)
   fig.suptitle("Held-out loss: cheaper optimizers and lower precision")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, dpi=110)
 
 
 def _curve_table(task: str, runs: dict[str, Run]) -> str:
@@ -695,23 +665,23 @@ def main(argv: list[str] | None = None) -> None:
   lrs = {task: {**lr, **overrides} for task, lr in LR.items()}
   configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
 
-  t0 = time.perf_counter()
+  clock = Clock()
   corpus = load_corpus(max_tokens)
   print(
     f"corpus: {len(corpus.train):,} training + {len(corpus.held_out):,} "
     f"held-out tokens from {corpus.files} files "
-    f"({time.perf_counter() - t0:.1f}s)",
+    f"({clock.wall():.1f}s)",
     flush=True,
   )
   rows, curves, tables, headline, per_task, failed_all = [], {}, [], [], {}, []
   for key in args.tasks:
     make, sizes, quick_sizes = TASKS[key]
     task = make(corpus, *(quick_sizes if args.quick else sizes))
-    t1 = time.perf_counter()
+    task_clock = Clock()
     runs, failed = train_side_by_side(
       task, configs, lrs[task.name], steps, evals, args.schedule
     )
-    wall = time.perf_counter() - t1
+    wall = task_clock.wall()
     record(
       f"{task.name} step",
       {k: r.times for k, r in runs.items()},
@@ -817,10 +787,10 @@ def main(argv: list[str] | None = None) -> None:
       "max_tokens": max_tokens,
       "schedule": args.schedule,
       "tasks": per_task,
-      "seconds": time.perf_counter() - t0,
+      "seconds": clock.wall(),
     },
   )
-  print(f"total {time.perf_counter() - t0:.0f}s")
+  print(f"total {clock.wall():.0f}s")
   if failed_all:
     raise SystemExit(f"failed: {failed_all}")
 

@@ -30,7 +30,6 @@ Writes ``benchmarks/results/cpu_overlap.{md,json}``.
 from __future__ import annotations
 
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ from jax import lax
 
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
-from benchmarks._timing import Schedule
+from benchmarks._timing import Clock, Schedule
 
 
 def _trip(k, carry, ids, chunk):
@@ -88,10 +87,10 @@ def programs(trips: int, chunk: int) -> dict:
 
 def cores_busy(fn, calls: int = 20) -> float:
   """The process's CPU time over the wall time of ``calls`` calls."""
-  cpu, wall = time.process_time(), time.perf_counter()
+  clock = Clock()
   for _ in range(calls):
     fn()
-  return (time.process_time() - cpu) / (time.perf_counter() - wall)
+  return clock.cpu() / clock.wall()
 
 
 def main(argv: list[str] | None = None) -> None:

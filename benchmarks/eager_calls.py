@@ -22,7 +22,6 @@ Writes ``benchmarks/results/eager_calls.{md,json}``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
-from benchmarks._timing import time_interleaved
+from benchmarks._timing import once, time_interleaved
 from gradtx._vocab import DEFAULT_MAX_NEW
 
 WAYS = ("outside jit", "op by op", "user's jax.jit")
@@ -104,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
   for form in FORMS:
     for (method, way), fn in systems(stack, params, vocab, form).items():
       key = f"{method}, {form}, {way}"
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(batches[form][0]))
-      first[key] = time.perf_counter() - t0
+      first[key] = once(
+        lambda fn=fn, b=batches[form][0]: jax.block_until_ready(fn(b))
+      )
       count = iter(range(1, 10**9))
 
       def call(fn=fn, count=count, form=form):

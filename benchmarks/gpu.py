@@ -37,8 +37,8 @@ for a lent GPU. Writes ``<out>/gpu.md`` and ``gpu.json`` (default
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ import numpy as np
 from benchmarks import gpu_model, gpu_steps
 from benchmarks._common import available, compile_phases
 from benchmarks._results import RESULTS, commit, machine, markdown_table
-from benchmarks._timing import Schedule
+from benchmarks._timing import Clock, Schedule
 
 SEED = 0
 BATCHES = 8  # distinct batches a system cycles through
@@ -62,9 +62,9 @@ LR = 1e-3
 def compiled_step(program: gpu_steps.Program) -> tuple[Any, dict]:
   """The step compiled ahead of time for this backend, with its compile
   seconds and op counts (``while``: loops left after XLA's passes)."""
-  t0 = time.perf_counter()
+  clock = Clock()
   compiled = program.step.trace(*program.args).lower().compile()
-  seconds = time.perf_counter() - t0
+  seconds = clock.wall()
   from benchmarks._common import hlo_op_counts
 
   return compiled, {"compile_s": seconds, **hlo_op_counts(compiled.as_text())}
@@ -73,9 +73,10 @@ def compiled_step(program: gpu_steps.Program) -> tuple[Any, dict]:
 def gtx_runner(program: gpu_steps.Program, compiled: Any, batches: list):
   box = list(program.init(jax.random.key(SEED)))
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    batch = batches[i[0] % len(batches)]
-    i[0] += 1
+  batches_loop = itertools.cycle(batches)
+
+  def run():
+    batch = next(batches_loop)
     out = compiled(*box, *batch)
     box[:] = out[: program.donated]
     out[-1].block_until_ready()
@@ -99,9 +100,10 @@ def torch_single(torch, program, batches):
   opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
   ids = [torch.from_numpy(b[0].astype(np.int64)).to(dev) for b in batches]
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    x = ids[i[0] % len(ids)]
-    i[0] += 1
+  ids_loop = itertools.cycle(ids)
+
+  def run():
+    x = next(ids_loop)
     opt.zero_grad(set_to_none=True)
     loss = (torch.tanh(emb(x)) * 0.01).sum()
     loss.backward()
@@ -158,9 +160,10 @@ def torch_tables(torch, program, batches, bags: bool):
   ]
   data = _torch_batches(torch, program, batches, bags)
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    per, y = data[i[0] % len(data)]
-    i[0] += 1
+  data_loop = itertools.cycle(data)
+
+  def run():
+    per, y = next(data_loop)
     for o in opts:
       o.zero_grad(set_to_none=True)
     if bags:
@@ -217,9 +220,10 @@ def fbgemm_tables(torch, program, batches, bags: bool):
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
     data.append((ids, offsets, wt, y))
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    ids, offsets, wt, y = data[i[0] % len(data)]
-    i[0] += 1
+  data_loop = itertools.cycle(data)
+
+  def run():
+    ids, offsets, wt, y = next(data_loop)
     head.zero_grad(set_to_none=True)
     x = module(ids, offsets, per_sample_weights=wt).view(-1, features, dim)
     logit = (x * w).sum((1, 2)) + b

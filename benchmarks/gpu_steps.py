@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks.recsys import CRITEO_KAGGLE
+from benchmarks.models import CRITEO_KAGGLE
 
 CAP = 100_000  # rows of a Criteo table at most, as benchmarks.stacks
 MAX_BAG = 20  # a bag holds 1..MAX_BAG ids
@@ -55,7 +55,7 @@ class Program(NamedTuple):
   info: dict  # sizes, for tables and the cost model's notes
 
 
-def _bce(logit: jax.Array, y: jax.Array) -> jax.Array:
+def bce(logit: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
 
@@ -138,7 +138,7 @@ def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], lookup_ids(ids), concat=True)
     x = x.reshape(batch, len(features), dim)
-    return _bce(
+    return bce(
       jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
     )
 
@@ -239,7 +239,7 @@ def hashed(
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], ids, concat=True)
     x = x.reshape(batch, features, dim)
-    return _bce(
+    return bce(
       jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
     )
 
@@ -293,7 +293,7 @@ def keyed(
   def loss(p, ids, y):
     out = stack.lookup(p["emb"], gtx.Keyed(names, ids), keyed=True)
     logit = jnp.einsum("bfd,fd->b", out.values, p["head"]["w"])
-    return _bce(logit + p["head"]["b"], y)
+    return bce(logit + p["head"]["b"], y)
 
   def params_fn(key):
     k1, k2 = jax.random.split(key)

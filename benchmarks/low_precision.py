@@ -46,7 +46,7 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.train_step import _torch
+from benchmarks.models import torch_sparse_adam
 
 LR = 1e-3
 INT8 = dict(mu_dtype="int8", nu_dtype="int8")
@@ -99,7 +99,7 @@ def run_config(rows, dim, n, dist, sched, bandwidth, with_torch):
     fns[name] = Counter(run, 0)
     keep.append(box)
   if with_torch:
-    run, box = _torch(table_np, ids_np, ct_np, False)
+    run, box = torch_sparse_adam(table_np, ids_np, ct_np, False)
     fns["torch SparseAdam"] = Counter(run, 0)
     per_row["torch SparseAdam"] = 3 * dim * 4
     keep.append(box)

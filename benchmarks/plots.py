@@ -12,12 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from benchmarks._results import RESULTS  # noqa: E402
+from benchmarks._results import RESULTS, figure, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "docs" / "assets" / "bench"
@@ -40,7 +35,7 @@ def _num(x) -> float | None:
 
 def plot_lazy_adam(data: dict) -> str:
   rows = [int(t.split(" x ")[0].replace(",", "")) for t in _col(data, "table")]
-  fig, ax = plt.subplots(figsize=(6, 3.6))
+  fig, ax = figure(figsize=(6, 3.6))
   for header, label in [
     ("gtx ms", "gtx.lazy_adam"),
     ("jnp ref ms", "plain-jnp lazy step"),
@@ -55,14 +50,12 @@ def plot_lazy_adam(data: dict) -> str:
   ax.set_ylabel("ms per step")
   ax.set_title("Lazy vs dense Adam step time")
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(ASSETS / "lazy_adam.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, ASSETS / "lazy_adam.png")
   return "lazy_adam.png"
 
 
 def plot_sparse_grad(data: dict) -> str:
-  fig, axes = plt.subplots(1, 2, figsize=(7, 3.2))
+  fig, axes = figure(1, 2, figsize=(7, 3.2))
   row = data["rows"][0]
   h = data["headers"]
   axes[0].bar(
@@ -75,25 +68,21 @@ def plot_sparse_grad(data: dict) -> str:
   )
   axes[1].set_ylabel("compiled temp + output MiB")
   fig.suptitle(f"Gradient of an embedding model, {row[0]} table")
-  fig.tight_layout()
-  fig.savefig(ASSETS / "sparse_grad.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, ASSETS / "sparse_grad.png")
   return "sparse_grad.png"
 
 
 def plot_accumulate(data: dict) -> str:
   rows = [r for r in data["rows"] if _num(r[1]) is not None]
   names = [r[0].replace(", ", ",\n") for r in rows]
-  fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+  fig, axes = figure(1, 2, figsize=(9, 3.6))
   axes[0].barh(names, [r[1] for r in rows])
   axes[0].set_xlabel("silent micro-step, ms")
   axes[1].barh(names, [r[5] for r in rows])
   axes[1].set_xlabel("compiled memory (arg + out + temp), MiB")
   axes[1].set_yticklabels([])
   fig.suptitle("Gradient accumulation, k = 4")
-  fig.tight_layout()
-  fig.savefig(ASSETS / "accumulate.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, ASSETS / "accumulate.png")
   return "accumulate.png"
 
 
@@ -102,13 +91,11 @@ def plot_mirrored(data: dict) -> str:
   h = data["headers"]
   sparse = row[h.index("sparse all-gather MiB (shapes)")]
   dense = row[h.index("dense all-reduce MiB (shapes)")]
-  fig, ax = plt.subplots(figsize=(5, 3))
+  fig, ax = figure(figsize=(5, 3))
   ax.bar(["sparse all-gather", "dense all-reduce"], [sparse, dense])
   ax.set_ylabel("MiB moved per step")
   ax.set_title(f"Cross-replica reduction, {row[0]}, {row[2]} replicas")
-  fig.tight_layout()
-  fig.savefig(ASSETS / "mirrored.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, ASSETS / "mirrored.png")
   return "mirrored.png"
 
 
@@ -116,7 +103,7 @@ def plot_train_step(data: dict) -> str:
   h = data["headers"]
   rows = [r for r in data["rows"] if r[h.index("ids")] == "uniform"]
   labels = [f"{r[0].split(' x ')[0]}\n{r[h.index('loss')]}" for r in rows]
-  fig, ax = plt.subplots(figsize=(7, 3.6))
+  fig, ax = figure(figsize=(7, 3.6))
   width = 0.27
   for k, (header, label) in enumerate(
     [
@@ -134,9 +121,7 @@ def plot_train_step(data: dict) -> str:
   ax.set_ylabel("ms per training step")
   ax.set_title("Whole training step, uniform ids (rows, loss)")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(ASSETS / "train_step.png", dpi=120)
-  plt.close(fig)
+  save_figure(fig, ASSETS / "train_step.png")
   return "train_step.png"
 
 

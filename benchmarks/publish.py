@@ -28,7 +28,6 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -40,7 +39,7 @@ import orbax.checkpoint as ocp
 import gradtx as gtx
 from benchmarks._common import hlo_op_counts, parse, parser
 from benchmarks._results import markdown_table, oversubscribed, write_results
-from benchmarks._timing import Schedule, time_interleaved
+from benchmarks._timing import Clock, Schedule, time_interleaved
 
 SEED = 0
 
@@ -115,10 +114,10 @@ def disk_bytes(path: Path) -> int:
 
 
 def timed_save(ckptr, path, tree) -> tuple[float, int]:
-  t0 = time.perf_counter()
+  clock = Clock()
   ckptr.save(path, tree)
   ckptr.wait_until_finished()
-  sec = time.perf_counter() - t0
+  sec = clock.wall()
   size = disk_bytes(path)
   shutil.rmtree(path)
   return sec, size
@@ -187,9 +186,9 @@ def measure_publish(args, stack, data, every, tmp: Path):
     for n in range(args.publishes):
       for _ in range(every):
         run.step()
-      t0 = time.perf_counter()
+      clock = Clock()
       d = gtx.delta(run.params, run.state, since=last)
-      rows["build"].append(time.perf_counter() - t0)
+      rows["build"].append(clock.wall())
       last = d.step
       ((name, change),) = d.params.items()
       rows["rows"].append(0 if change is None else len(change["ids"]))

@@ -54,7 +54,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -81,25 +80,32 @@ from benchmarks._common import (
 )
 from benchmarks._results import (
   commit,
+  figure,
   markdown_table,
   oversubscribed,
   result_path,
+  save_figure,
   write_results,
 )
 from benchmarks._timing import (
   RUN,
+  Clock,
   Counter,
   Schedule,
   step_runner,
   warm_copy_bandwidth,
 )
+from benchmarks.models import (
+  bce,
+  head_params,
+  logit,
+  row_offsets,
+  table_rows,
+  torch_head,
+  torch_logit,
+  whole_step,
+)
 
-# Criteo Kaggle's 26 categorical cardinalities (DLRM, dlrm_s_criteo_kaggle).
-CRITEO_KAGGLE = [
-  1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
-  8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15,
-  286181, 105, 142572,
-]  # fmt: skip
 SEED = 0
 
 
@@ -122,16 +128,6 @@ OPTIMIZERS = {
 LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
 
 
-def table_rows(tables: int, cap: int) -> list[int]:
-  """Rows of ``tables`` tables: Criteo's cardinalities, repeated past 26,
-  capped at ``cap``."""
-  return [min(CRITEO_KAGGLE[i % 26], cap) for i in range(tables)]
-
-
-def _offsets(rows: list[int]) -> np.ndarray:
-  return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int32)
-
-
 class Data(NamedTuple):
   ids: list[np.ndarray]  # per step, [batch, tables] int32, table-local ids
   labels: list[np.ndarray]  # per step, [batch] float32
@@ -143,26 +139,6 @@ def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
   rng = np.random.default_rng(SEED + 1)
   labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
   return Data(ids, labels)
-
-
-def head_params(tables: int, dim: int, head: str, hidden: int, rng) -> dict:
-  """The head's dense leaves (numpy): ``linear``, a logit weight vector per
-  table and a bias; ``mlp``, a tanh layer of ``hidden`` over the
-  concatenated embeddings, then a logit."""
-  if head == "linear":
-    return {
-      "w": (0.1 * rng.standard_normal((tables, dim))).astype(np.float32),
-      "b": np.zeros((), np.float32),
-    }
-  fan_in = tables * dim
-  return {
-    "w1": (rng.standard_normal((fan_in, hidden)) / fan_in**0.5).astype(
-      np.float32
-    ),
-    "b1": np.zeros(hidden, np.float32),
-    "w2": (rng.standard_normal(hidden) / hidden**0.5).astype(np.float32),
-    "b2": np.zeros((), np.float32),
-  }
 
 
 def init_params(
@@ -189,42 +165,21 @@ def stacked(params: dict[str, np.ndarray], tables: int) -> dict:
 # gtx
 
 
-def _logit(p: Any, x: jax.Array) -> jax.Array:
-  """The head on the embeddings ``x`` ``[batch, tables, dim]``."""
-  if "w" in p:
-    return jnp.sum(x * p["w"], axis=(1, 2)) + p["b"]
-  h = jnp.tanh(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"])
-  return h @ p["w2"] + p["b2"]
-
-
-def _bce(logit: jax.Array, y: jax.Array) -> jax.Array:
-  return jnp.mean(jax.nn.softplus(logit) - y * logit)
-
-
 def per_table_loss(tables: int) -> Callable[..., jax.Array]:
   def loss(p, ids, y):
     x = jnp.stack([p[f"t{i}"][ids[:, i]] for i in range(tables)], axis=1)
-    return _bce(_logit(p, x), y)
+    return bce(logit(p, x), y)
 
   return loss
 
 
 def stacked_loss(rows: list[int]) -> Callable[..., jax.Array]:
-  offsets = _offsets(rows)
+  offsets = row_offsets(rows)
 
   def loss(p, ids, y):
-    return _bce(_logit(p, p["emb"][ids + offsets]), y)
+    return bce(logit(p, p["emb"][ids + offsets]), y)
 
   return loss
-
-
-def _step_fn(loss: Callable[..., Any], tx: Any) -> Callable[..., Any]:
-  def step(p, s, ids, y):
-    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s, value
-
-  return step
 
 
 def _opt_step_fn(tx: Any) -> Callable[..., Any]:
@@ -245,7 +200,7 @@ def _jitted(key: tuple, loss: Callable[..., Any], make_tx: Callable) -> tuple:
     tx = make_tx()
     _JITTED[key] = (
       tx,
-      jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1)),
+      whole_step(loss, tx),
       jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1)),
     )
   return _JITTED[key]
@@ -290,7 +245,7 @@ def _opt_grads(loss, params_np, rows, data, stacked_rows: bool):
     for k, v in params_np.items()
     if not isinstance(form[k], gtx.SparseRows)
   }
-  offsets = _offsets(rows)
+  offsets = row_offsets(rows)
   out = []
   for step_ids in data.ids:
     g = dict(dense)
@@ -320,25 +275,6 @@ def _torch_optimizers(name: str, tables: list, dense: list) -> list:
   return [make(tables + dense, lr=lr)]
 
 
-def _torch_head(params_np: dict[str, np.ndarray]) -> dict[str, Any]:
-  import torch
-
-  return {
-    k: torch.nn.Parameter(torch.from_numpy(v.copy()))
-    for k, v in params_np.items()
-    if not k.startswith("t")
-  }
-
-
-def _torch_logit(d: dict[str, Any], x: Any) -> Any:
-  import torch
-
-  if "w" in d:
-    return (x * d["w"]).sum(dim=(1, 2)) + d["b"]
-  h = torch.tanh(x.reshape(x.shape[0], -1) @ d["w1"] + d["b1"])
-  return h @ d["w2"] + d["b2"]
-
-
 def _torch_variant(params_np, rows, opt_name, data):
   """26 ``nn.Embedding(sparse=True)`` and the head: ``(run, first loss,
   objects)``."""
@@ -352,7 +288,7 @@ def _torch_variant(params_np, rows, opt_name, data):
     with torch.no_grad():
       e.weight.copy_(torch.from_numpy(params_np[f"t{i}"]))
     embs.append(e)
-  head = _torch_head(params_np)
+  head = torch_head(params_np)
   opts = _torch_optimizers(
     opt_name, [e.weight for e in embs], list(head.values())
   )
@@ -367,7 +303,7 @@ def _torch_variant(params_np, rows, opt_name, data):
     for o in opts:
       o.zero_grad(set_to_none=True)
     x = torch.stack([e(c) for e, c in zip(embs, ids[k], strict=True)], dim=1)
-    loss = F.binary_cross_entropy_with_logits(_torch_logit(head, x), labels[k])
+    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
     loss.backward()
     for o in opts:
       o.step()
@@ -389,7 +325,7 @@ def _fbgemm_variant(params_np, rows, optim, data):
   module = tbe(list(rows), dim, optim, "SUM", lr)
   for i, w in enumerate(module.split_embedding_weights()):
     w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
-  head = _torch_head(params_np)
+  head = torch_head(params_np)
   opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
     list(head.values()), lr=lr
   )
@@ -403,7 +339,7 @@ def _fbgemm_variant(params_np, rows, optim, data):
     k = i % len(ids)
     opt.zero_grad(set_to_none=True)
     x = module(ids[k], offsets).view(batch, tables, dim)
-    loss = F.binary_cross_entropy_with_logits(_torch_logit(head, x), labels[k])
+    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
     loss.backward()  # the tables' optimizer runs fused in the backward
     opt.step()
     return loss.item()
@@ -510,7 +446,7 @@ def run_group(
 ):
   """One optimizer on one model: every system round-robin on the same
   fresh ids. Returns ``{"ms": {system: ms}, ...}``."""
-  t0 = time.perf_counter()
+  clock = Clock()
   opt = OPTIMIZERS[opt_name]
   tables = len(rows)
   data = make_data(rows, batch, sched.steps, dist)
@@ -545,10 +481,10 @@ def run_group(
       keep.append(objs)
   layout = _state_layout(opt.gtx(), dim)
   floor_run, floor_lib = _random_rows_floor(
-    layout, sum(rows), dim, data, _offsets(rows)
+    layout, sum(rows), dim, data, row_offsets(rows)
   )
   fns["floor: random rows"] = with_threads(max(threads), floor_run)
-  print(f"  set up in {time.perf_counter() - t0:.0f} s", flush=True)
+  print(f"  set up in {clock.wall():.0f} s", flush=True)
   del params
   gc.collect()
   times = sched.time(
@@ -556,7 +492,7 @@ def run_group(
   )
   spread = RUN.timings[-1]["ms"]
   unique = float(
-    np.mean([len(np.unique(s + _offsets(rows))) for s in data.ids])
+    np.mean([len(np.unique(s + row_offsets(rows))) for s in data.ids])
   )
   wide, narrow = layout
   floor_bytes = unique * (wide * dim + narrow) * 4 * 2
@@ -600,7 +536,7 @@ def compile_point(
   ids = jax.ShapeDtypeStruct((batch, tables), jnp.int32)
   y = jax.ShapeDtypeStruct((batch,), f32)
   # a fresh step function each time: nothing comes from jit's caches
-  jitted = jax.jit(_step_fn(loss, tx), donate_argnums=(0, 1))
+  jitted = whole_step(loss, tx)
   return {
     "tables": tables,
     "variant": variant,
@@ -756,15 +692,11 @@ def _compile_tables(points: list[dict]) -> tuple[list, list]:
 def _plot(groups: list[dict], points: list[dict], tables: int, path) -> None:
   """Step times per group (``run_group`` results with their ids, head and
   optimizer) and compile time against tables (``compile_point`` results)."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
 
   panels = (1 if groups else 0) + (1 if points else 0)
   if not panels:
     return
-  fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
+  fig, axes = figure(1, panels, figsize=(7 * panels, 4), squeeze=False)
   axes = list(axes[0])
   if groups:
     ax = axes.pop(0)
@@ -822,9 +754,7 @@ def _plot(groups: list[dict], points: list[dict], tables: int, path) -> None:
     ax.set_ylabel("trace + lower + compile, s")
     ax.set_title("Compile time of the whole step")
     ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,16 +19,19 @@ import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import Schedule
-from benchmarks.compile_tables import whole_step
-from benchmarks.recsys import CRITEO_KAGGLE, _bce, _logit, head_params
-from benchmarks.stacks import (
+from benchmarks.models import (
+  CRITEO_KAGGLE,
   HIDDEN,
-  OPTIMIZERS,
   SEED,
-  _runner,
+  bce,
   criteo_data,
   criteo_models,
+  head_params,
+  logit,
+  loop_runner,
+  whole_step,
 )
+from benchmarks.stacks import OPTIMIZERS
 
 
 def lane_loss(specs, names, dim, lanes, batch):
@@ -37,7 +40,7 @@ def lane_loss(specs, names, dim, lanes, batch):
 
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], ids, concat=True)
-    return _bce(_logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
+    return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
   return stack, loss
 
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
       per = {n: jnp.asarray(t) for n, t in per_table_np.items()}
       tx = make()
       fns = {
-        "per-table": _runner(
+        "per-table": loop_runner(
           whole_step(per_table_loss, tx),
           {**per, "head": head()},
           tx,
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         stack, loss = lane_loss(specs, names, args.dim, lanes, args.batch)
         params = {"emb": stack.stack(per_table_np), "head": head()}
         tx = make()
-        fns[f"lanes={lanes}"] = _runner(
+        fns[f"lanes={lanes}"] = loop_runner(
           whole_step(loss, tx), params, tx, batches, labels
         )
       t = sched.time(fns, label=f"{dist}, {opt}")

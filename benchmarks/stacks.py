@@ -42,6 +42,7 @@ Writes ``benchmarks/results/stacks.{md,json}``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -64,16 +65,26 @@ from benchmarks._common import (
   torch_huge_pages,
   torch_state,
 )
-from benchmarks._results import markdown_table, result_path, write_results
+from benchmarks._results import (
+  figure,
+  markdown_table,
+  result_path,
+  save_figure,
+  write_results,
+)
 from benchmarks._timing import Schedule
-from benchmarks.compile_tables import whole_step
-from benchmarks.recsys import (
+from benchmarks.models import (
   CRITEO_KAGGLE,
-  _bce,
-  _logit,
-  _torch_head,
-  _torch_logit,
+  HIDDEN,
+  bag_data,
+  bag_models,
+  criteo_data,
+  criteo_models,
   head_params,
+  loop_runner,
+  torch_head,
+  torch_logit,
+  whole_step,
 )
 
 SEED = 0
@@ -99,107 +110,12 @@ OPTIMIZERS = {
 }
 
 
-HIDDEN = 256  # the mlp head's width
-
-
 # ----------------------------------------------------------------------------
 # data
 
 
-def criteo_data(rows, batch, steps, dist):
-  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
-  ids = [{f"f{t}": c[s] for t, c in enumerate(cols)} for s in range(steps)]
-  rng = np.random.default_rng(SEED + 1)
-  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
-  return ids, labels
-
-
-def bag_data(tables, rows, batch, steps, dist, max_len=20):
-  """Per step and table: flat ids padded to the static capacity ``batch *
-  10.5`` rounded up (the expected total), lengths and weights."""
-  rng = np.random.default_rng(SEED + 5)
-  cap = int(np.ceil(batch * (max_len + 1) / 2 / 64) * 64)
-  out = []
-  for s in range(steps):
-    step = {}
-    for t in range(tables):
-      lengths = rng.integers(1, max_len + 1, batch).astype(np.int32)
-      while lengths.sum() > cap:  # keep the capacity static
-        lengths[rng.integers(0, batch)] -= 1
-        lengths = np.maximum(lengths, 1)
-      n = int(lengths.sum())
-      ids = np.zeros(cap, np.int32)
-      ids[:n] = make_ids(rows, n, 1, dist, SEED + 100 * s + t)[0]
-      w = np.zeros(cap, np.float32)
-      w[:n] = rng.random(n).astype(np.float32)
-      step[f"f{t}"] = (ids, lengths, w, n)
-    out.append(step)
-  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in out]
-  return out, labels, cap
-
-
 # ----------------------------------------------------------------------------
 # gtx
-
-
-def _runner(step, params, tx, batches, labels):
-  box = [params, tx.init(params)]
-  huge_pages(box)
-
-  def run(i=[0]):  # noqa: B006 - the step counter
-    k = i[0] % len(batches)
-    i[0] += 1
-    box[0], box[1], v = step(box[0], box[1], batches[k], labels[k])
-    jax.block_until_ready((box[0], v))
-    return float(v)
-
-  run()
-  return run
-
-
-def criteo_models(rows, dim, batch=None):
-  names = [f"f{t}" for t in range(len(rows))]
-  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  # as the recommenders guide builds it: with the step's batch size, the
-  # tables a step reads at least 4 times a row stay outside the stack
-  stack = gtx.TableStack(specs, batch_size=batch)
-
-  # both read the features in the stack's concat order (its declared
-  # order), so the head's params mean the same in both
-  def per_table_loss(p, ids, y):
-    order = stack.concat_order(ids)
-    x = jnp.stack([p[n][ids[n]] for n in order], axis=1)
-    return _bce(_logit(p["head"], x), y)
-
-  def stack_loss(p, ids, y):
-    # the pooled features as one array (FBGEMM's output)
-    x = stack.lookup(p["emb"], ids, concat=True)
-    return _bce(_logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
-
-  return stack, names, per_table_loss, stack_loss
-
-
-def bag_models(tables, rows, dim, batch):
-  names = [f"f{t}" for t in range(tables)]
-  stack = gtx.TableStack(
-    {n: gtx.TableSpec(rows, dim) for n in names}, batch_size=batch
-  )
-
-  def per_table_loss(p, bags, y):
-    emb = []
-    for n in stack.concat_order(bags):
-      ids, seg, w = bags[n]
-      rows_ = p[n][ids] * w[:, None]
-      emb.append(
-        jax.ops.segment_sum(rows_, seg, batch, indices_are_sorted=True)
-      )
-    return _bce(_logit(p["head"], jnp.stack(emb, axis=1)), y)
-
-  def stack_loss(p, bags, y):
-    x = stack.lookup(p["emb"], bags, concat=True).reshape(batch, -1, dim)
-    return _bce(_logit(p["head"], x), y)
-
-  return stack, names, per_table_loss, stack_loss
 
 
 # ----------------------------------------------------------------------------
@@ -215,7 +131,7 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
     with torch.no_grad():
       e.weight.copy_(torch.from_numpy(t))
     tables.append(e)
-  hp = _torch_head(hp_np)
+  hp = torch_head(hp_np)
   sparse_params = [e.weight for e in tables]
   if opt_name == "SparseAdam":
     opts = [
@@ -246,9 +162,10 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
       ]
     tb.append((step, torch.from_numpy(y)))
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    step, y = tb[i[0] % len(tb)]
-    i[0] += 1
+  tb_loop = itertools.cycle(tb)
+
+  def run():
+    step, y = next(tb_loop)
     for o in opts:
       o.zero_grad(set_to_none=True)
     xs = []
@@ -258,7 +175,7 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
         xs.append(e(ids, off, per_sample_weights=wt))
       else:
         xs.append(e(step[k]))
-    logit = _torch_logit(hp, torch.stack(xs, dim=1))
+    logit = torch_logit(hp, torch.stack(xs, dim=1))
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()
     for o in opts:
@@ -283,7 +200,7 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
   with torch.no_grad():
     for dst, t in zip(module.split_embedding_weights(), tables_np, strict=True):
       dst.copy_(torch.from_numpy(t))
-  hp = _torch_head(hp_np)
+  hp = torch_head(hp_np)
   head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
   head = head(list(hp.values()), lr=lr)
   num, dim = len(tables_np), tables_np[0].shape[1]
@@ -308,12 +225,13 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
       )
     )
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    ids, offsets, wt, y = tb[i[0] % len(tb)]
-    i[0] += 1
+  tb_loop = itertools.cycle(tb)
+
+  def run():
+    ids, offsets, wt, y = next(tb_loop)
     head.zero_grad(set_to_none=True)
     x = module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
-    logit = _torch_logit(hp, x)
+    logit = torch_logit(hp, x)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
     loss.backward()  # the tables' optimizer runs fused in here
     head.step()
@@ -344,9 +262,10 @@ def optimizer_runner(loss, tx, params, batches, labels):
   box[1] = tx.init(box[0])
   huge_pages(box)
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    g = grads[i[0] % len(grads)]
-    i[0] += 1
+  grads_loop = itertools.cycle(grads)
+
+  def run():
+    g = next(grads_loop)
     box[0], box[1] = update(box[0], box[1], g)
     jax.block_until_ready(box[0])
 
@@ -382,9 +301,10 @@ def floor_runner(torch, rows, dim, optimizer, unique_ids):
     def touch(a, u):
       a[u] = np.take(a, u, axis=0)
 
-  def run(i=[0]):  # noqa: B006 - the step counter
-    u = ids[i[0] % len(ids)]
-    i[0] += 1
+  ids_loop = itertools.cycle(ids)
+
+  def run():
+    u = next(ids_loop)
     for a in arrays:
       touch(a, u)
 
@@ -458,7 +378,7 @@ def step_rows(args, torch) -> list[dict]:
         }
         per_table["head"] = jax.tree.map(jnp.asarray, hp_np)
         tx = make()
-        fns["gtx per-table"] = _runner(
+        fns["gtx per-table"] = loop_runner(
           whole_step(ptl, tx), per_table, tx, feeds["per-table"], labels
         )
 
@@ -469,7 +389,7 @@ def step_rows(args, torch) -> list[dict]:
           return jax.tree.map(jnp.asarray, stack_np)
 
         tx = make()
-        fns["gtx stack"] = _runner(
+        fns["gtx stack"] = loop_runner(
           whole_step(stl, tx), stacked(), tx, feeds["stack"], labels
         )
         if torch is not None:
@@ -621,16 +541,12 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
   """``results/stacks.png``: the step table as bars, compile time and
   kernels against the number of features."""
   try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig, (ax, bx) = figure(
+      1, 2, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 1]}
+    )
   except ImportError:
     print("matplotlib not installed: no plot")
     return
-  fig, (ax, bx) = plt.subplots(
-    1, 2, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 1]}
-  )
   systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
   labels = [
     f"{r['model']} {r['head']}\n{r['dist']}\n{r['optimizer']}" for r in steps
@@ -661,8 +577,7 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
   bx.set_xlabel("features")
   bx.legend(fontsize=8)
   bx.set_title("compile and kernels (lazy_adam step)")
-  fig.tight_layout()
-  fig.savefig(result_path("stacks", ".png"), dpi=110)
+  save_figure(fig, result_path("stacks", ".png"), dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

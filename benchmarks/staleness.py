@@ -26,7 +26,7 @@ import statistics
 import numpy as np
 
 from benchmarks._common import parse, parser
-from benchmarks._results import result_path, write_results
+from benchmarks._results import figure, result_path, save_figure, write_results
 from examples import async_trainer as at
 
 
@@ -64,14 +64,10 @@ def _label(workers: int, limit: int | None, rescale: bool) -> str:
 def _plot(
   curves: dict[str, list[tuple[int, float]]], initial: float, path
 ) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
 
   finite = [y for c in curves.values() for _, y in c if np.isfinite(y)]
   bottom = 0.9 * min(finite)
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+  fig, axes = figure(1, 3, figsize=(15, 4.5), sharey=True)
   for ax, workers in zip(axes, (1, 2, 4), strict=True):
     for label, curve in curves.items():
       if not label.startswith(f"N={workers} "):
@@ -93,9 +89,7 @@ def _plot(
     ax.legend(title="max_staleness")
   axes[0].set_ylabel("eval loss (median over seeds)")
   fig.suptitle("Asynchronous sparse SGD with gtx.drop_stale")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  save_figure(fig, path, dpi=110)
 
 
 def _median_curve(curves: list[list[tuple[int, float]]]):
@@ -311,13 +305,9 @@ def _role(workers: int, limit: int | None, rescale: bool) -> str:
 
 
 def _plot_ray(curves: dict, initial: float, path) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
 
   finite = [y for c in curves.values() for _, y in c if np.isfinite(y)]
-  fig, axes = plt.subplots(2, 4, figsize=(20, 8.5), sharey=True)
+  fig, axes = figure(2, 4, figsize=(20, 8.5), sharey=True)
   styles = {
     "none": "C3",
     "N-1": "C0",
@@ -353,9 +343,7 @@ def _plot_ray(curves: dict, initial: float, path) -> None:
     "Asynchronous sparse SGD with gtx.drop_stale: threads (top) and Ray "
     "processes (bottom); note the different time axes"
   )
-  fig.tight_layout()
-  fig.savefig(path, dpi=90)
-  plt.close(fig)
+  save_figure(fig, path, dpi=90)
 
 
 def ray_main(args) -> None:

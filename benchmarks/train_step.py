@@ -42,12 +42,9 @@ from benchmarks._common import (
   available,
   hlo_table_copies,
   huge_pages,
-  import_torch,
   make_ids,
   parse,
   parser,
-  torch_huge_pages,
-  torch_state,
 )
 from benchmarks._results import oversubscribed, write_results
 from benchmarks._timing import (
@@ -56,6 +53,7 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
+from benchmarks.models import torch_sparse_adam
 
 LR = 1e-3
 SEED = 0
@@ -112,28 +110,6 @@ def _optax(table, ids, ct, linear):
   return run, copies, box
 
 
-def _torch(table_np, ids_np, ct_np, linear):
-  torch = import_torch()
-  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
-  with torch.no_grad():
-    emb.weight.copy_(torch.from_numpy(table_np))
-  opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
-  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
-  ct = torch.from_numpy(ct_np)
-
-  def run(i):
-    opt.zero_grad(set_to_none=True)
-    rows = emb(ids[i % len(ids)])
-    loss = ((rows if linear else torch.tanh(rows)) * ct).sum()
-    loss.backward()
-    opt.step()
-    loss.item()
-    if i == 0:  # SparseAdam makes its state on step 1
-      torch_huge_pages([emb.weight, *torch_state([opt])])
-
-  return run, (emb, opt)
-
-
 def run_config(
   rows: int,
   dim: int,
@@ -165,7 +141,7 @@ def run_config(
   keep.append(b)
   used = 6 * table_bytes
   if with_torch:
-    fns["torch"], b = _torch(table_np, ids_np, ct_np, linear)
+    fns["torch"], b = torch_sparse_adam(table_np, ids_np, ct_np, linear)
     keep.append(b)
     used += 3 * table_bytes
   if used + 4 * table_bytes <= mem_bytes:

@@ -39,7 +39,7 @@ import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import Schedule
-from benchmarks.recsys import _bce
+from benchmarks.models import bce
 
 SEED = 0
 RAW_SPACE = 10**9
@@ -50,6 +50,25 @@ def zipf_raw(rng, n, a, salt):
   multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
   rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
   return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
+
+
+def train_step(stack, tx, loss, hashed: bool):
+  """The whole step on ``stack`` (not jitted), the loss returned last: with
+  ``hashed``, ``stack.admit`` maps the raw ids and ``gtx.reset_rows`` resets
+  the rows it gave out first, the map carried after the state."""
+
+  def plain(params, state, ids, y):
+    v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, v
+
+  def mapped(params, state, vocab, ids, y):
+    ids, vocab, fresh = stack.admit(vocab, ids)
+    params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
+    params, state, v = plain(params, state, ids, y)
+    return params, state, vocab, v
+
+  return mapped if hashed else plain
 
 
 # ----------------------------------------------------------------------------
@@ -117,7 +136,6 @@ def cost(args):
 
 
 def _cost_pair(args, names, rows, raw, labels, make_tx):
-  out = {}
   fns = {}
   for system in ("in range", "map"):
     hashed = system == "map"
@@ -134,36 +152,20 @@ def _cost_pair(args, names, rows, raw, labels, make_tx):
       x = stack.lookup(p["emb"], ids, concat=True)
       x = x.reshape(x.shape[0], len(names), args.dim)
       w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
-      return _bce(jnp.sum(x * w, axis=(1, 2)), y)
+      return bce(jnp.sum(x * w, axis=(1, 2)), y)
 
     params = {
       "emb": stack.init(jax.random.key(0)),
       "w": jnp.full((len(names), args.dim), 0.01, jnp.float32),
     }
-    state = tx.init(params)
+    box = [params, tx.init(params)]
+    step = train_step(stack, tx, loss, hashed)
+    jitted = jax.jit(step, donate_argnums=tuple(range(2 + hashed)))
     if hashed:
-      vocab = stack.init_vocab(jax.random.key(1))
-
-      def step(params, state, vocab, ids, y, stack=stack, tx=tx, loss=loss):
-        ids, vocab, fresh = stack.admit(vocab, ids)
-        params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
-        v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
-        u, state = tx.update(g, state, params)
-        return gtx.apply_updates(params, u), state, vocab, v
-
-      jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+      box.append(stack.init_vocab(jax.random.key(1)))
       batches = [{n: jnp.asarray(b[n]) for n in names} for b in raw]
-      box = [params, state, vocab]
     else:
-
-      def step(params, state, ids, y, tx=tx, loss=loss):
-        v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
-        u, state = tx.update(g, state, params)
-        return gtx.apply_updates(params, u), state, v
-
-      jitted = jax.jit(step, donate_argnums=(0, 1))
       batches = [{n: jnp.asarray(b[n] % rows[n]) for n in names} for b in raw]
-      box = [params, state]
     ys = [jnp.asarray(y) for y in labels]
 
     def run(box=box, jitted=jitted, batches=batches, ys=ys, i=[0]):  # noqa: B006
@@ -176,8 +178,7 @@ def _cost_pair(args, names, rows, raw, labels, make_tx):
     for _ in range(args.fill if hashed else 2):
       run()
     fns[system] = run
-  out.update(Schedule.from_args(args).time(fns, warmup=1))
-  return out
+  return Schedule.from_args(args).time(fns, warmup=1)
 
 
 # ----------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
     return jnp.sum(x * w, axis=(1, 2)) + p["b"]
 
   def loss(p, ids, y):
-    return _bce(logits(p, ids), y)
+    return bce(logits(p, ids), y)
 
   params = {
     "emb": stack.init(jax.random.key(0)),
@@ -281,29 +282,15 @@ def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
       return out
     return ids
 
+  whole = train_step(stack, tx, loss, kind == "map")
+  step = jax.jit(lambda *a: whole(*a)[:-1])  # the loss unused: not computed
   if kind == "map":
     vocab = stack.init_vocab(jax.random.key(1))
-
-    @jax.jit
-    def step(params, state, vocab, ids, y):
-      ids, vocab, fresh = stack.admit(vocab, ids)
-      params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
-      g = gtx.sparse_grad(loss)(params, ids, y)
-      u, state = tx.update(g, state, params)
-      return gtx.apply_updates(params, u), state, vocab
-
     for ids, y, _ in train:
       params, state, vocab = step(params, state, vocab, ids, y)
     test = jax.jit(lambda p, v, ids: logits(p, ids, vocab=v))
     z = test(params, vocab, test_ids)
   else:
-
-    @jax.jit
-    def step(params, state, ids, y):
-      g = gtx.sparse_grad(loss)(params, ids, y)
-      u, state = tx.update(g, state, params)
-      return gtx.apply_updates(params, u), state
-
     for ids, y, _ in train:
       params, state = step(params, state, to_rows(ids), y)
     z = jax.jit(logits)(params, to_rows(test_ids))

@@ -227,3 +227,22 @@ def test_gpu_sh_dry_run(tmp_path):
   payload = json.loads((tmp_path / "gpu.json").read_text())
   assert payload["dry_run"] and payload["steps"]
   assert "a model, not a measurement" in md
+
+
+def test_clock_and_once():
+  import time
+
+  clock = timing.Clock()
+  assert timing.once(lambda: time.sleep(0.01)) >= 0.01
+  assert clock.wall() >= 0.01 and 0 <= clock.cpu()
+
+
+def test_compile_phases_add_up():
+  import jax
+  import jax.numpy as jnp
+
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  got = bench.compile_phases(jax.jit(lambda a: jnp.tanh(a).sum(0)), x)
+  phases = sum(got[f"{p}_s"] for p in ("trace", "lower", "compile"))
+  assert 0 < phases <= got["total_s"]
+  assert got["cpu_s"] >= 0 and got["hlo_lines"] > 0 and got["kernels"] >= 1
