@@ -26,7 +26,7 @@ from gradtx._fresh_rows import reset_rows
 from gradtx._publish import Delta, TrackChangesState, delta
 from gradtx._sparse_rows import SparseRows
 from gradtx._stack import TableStack
-from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
+from gradtx._vocab import VocabState
 
 __all__ = ["OpenVocab", "OpenVocabState"]
 
@@ -160,8 +160,9 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       params are the stack's.
     key: seeds the values of the rows given to new ids
       (``stack.init_vocab(key)``).
-    max_new: each hashed table's bound of new ids a step, as
-      ``TableStack.admit`` takes it.
+    max_new, max_new_fraction: each hashed table's bound of new ids a
+      step, a count or a fraction of its id slots, as
+      ``TableStack.admit`` takes them.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -187,7 +188,8 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
     *,
     at: Any = None,
     key: Any,
-    max_new: int | float | Mapping[str, int | float] = DEFAULT_MAX_NEW,
+    max_new: int | Mapping[str, int] | None = None,
+    max_new_fraction: float | Mapping[str, float] | None = None,
   ) -> OpenVocab:
     if not isinstance(stack, TableStack) or not stack.maps:
       raise TypeError(
@@ -246,6 +248,7 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
     self.tx = tx
     self.at = at
     self.max_new = max_new
+    self.max_new_fraction = max_new_fraction
     self._inner = inner
     self._path = path
     return self
@@ -339,7 +342,11 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
     seen = self._inner_params(params, own.inner_state)
     mapped = {k: v.step for k, v in own.vocab.items()}
     rows, vocab, fresh = self.stack.admit(
-      own.vocab, ids, weights=weights, max_new=self.max_new
+      own.vocab,
+      ids,
+      weights=weights,
+      max_new=self.max_new,
+      max_new_fraction=self.max_new_fraction,
     )
     new, inner_state = reset_rows(
       self._inner, own.inner_state, seen, _nest(self._path, fresh)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,6 +32,9 @@ from gradtx._static import is_int
 from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout
 
 __all__ = ["StackPlan", "StackSpec", "TableSpec"]
+
+# how a bag's rows pool (TableSpec's `combiner`, TableStack.lookup's)
+COMBINERS = ("sum", "mean", "sqrtn")
 
 
 def _default_rows(
@@ -79,26 +83,45 @@ class TableSpec:
       deviation ``1 / sqrt(dim)`` (Flax ``nn.Embed``'s), each row drawn
       from a key of its own (see :meth:`gradtx.TableStack.init`). A hashed table
       draws a row given to a new id from it too.
-    hashed: a :class:`gradtx.Hashed` (or True for its defaults): the table
-      takes raw ids of any range, mapped to its ``rows`` rows by an id map
-      (see :meth:`gradtx.TableStack.admit`); None: ids are rows.
+    hashed: a :class:`gradtx.Hashed`: the table takes raw ids of any
+      range, mapped to its ``rows`` rows by an id map (see
+      :meth:`gradtx.TableStack.admit`); None (the default): ids are rows.
+      (``True`` and ``False`` are deprecated spellings of ``gtx.Hashed()``
+      and None.)
+    combiner: how :meth:`gradtx.TableStack.lookup` pools a bag of this
+      table's rows: ``"sum"``, ``"mean"`` or ``"sqrtn"`` (TorchRec's
+      ``EmbeddingBagConfig.pooling``); None (the default): by the lookup's
+      ``combiner``, ``"sum"`` unless it says otherwise. A lookup's
+      ``combiner`` overrides it (for every feature, or for the features it
+      names).
   """
 
   rows: int
   dim: int
   dtype: DTypeLike = jnp.float32
   initializer: Callable[..., jax.Array] | None = None
-  hashed: Hashed | bool | None = None
+  hashed: Hashed | None = None
+  combiner: str | None = None
 
   def __post_init__(self):
-    if self.hashed is True:
-      object.__setattr__(self, "hashed", Hashed())
-    elif self.hashed is False:
-      object.__setattr__(self, "hashed", None)
-    elif self.hashed is not None and not isinstance(self.hashed, Hashed):
+    if isinstance(self.hashed, bool):
+      new = "gtx.Hashed()" if self.hashed else "None"
+      warnings.warn(
+        f"gradtx.TableSpec `hashed={self.hashed}` is deprecated: pass "
+        f"`hashed={new}`.",
+        DeprecationWarning,
+        stacklevel=3,
+      )
+      object.__setattr__(self, "hashed", Hashed() if self.hashed else None)
+    if self.hashed is not None and not isinstance(self.hashed, Hashed):
       raise TypeError(
-        "gradtx.TableSpec `hashed` must be a gradtx.Hashed, True or None; "
-        f"got {type(self.hashed).__name__}."
+        "gradtx.TableSpec `hashed` must be a gradtx.Hashed or None; got "
+        f"{type(self.hashed).__name__}."
+      )
+    if self.combiner is not None and self.combiner not in COMBINERS:
+      raise ValueError(
+        f"gradtx.TableSpec `combiner` must be one of {COMBINERS} or None; "
+        f"got {self.combiner!r}."
       )
     for name in ("rows", "dim"):
       v = getattr(self, name)
@@ -344,6 +367,8 @@ class StackPlan:
           if h is not None
           else ""
         )
+        pooled = self.tables[t].combiner
+        how += f"  pooled by {pooled}" if pooled is not None else ""
         lines.append(
           f"    {t}: rows {off:,}..{off + self.tables[t].rows - 1:,}"
           f"  features {feats}{how}"

@@ -34,8 +34,6 @@ from gradtx._vocab import HostWords, Layout, Words
 
 __all__ = ["Jagged", "Keyed", "KeyedJagged", "pad_batch"]
 
-COMBINERS = ("sum", "mean", "sqrtn")
-
 
 class Jagged(NamedTuple):
   """A jagged feature, as a data pipeline gives it (TorchRec's
@@ -103,7 +101,7 @@ class Keyed(_KeyedMapping):
   marks padding). The lookup reads the whole array at once: the feature
   offsets are one broadcast add, then one gather and one pooling, so the
   traced program does not grow with ``F`` (a dict of ``F`` slices of the
-  same matrix adds ops per feature). As its output (``keyed=True``),
+  same matrix adds ops per feature). As its output (``output="keyed"``),
   ``values`` are the pooled rows ``[B, F, dim]``, which a per-feature
   head reads whole (``jnp.einsum("bfd,fd->b", out.values, w)``).
 
@@ -841,12 +839,13 @@ def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
   return read
 
 
-def pool_rows(table, slots, batch, offsets, rows, stack, combiner, check=None):
+def pool_rows(table, slots, batch, offsets, rows, stack, combiners, check=None):
   """One gather of a group's rows from ``table`` (features offset into
   its logical rows, placed by ``stack``; padding = the table's row count:
   out of range, a zero row and no gradient) and one segment sum into
-  ``[B, F, dim]``. ``check``: the group's feature names, to raise for an
-  id read outside its table's rows other than -1 (:func:`bounds_check`).
+  ``[B, F, dim]``, each feature pooled by its entry of ``combiners``.
+  ``check``: the group's feature names, to raise for an id read outside
+  its table's rows other than -1 (:func:`bounds_check`).
 
   The pooled rows are laid out example-major (``[B, F, dim]``), the layout
   a head that concatenates or stacks the features reads: one-hot features
@@ -854,7 +853,10 @@ def pool_rows(table, slots, batch, offsets, rows, stack, combiner, check=None):
   summed feature by feature (the slots' own order, a sorted segment sum)
   and the ``[F, B, dim]`` sums transposed. The ids are offset, checked
   and placed by one elementwise pass against each slot's feature's
-  constants, so the program does not grow with the number of features."""
+  constants, and the norms of ``"mean"`` and ``"sqrtn"`` features are
+  extra columns of the same segment sum, each feature's picked by a
+  constant per feature, so the program does not grow with the number of
+  features."""
   nf = len(offsets)
   # per feature, and a last entry for "none of the group's": no row valid
   off = np.asarray([*offsets, 0], np.int32)
@@ -875,32 +877,61 @@ def pool_rows(table, slots, batch, offsets, rows, stack, combiner, check=None):
   row = row if stack is None else stack.physical(row)
   got = lookup(table, jnp.where(valid, row, table.shape[0]).reshape(-1))
   one_hot = slots.segment is None
-  if one_hot and weight is None and combiner == "sum":
+  combiners = np.asarray(combiners)
+  normed = [c for c in ("mean", "sqrtn") if c in combiners]
+  if one_hot and weight is None and not normed:
     pooled = got  # padding read zeros
   else:
     if weight is None:
       weight = jnp.ones(ids.shape, jnp.float32)
     weight = jnp.where(valid, weight, 0.0).reshape(-1)
-    vals = got.astype(jnp.float32) * weight[:, None]
-    segment = None if one_hot else slots.segment.reshape(-1)
-    pool = functools.partial(
-      jax.ops.segment_sum,
-      segment_ids=segment,
-      num_segments=batch * nf,
-      indices_are_sorted=slots.sorted,
-    )
-    pooled = vals if one_hot else pool(vals)
-    if combiner != "sum":
-      norm = weight if combiner == "mean" else weight * weight
-      if not one_hot:
-        norm = pool(norm)
-      if combiner == "sqrtn":
-        norm = jnp.sqrt(norm)
-      pooled = pooled / jnp.where(norm > 0, norm, 1.0)[:, None]
+    pooled = got.astype(jnp.float32) * weight[:, None]
+    # a mean's norm sums the weights, a sqrtn's their squares
+    norms = [weight if c == "mean" else weight * weight for c in normed]
+    if not one_hot:  # the rows and the norms in one segment sum
+      dim = pooled.shape[-1]
+      pooled = jax.ops.segment_sum(
+        jnp.concatenate([pooled, *(n[:, None] for n in norms)], axis=1),
+        slots.segment.reshape(-1),
+        num_segments=batch * nf,
+        indices_are_sorted=slots.sorted,
+      )
+      norms = [pooled[:, dim + k] for k in range(len(normed))]
+      pooled = pooled[:, :dim]
+    if normed:
+      pooled = pooled / _norm(norms, normed, combiners, batch, one_hot)
     pooled = pooled.astype(table.dtype)
   if one_hot:
     return pooled.reshape(batch, nf, -1)
   return jnp.swapaxes(pooled.reshape(nf, batch, -1), 0, 1)
+
+
+def _norm(
+  norms: list[jax.Array],
+  normed: list[str],
+  combiners: np.ndarray,
+  batch: int,
+  one_hot: bool,
+) -> jax.Array:
+  """The ``[rows, 1]`` divisor of each pooled row: its feature's norm
+  (``norms[k]`` pooled for ``normed[k]``; a sqrtn's the root of its sum)
+  where its feature's combiner is ``normed[k]``, 1 for a sum and for an
+  empty bag. The pooled rows are example-major ``[B * F]`` for one-hot
+  features, feature-major ``[F * B]`` for bags: one constant per feature,
+  broadcast over the batch, picks each row's norm."""
+  nf = len(combiners)
+  shape = (batch, nf) if one_hot else (nf, batch)
+  per_feature = (1, nf) if one_hot else (nf, 1)
+  out = None
+  for n, c in zip(norms, normed, strict=True):
+    n = (jnp.sqrt(n) if c == "sqrtn" else n).reshape(shape)
+    n = jnp.where(n > 0, n, 1.0)
+    if out is None and np.all(combiners == c):
+      out = n  # every feature's
+    else:
+      pick = (combiners == c).reshape(per_feature)
+      out = jnp.where(pick, n, 1.0 if out is None else out)
+  return out.reshape(-1, 1)
 
 
 def bounds_check(ids, read, feature, lim, names) -> jax.Array:

@@ -17,6 +17,7 @@ their forms and the pooled read are ``_pooled``'s.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from jax.typing import ArrayLike
 from gradtx import _vocab
 from gradtx._fresh_rows import FreshRows
 from gradtx._plan import (
+  COMBINERS,
   StackPlan,
   StackSpec,
   TableSpec,
@@ -36,7 +38,6 @@ from gradtx._plan import (
   plan_stacks,
 )
 from gradtx._pooled import (
-  COMBINERS,
   Keyed,
   KeyedJagged,
   dict_reader,
@@ -50,9 +51,12 @@ from gradtx._pooled import (
 )
 from gradtx._sharded import is_split, split_like, unsplit
 from gradtx._static import is_int
-from gradtx._vocab import DEFAULT_MAX_NEW, VocabState
+from gradtx._vocab import VocabState
 
 __all__ = ["TableStack"]
+
+# lookup's `output`: a dict of features, one array, a gtx.Keyed
+OUTPUTS = ("dict", "concat", "keyed")
 
 
 def _outside_traces(*trees: Any) -> bool:
@@ -68,6 +72,41 @@ def _outside_traces(*trees: Any) -> bool:
     elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
       return False
   return True
+
+
+def _output(output: Any, concat: Any, keyed: Any) -> str:
+  """``lookup``'s ``output``, from the deprecated ``concat`` / ``keyed``
+  booleans where given (with a DeprecationWarning naming the new
+  spelling)."""
+  if concat is not None or keyed is not None:
+    if concat and keyed:
+      raise ValueError(
+        "gradtx.TableStack.lookup: pass `output='concat'` (one [B, sum of "
+        "dims] array) or `output='keyed'` (a gradtx.Keyed [B, F, dim])."
+      )
+    new = "concat" if concat else "keyed" if keyed else "dict"
+    if output != "dict" and output != new:
+      raise ValueError(
+        f"gradtx.TableStack.lookup: `output={output!r}` and the deprecated "
+        f"`concat={concat}` / `keyed={keyed}` disagree; pass `output` alone."
+      )
+    old = ", ".join(
+      f"{k}={v}"
+      for k, v in (("concat", concat), ("keyed", keyed))
+      if v is not None
+    )
+    warnings.warn(
+      f"gradtx.TableStack.lookup `{old}` is deprecated: pass `output={new!r}`.",
+      DeprecationWarning,
+      stacklevel=3,
+    )
+    output = new
+  if output not in OUTPUTS:
+    raise ValueError(
+      f"gradtx.TableStack.lookup `output` must be one of {OUTPUTS}; got "
+      f"{output!r}."
+    )
+  return output
 
 
 class TableStack:
@@ -293,7 +332,8 @@ class TableStack:
     ids: Mapping[str, Any],
     *,
     weights: Mapping[str, ArrayLike] | None = None,
-    max_new: int | float | Mapping[str, int | float] = DEFAULT_MAX_NEW,
+    max_new: int | Mapping[str, int] | None = None,
+    max_new_fraction: float | Mapping[str, float] | None = None,
   ) -> tuple[dict[str, Any], dict[str, VocabState], dict[str, FreshRows]]:
     """Maps the raw ids of hashed features to rows, giving new ids rows.
 
@@ -312,7 +352,7 @@ class TableStack:
       loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, ids, ...)
 
     Called outside ``jax.jit`` (in a notebook, say), it runs as one
-    program, compiled once per stack, argument shapes and ``max_new``.
+    program, compiled once per stack, argument shapes and bounds.
 
     Args:
       vocab: the maps (:meth:`init_vocab`).
@@ -326,17 +366,21 @@ class TableStack:
         value of an unsigned type or of Words is an id; a negative one of
         a signed type is padding.
       weights: per-id weights of ``[B, L]`` features (0: padding).
-      max_new: the most new ids each hashed table places in one step,
-        every table its own bound: an int, or a float, that fraction of
-        the table's own id slots in ``ids`` (at least 64, or all of them
-        when there are fewer); or a dict table name -> int or float, the
-        tables it does not name at the default 0.125. A table's first new
-        ids in order compete for its rows; the others read zeros for
-        this step (counted in ``rejected``) and are placed when read
-        again. No table's new ids take another's share. Its work (the
-        placement, the fresh rows' values and :func:`reset_rows`) follows
-        the sum of the bounds, not the ids: raise a table's bound when
-        its ``rejected`` stays high while it has room (``starved``).
+      max_new: the most new ids each hashed table places in one step, as
+        a count: an int for every table, or a dict table name -> int for
+        the tables it names. A table's first new ids in order compete for
+        its rows; the others read zeros for this step (counted in
+        ``rejected``) and are placed when read again. No table's new ids
+        take another's share. Its work (the placement, the fresh rows'
+        values and :func:`reset_rows`) follows the sum of the bounds, not
+        the ids: raise a table's bound when its ``rejected`` stays high
+        while it has room (``starved``).
+      max_new_fraction: the bound as a fraction in ``(0, 1]`` of the
+        table's own id slots in ``ids`` (at least 64, or all of them when
+        there are fewer): a float for every table, or a dict table name
+        -> float. A table bounded by neither argument takes
+        ``0.125``; a table may not be bounded by both. (A float
+        ``max_new`` is the deprecated spelling of ``max_new_fraction``.)
 
     Returns:
       ``(ids, vocab, fresh)``: the features' ids as rows for :meth:`lookup`
@@ -344,7 +388,7 @@ class TableStack:
       :class:`gradtx.FreshRows` (the rows given out and their new values).
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
-    self._check_max_new(max_new)
+    bounds = self._new_id_bounds(max_new, max_new_fraction)
     raw = self._hashed_features()
     # the program takes a dict's hashed features alone: the others come
     # back as they were given
@@ -356,26 +400,21 @@ class TableStack:
       "admit",
     )
     if _outside_traces(vocab, given, given_weights):
-      # typed: max_new=1 (one id) and 1.0 (every slot) compare equal
-      bounds = (
-        max_new.items() if isinstance(max_new, Mapping) else [(None, max_new)]
-      )
-      key = tuple(sorted((str(t), type(v).__name__, v) for t, v in bounds))
       run = self._program(
-        ("admit", key), lambda v, i, w: self._admit(v, i, w, max_new)
+        ("admit", bounds), lambda v, i, w: self._admit(v, i, w, bounds)
       )
       out, vocab, fresh = run(vocab, given, given_weights)
       return (out if keyed else {**ids, **out}), vocab, fresh
     if not keyed:  # the others come back as they were given
       given = {**ids, **given}
       given_weights = {**(weights or {}), **given_weights}
-    return self._admit(vocab, given, given_weights, max_new)
+    return self._admit(vocab, given, given_weights, bounds)
 
   def _hashed_features(self) -> list[str]:
     hashed = {t for layout in self.maps.values() for t in layout.tables}
     return [f for f, t in self.features.items() if t in hashed]
 
-  def _admit(self, vocab, ids, weights, max_new):
+  def _admit(self, vocab, ids, weights, bounds):
     if isinstance(ids, (Keyed, KeyedJagged)):  # read feature by feature
       if isinstance(ids, Keyed) and ids.weights is not None:
         weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
@@ -386,7 +425,9 @@ class TableStack:
       slots = raw_slots(layout, self.features, ids, weights, "admit")
       if slots is None:
         continue
-      bound = _vocab.budgets(layout, slots.tab, max_new)
+      counts, fractions = map(dict, bounds)
+      # an int a count, a float a fraction (_new_id_bounds made them so)
+      bound = _vocab.budgets(layout, slots.tab, {**fractions, **counts})
       rows, new_vocab[name], fresh[name] = _vocab.admit(
         vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
       )
@@ -433,27 +474,75 @@ class TableStack:
         out[name] = _vocab.drop_reassigned(out[name], vocab[name].born, s)
     return out
 
-  def _check_max_new(self, max_new: Any) -> None:
-    def ok(v):
-      return (is_int(v) and v >= 1) or (isinstance(v, float) and 0 < v <= 1)
-
+  def _new_id_bounds(
+    self, max_new: Any, fraction: Any
+  ) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """``admit``'s bounds of new ids, checked: ``(counts, fractions)``,
+    each ``((table, bound), ...)`` (hashable: a program's key), a table
+    in neither at the default fraction. A float ``max_new`` (or a dict's
+    float) is a fraction, deprecated."""
     hashed = [t for layout in self.maps.values() for t in layout.tables]
-    if isinstance(max_new, Mapping):
-      unknown = [t for t in max_new if t not in hashed]
+    where = "gradtx.TableStack.admit"
+
+    def per_table(v: Any, arg: str) -> dict[str, Any]:
+      if v is None:
+        return {}
+      if not isinstance(v, Mapping):
+        return dict.fromkeys(hashed, v)
+      unknown = [t for t in v if t not in hashed]
       if unknown:
         raise ValueError(
-          f"gradtx.TableStack.admit `max_new` names {unknown}, which are not "
-          f"hashed tables; the hashed tables are {hashed}."
+          f"{where} `{arg}` names {unknown}, which are not hashed tables; "
+          f"the hashed tables are {hashed}."
         )
-      bad = {t: v for t, v in max_new.items() if not ok(v)}
-    else:
-      bad = None if ok(max_new) else max_new
-    if bad is not None and bad != {}:
+      return dict(v)
+
+    counts = per_table(max_new, "max_new")
+    fractions = per_table(fraction, "max_new_fraction")
+    # the deprecated spelling: a float max_new is a fraction
+    old = {
+      t: counts.pop(t) for t in list(counts) if isinstance(counts[t], float)
+    }
+    bad = {
+      t: v
+      for t, v in {**old, **fractions}.items()
+      if isinstance(v, bool)
+      or not isinstance(v, (int, float))
+      or not 0 < v <= 1
+    }
+    if bad:
       raise ValueError(
-        "gradtx.TableStack.admit `max_new` must be an int >= 1 or a float in "
-        "(0, 1] (a fraction of each table's id slots), or a dict of them per "
-        f"hashed table; got {bad!r}."
+        f"{where} `max_new_fraction` must be a float in (0, 1] (a fraction "
+        "of the table's id slots), or a dict table name -> float; got "
+        f"{bad!r}."
       )
+    bad = {t: v for t, v in counts.items() if not (is_int(v) and v >= 1)}
+    if bad:
+      raise ValueError(
+        f"{where} `max_new` must be an int >= 1 (a count of new ids), or a "
+        f"dict table name -> int; got {bad!r}. For a fraction of the "
+        "table's id slots pass `max_new_fraction`."
+      )
+    both = [t for t in hashed if t in fractions and (t in counts or t in old)]
+    if both:
+      raise ValueError(
+        f"{where}: tables {both} are bounded by both `max_new` and "
+        "`max_new_fraction`; give each table one bound."
+      )
+    if old:
+      new = old if isinstance(max_new, Mapping) else max_new
+      warnings.warn(
+        f"{where} `max_new={max_new!r}` (a float: a fraction of the id "
+        f"slots) is deprecated: pass `max_new_fraction={new!r}`; `max_new` "
+        "takes an int count.",
+        DeprecationWarning,
+        stacklevel=3,
+      )
+    fractions.update(old)
+    return (
+      tuple((t, int(counts[t])) for t in hashed if t in counts),
+      tuple((t, float(fractions[t])) for t in hashed if t in fractions),
+    )
 
   def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
     """What to watch, per hashed table (cheap and jittable): ``live`` rows
@@ -484,11 +573,12 @@ class TableStack:
     ids: Mapping[str, Any] | Keyed | KeyedJagged,
     *,
     weights: Mapping[str, ArrayLike] | None = None,
-    combiner: str = "sum",
-    concat: bool = False,
-    keyed: bool = False,
+    combiner: str | Mapping[str, str] | None = None,
+    output: str = "dict",
     vocab: Mapping[str, VocabState] | None = None,
     bounds_check: bool = False,
+    concat: bool | None = None,
+    keyed: bool | None = None,
   ) -> dict[str, jax.Array] | jax.Array | Keyed:
     """Every feature's pooled rows: one gather and one segment sum a stack.
 
@@ -511,11 +601,14 @@ class TableStack:
 
     An id outside ``[0, rows)`` of its table (negative ones included) is
     padding: it reads nothing and gets no gradient; so is an id of weight
-    0. ``combiner`` pools a bag: ``"sum"`` (weighted sum), ``"mean"``
-    (divided by the sum of its weights, padding excluded) or ``"sqrtn"``
-    (divided by the square root of the sum of its squared weights); an
-    empty bag pools to zeros. Called outside ``jax.jit``, it runs as one
-    program, compiled once per stack, argument shapes and options.
+    0. A bag pools by its feature's combiner: ``"sum"`` (weighted sum),
+    ``"mean"`` (divided by the sum of its weights, padding excluded) or
+    ``"sqrtn"`` (divided by the square root of the sum of its squared
+    weights); an empty bag pools to zeros. Features of one stack pooled
+    by different combiners still share its one gather and one segment
+    sum (the norms are extra columns of it). Called outside ``jax.jit``,
+    it runs as one program, compiled once per stack, argument shapes and
+    options.
 
     Args:
       params: the params of :meth:`init` (or any dict with those keys).
@@ -524,18 +617,23 @@ class TableStack:
         of such features.
       weights: feature name -> per-id weights of a ``[B, L]`` feature (a
         keyed input carries its own).
-      combiner: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
-      concat: return one ``[B, sum of dims]`` array, the features in
-        :meth:`concat_order`, the stack's declared feature order grouped by
-        stack, whatever the order of ``ids``' keys (FBGEMM's pooled
-        output): a head that reads all the features at once then reads the
-        stack's pooled rows as they are, with no split into features and no
-        stacking back.
-      keyed: return a :class:`Keyed` of the pooled rows, ``values``
-        ``[B, F, dim]`` in :meth:`concat_order` (every feature read must
-        have one ``dim``): a head that reads each feature with weights of
-        its own reads them as one array (``jnp.einsum("bfd,fd->b",
-        out.values, w)``), with no op per feature.
+      combiner: how each feature pools: None (the default): by its
+        table's :class:`gradtx.TableSpec` ``combiner``, ``"sum"`` where
+        the table declares none; ``"sum"``, ``"mean"`` or ``"sqrtn"``:
+        every feature so; a dict feature name -> combiner: the features it
+        names so, the others by their tables'.
+      output: what comes back: ``"dict"`` (the default), feature name ->
+        ``[B, dim]``; ``"concat"``, one ``[B, sum of dims]`` array, the
+        features in :meth:`concat_order`, the stack's declared feature
+        order grouped by stack, whatever the order of ``ids``' keys
+        (FBGEMM's pooled output): a head that reads all the features at
+        once then reads the stack's pooled rows as they are, with no split
+        into features and no stacking back; ``"keyed"``, a :class:`Keyed`
+        of the pooled rows, ``values`` ``[B, F, dim]`` in
+        :meth:`concat_order` (every feature read must have one ``dim``): a
+        head that reads each feature with weights of its own reads them
+        as one array (``jnp.einsum("bfd,fd->b", out.values, w)``), with no
+        op per feature.
       vocab: the id maps (:meth:`init_vocab`): the features of hashed
         tables then take raw ids, read-only (evaluation): a known id reads
         its row, an unknown one zeros, and nothing is inserted or evicted.
@@ -551,15 +649,18 @@ class TableStack:
         read and fails the computation (``gradtx.lookup``'s check). Off
         by default: it costs the step a round trip to the host
         (``benchmarks/results/bounds_check.md``).
+      concat, keyed: deprecated: ``concat=True`` is ``output="concat"``,
+        ``keyed=True`` is ``output="keyed"``.
 
     Returns:
       feature name -> ``[B, dim]`` rows in the table's dtype; with
-      ``concat`` one ``[B, sum of dims]`` array; with ``keyed`` a
-      :class:`Keyed`.
+      ``output="concat"`` one ``[B, sum of dims]`` array; with
+      ``output="keyed"`` a :class:`Keyed`.
     """
+    output = _output(output, concat, keyed)
     raw = [] if vocab is None else self._hashed_features()
     ids, weights = host_ready(ids, weights, raw, "lookup")
-    options = (combiner, concat, keyed)
+    options = (self._combiners(combiner), output)
     # checked op by op outside jit, so that a bad id raises at once
     if not bounds_check and _outside_traces(params, ids, weights, vocab):
       run = self._program(
@@ -570,19 +671,10 @@ class TableStack:
     return self._lookup(params, ids, weights, *options, vocab, bounds_check)
 
   def _lookup(
-    self, params, ids, weights, combiner, concat, keyed, vocab, check=False
+    self, params, ids, weights, combiners, output, vocab, check=False
   ):
     self._check_params(params, "lookup")
-    if combiner not in COMBINERS:
-      raise ValueError(
-        f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}; "
-        f"got {combiner!r}."
-      )
-    if concat and keyed:
-      raise ValueError(
-        "gradtx.TableStack.lookup: pass `concat=True` (one [B, sum of dims] "
-        "array) or `keyed=True` (a gradtx.Keyed [B, F, dim]), not both."
-      )
+    combiners = dict(combiners)
     weights = dict(weights or {})
     whole = isinstance(ids, (Keyed, KeyedJagged))
     if whole and weights:
@@ -636,30 +728,54 @@ class TableStack:
         [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
         [self.tables[t].rows for t in tables],
         s,
-        combiner,
+        [combiners[f] for f in feats],
         feats if check else None,
       )
       if split is not None:
         pooled = split_like(pooled, split)
-      if concat:
+      if output == "concat":
         parts.append(pooled.reshape(pooled.shape[0], -1))
-      elif keyed:
+      elif output == "keyed":
         parts.append(pooled)
       else:
         out.update(split_features(pooled, feats))
-    if keyed:
+    if output == "keyed":
       dims = {p.shape[-1] for p in parts}
       if len(dims) > 1:
         raise ValueError(
-          "gradtx.TableStack.lookup `keyed=True` needs features of one "
-          f"width; these have widths {sorted(dims)}. Pass `concat=True` "
-          "(one [B, sum of dims] array) or read the dict."
+          "gradtx.TableStack.lookup `output='keyed'` needs features of one "
+          f"width; these have widths {sorted(dims)}. Pass "
+          "`output='concat'` (one [B, sum of dims] array) or read the dict."
         )
       values = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
       return Keyed(self.concat_order(names), values)
-    if concat:
+    if output == "concat":
       return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     return {f: out[f] for f in names}
+
+  def _combiners(self, combiner: Any) -> tuple[tuple[str, str], ...]:
+    """Each feature's combiner (``lookup``'s ``combiner`` over its
+    table's), checked: ``((feature, combiner), ...)``, hashable (a
+    program's key)."""
+    given = combiner if isinstance(combiner, Mapping) else {}
+    unknown = [f for f in given if f not in self.features]
+    if unknown:
+      raise ValueError(
+        f"gradtx.TableStack.lookup `combiner` names unknown features "
+        f"{unknown}; the features are {list(self.features)}."
+      )
+    every = None if isinstance(combiner, Mapping) else combiner
+    out = []
+    for f, t in self.features.items():
+      c = given.get(f, every) or self.tables[t].combiner or "sum"
+      if c not in COMBINERS:
+        raise ValueError(
+          f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}, "
+          f"or a dict feature name -> one of them; got {c!r}"
+          + (f" for feature {f!r}." if f in given else ".")
+        )
+      out.append((f, c))
+    return tuple(out)
 
   def _by_array(self, features: Any) -> list[tuple[str, list[str]]]:
     """``(params key, features)`` per array read: the stacks in order, then
@@ -679,7 +795,8 @@ class TableStack:
     return by_array
 
   def concat_order(self, ids: Any) -> list[str]:
-    """The features of ``lookup(..., concat=True)``'s array, in order:
+    """The features of ``lookup(..., output="concat")``'s array (and of
+    ``output="keyed"``'s ``Keyed``), in order:
     grouped by stack (in the order of ``stacks``, then the tables outside),
     each group in the order of the stack's ``features``. The order depends
     only on which features ``ids`` holds, not on the order of its keys, so

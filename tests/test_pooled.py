@@ -59,7 +59,7 @@ def test_a_sliced_matrix_adds_no_op_per_feature():
     params = jax.eval_shape(stack.init, jax.random.key(0))
 
     def read(params, m):
-      out = stack.lookup(params, _sliced(m, features), concat=True)
+      out = stack.lookup(params, _sliced(m, features), output="concat")
       return out.sum()
 
     m = jax.ShapeDtypeStruct((64, features), jnp.int32)

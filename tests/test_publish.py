@@ -359,7 +359,7 @@ def _hashed_run(stack, tx, params, vocab, steps, publish, place=None):
 
   @jax.jit
   def step(params, state, vocab, raw, i):
-    ids, vocab, fresh = stack.admit(vocab, raw, max_new=1.0)
+    ids, vocab, fresh = stack.admit(vocab, raw, max_new_fraction=1.0)
     params, state = gtx.reset_rows(tx, state, params, fresh)
 
     def loss(p):

@@ -30,7 +30,7 @@ def _hashed_setup(tx=None, update=True):
 
   def step(params, state, vocab, raw, x=None):
     x = jnp.ones(4) if x is None else x
-    ids, vocab, fresh = stack.admit(vocab, raw, max_new=1.0)
+    ids, vocab, fresh = stack.admit(vocab, raw, max_new_fraction=1.0)
     params, state = gtx.reset_rows(tx, state, params, fresh)
     if not update:  # the reference of a skipped update
       return params, state, vocab

@@ -1,7 +1,9 @@
 """gtx.TableStack: lookups and gradients against per-table ``jax.grad``,
 every optimizer against its per-table run, the plan, params round trips."""
 
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -80,18 +82,20 @@ def _dense_bags(x, w, shape):
   return x, np.ones(x.shape, np.float32) if w is None else np.asarray(w)
 
 
-def _reference_lookup(per_table, ids, weights, combiner):
-  """Per table, plain ``table[ids]`` reads and numpy-built masks."""
+def _reference_lookup(per_table, ids, weights, combiner, features=ORDER):
+  """Per table, plain ``table[ids]`` reads and numpy-built masks;
+  ``combiner``: one for every feature, or a dict feature -> combiner."""
   out = {}
-  for f in ORDER:
+  for f in features:
+    c = combiner if isinstance(combiner, str) else combiner[f]
     t = per_table[FEATURES[f]]
     x, w = _dense_bags(ids[f], weights.get(f), None)
     valid = (x >= 0) & (x < t.shape[0]) & (w != 0)
     w = np.where(valid, w, 0.0)
     rows = t[jnp.asarray(np.where(valid, x, 0))] * jnp.asarray(w)[..., None]
     total = rows.sum(1)
-    norm = w.sum(1) if combiner == "mean" else np.sqrt((w * w).sum(1))
-    if combiner != "sum":
+    norm = w.sum(1) if c == "mean" else np.sqrt((w * w).sum(1))
+    if c != "sum":
       total = total / jnp.asarray(np.where(norm > 0, norm, 1.0))[:, None]
     out[f] = total
   return out
@@ -151,6 +155,106 @@ def test_lookup_and_gradient_equal_per_table_reads_and_jax_grad():
 
 def gtx_combiners():
   return ("sum", "mean", "sqrtn")
+
+
+def _mixed_stack():
+  """The stack with combiners of its own: item's features by mean, tag's
+  by sqrtn, the others by sum unless the lookup says otherwise."""
+  tables = dict(TABLES)
+  tables["item"] = dataclasses.replace(TABLES["item"], combiner="mean")
+  tables["tag"] = dataclasses.replace(TABLES["tag"], combiner="sqrtn")
+  return gtx.TableStack(tables, features=FEATURES)
+
+
+# the lookup's per-feature combiners over the tables', and the result
+PER_CALL = {"user_id": "sqrtn", "clicks": "sqrtn"}
+MIXED = {
+  "user_id": "sqrtn",
+  "item_id": "mean",
+  "history": "mean",
+  "country": "sum",
+  "tags": "sqrtn",
+  "clicks": "sqrtn",
+}
+
+
+def _scatters(fn, *args):
+  """The segment sums (scatter-adds) of ``fn``'s program."""
+  text = str(jax.make_jaxpr(fn)(*args))
+  return text.count("scatter-add") + text.count("scatter_add")
+
+
+def test_combiners_per_table_and_feature_pool_each_feature_in_one_read():
+  stack = _mixed_stack()
+  params = stack.init(jax.random.key(3))
+  per_table = stack.unstack(params)
+  ids, weights = _batch(3)
+
+  def lookup(p, ids, combiner=PER_CALL):
+    return stack.lookup(p, ids, weights=weights, combiner=combiner)
+
+  want = _reference_lookup(per_table, ids, weights, MIXED)
+  eager = lookup(params, ids)
+  jitted = jax.jit(lookup)(params, ids)
+  each_alone = {c: lookup(params, ids, c) for c in gtx_combiners()}
+  for f in ORDER:
+    np.testing.assert_allclose(eager[f], want[f], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jitted[f], eager[f], rtol=1e-6, atol=1e-7)
+    # mixed in one call: the call of the feature's combiner for all
+    np.testing.assert_allclose(
+      eager[f], each_alone[MIXED[f]][f], rtol=1e-6, atol=1e-7, err_msg=f
+    )
+  # one-hot features alone: pooled with no segment sum
+  one_hot = ["user_id", "item_id", "country"]
+  got = stack.lookup(params, {f: ids[f] for f in one_hot}, combiner=PER_CALL)
+  want_one_hot = _reference_lookup(per_table, ids, {}, MIXED, one_hot)
+  for f in one_hot:
+    np.testing.assert_allclose(got[f], want_one_hot[f], rtol=1e-6, atol=1e-7)
+
+  # the gradient, against jax.value_and_grad of the per-table reference
+  def loss(p, ids):
+    return _head(lookup(p, ids))
+
+  @jax.jit
+  def reference(per_table):  # the ids are numpy: built into the program
+    return jax.value_and_grad(
+      lambda t: _head(_reference_lookup(t, ids, weights, MIXED))
+    )(per_table)
+
+  value, grads = jax.jit(gtx.sparse_value_and_grad(loss))(params, ids)
+  assert all(isinstance(g, gtx.SparseRows) for g in grads.values())
+  dense = stack.unstack({k: g.to_dense() for k, g in grads.items()})
+  want_v, want_g = reference(per_table)
+  np.testing.assert_allclose(value, want_v, rtol=1e-5, atol=1e-5)
+  for t in TABLES:
+    np.testing.assert_allclose(dense[t], want_g[t], rtol=1e-5, atol=1e-6)
+  # one segment sum a stack, as with one combiner for every feature: the
+  # norms are columns of it
+  assert _scatters(lookup, params, ids) == _scatters(
+    functools.partial(lookup, combiner="sum"), params, ids
+  )
+
+
+def test_a_weighted_one_hot_feature_pools_as_a_bag_of_one():
+  """A keyed [B, F] matrix with weights (one-hot, no segment sum) pools
+  as the [B, F, 1] bags of the same ids (a segment sum), per combiner."""
+  stack = _mixed_stack()
+  params = stack.init(jax.random.key(4))
+  rng = np.random.RandomState(4)
+  names = ["user_id", "item_id", "country"]
+  m = np.stack([rng.randint(-1, 3, B) for _ in names], 1)
+  w = (rng.rand(B, 3) * (rng.rand(B, 3) > 0.3) - 0.2).astype(np.float32)
+  combiner = {"user_id": "sqrtn", "country": "mean"}  # item's: mean
+  one_hot = stack.lookup(
+    params, gtx.Keyed(names, m, w), combiner=combiner, output="keyed"
+  )
+  bags = stack.lookup(
+    params,
+    gtx.Keyed(names, m[..., None], w[..., None]),
+    combiner=combiner,
+    output="keyed",
+  )
+  np.testing.assert_allclose(one_hot.values, bags.values, rtol=1e-6)
 
 
 def test_lookup_outputs_shapes_dtypes_and_padding():
@@ -271,6 +375,18 @@ def test_bad_input_names_the_argument():
   params = stack.init(jax.random.key(0))
   with pytest.raises(ValueError, match="`combiner` must be one of"):
     stack.lookup(params, {"user_id": jnp.zeros(2, jnp.int32)}, combiner="max")
+  with pytest.raises(ValueError, match="for feature 'user_id'"):
+    stack.lookup(
+      params, {"user_id": jnp.zeros(2, jnp.int32)}, combiner={"user_id": "max"}
+    )
+  with pytest.raises(ValueError, match="`combiner` names unknown features"):
+    stack.lookup(
+      params, {"user_id": jnp.zeros(2, jnp.int32)}, combiner={"nope": "mean"}
+    )
+  with pytest.raises(ValueError, match="TableSpec `combiner` must be one of"):
+    gtx.TableSpec(3, 4, combiner="max")
+  with pytest.raises(ValueError, match="`output` must be one of"):
+    stack.lookup(params, {"user_id": jnp.zeros(2, jnp.int32)}, output="list")
   with pytest.raises(ValueError, match="unknown features"):
     stack.lookup(params, {"nope": jnp.zeros(2, jnp.int32)})
   with pytest.raises(ValueError, match="batch sizes differ"):
@@ -694,7 +810,7 @@ def test_concat_gives_the_features_as_one_array_in_concat_order():
   both = jax.jit(
     lambda p: (
       stack.lookup(p, ids, weights=weights),
-      stack.lookup(p, ids, weights=weights, concat=True),
+      stack.lookup(p, ids, weights=weights, output="concat"),
     )
   )
   by_feature, flat = both(params)
@@ -800,7 +916,7 @@ def test_concat_order_is_the_declared_order_eagerly_and_under_jit():
 
   def concat(p, x):
     seen.append(stack.concat_order(x))
-    return stack.lookup(p, x, concat=True)
+    return stack.lookup(p, x, output="concat")
 
   np.testing.assert_array_equal(concat(params, ids), want)
   np.testing.assert_array_equal(jax.jit(concat)(params, ids), want)
@@ -900,23 +1016,28 @@ def test_a_keyed_input_gives_the_dict_forms_loss_and_gradients(case):
   def run(p, keyed, as_dict, weights):
     """Every comparison's two sides, in one program."""
     out = {}
-    for c in gtx_combiners():
+    for c in (*gtx_combiners(), MIXED):  # MIXED: a combiner per feature
       vg = gtx.sparse_value_and_grad(functools.partial(loss, combiner=c))
       v, g = vg(p, keyed, {})
       want_v, want_g = vg(p, as_dict, weights)
       assert set(g) == set(want_g)
-      out[c] = (v, want_v, dense(g), dense(want_g))
+      out[c if isinstance(c, str) else "mixed"] = (
+        v,
+        want_v,
+        dense(g),
+        dense(want_g),
+      )
     # the pooled rows as one array, in concat order
-    out["flat"] = stack.lookup(p, as_dict, weights=weights, concat=True)
-    out["keyed"] = stack.lookup(p, keyed, concat=True)
+    out["flat"] = stack.lookup(p, as_dict, weights=weights, output="concat")
+    out["keyed"] = stack.lookup(p, keyed, output="concat")
     if name != "bags":  # as a mapping: the dict form, feature by feature
-      out["mapping"] = stack.lookup(p, dict(keyed), concat=True)
+      out["mapping"] = stack.lookup(p, dict(keyed), output="concat")
     if one_dim:
-      out["as keyed"] = stack.lookup(p, keyed, keyed=True)
+      out["as keyed"] = stack.lookup(p, keyed, output="keyed")
     return out
 
   out = run(params, keyed, as_dict, weights)
-  for c in gtx_combiners():
+  for c in (*gtx_combiners(), "mixed"):
     v, want_v, g, want_g = out[c]
     np.testing.assert_allclose(v, want_v, rtol=1e-6, err_msg=name)
     for k in g:
@@ -934,17 +1055,23 @@ def test_a_keyed_input_gives_the_dict_forms_loss_and_gradients(case):
     )
     np.testing.assert_array_equal(got[order[-1]], got.values[:, -1])
   else:
-    with pytest.raises(ValueError, match="concat=True"):
-      stack.lookup(params, keyed, keyed=True)
+    with pytest.raises(ValueError, match="output='concat'"):
+      stack.lookup(params, keyed, output="keyed")
 
 
 @pytest.mark.parametrize("form", ["one-hot", "bags", "jagged"])
+@pytest.mark.parametrize("combiners", ["sum", "per table"])
 def test_a_keyed_lookup_traces_the_same_program_for_any_number_of_features(
-  form,
+  form, combiners
 ):
+  every = ("sum",) if combiners == "sum" else gtx_combiners()
+
   def eqns(nf):
     stack = gtx.TableStack(
-      {f"t{i}": gtx.TableSpec(10 + i, 4) for i in range(nf)}
+      {
+        f"t{i}": gtx.TableSpec(10 + i, 4, combiner=every[i % len(every)])
+        for i in range(nf)
+      }
     )
     names = list(stack.features)[::-1]  # any order
     if form == "one-hot":
@@ -960,7 +1087,7 @@ def test_a_keyed_lookup_traces_the_same_program_for_any_number_of_features(
     params = jax.eval_shape(stack.init, jax.random.key(0))
 
     def loss(p, x):
-      return jnp.sum(stack.lookup(p, x, keyed=True).values ** 2)
+      return jnp.sum(stack.lookup(p, x, output="keyed").values ** 2)
 
     jaxpr = jax.make_jaxpr(gtx.sparse_value_and_grad(loss))(params, x)
     return len(jaxpr.eqns)
@@ -1011,7 +1138,7 @@ def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates(form):
   tx = gtx.lazy_adam(0.1)  # Adam on the dense leaves
 
   def loss(p, ids, weights, labels, mask):
-    x = stack.lookup(p["emb"], ids, weights=weights, concat=True)
+    x = stack.lookup(p["emb"], ids, weights=weights, output="concat")
     logit = jnp.tanh(x) @ p["w"] + p["b"]
     per_example = jax.nn.softplus(logit) - labels * logit
     return jnp.sum(mask * per_example) / jnp.sum(mask)
@@ -1045,7 +1172,7 @@ def test_pad_batch_refuses_what_it_cannot_pad():
 
 def test_admit_and_a_read_only_lookup_take_a_keyed_input_as_its_dict():
   stack = gtx.TableStack(
-    {"h": gtx.TableSpec(16, 2, hashed=True), "t": gtx.TableSpec(8, 2)},
+    {"h": gtx.TableSpec(16, 2, hashed=gtx.Hashed()), "t": gtx.TableSpec(8, 2)},
     features={"user": "h", "page": "t"},
   )
   params = stack.init(jax.random.key(0))
@@ -1059,7 +1186,7 @@ def test_admit_and_a_read_only_lookup_take_a_keyed_input_as_its_dict():
     out = []
     for x in (keyed, as_dict):
       rows, v1, _ = stack.admit(vocab, x)
-      out.append((rows, v1, stack.lookup(params, x, vocab=v1, concat=True)))
+      out.append((rows, v1, stack.lookup(params, x, vocab=v1, output="concat")))
     return out
 
   (rows, v1, out), (want_rows, want_v1, want) = both(params, vocab)
@@ -1068,3 +1195,65 @@ def test_admit_and_a_read_only_lookup_take_a_keyed_input_as_its_dict():
   for a, b in zip(jax.tree.leaves(v1), jax.tree.leaves(want_v1), strict=True):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(out, want)
+
+
+def _warns_here(fn, match):
+  """``fn()``, which must warn once, a DeprecationWarning naming the new
+  spelling, attributed to this file (the caller's line)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fn()
+  assert [type(w.message) for w in caught] == [DeprecationWarning], caught
+  assert match in str(caught[0].message), caught[0].message
+  assert caught[0].filename == __file__, caught[0].filename
+  return out
+
+
+def test_each_old_spelling_warns_and_gives_the_new_spellings_result():
+  stack = _stack()
+  params = stack.init(jax.random.key(0))
+  ids, weights = _batch(5)
+  ids = {f: ids[f] for f in ("user_id", "history", "clicks")}  # one width
+
+  def check(old, new, match):
+    got = _warns_here(
+      lambda: stack.lookup(params, ids, weights=weights, **old), match
+    )
+    want = stack.lookup(params, ids, weights=weights, **new)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+  check({"concat": True}, {"output": "concat"}, "output='concat'")
+  check({"keyed": True}, {"output": "keyed"}, "output='keyed'")
+  check({"concat": False}, {}, "output='dict'")
+  with pytest.raises(ValueError, match="output='concat'"):
+    stack.lookup(params, ids, weights=weights, concat=True, keyed=True)
+
+  # TableSpec(hashed=True / False)
+  spec = _warns_here(lambda: gtx.TableSpec(8, 2, hashed=True), "gtx.Hashed()")
+  assert spec == gtx.TableSpec(8, 2, hashed=gtx.Hashed())
+  spec = _warns_here(lambda: gtx.TableSpec(8, 2, hashed=False), "hashed=None")
+  assert spec == gtx.TableSpec(8, 2)
+
+  # admit(max_new=<a float>): a fraction, now max_new_fraction
+  hashed = gtx.TableStack(
+    {
+      "h": gtx.TableSpec(64, 2, hashed=gtx.Hashed()),
+      "g": gtx.TableSpec(64, 2, hashed=gtx.Hashed()),
+    }
+  )
+  vocab = hashed.init_vocab(jax.random.key(1))
+  raw = {
+    "h": np.arange(200, dtype=np.int32) * 7,
+    "g": np.arange(100, dtype=np.int32) * 11,
+  }
+  for old, new, match in (
+    ({"max_new": 0.5}, {"max_new_fraction": 0.5}, "max_new_fraction=0.5"),
+    (
+      {"max_new": {"h": 3, "g": 0.5}},
+      {"max_new": {"h": 3}, "max_new_fraction": {"g": 0.5}},
+      "max_new_fraction={'g': 0.5}",
+    ),
+  ):
+    got = _warns_here(lambda old=old: hashed.admit(vocab, raw, **old), match)
+    want = hashed.admit(vocab, raw, **new)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

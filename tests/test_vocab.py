@@ -81,9 +81,13 @@ def test_the_map_follows_its_numpy_reference(shards):
   (name,) = vocab
   # a bound below the new ids some steps (one for every table, or one per
   # table, the others at the default), the default (1/8) others
-  settings = [0.125, 5, {"a": 3, "c": 2}]
+  settings = [
+    {"max_new_fraction": 0.125},
+    {"max_new": 5},
+    {"max_new": {"a": 3, "c": 2}},
+  ]
   admits = [
-    jax.jit(lambda v, i, w, m=m: stack.admit(v, i, weights=w, max_new=m))
+    jax.jit(lambda v, i, w, m=m: stack.admit(v, i, weights=w, **m))
     for m in settings
   ]
   per_table = [4 * B, 14, B]  # each hashed table's id slots
@@ -233,7 +237,9 @@ def test_a_row_given_to_a_new_id_is_fresh_in_every_optimizer_state():
 
   @jax.jit
   def step(states, vocab, ids, weights, coef, i):
-    ids, vocab, fresh = stack.admit(vocab, ids, weights=weights, max_new=1.0)
+    ids, vocab, fresh = stack.admit(
+      vocab, ids, weights=weights, max_new_fraction=1.0
+    )
     out = {}
     for k, tx in opts.items():
       p, s = states[k]
@@ -505,7 +511,7 @@ def test_64_bit_ids_are_ids_whichever_way_they_come(x64):
 def test_64_bit_ids_are_never_truncated():
   """A traced 64-bit id with x64 off cannot be split: refused, naming
   gtx.Words and jax_enable_x64; Words.of refuses negative ids."""
-  stack = gtx.TableStack({"h": gtx.TableSpec(4, 2, hashed=True)})
+  stack = gtx.TableStack({"h": gtx.TableSpec(4, 2, hashed=gtx.Hashed())})
   vocab = stack.init_vocab(jax.random.key(0))
 
   def narrowed(x):
@@ -530,7 +536,7 @@ def test_the_map_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
     ids, weights = _raw_batch(rng)
     _, vocab, _ = admit(vocab, ids, weights=weights)
   # and a stack of default settings (no admission sketch)
-  plain = gtx.TableStack({"u": gtx.TableSpec(6, 2, hashed=True)})
+  plain = gtx.TableStack({"u": gtx.TableSpec(6, 2, hashed=gtx.Hashed())})
   vocab = {"map": vocab, "plain": plain.init_vocab(jax.random.key(3))}
   checkpoint_worker.save_orbax(tmp_path / "vocab", vocab)
   got = checkpoint_worker.restore_orbax(
@@ -660,16 +666,20 @@ def test_bad_input_names_the_argument():
     with pytest.raises((ValueError, TypeError), match=match):
       stack.admit(stack.init_vocab(jax.random.key(0)), ids, weights=weights)
   for bad, match in (
-    (0, "max_new"),
-    (1.5, "max_new"),
-    ({"d": 4}, "not hashed"),
-    ({"a": 0.0}, "max_new"),
+    ({"max_new": 0}, "`max_new` must be an int"),
+    ({"max_new": "4"}, "`max_new` must be an int"),
+    ({"max_new": 1.5}, "`max_new_fraction` must be a float"),
+    ({"max_new_fraction": 1.5}, "`max_new_fraction` must be a float"),
+    ({"max_new_fraction": {"a": 0.0}}, "`max_new_fraction` must be"),
+    ({"max_new": {"d": 4}}, "`max_new` names .* not hashed"),
+    ({"max_new_fraction": {"d": 0.5}}, "`max_new_fraction` names"),
+    ({"max_new": 4, "max_new_fraction": {"a": 0.5}}, "by both"),
   ):
     with pytest.raises(ValueError, match=match):
       stack.admit(
         stack.init_vocab(jax.random.key(0)),
         {"a1": np.zeros(2, np.int32)},
-        max_new=bad,
+        **bad,
       )
   with pytest.raises(ValueError, match="prefix"):
     gtx.reset_rows(
@@ -751,11 +761,11 @@ def test_a_vocab_of_another_stack_or_state_of_another_optimizer_is_refused():
   argument and the fix."""
   big = gtx.TableStack(
     {
-      "u": gtx.TableSpec(100, 4, hashed=True),
-      "q": gtx.TableSpec(64, 4, hashed=True),
+      "u": gtx.TableSpec(100, 4, hashed=gtx.Hashed()),
+      "q": gtx.TableSpec(64, 4, hashed=gtx.Hashed()),
     }
   )
-  small = gtx.TableStack({"u": gtx.TableSpec(32, 4, hashed=True)})
+  small = gtx.TableStack({"u": gtx.TableSpec(32, 4, hashed=gtx.Hashed())})
   other = small.init_vocab(jax.random.key(0))
   raw = {"u": np.array([7, 8], np.int32)}
   with pytest.raises(ValueError, match=r"`vocab\['float32x4'\]`.*init_vocab"):
@@ -770,7 +780,10 @@ def test_a_vocab_of_another_stack_or_state_of_another_optimizer_is_refused():
     )
   # the same tables, another plan: each row shard padded
   sharded = gtx.TableStack(
-    {"u": gtx.TableSpec(100, 4, hashed=True), "q": gtx.TableSpec(64, 4)},
+    {
+      "u": gtx.TableSpec(100, 4, hashed=gtx.Hashed()),
+      "q": gtx.TableSpec(64, 4),
+    },
     shards=3,
   )
   with pytest.raises(ValueError, match="init_vocab"):
@@ -906,7 +919,9 @@ def test_a_stale_gradient_never_lands_on_a_new_owner(wrap):
 
   @jax.jit
   def mapped(states, vocab, ids, weights, coef):
-    ids, vocab, fresh = stack.admit(vocab, ids, weights=weights, max_new=1.0)
+    ids, vocab, fresh = stack.admit(
+      vocab, ids, weights=weights, max_new_fraction=1.0
+    )
     states = {
       k: gtx.reset_rows(tx, s, p, fresh) for k, (p, s) in states.items()
     }
@@ -967,7 +982,7 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   the map's placement loop compiled again on every call), and they give
   what the same calls give under jax.jit."""
   stack = gtx.TableStack(
-    {"h": gtx.TableSpec(32, 4, hashed=True), "u": gtx.TableSpec(8, 4)}
+    {"h": gtx.TableSpec(32, 4, hashed=gtx.Hashed()), "u": gtx.TableSpec(8, 4)}
   )
   vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   params = stack.init(jax.random.key(1))
@@ -984,7 +999,7 @@ def test_calls_outside_jit_run_as_one_compiled_program():
   stack.vocab_stats(v1)
   with _compilations() as compiled:
     ids, v2, fresh = stack.admit(v1, batches[1])
-    emb = stack.lookup(params, ids, concat=False)
+    emb = stack.lookup(params, ids)
     _, v3, _ = stack.admit(v2, batches[2])
     stats = stack.vocab_stats(v3)
     stack.vocab_stats(v2)
@@ -1010,7 +1025,7 @@ def test_numpy_64_bit_ids_outside_jit_run_as_one_compiled_program():
   feature (it would read as padding here and wrap under jax.jit); the
   features that are not hashed come back as given."""
   stack = gtx.TableStack(
-    {"h": gtx.TableSpec(32, 4, hashed=True), "u": gtx.TableSpec(8, 4)}
+    {"h": gtx.TableSpec(32, 4, hashed=gtx.Hashed()), "u": gtx.TableSpec(8, 4)}
   )
   vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   params = jax.jit(stack.init)(jax.random.key(1))
@@ -1067,7 +1082,7 @@ def test_a_stack_that_ran_outside_jit_still_pickles_and_copies():
   import copy
   import pickle
 
-  stack = gtx.TableStack({"h": gtx.TableSpec(16, 2, hashed=True)})
+  stack = gtx.TableStack({"h": gtx.TableSpec(16, 2, hashed=gtx.Hashed())})
   vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   ids = {"h": jax.device_put(np.arange(4, dtype=np.int32) * 1000)}
   want = stack.admit(vocab, ids)[0]["h"]
@@ -1077,15 +1092,21 @@ def test_a_stack_that_ran_outside_jit_still_pickles_and_copies():
     assert repr(other) == repr(stack)
 
 
-def test_calls_outside_jit_keep_an_int_and_a_float_max_new_apart():
-  """max_new=1 (one new id) and max_new=1.0 (all the id slots) compile
-  their own programs outside jit, as under jax.jit."""
-  stack = gtx.TableStack({"h": gtx.TableSpec(128, 2, hashed=True)})
+def test_calls_outside_jit_keep_a_count_and_a_fraction_apart():
+  """max_new=1 (one new id) and max_new_fraction=1.0 (all the id slots)
+  compile their own programs outside jit, as under jax.jit."""
+  stack = gtx.TableStack({"h": gtx.TableSpec(128, 2, hashed=gtx.Hashed())})
   vocab = jax.jit(stack.init_vocab)(jax.random.key(0))
   ids = {"h": jax.device_put(np.arange(100, dtype=np.int32) * 7919)}
-  for max_new in (1, 1.0, {"h": 1}, {"h": 1.0}):
-    got = stack.admit(vocab, ids, max_new=max_new)[0]["h"]
-    want = jax.jit(lambda v, i, m=max_new: stack.admit(v, i, max_new=m))(
-      vocab, ids
-    )[0]["h"]
-    np.testing.assert_array_equal(got, want)
+  settings = (
+    {"max_new": 1},
+    {"max_new_fraction": 1.0},
+    {"max_new": {"h": 1}},
+    {"max_new_fraction": {"h": 1.0}},
+  )
+  got = [stack.admit(vocab, ids, **m)[0]["h"] for m in settings]
+  for m, g in zip(settings, got, strict=True):
+    want = jax.jit(lambda v, i, m=m: stack.admit(v, i, **m))(vocab, ids)
+    np.testing.assert_array_equal(g, want[0]["h"])
+  assert np.sum(np.asarray(got[0]) >= 0) == 1
+  assert np.sum(np.asarray(got[1]) >= 0) > 1  # all compete for rows
