@@ -28,7 +28,7 @@ from benchmarks._timing import time_interleaved
 def make_step(stack, tx, bounds_check: bool):
   def loss(params, ids):
     emb = stack.lookup(
-      params["emb"], ids, concat=True, bounds_check=bounds_check
+      params["emb"], ids, output="concat", bounds_check=bounds_check
     )
     return jnp.mean((emb @ params["w"]) ** 2)
 

@@ -27,9 +27,9 @@ function, the persistent compilation cache is off.
 the same tables for each input and output form users write (issue 48):
 a dict of ``[B]`` inputs, one ``[B, F]`` matrix sliced per feature into
 that dict, the matrix passed whole as a ``gtx.Keyed``, jagged features as
-one ``gtx.KeyedJagged``; the pooled rows read as one ``concat=True``
+one ``gtx.KeyedJagged``; the pooled rows read as one ``output="concat"``
 array or per feature (a logit weight vector per feature: the dict's
-entries one by one, or ``keyed=True``'s ``[B, F, dim]`` in one einsum),
+entries one by one, or ``output="keyed"``'s ``[B, F, dim]`` in one einsum),
 at 26 and 500 features (``results/compile_tables_forms.md``), each form
 in a fresh process of its own, as a user's program compiles its step.
 
@@ -174,7 +174,7 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
   )
 
   def concat_head(p, emb_ids):
-    x = stack.lookup(p["emb"], emb_ids, concat=True)
+    x = stack.lookup(p["emb"], emb_ids, output="concat")
     x = x.reshape(batch, features, dim)  # in concat order: names
     return jnp.einsum("bfd,fd->b", x, p["w"]) + p["b"]
 
@@ -205,7 +205,7 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
       lambda p, m, y: (
         jnp.einsum(
           "bfd,fd->b",
-          stack.lookup(p["emb"], gtx.Keyed(names, m), keyed=True).values,
+          stack.lookup(p["emb"], gtx.Keyed(names, m), output="keyed").values,
           p["w"],
         )
         + p["b"]

@@ -31,7 +31,6 @@ import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import once, time_interleaved
-from gradtx._vocab import DEFAULT_MAX_NEW
 
 WAYS = ("outside jit", "op by op", "user's jax.jit")
 FORMS = ("int32 jax", "int64 numpy")
@@ -51,12 +50,12 @@ def systems(stack: Any, params: Any, vocab: Any, form: str) -> dict:
   out = {
     ("admit", "outside jit"): lambda i: stack.admit(vocab, i),
     ("admit", "op by op"): lambda i: stack._admit(
-      vocab, i, None, DEFAULT_MAX_NEW
+      vocab, i, None, stack._new_id_bounds(None, None)
     ),
     ("admit", "user's jax.jit"): lambda i: jit_admit(vocab, jitted(i)),
     ("lookup", "outside jit"): lambda i: stack.lookup(params, i, vocab=vocab),
     ("lookup", "op by op"): lambda i: stack._lookup(
-      params, i, None, "sum", False, False, vocab
+      params, i, None, stack._combiners(None), "dict", vocab
     ),
     ("lookup", "user's jax.jit"): lambda i: jit_lookup(
       params, jitted(i), vocab
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parse(p, argv, quick=dict(features=2, rows=500, batch=32, rounds=2))
   names = [f"f{t}" for t in range(args.features)]
   stack = gtx.TableStack(
-    {n: gtx.TableSpec(args.rows, 16, hashed=True) for n in names}
+    {n: gtx.TableSpec(args.rows, 16, hashed=gtx.Hashed()) for n in names}
   )
   vocab = stack.init_vocab(jax.random.key(1))
   params = stack.init(jax.random.key(0))

@@ -20,7 +20,7 @@ for a run on a device.
   (docs/guides/open_vocabularies.md).
 * :func:`keyed`: ``features`` features (Criteo's cardinalities repeated)
   as one ``gtx.Keyed`` ``[B, F]`` matrix, pooled rows read by one einsum
-  (``keyed=True``): the form that keeps the program flat from 26 to 500
+  (``output="keyed"``): the form that keeps the program flat from 26 to 500
   features.
 
 Every size is an argument, so tests and dry runs can shrink what they
@@ -136,7 +136,7 @@ def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
   head = _head(len(features), dim)
 
   def loss(p, ids, y):
-    x = stack.lookup(p["emb"], lookup_ids(ids), concat=True)
+    x = stack.lookup(p["emb"], lookup_ids(ids), output="concat")
     x = x.reshape(batch, len(features), dim)
     return bce(
       jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
@@ -237,7 +237,7 @@ def hashed(
   head = _head(features, dim)
 
   def loss(p, ids, y):
-    x = stack.lookup(p["emb"], ids, concat=True)
+    x = stack.lookup(p["emb"], ids, output="concat")
     x = x.reshape(batch, features, dim)
     return bce(
       jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
@@ -291,7 +291,7 @@ def keyed(
   head = _head(features, dim)
 
   def loss(p, ids, y):
-    out = stack.lookup(p["emb"], gtx.Keyed(names, ids), keyed=True)
+    out = stack.lookup(p["emb"], gtx.Keyed(names, ids), output="keyed")
     logit = jnp.einsum("bfd,fd->b", out.values, p["head"]["w"])
     return bce(logit + p["head"]["b"], y)
 

@@ -39,7 +39,7 @@ def lane_loss(specs, names, dim, lanes, batch):
   stack = gtx.TableStack(specs, batch_size=batch, lanes=lanes)
 
   def loss(p, ids, y):
-    x = stack.lookup(p["emb"], ids, concat=True)
+    x = stack.lookup(p["emb"], ids, output="concat")
     return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
   return stack, loss

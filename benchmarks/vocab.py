@@ -149,7 +149,7 @@ def _cost_pair(args, names, rows, raw, labels, make_tx):
     tx = make_tx()
 
     def loss(p, ids, y, stack=stack):
-      x = stack.lookup(p["emb"], ids, concat=True)
+      x = stack.lookup(p["emb"], ids, output="concat")
       x = x.reshape(x.shape[0], len(names), args.dim)
       w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
       return bce(jnp.sum(x * w, axis=(1, 2)), y)
@@ -256,7 +256,7 @@ def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
   tx = gtx.adagrad(0.05)
 
   def logits(p, ids, vocab=None):
-    x = stack.lookup(p["emb"], ids, concat=True, vocab=vocab)
+    x = stack.lookup(p["emb"], ids, output="concat", vocab=vocab)
     x = x.reshape(x.shape[0], len(names), dim)
     w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
     return jnp.sum(x * w, axis=(1, 2)) + p["b"]
