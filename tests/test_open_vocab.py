@@ -426,9 +426,12 @@ def _eight_device_run(kind):
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_a_row_sharded_stack_on_8_devices(kind):
   """On 8 devices the object equals the hand-wired calls bit for bit, and
-  both equal the one-device run."""
+  both equal the one-device run to rounding (8 devices sum in another
+  order: atol for the values near 0)."""
   got, wired = _eight_device_run(kind)
   _equal(got, wired)
   one, _ = _eight_device_run(None)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(one), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
+    )
