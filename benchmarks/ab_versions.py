@@ -171,12 +171,12 @@ def _gtx_many(spec: dict) -> tuple[Any, dict]:
   import jax.numpy as jnp
 
   import gradtx as gtx
-  from benchmarks import models, recsys
+  from benchmarks import models
 
   rows = models.table_rows(spec["tables"], 100_000)
-  data = recsys.make_data(rows, 2048, WARMUP + spec["steps"], "zipf")
-  params = jax.tree.map(jnp.asarray, recsys.init_params(rows, 64, "linear", 0))
-  loss = recsys.per_table_loss(spec["tables"])
+  data = models.make_data(rows, 2048, WARMUP + spec["steps"], "zipf")
+  params = jax.tree.map(jnp.asarray, models.init_params(rows, 64, "linear", 0))
+  loss = models.per_table_loss(spec["tables"])
   tx = MANY[spec["case"]](gtx)
   batches = list(zip(data.ids, data.labels, strict=True))
   return _compiled_runner(

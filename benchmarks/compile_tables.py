@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import gradtx as gtx
 from benchmarks._common import compile_phases, parse, parser
 from benchmarks._results import write_results
-from benchmarks.models import bce, table_rows, whole_step
+from benchmarks.models import abstract_params, bce, table_rows, whole_step
 
 
 def per_table_loss(tables: int):
@@ -72,21 +72,6 @@ def stacked_loss(rows: list[int]):
     return jnp.mean(jnp.logaddexp(0.0, -y * logit))
 
   return loss
-
-
-def abstract_params(rows: list[int], dim: int, stacked: bool) -> dict:
-  f32 = jnp.float32
-  p = {
-    "w": jax.ShapeDtypeStruct((len(rows), dim), f32),
-    "b": jax.ShapeDtypeStruct((), f32),
-  }
-  if stacked:
-    p["emb"] = jax.ShapeDtypeStruct((sum(rows), dim), f32)
-  else:
-    p.update(
-      {f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)}
-    )
-  return p
 
 
 # each per-table program and the stacked program it is compared with

@@ -3,7 +3,8 @@
 Two models trained on real data, the Python standard library's source on
 this machine (tokenized as ``examples/demo.py`` does it), split by file:
 every 10th file in sorted order is held out, the rest is trained on (the
-vocabulary comes from the training files only).
+vocabulary comes from the training files only; the corpus and the two
+models: ``benchmarks/corpus.py``).
 
 * ``skip-gram``: word2vec with negative sampling, as in the demo: two
   ``[vocab, 64]`` tables (center, context) read as plain ``table[ids]``.
@@ -73,13 +74,9 @@ and schedule (``LR``; the sweep: ``results/convergence_lr_sweep.md``).
 
 from __future__ import annotations
 
-import io
 import statistics
 import sys
-import sysconfig
-import tokenize
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -89,13 +86,18 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
-from benchmarks._results import figure, result_path, save_figure, write_results
+from benchmarks._results import result_path, write_results
 from benchmarks._timing import Clock, record
-from examples.demo import build_vocab
+from benchmarks.corpus import (
+  HELD_OUT_EVERY,
+  SEED,
+  Task,
+  lm_task,
+  load_corpus,
+  skipgram_task,
+)
+from benchmarks.plots import plot_convergence
 
-DIM = 64
-SEED = 0
-HELD_OUT_EVERY = 10  # every 10th file (sorted order) is held out
 SETTLE = 3  # untimed steps at the start of each config's round
 STEPS = 5000  # per config and task
 MAX_TOKENS = 2_000_000
@@ -118,176 +120,6 @@ LR = {
   },
 }
 FAMILIES = list(LR["skip-gram"])
-
-
-# ----------------------------------------------------------------------------
-# corpus
-
-
-def stdlib_files(max_tokens: int) -> list[list[str]]:
-  """The standard library's tokens, one list per file, in sorted file order.
-
-  Tokenized as ``examples.demo.stdlib_tokens`` does (names, operators,
-  numbers kept; strings become ``<str>``; comments and layout dropped), but
-  kept per file for the held-out split. Stops after ``max_tokens``.
-  """
-  root = Path(sysconfig.get_paths()["stdlib"])
-  files = sorted(
-    p
-    for p in root.rglob("*.py")
-    if "site-packages" not in p.relative_to(root).parts
-  )
-  keep = {tokenize.NAME, tokenize.OP, tokenize.NUMBER}
-  out: list[list[str]] = []
-  total = 0
-  for path in files:
-    toks: list[str] = []
-    try:
-      src = path.read_text(encoding="utf-8")
-      for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type in keep:
-          toks.append(tok.string)
-        elif tok.type == tokenize.STRING:
-          toks.append("<str>")
-    except (SyntaxError, UnicodeDecodeError, tokenize.TokenError):
-      continue
-    if toks:
-      out.append(toks[: max_tokens - total])
-      total += len(out[-1])
-    if total >= max_tokens:
-      break
-  return out
-
-
-class Corpus(NamedTuple):
-  train: list[str]  # tokens of the training files, concatenated
-  held_out: list[str]  # tokens of the held-out files, concatenated
-  files: int
-
-
-def load_corpus(max_tokens: int) -> Corpus:
-  files = stdlib_files(max_tokens)
-  train, held = [], []
-  for i, toks in enumerate(files):
-    (held if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).extend(toks)
-  return Corpus(train, held, len(files))
-
-
-def encode(tokens: list[str], index: dict[str, int]) -> np.ndarray:
-  return np.asarray([index.get(t, 0) for t in tokens], np.int32)
-
-
-# ----------------------------------------------------------------------------
-# tasks
-
-
-class Task(NamedTuple):
-  name: str
-  params: dict[str, np.ndarray]  # float32 init
-  tables: tuple[str, ...]  # the embedding tables (bf16 in bf16 configs)
-  loss: Callable[[Any, Any], jax.Array]
-  sample: Callable[[np.random.RandomState], dict[str, np.ndarray]]
-  eval_batches: list[dict[str, np.ndarray]]
-  vocab: int
-  batch: int
-  tokens: tuple[int, int]  # training, held-out tokens
-
-
-def skipgram_task(
-  corpus: Corpus, vocab: int, batch: int, eval_pairs: int
-) -> Task:
-  negatives, window = 5, 4
-  words, index, freq = build_vocab(corpus.train, vocab)
-  vocab = len(words)
-  train, held = encode(corpus.train, index), encode(corpus.held_out, index)
-  noise = np.cumsum(np.asarray(freq, np.float64) ** 0.75)
-  noise /= noise[-1]  # unigram^0.75 CDF of the training files
-  offsets = np.concatenate([np.arange(-window, 0), np.arange(1, window + 1)])
-
-  def sample(rng, stream=train, n=batch):
-    pos = rng.randint(window, len(stream) - window, n)
-    ctx = stream[pos + rng.choice(offsets, n)]
-    negs = np.searchsorted(noise, rng.random_sample((n, negatives)))
-    negs = np.minimum(negs, vocab - 1)
-    others = np.concatenate([ctx[:, None], negs], axis=1)
-    return {"center": stream[pos], "others": others.astype(np.int32)}
-
-  rng = np.random.RandomState(SEED + 1)
-  eval_batches = [
-    sample(rng, held, 4096) for _ in range(max(1, eval_pairs // 4096))
-  ]
-
-  def loss(p, b):
-    center = p["center"][b["center"]].astype(jnp.float32)  # [b, d]
-    others = p["context"][b["others"]].astype(jnp.float32)  # [b, 1+neg, d]
-    logits = jnp.einsum("bd,bkd->bk", center, others)
-    sign = jnp.concatenate([jnp.ones((1,)), -jnp.ones((negatives,))])
-    return -jnp.mean(jnp.sum(jax.nn.log_sigmoid(sign * logits), axis=-1))
-
-  init = np.random.RandomState(SEED)
-  params = {
-    "center": (init.uniform(-0.5, 0.5, (vocab, DIM)) / DIM).astype(np.float32),
-    "context": np.zeros((vocab, DIM), np.float32),
-  }
-  return Task(
-    "skip-gram",
-    params,
-    ("center", "context"),
-    loss,
-    sample,
-    eval_batches,
-    vocab,
-    batch,
-    (len(train), len(held)),
-  )
-
-
-def lm_task(
-  corpus: Corpus, vocab: int, batch: int, eval_positions: int
-) -> Task:
-  context, hidden = 4, 64
-  words, index, _ = build_vocab(corpus.train, vocab)
-  vocab = len(words)
-  train, held = encode(corpus.train, index), encode(corpus.held_out, index)
-  window = np.arange(-context, 0)
-
-  def sample(rng, stream=train, n=batch):
-    pos = rng.randint(context, len(stream), n)
-    return {"context": stream[pos[:, None] + window], "target": stream[pos]}
-
-  rng = np.random.RandomState(SEED + 2)
-  eval_batches = [
-    sample(rng, held, 2048) for _ in range(max(1, eval_positions // 2048))
-  ]
-
-  def loss(p, b):
-    x = p["emb"][b["context"]].astype(jnp.float32)  # [b, context, d]
-    h = jnp.tanh(x.reshape(x.shape[0], -1) @ p["w"] + p["b"])
-    logits = h @ p["w_out"] + p["b_out"]  # [b, vocab]
-    target = jnp.take_along_axis(logits, b["target"][:, None], axis=1)[:, 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=1) - target)
-
-  init = np.random.RandomState(SEED)
-  params = {
-    "emb": init.normal(0, 0.1, (vocab, DIM)).astype(np.float32),
-    "w": (
-      init.normal(0, 1, (context * DIM, hidden)) / np.sqrt(context * DIM)
-    ).astype(np.float32),
-    "b": np.zeros(hidden, np.float32),
-    "w_out": (init.normal(0, 1, (hidden, vocab)) * 0.01).astype(np.float32),
-    "b_out": np.zeros(vocab, np.float32),
-  }
-  return Task(
-    "next-token LM",
-    params,
-    ("emb",),
-    loss,
-    sample,
-    eval_batches,
-    vocab,
-    batch,
-    (len(train), len(held)),
-  )
 
 
 # ----------------------------------------------------------------------------
@@ -510,50 +342,6 @@ def _finite(x: float) -> float | None:
   return float(x) if np.isfinite(x) else None
 
 
-def _plot(curves: dict[str, dict[str, list]], path: Path) -> None:
-  """Held-out loss by step (top); the low-precision variants' as a ratio to
-  their float32 twin's (bottom)."""
-  import matplotlib
-
-  n = len(curves)
-  # 13 configs: tab20's dark shades, then its light ones.
-  colors = [
-    matplotlib.colormaps["tab20"](i)
-    for i in [*range(0, 20, 2), *range(1, 20, 2)]
-  ]
-  fig, axes = figure(
-    2, n, figsize=(6.5 * n, 7.5), squeeze=False, height_ratios=[3, 2]
-  )
-  for col, (task, by_config) in enumerate(curves.items()):
-    top, bottom = axes[0, col], axes[1, col]
-    finite = [y for c in by_config.values() for _, y in c[1:] if np.isfinite(y)]
-    for k, (name, curve) in enumerate(by_config.items()):
-      x, y = zip(*curve[1:], strict=True)
-      twin = dict(by_config.get(TWIN.get(name, ""), []))
-      style = "--" if name in TWIN else "-"
-      kw = {"color": colors[k % len(colors)], "label": name, "marker": "."}
-      top.plot(x, y, style, **kw)
-      if twin:
-        bottom.plot(x, [v / twin[s] for s, v in curve[1:]], style, **kw)
-    # Zoom on where the configs differ: from the best loss to the median
-    # loss after the first interval (worse curves leave through the top).
-    lo = min(finite)
-    hi = float(np.median([c[1][1] for c in by_config.values()]))
-    top.set_ylim(lo - 0.05 * (hi - lo), hi)
-    top.set_title(task)
-    top.set_ylabel("held-out loss")
-    bottom.axhline(1.0, color="gray", lw=0.8)
-    bottom.axhline(1.01, color="gray", lw=0.8, ls=":")
-    bottom.set_title("low precision / its float32 twin (dotted: +1%)")
-    bottom.set_ylabel("held-out loss ratio")
-    bottom.set_xlabel("step")
-    for ax in (top, bottom):
-      ax.grid(True, alpha=0.3)
-  axes[0, -1].legend(fontsize=8)
-  fig.suptitle("Held-out loss: cheaper optimizers and lower precision")
-  save_figure(fig, path, dpi=110)
-
-
 def _curve_table(task: str, runs: dict[str, Run]) -> str:
   steps = [s for s, _ in next(iter(runs.values())).curve]
   lines = ["| config | " + " | ".join(str(s) for s in steps) + " |"]
@@ -715,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
 
   png = result_path("convergence", ".png")
   if any(curves.values()):
-    _plot({k: v for k, v in curves.items() if v}, png)
+    plot_convergence({k: v for k, v in curves.items() if v}, TWIN, png)
   task_notes = "; ".join(
     f"{k}: vocab {v['vocab']:,}, batch {v['batch']}, "
     f"{v['eval_examples']:,} held-out examples"

@@ -46,7 +46,7 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.models import torch_sparse_adam
+from benchmarks.twins import torch_sparse_adam
 
 LR = 1e-3
 INT8 = dict(mu_dtype="int8", nu_dtype="int8")

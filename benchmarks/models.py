@@ -1,20 +1,22 @@
 """The models the benchmarks share, written as users write them.
 
 Criteo Kaggle's 26 cardinalities (:data:`CRITEO_KAGGLE`,
-:func:`table_rows`), the DLRM-shaped head (:func:`head_params`,
-:func:`logit`, and torch's twin :func:`torch_head`, :func:`torch_logit`)
-with its binary cross-entropy (:func:`bce`), the whole training step
-(:func:`whole_step`: sparse gradient, ``tx.update``, ``apply_updates``,
-jitted, params and state donated), the one-table torch step
-(:func:`torch_sparse_adam`), and the table-stack models of
-``benchmarks.stacks`` (:func:`criteo_data`, :func:`criteo_models`,
-:func:`bag_data`, :func:`bag_models`, :func:`loop_runner`).
+:func:`table_rows`), the DLRM-shaped model of ``benchmarks.recsys`` (its
+data :func:`make_data`, params :func:`init_params` / :func:`stacked`, head
+:func:`head_params` / :func:`logit`, binary cross-entropy :func:`bce`, and
+losses :func:`per_table_loss` / :func:`stacked_loss`), the whole training
+step (:func:`whole_step`: sparse gradient, ``tx.update``,
+``apply_updates``, jitted, params and state donated), and the table-stack
+models of ``benchmarks.stacks`` (:func:`criteo_data`,
+:func:`criteo_models`, :func:`bag_data`, :func:`bag_models`,
+:func:`loop_runner`). torch's and FBGEMM's twins: ``benchmarks.twins``.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +25,7 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import (
   huge_pages,
-  import_torch,
   make_ids,
-  torch_huge_pages,
-  torch_state,
 )
 
 SEED = 0
@@ -92,47 +91,6 @@ def whole_step(loss, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def torch_head(params_np: dict[str, np.ndarray]) -> dict[str, Any]:
-  import torch
-
-  return {
-    k: torch.nn.Parameter(torch.from_numpy(v.copy()))
-    for k, v in params_np.items()
-    if not k.startswith("t")
-  }
-
-
-def torch_logit(d: dict[str, Any], x: Any) -> Any:
-  import torch
-
-  if "w" in d:
-    return (x * d["w"]).sum(dim=(1, 2)) + d["b"]
-  h = torch.tanh(x.reshape(x.shape[0], -1) @ d["w1"] + d["b1"])
-  return h @ d["w2"] + d["b2"]
-
-
-def torch_sparse_adam(table_np, ids_np, ct_np, linear):
-  torch = import_torch()
-  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
-  with torch.no_grad():
-    emb.weight.copy_(torch.from_numpy(table_np))
-  opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
-  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
-  ct = torch.from_numpy(ct_np)
-
-  def run(i):
-    opt.zero_grad(set_to_none=True)
-    rows = emb(ids[i % len(ids)])
-    loss = ((rows if linear else torch.tanh(rows)) * ct).sum()
-    loss.backward()
-    opt.step()
-    loss.item()
-    if i == 0:  # SparseAdam makes its state on step 1
-      torch_huge_pages([emb.weight, *torch_state([opt])])
-
-  return run, (emb, opt)
-
-
 def criteo_data(rows, batch, steps, dist):
   cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
   ids = [{f"f{t}": c[s] for t, c in enumerate(cols)} for s in range(steps)]
@@ -181,7 +139,7 @@ def criteo_models(rows, dim, batch=None):
 
   def stack_loss(p, ids, y):
     # the pooled features as one array (FBGEMM's output)
-    x = stack.lookup(p["emb"], ids, concat=True)
+    x = stack.lookup(p["emb"], ids, output="concat")
     return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
   return stack, names, per_table_loss, stack_loss
@@ -204,7 +162,7 @@ def bag_models(tables, rows, dim, batch):
     return bce(logit(p["head"], jnp.stack(emb, axis=1)), y)
 
   def stack_loss(p, bags, y):
-    x = stack.lookup(p["emb"], bags, concat=True).reshape(batch, -1, dim)
+    x = stack.lookup(p["emb"], bags, output="concat").reshape(batch, -1, dim)
     return bce(logit(p["head"], x), y)
 
   return stack, names, per_table_loss, stack_loss
@@ -224,3 +182,70 @@ def loop_runner(step, params, tx, batches, labels):
 
   run()
   return run
+
+
+class Data(NamedTuple):
+  ids: list[np.ndarray]  # per step, [batch, tables] int32, table-local ids
+  labels: list[np.ndarray]  # per step, [batch] float32
+
+
+def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
+  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
+  ids = [np.stack([c[s] for c in cols], axis=1) for s in range(steps)]
+  rng = np.random.default_rng(SEED + 1)
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
+  return Data(ids, labels)
+
+
+def init_params(
+  rows: list[int], dim: int, head: str, hidden: int
+) -> dict[str, np.ndarray]:
+  """Tables ``t0 ... t{T-1}`` and the head's dense leaves (numpy)."""
+  rng = np.random.default_rng(SEED + 2)
+  p = {
+    f"t{i}": (0.05 * rng.standard_normal((v, dim))).astype(np.float32)
+    for i, v in enumerate(rows)
+  }
+  p.update(head_params(len(rows), dim, head, hidden, rng))
+  return p
+
+
+def stacked(params: dict[str, np.ndarray], tables: int) -> dict:
+  """The same params with the tables stacked into one leaf ``emb``."""
+  out = {"emb": np.concatenate([params[f"t{i}"] for i in range(tables)])}
+  out.update({k: v for k, v in params.items() if not k.startswith("t")})
+  return out
+
+
+def per_table_loss(tables: int) -> Callable[..., jax.Array]:
+  def loss(p, ids, y):
+    x = jnp.stack([p[f"t{i}"][ids[:, i]] for i in range(tables)], axis=1)
+    return bce(logit(p, x), y)
+
+  return loss
+
+
+def stacked_loss(rows: list[int]) -> Callable[..., jax.Array]:
+  offsets = row_offsets(rows)
+
+  def loss(p, ids, y):
+    return bce(logit(p, p["emb"][ids + offsets]), y)
+
+  return loss
+
+
+def abstract_params(rows: list[int], dim: int, stacked: bool) -> dict:
+  """The linear-head model's params as shapes: the tables one leaf each
+  (``t0`` ...) or ``stacked`` into ``emb``."""
+  f32 = jnp.float32
+  p = {
+    "w": jax.ShapeDtypeStruct((len(rows), dim), f32),
+    "b": jax.ShapeDtypeStruct((), f32),
+  }
+  if stacked:
+    p["emb"] = jax.ShapeDtypeStruct((sum(rows), dim), f32)
+  else:
+    p.update(
+      {f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)}
+    )
+  return p

@@ -3,7 +3,9 @@
   python -m benchmarks.plots
 
 Writes PNGs to ``docs/assets/bench/`` and regenerates ``docs/benchmarks.md``
-from the result tables, so the docs always show the latest measured run.
+from the result tables, so the docs always show the latest measured run;
+and the plots that ``benchmarks.recsys`` and ``benchmarks.convergence``
+write beside their results.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks._results import RESULTS, figure, save_figure
 
@@ -123,6 +127,123 @@ def plot_train_step(data: dict) -> str:
   ax.legend(fontsize=8)
   save_figure(fig, ASSETS / "train_step.png")
   return "train_step.png"
+
+
+def plot_recsys(
+  groups: list[dict], points: list[dict], tables: int, path
+) -> None:
+  """Step times per group (``run_group`` results with their ids, head and
+  optimizer) and compile time against tables (``compile_point`` results)."""
+
+  panels = (1 if groups else 0) + (1 if points else 0)
+  if not panels:
+    return
+  fig, axes = figure(1, panels, figsize=(7 * panels, 4), squeeze=False)
+  axes = list(axes[0])
+  if groups:
+    ax = axes.pop(0)
+    # every system's name: the twins by thread count, as run_group names them
+    names = list(dict.fromkeys(k for g in groups for k in g["ms"]))
+    twins = {g["twin"] for g in groups} | {g["fbgemm"] for g in groups}
+
+    def series_of(k):
+      if k in ("gtx", "gtx stacked", "floor: random rows"):
+        return k
+      for t in twins:
+        if t and k.startswith(t):
+          return ("torch twin" if t.startswith("torch") else "FBGEMM") + k[
+            len(t) :
+          ]
+      return None  # the opt-only parts: in the table
+
+    series = list(dict.fromkeys(x for x in map(series_of, names) if x))
+    width = 0.8 / len(series)
+    for j, label in enumerate(series):
+      vals = [
+        next(
+          (v for k, v in g["ms"].items() if series_of(k) == label),
+          float("nan"),
+        )
+        for g in groups
+      ]
+      ax.bar(
+        [i + (j - len(series) / 2 + 0.5) * width for i in range(len(groups))],
+        vals,
+        width,
+        label=label,
+      )
+    ax.set_xticks(
+      range(len(groups)),
+      [f"{g['optimizer']}\n{g['ids']}, {g['head']}" for g in groups],
+      fontsize=6,
+      rotation=90,
+    )
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per training step (log)")
+    ax.set_title(f"DLRM-shaped step, {tables} tables (optimizer, ids, head)")
+    ax.legend(fontsize=6, ncol=2)
+  if points:
+    ax = axes.pop(0)
+    for opt_name in dict.fromkeys(p["optimizer"] for p in points):
+      for variant, style in (("per-table", "o-"), ("stacked", "s--")):
+        pts = [
+          (p["tables"], p["total_s"])
+          for p in points
+          if p["optimizer"] == opt_name and p["variant"] == variant
+        ]
+        ax.plot(*zip(*pts, strict=True), style, label=f"{opt_name} {variant}")
+    ax.set_xlabel("tables")
+    ax.set_ylabel("trace + lower + compile, s")
+    ax.set_title("Compile time of the whole step")
+    ax.legend(fontsize=7)
+  save_figure(fig, path)
+
+
+def plot_convergence(
+  curves: dict[str, dict[str, list]], twin_of: dict[str, str], path: Path
+) -> None:
+  """Held-out loss by step (top); the low-precision variants' as a ratio to
+  their float32 twin's (``twin_of``; bottom): ``benchmarks.convergence``'s
+  plot."""
+  import matplotlib
+
+  n = len(curves)
+  # 13 configs: tab20's dark shades, then its light ones.
+  colors = [
+    matplotlib.colormaps["tab20"](i)
+    for i in [*range(0, 20, 2), *range(1, 20, 2)]
+  ]
+  fig, axes = figure(
+    2, n, figsize=(6.5 * n, 7.5), squeeze=False, height_ratios=[3, 2]
+  )
+  for col, (task, by_config) in enumerate(curves.items()):
+    top, bottom = axes[0, col], axes[1, col]
+    finite = [y for c in by_config.values() for _, y in c[1:] if np.isfinite(y)]
+    for k, (name, curve) in enumerate(by_config.items()):
+      x, y = zip(*curve[1:], strict=True)
+      twin = dict(by_config.get(twin_of.get(name, ""), []))
+      style = "--" if name in twin_of else "-"
+      kw = {"color": colors[k % len(colors)], "label": name, "marker": "."}
+      top.plot(x, y, style, **kw)
+      if twin:
+        bottom.plot(x, [v / twin[s] for s, v in curve[1:]], style, **kw)
+    # Zoom on where the configs differ: from the best loss to the median
+    # loss after the first interval (worse curves leave through the top).
+    lo = min(finite)
+    hi = float(np.median([c[1][1] for c in by_config.values()]))
+    top.set_ylim(lo - 0.05 * (hi - lo), hi)
+    top.set_title(task)
+    top.set_ylabel("held-out loss")
+    bottom.axhline(1.0, color="gray", lw=0.8)
+    bottom.axhline(1.01, color="gray", lw=0.8, ls=":")
+    bottom.set_title("low precision / its float32 twin (dotted: +1%)")
+    bottom.set_ylabel("held-out loss ratio")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+      ax.grid(True, alpha=0.3)
+  axes[0, -1].legend(fontsize=8)
+  fig.suptitle("Held-out loss: cheaper optimizers and lower precision")
+  save_figure(fig, path, dpi=110)
 
 
 # Text the page shows under a section's table.

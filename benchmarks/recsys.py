@@ -51,7 +51,6 @@ Writes ``benchmarks/results/recsys.{md,json,png}`` (with
 
 from __future__ import annotations
 
-import functools
 import gc
 import json
 from collections.abc import Callable
@@ -69,22 +68,16 @@ from benchmarks._common import (
   compile_phases,
   fbgemm,
   huge_pages,
-  make_ids,
   parse,
   parser,
-  tbe,
-  torch_huge_pages,
-  torch_state,
   version,
   with_threads,
 )
 from benchmarks._results import (
   commit,
-  figure,
   markdown_table,
   oversubscribed,
   result_path,
-  save_figure,
   write_results,
 )
 from benchmarks._timing import (
@@ -96,14 +89,22 @@ from benchmarks._timing import (
   warm_copy_bandwidth,
 )
 from benchmarks.models import (
-  bce,
-  head_params,
-  logit,
+  abstract_params,
+  init_params,
+  make_data,
+  per_table_loss,
   row_offsets,
+  stacked,
+  stacked_loss,
   table_rows,
-  torch_head,
-  torch_logit,
   whole_step,
+)
+from benchmarks.plots import plot_recsys
+from benchmarks.twins import (
+  dlrm_fbgemm,
+  dlrm_torch,
+  random_rows_floor,
+  state_layout,
 )
 
 SEED = 0
@@ -125,61 +126,10 @@ OPTIMIZERS = {
   "adagrad": Opt(lambda: gtx.adagrad(1e-2), "Adagrad", "EXACT_ADAGRAD"),
   "lazy_sgd": Opt(lambda: gtx.lazy_sgd(1e-2), "SGD", "EXACT_SGD"),
 }
-LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
-
-
-class Data(NamedTuple):
-  ids: list[np.ndarray]  # per step, [batch, tables] int32, table-local ids
-  labels: list[np.ndarray]  # per step, [batch] float32
-
-
-def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
-  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
-  ids = [np.stack([c[s] for c in cols], axis=1) for s in range(steps)]
-  rng = np.random.default_rng(SEED + 1)
-  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
-  return Data(ids, labels)
-
-
-def init_params(
-  rows: list[int], dim: int, head: str, hidden: int
-) -> dict[str, np.ndarray]:
-  """Tables ``t0 ... t{T-1}`` and the head's dense leaves (numpy)."""
-  rng = np.random.default_rng(SEED + 2)
-  p = {
-    f"t{i}": (0.05 * rng.standard_normal((v, dim))).astype(np.float32)
-    for i, v in enumerate(rows)
-  }
-  p.update(head_params(len(rows), dim, head, hidden, rng))
-  return p
-
-
-def stacked(params: dict[str, np.ndarray], tables: int) -> dict:
-  """The same params with the tables stacked into one leaf ``emb``."""
-  out = {"emb": np.concatenate([params[f"t{i}"] for i in range(tables)])}
-  out.update({k: v for k, v in params.items() if not k.startswith("t")})
-  return out
 
 
 # ----------------------------------------------------------------------------
 # gtx
-
-
-def per_table_loss(tables: int) -> Callable[..., jax.Array]:
-  def loss(p, ids, y):
-    x = jnp.stack([p[f"t{i}"][ids[:, i]] for i in range(tables)], axis=1)
-    return bce(logit(p, x), y)
-
-  return loss
-
-
-def stacked_loss(rows: list[int]) -> Callable[..., jax.Array]:
-  offsets = row_offsets(rows)
-
-  def loss(p, ids, y):
-    return bce(logit(p, p["emb"][ids + offsets]), y)
-
-  return loss
 
 
 def _opt_step_fn(tx: Any) -> Callable[..., Any]:
@@ -265,161 +215,8 @@ def _opt_grads(loss, params_np, rows, data, stacked_rows: bool):
 # torch and FBGEMM
 
 
-def _torch_optimizers(name: str, tables: list, dense: list) -> list:
-  import torch
-
-  lr = LR[name]
-  if name == "SparseAdam":  # SparseAdam refuses dense gradients
-    return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr)]
-  make = {"Adagrad": torch.optim.Adagrad, "SGD": torch.optim.SGD}[name]
-  return [make(tables + dense, lr=lr)]
-
-
-def _torch_variant(params_np, rows, opt_name, data):
-  """26 ``nn.Embedding(sparse=True)`` and the head: ``(run, first loss,
-  objects)``."""
-  import torch
-  import torch.nn.functional as F
-
-  dim = params_np["t0"].shape[1]
-  embs = []
-  for i, v in enumerate(rows):
-    e = torch.nn.Embedding(v, dim, sparse=True)
-    with torch.no_grad():
-      e.weight.copy_(torch.from_numpy(params_np[f"t{i}"]))
-    embs.append(e)
-  head = torch_head(params_np)
-  opts = _torch_optimizers(
-    opt_name, [e.weight for e in embs], list(head.values())
-  )
-  ids = [
-    [torch.from_numpy(s[:, i].astype(np.int64)) for i in range(len(rows))]
-    for s in data.ids
-  ]
-  labels = [torch.from_numpy(y) for y in data.labels]
-
-  def run(i):
-    k = i % len(ids)
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    x = torch.stack([e(c) for e, c in zip(embs, ids[k], strict=True)], dim=1)
-    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
-    loss.backward()
-    for o in opts:
-      o.step()
-    return loss.item()
-
-  first = run(0)  # torch makes its optimizer state on the first step
-  torch_huge_pages([e.weight for e in embs] + torch_state(opts))
-  return run, first, (embs, head, opts)
-
-
-def _fbgemm_variant(params_np, rows, optim, data):
-  """FBGEMM's one module for all tables (SUM bags of one id), the head on
-  torch's twin of ``optim``: ``(run, first loss, objects)``."""
-  import torch
-  import torch.nn.functional as F
-
-  dim = params_np["t0"].shape[1]
-  lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
-  module = tbe(list(rows), dim, optim, "SUM", lr)
-  for i, w in enumerate(module.split_embedding_weights()):
-    w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
-  head = torch_head(params_np)
-  opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
-    list(head.values()), lr=lr
-  )
-  batch, tables = data.ids[0].shape
-  # table-major: table t's ids for the whole batch, then table t + 1's
-  ids = [torch.from_numpy(s.T.reshape(-1).astype(np.int64)) for s in data.ids]
-  offsets = torch.arange(batch * tables + 1, dtype=torch.int64)
-  labels = [torch.from_numpy(y) for y in data.labels]
-
-  def run(i):
-    k = i % len(ids)
-    opt.zero_grad(set_to_none=True)
-    x = module(ids[k], offsets).view(batch, tables, dim)
-    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
-    loss.backward()  # the tables' optimizer runs fused in the backward
-    opt.step()
-    return loss.item()
-
-  first = run(0)
-  torch_huge_pages([p for _, p in module.named_parameters()])
-  return run, first, (module, head, opt)
-
-
 # ----------------------------------------------------------------------------
 # floors
-
-
-def _state_layout(tx: Any, dim: int) -> tuple[int, int]:
-  """``(row buffers, per-row scalars)`` that ``tx`` keeps for a ``[V, dim]``
-  float32 table, the param included."""
-  v = 1009  # any row count that is no other dimension
-  state = jax.eval_shape(tx.init, {"t": jax.ShapeDtypeStruct((v, dim), "f4")})
-  shapes = [x.shape for x in jax.tree.leaves(state)]
-  return 1 + shapes.count((v, dim)), shapes.count((v,))
-
-
-def _random_rows_floor(layout, total: int, dim: int, data, offsets):
-  """Gather + scatter of each step's unique rows in ``layout``'s buffers
-  (``total`` rows each): ``(run, name of the library)``."""
-  wide, narrow = layout
-  uniq = [np.unique(s + offsets) for s in data.ids]
-  if jax.default_backend() != "cpu":
-    return _device_rows_floor(
-      layout, total, dim, uniq
-    ), "jitted jnp gather + scatter"
-  if available("torch"):
-    import torch
-
-    bufs = [torch.ones(total, dim) for _ in range(wide)]
-    bufs += [torch.ones(total) for _ in range(narrow)]
-    torch_huge_pages(bufs)
-    idx = [torch.from_numpy(u.astype(np.int64)) for u in uniq]
-
-    def run(i):
-      u = idx[i % len(idx)]
-      for b in bufs:
-        b.index_copy_(0, u, b.index_select(0, u))
-
-    return run, "torch index_select + index_copy_"
-  bufs = [np.ones((total, dim), np.float32) for _ in range(wide)]
-  bufs += [np.ones(total, np.float32) for _ in range(narrow)]
-
-  def run_np(i):
-    u = uniq[i % len(uniq)]
-    for b in bufs:
-      b[u] = np.take(b, u, axis=0)
-
-  return run_np, "numpy take + fancy-index store"
-
-
-def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
-  """On an accelerator: the same rows gathered, moved by one and scattered
-  back in place (donated), in one jitted call; ids padded to one length
-  with an out-of-range id that the scatter drops."""
-  wide, narrow = layout
-  n = max(len(u) for u in uniq)
-  idx = [
-    jnp.asarray(np.pad(u, (0, n - len(u)), constant_values=total)) for u in uniq
-  ]
-  box = [[jnp.ones((total, dim)) for _ in range(wide)]]
-  box[0] += [jnp.ones(total) for _ in range(narrow)]
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def move(bufs, u):
-    return [
-      b.at[u].set(b.at[u].get(mode="fill", fill_value=0) + 1, mode="drop")
-      for b in bufs
-    ]
-
-  def run(i):
-    box[0] = move(box[0], idx[i % len(idx)])
-    jax.block_until_ready(box[0])
-
-  return run
 
 
 # ----------------------------------------------------------------------------
@@ -431,21 +228,12 @@ def _threads_label(system: str, n: int, threads: list[int]) -> str:
   return system if n == threads[0] else f"{system}, {n} thread{'s' * (n > 1)}"
 
 
-def run_group(
-  opt_name,
-  dist,
-  head,
-  rows,
-  dim,
-  batch,
-  hidden,
-  sched,
-  systems,
-  bandwidth,
-  threads,
-):
-  """One optimizer on one model: every system round-robin on the same
-  fresh ids. Returns ``{"ms": {system: ms}, ...}``."""
+def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
+  """One optimizer on one model (``args``: its sizes, torch's threads):
+  every system round-robin on the same fresh ids. Returns ``{"ms":
+  {system: ms}, ...}``."""
+  dim, batch, hidden = args.dim, args.batch, args.hidden
+  threads = args.torch_threads
   clock = Clock()
   opt = OPTIMIZERS[opt_name]
   tables = len(rows)
@@ -471,16 +259,16 @@ def run_group(
   fb = f"FBGEMM {opt.fbgemm}" if opt.fbgemm else None
   for n in threads if "torch" in systems else []:
     label = _threads_label(twin, n, threads)
-    run, first[label], objs = _torch_variant(params, rows, opt.torch, data)
+    run, first[label], objs = dlrm_torch(params, rows, opt.torch, data)
     fns[label] = with_threads(n, run)
     keep.append(objs)
     if "fbgemm" in systems and fb:
       label = _threads_label(fb, n, threads)
-      run, first[label], objs = _fbgemm_variant(params, rows, opt.fbgemm, data)
+      run, first[label], objs = dlrm_fbgemm(params, rows, opt.fbgemm, data)
       fns[label] = with_threads(n, run)
       keep.append(objs)
-  layout = _state_layout(opt.gtx(), dim)
-  floor_run, floor_lib = _random_rows_floor(
+  layout = state_layout(opt.gtx(), dim)
+  floor_run, floor_lib = random_rows_floor(
     layout, sum(rows), dim, data, row_offsets(rows)
   )
   fns["floor: random rows"] = with_threads(max(threads), floor_run)
@@ -520,21 +308,12 @@ def compile_point(
 ) -> dict[str, Any]:
   """Trace, lower and compile the whole step once on abstract inputs."""
   rows = table_rows(tables, cap)
-  f32 = jnp.float32
-  if variant == "per-table":
-    params = {
-      f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)
-    }
-    loss = per_table_loss(tables)
-  else:
-    params = {"emb": jax.ShapeDtypeStruct((sum(rows), dim), f32)}
-    loss = stacked_loss(rows)
-  params["w"] = jax.ShapeDtypeStruct((tables, dim), f32)
-  params["b"] = jax.ShapeDtypeStruct((), f32)
+  params = abstract_params(rows, dim, variant == "stacked")
+  loss = stacked_loss(rows) if variant == "stacked" else per_table_loss(tables)
   tx = OPTIMIZERS[opt_name].gtx()
   state = jax.eval_shape(tx.init, params)
   ids = jax.ShapeDtypeStruct((batch, tables), jnp.int32)
-  y = jax.ShapeDtypeStruct((batch,), f32)
+  y = jax.ShapeDtypeStruct((batch,), jnp.float32)
   # a fresh step function each time: nothing comes from jit's caches
   jitted = whole_step(loss, tx)
   return {
@@ -689,74 +468,6 @@ def _compile_tables(points: list[dict]) -> tuple[list, list]:
   return rows, ops
 
 
-def _plot(groups: list[dict], points: list[dict], tables: int, path) -> None:
-  """Step times per group (``run_group`` results with their ids, head and
-  optimizer) and compile time against tables (``compile_point`` results)."""
-
-  panels = (1 if groups else 0) + (1 if points else 0)
-  if not panels:
-    return
-  fig, axes = figure(1, panels, figsize=(7 * panels, 4), squeeze=False)
-  axes = list(axes[0])
-  if groups:
-    ax = axes.pop(0)
-    # every system's name: the twins by thread count, as run_group names them
-    names = list(dict.fromkeys(k for g in groups for k in g["ms"]))
-    twins = {g["twin"] for g in groups} | {g["fbgemm"] for g in groups}
-
-    def series_of(k):
-      if k in ("gtx", "gtx stacked", "floor: random rows"):
-        return k
-      for t in twins:
-        if t and k.startswith(t):
-          return ("torch twin" if t.startswith("torch") else "FBGEMM") + k[
-            len(t) :
-          ]
-      return None  # the opt-only parts: in the table
-
-    series = list(dict.fromkeys(x for x in map(series_of, names) if x))
-    width = 0.8 / len(series)
-    for j, label in enumerate(series):
-      vals = [
-        next(
-          (v for k, v in g["ms"].items() if series_of(k) == label),
-          float("nan"),
-        )
-        for g in groups
-      ]
-      ax.bar(
-        [i + (j - len(series) / 2 + 0.5) * width for i in range(len(groups))],
-        vals,
-        width,
-        label=label,
-      )
-    ax.set_xticks(
-      range(len(groups)),
-      [f"{g['optimizer']}\n{g['ids']}, {g['head']}" for g in groups],
-      fontsize=6,
-      rotation=90,
-    )
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per training step (log)")
-    ax.set_title(f"DLRM-shaped step, {tables} tables (optimizer, ids, head)")
-    ax.legend(fontsize=6, ncol=2)
-  if points:
-    ax = axes.pop(0)
-    for opt_name in dict.fromkeys(p["optimizer"] for p in points):
-      for variant, style in (("per-table", "o-"), ("stacked", "s--")):
-        pts = [
-          (p["tables"], p["total_s"])
-          for p in points
-          if p["optimizer"] == opt_name and p["variant"] == variant
-        ]
-        ax.plot(*zip(*pts, strict=True), style, label=f"{opt_name} {variant}")
-    ax.set_xlabel("tables")
-    ax.set_ylabel("trace + lower + compile, s")
-    ax.set_title("Compile time of the whole step")
-    ax.legend(fontsize=7)
-  save_figure(fig, path)
-
-
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__, schedule=Schedule(5, 5, 2), huge_pages=True)
   p.add_argument("--tables", type=int, default=26)
@@ -810,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     data = json.loads(Path(args.replot).read_text())
     tables = int(data["notes"].split(" ", 1)[0])  # "26 tables (..."
     path = Path(args.replot).with_suffix(".png")
-    _plot(data["groups"], data["compile"], tables, path)
+    plot_recsys(data["groups"], data["compile"], tables, path)
     return
   if args.quick:
     args.optimizers = args.mlp_optimizers = args.optimizers[:2]
@@ -834,17 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
           print(f"{opt_name}, {dist} ids, {head} head", flush=True)
           r = run_group(
-            opt_name,
-            dist,
-            head,
-            rows,
-            args.dim,
-            args.batch,
-            args.hidden,
-            sched,
-            systems,
-            bandwidth,
-            args.torch_threads,
+            opt_name, dist, head, rows, args, sched, systems, bandwidth
           )
           raw.append({"ids": dist, "head": head, "optimizer": opt_name, **r})
           steps.append(_step_row(dist, head, opt_name, r))
@@ -860,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     )
   compile_rows, ops_rows = _compile_tables(points) if points else ([], [])
   png = result_path("recsys", ".png")
-  _plot(raw, points, len(rows), png)
+  plot_recsys(raw, points, len(rows), png)
   headline = []
   for r in steps:
     c = dict(zip(STEP_HEADERS, r, strict=True))

@@ -61,9 +61,6 @@ from benchmarks._common import (
   make_ids,
   parse,
   parser,
-  tbe,
-  torch_huge_pages,
-  torch_state,
 )
 from benchmarks._results import (
   figure,
@@ -82,10 +79,9 @@ from benchmarks.models import (
   criteo_models,
   head_params,
   loop_runner,
-  torch_head,
-  torch_logit,
   whole_step,
 )
+from benchmarks.twins import fbgemm_runner, floor_runner, torch_runner
 
 SEED = 0
 # name -> (gtx optimizer, torch's, learning rate, FBGEMM's EmbOptimType or
@@ -122,126 +118,6 @@ OPTIMIZERS = {
 # torch
 
 
-def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
-  tables = []
-  for t in tables_np:
-    cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
-    kw = {"mode": "sum"} if bags else {}
-    e = cls(t.shape[0], t.shape[1], sparse=True, **kw)
-    with torch.no_grad():
-      e.weight.copy_(torch.from_numpy(t))
-    tables.append(e)
-  hp = torch_head(hp_np)
-  sparse_params = [e.weight for e in tables]
-  if opt_name == "SparseAdam":
-    opts = [
-      torch.optim.SparseAdam(sparse_params, lr=lr),
-      torch.optim.Adam(list(hp.values()), lr=lr),
-    ]
-  else:
-    opt = getattr(torch.optim, opt_name)
-    opts = [opt(sparse_params + list(hp.values()), lr=lr)]
-  tb = []
-  for b, y in zip(batches, labels, strict=True):
-    if bags:
-      step = []
-      for k in range(len(tables)):
-        ids, lengths, wt, n = b[f"f{k}"]
-        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        step.append(
-          (
-            torch.from_numpy(ids[:n].astype(np.int64)),
-            torch.from_numpy(offsets.astype(np.int64)),
-            torch.from_numpy(wt[:n]),
-          )
-        )
-    else:
-      step = [
-        torch.from_numpy(b[f"f{k}"].astype(np.int64))
-        for k in range(len(tables))
-      ]
-    tb.append((step, torch.from_numpy(y)))
-
-  tb_loop = itertools.cycle(tb)
-
-  def run():
-    step, y = next(tb_loop)
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    xs = []
-    for k, e in enumerate(tables):
-      if bags:
-        ids, off, wt = step[k]
-        xs.append(e(ids, off, per_sample_weights=wt))
-      else:
-        xs.append(e(step[k]))
-    logit = torch_logit(hp, torch.stack(xs, dim=1))
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()
-    for o in opts:
-      o.step()
-    return loss.item()
-
-  run()  # the optimizers' state exists after a first step
-  torch_huge_pages([e.weight for e in tables] + torch_state(opts))
-  return run
-
-
-def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
-  """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
-  on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
-  tables in one module, looked up in one call on its own jagged input (flat
-  ids table-major, offsets, per-id weights), pooled by a sum (one-hot
-  features: bags of one id), the optimizer fused into the backward; the
-  head by torch's dense optimizer of the same kind."""
-  module = tbe(
-    [t.shape[0] for t in tables_np], tables_np[0].shape[1], optim, "SUM", lr
-  )
-  with torch.no_grad():
-    for dst, t in zip(module.split_embedding_weights(), tables_np, strict=True):
-      dst.copy_(torch.from_numpy(t))
-  hp = torch_head(hp_np)
-  head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
-  head = head(list(hp.values()), lr=lr)
-  num, dim = len(tables_np), tables_np[0].shape[1]
-  tb = []
-  for b, y in zip(batches, labels, strict=True):
-    if bags:
-      parts = [b[f"f{k}"] for k in range(num)]
-      ids = np.concatenate([p[0][: p[3]] for p in parts])
-      lengths = np.concatenate([p[1] for p in parts])
-      wt = torch.from_numpy(np.concatenate([p[2][: p[3]] for p in parts]))
-    else:
-      ids = np.concatenate([b[f"f{k}"] for k in range(num)])
-      lengths = np.ones(ids.shape[0], np.int64)
-      wt = None
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tb.append(
-      (
-        torch.from_numpy(ids.astype(np.int64)),
-        torch.from_numpy(offsets.astype(np.int64)),
-        wt,
-        torch.from_numpy(y),
-      )
-    )
-
-  tb_loop = itertools.cycle(tb)
-
-  def run():
-    ids, offsets, wt, y = next(tb_loop)
-    head.zero_grad(set_to_none=True)
-    x = module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
-    logit = torch_logit(hp, x)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()  # the tables' optimizer runs fused in here
-    head.step()
-    return loss.item()
-
-  run()
-  torch_huge_pages(list(module.buffers()))
-  return run
-
-
 # ----------------------------------------------------------------------------
 # the step table
 
@@ -268,45 +144,6 @@ def optimizer_runner(loss, tx, params, batches, labels):
     g = next(grads_loop)
     box[0], box[1] = update(box[0], box[1], g)
     jax.block_until_ready(box[0])
-
-  run()
-  return run
-
-
-def floor_runner(torch, rows, dim, optimizer, unique_ids):
-  """The random-rows floor of the optimizer part (shared/ANCHORS.md): read
-  and write back the step's unique rows of the parameter and of each
-  state array, nothing computed; torch ``index_select`` / ``index_copy_``
-  (2 threads) where torch imports, numpy otherwise. lazy_adam: the
-  parameter, m and v (``[rows, dim]`` each); adagrad: the parameter and
-  its accumulator; rowwise_adagrad: the parameter and one accumulator per
-  row; sgd: the parameter."""
-  full = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1)
-  shapes = [(rows, dim)] * full
-  if optimizer == "rowwise_adagrad":
-    shapes.append((rows,))
-  rng = np.random.default_rng(SEED + 3)
-  arrays = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
-  if torch is not None:
-    arrays = [torch.from_numpy(a) for a in arrays]
-    torch_huge_pages(arrays)
-    ids = [torch.from_numpy(u.astype(np.int64)) for u in unique_ids]
-
-    def touch(a, u):
-      a.index_copy_(0, u, a.index_select(0, u))
-
-  else:
-    ids = unique_ids
-
-    def touch(a, u):
-      a[u] = np.take(a, u, axis=0)
-
-  ids_loop = itertools.cycle(ids)
-
-  def run():
-    u = next(ids_loop)
-    for a in arrays:
-      touch(a, u)
 
   run()
   return run

@@ -53,7 +53,7 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.models import torch_sparse_adam
+from benchmarks.twins import torch_sparse_adam
 
 LR = 1e-3
 SEED = 0

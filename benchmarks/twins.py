@@ -1,0 +1,387 @@
+"""torch's and FBGEMM's twins of the shared models (``benchmarks.models``),
+and the random-rows floors beside them.
+
+For ``benchmarks.recsys``: :func:`dlrm_torch` (one ``nn.Embedding`` a
+table), :func:`dlrm_fbgemm` (one table-batched module for all tables) and
+:func:`random_rows_floor`; for ``benchmarks.stacks``: :func:`torch_runner`,
+:func:`fbgemm_runner` (one-hot features or weighted bags) and
+:func:`floor_runner`; :func:`torch_sparse_adam`, the one-table step of
+``benchmarks.train_step`` and ``benchmarks.low_precision``. torch is
+imported inside functions: this module imports where torch does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks._common import (
+  available,
+  import_torch,
+  tbe,
+  torch_huge_pages,
+  torch_state,
+)
+from benchmarks.models import SEED
+
+# torch's optimizers' learning rates, as the gtx twins' in benchmarks.recsys
+LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
+
+
+def torch_head(params_np: dict[str, np.ndarray]) -> dict[str, Any]:
+  import torch
+
+  return {
+    k: torch.nn.Parameter(torch.from_numpy(v.copy()))
+    for k, v in params_np.items()
+    if not k.startswith("t")
+  }
+
+
+def torch_logit(d: dict[str, Any], x: Any) -> Any:
+  import torch
+
+  if "w" in d:
+    return (x * d["w"]).sum(dim=(1, 2)) + d["b"]
+  h = torch.tanh(x.reshape(x.shape[0], -1) @ d["w1"] + d["b1"])
+  return h @ d["w2"] + d["b2"]
+
+
+def torch_sparse_adam(table_np, ids_np, ct_np, linear):
+  torch = import_torch()
+  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
+  with torch.no_grad():
+    emb.weight.copy_(torch.from_numpy(table_np))
+  opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
+  ct = torch.from_numpy(ct_np)
+
+  def run(i):
+    opt.zero_grad(set_to_none=True)
+    rows = emb(ids[i % len(ids)])
+    loss = ((rows if linear else torch.tanh(rows)) * ct).sum()
+    loss.backward()
+    opt.step()
+    loss.item()
+    if i == 0:  # SparseAdam makes its state on step 1
+      torch_huge_pages([emb.weight, *torch_state([opt])])
+
+  return run, (emb, opt)
+
+
+def _torch_optimizers(name: str, tables: list, dense: list) -> list:
+  import torch
+
+  lr = LR[name]
+  if name == "SparseAdam":  # SparseAdam refuses dense gradients
+    return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr)]
+  make = {"Adagrad": torch.optim.Adagrad, "SGD": torch.optim.SGD}[name]
+  return [make(tables + dense, lr=lr)]
+
+
+def dlrm_torch(params_np, rows, opt_name, data):
+  """26 ``nn.Embedding(sparse=True)`` and the head: ``(run, first loss,
+  objects)``."""
+  import torch
+  import torch.nn.functional as F
+
+  dim = params_np["t0"].shape[1]
+  embs = []
+  for i, v in enumerate(rows):
+    e = torch.nn.Embedding(v, dim, sparse=True)
+    with torch.no_grad():
+      e.weight.copy_(torch.from_numpy(params_np[f"t{i}"]))
+    embs.append(e)
+  head = torch_head(params_np)
+  opts = _torch_optimizers(
+    opt_name, [e.weight for e in embs], list(head.values())
+  )
+  ids = [
+    [torch.from_numpy(s[:, i].astype(np.int64)) for i in range(len(rows))]
+    for s in data.ids
+  ]
+  labels = [torch.from_numpy(y) for y in data.labels]
+
+  def run(i):
+    k = i % len(ids)
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    x = torch.stack([e(c) for e, c in zip(embs, ids[k], strict=True)], dim=1)
+    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
+    loss.backward()
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  first = run(0)  # torch makes its optimizer state on the first step
+  torch_huge_pages([e.weight for e in embs] + torch_state(opts))
+  return run, first, (embs, head, opts)
+
+
+def dlrm_fbgemm(params_np, rows, optim, data):
+  """FBGEMM's one module for all tables (SUM bags of one id), the head on
+  torch's twin of ``optim``: ``(run, first loss, objects)``."""
+  import torch
+  import torch.nn.functional as F
+
+  dim = params_np["t0"].shape[1]
+  lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
+  module = tbe(list(rows), dim, optim, "SUM", lr)
+  for i, w in enumerate(module.split_embedding_weights()):
+    w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
+  head = torch_head(params_np)
+  opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
+    list(head.values()), lr=lr
+  )
+  batch, tables = data.ids[0].shape
+  # table-major: table t's ids for the whole batch, then table t + 1's
+  ids = [torch.from_numpy(s.T.reshape(-1).astype(np.int64)) for s in data.ids]
+  offsets = torch.arange(batch * tables + 1, dtype=torch.int64)
+  labels = [torch.from_numpy(y) for y in data.labels]
+
+  def run(i):
+    k = i % len(ids)
+    opt.zero_grad(set_to_none=True)
+    x = module(ids[k], offsets).view(batch, tables, dim)
+    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
+    loss.backward()  # the tables' optimizer runs fused in the backward
+    opt.step()
+    return loss.item()
+
+  first = run(0)
+  torch_huge_pages([p for _, p in module.named_parameters()])
+  return run, first, (module, head, opt)
+
+
+def state_layout(tx: Any, dim: int) -> tuple[int, int]:
+  """``(row buffers, per-row scalars)`` that ``tx`` keeps for a ``[V, dim]``
+  float32 table, the param included."""
+  v = 1009  # any row count that is no other dimension
+  state = jax.eval_shape(tx.init, {"t": jax.ShapeDtypeStruct((v, dim), "f4")})
+  shapes = [x.shape for x in jax.tree.leaves(state)]
+  return 1 + shapes.count((v, dim)), shapes.count((v,))
+
+
+def random_rows_floor(layout, total: int, dim: int, data, offsets):
+  """Gather + scatter of each step's unique rows in ``layout``'s buffers
+  (``total`` rows each): ``(run, name of the library)``."""
+  wide, narrow = layout
+  uniq = [np.unique(s + offsets) for s in data.ids]
+  if jax.default_backend() != "cpu":
+    return _device_rows_floor(
+      layout, total, dim, uniq
+    ), "jitted jnp gather + scatter"
+  if available("torch"):
+    import torch
+
+    bufs = [torch.ones(total, dim) for _ in range(wide)]
+    bufs += [torch.ones(total) for _ in range(narrow)]
+    torch_huge_pages(bufs)
+    idx = [torch.from_numpy(u.astype(np.int64)) for u in uniq]
+
+    def run(i):
+      u = idx[i % len(idx)]
+      for b in bufs:
+        b.index_copy_(0, u, b.index_select(0, u))
+
+    return run, "torch index_select + index_copy_"
+  bufs = [np.ones((total, dim), np.float32) for _ in range(wide)]
+  bufs += [np.ones(total, np.float32) for _ in range(narrow)]
+
+  def run_np(i):
+    u = uniq[i % len(uniq)]
+    for b in bufs:
+      b[u] = np.take(b, u, axis=0)
+
+  return run_np, "numpy take + fancy-index store"
+
+
+def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
+  """On an accelerator: the same rows gathered, moved by one and scattered
+  back in place (donated), in one jitted call; ids padded to one length
+  with an out-of-range id that the scatter drops."""
+  wide, narrow = layout
+  n = max(len(u) for u in uniq)
+  idx = [
+    jnp.asarray(np.pad(u, (0, n - len(u)), constant_values=total)) for u in uniq
+  ]
+  box = [[jnp.ones((total, dim)) for _ in range(wide)]]
+  box[0] += [jnp.ones(total) for _ in range(narrow)]
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def move(bufs, u):
+    return [
+      b.at[u].set(b.at[u].get(mode="fill", fill_value=0) + 1, mode="drop")
+      for b in bufs
+    ]
+
+  def run(i):
+    box[0] = move(box[0], idx[i % len(idx)])
+    jax.block_until_ready(box[0])
+
+  return run
+
+
+def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
+  tables = []
+  for t in tables_np:
+    cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
+    kw = {"mode": "sum"} if bags else {}
+    e = cls(t.shape[0], t.shape[1], sparse=True, **kw)
+    with torch.no_grad():
+      e.weight.copy_(torch.from_numpy(t))
+    tables.append(e)
+  hp = torch_head(hp_np)
+  sparse_params = [e.weight for e in tables]
+  if opt_name == "SparseAdam":
+    opts = [
+      torch.optim.SparseAdam(sparse_params, lr=lr),
+      torch.optim.Adam(list(hp.values()), lr=lr),
+    ]
+  else:
+    opt = getattr(torch.optim, opt_name)
+    opts = [opt(sparse_params + list(hp.values()), lr=lr)]
+  tb = []
+  for b, y in zip(batches, labels, strict=True):
+    if bags:
+      step = []
+      for k in range(len(tables)):
+        ids, lengths, wt, n = b[f"f{k}"]
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        step.append(
+          (
+            torch.from_numpy(ids[:n].astype(np.int64)),
+            torch.from_numpy(offsets.astype(np.int64)),
+            torch.from_numpy(wt[:n]),
+          )
+        )
+    else:
+      step = [
+        torch.from_numpy(b[f"f{k}"].astype(np.int64))
+        for k in range(len(tables))
+      ]
+    tb.append((step, torch.from_numpy(y)))
+
+  tb_loop = itertools.cycle(tb)
+
+  def run():
+    step, y = next(tb_loop)
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    xs = []
+    for k, e in enumerate(tables):
+      if bags:
+        ids, off, wt = step[k]
+        xs.append(e(ids, off, per_sample_weights=wt))
+      else:
+        xs.append(e(step[k]))
+    logit = torch_logit(hp, torch.stack(xs, dim=1))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  run()  # the optimizers' state exists after a first step
+  torch_huge_pages([e.weight for e in tables] + torch_state(opts))
+  return run
+
+
+def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
+  """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
+  on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
+  tables in one module, looked up in one call on its own jagged input (flat
+  ids table-major, offsets, per-id weights), pooled by a sum (one-hot
+  features: bags of one id), the optimizer fused into the backward; the
+  head by torch's dense optimizer of the same kind."""
+  module = tbe(
+    [t.shape[0] for t in tables_np], tables_np[0].shape[1], optim, "SUM", lr
+  )
+  with torch.no_grad():
+    for dst, t in zip(module.split_embedding_weights(), tables_np, strict=True):
+      dst.copy_(torch.from_numpy(t))
+  hp = torch_head(hp_np)
+  head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
+  head = head(list(hp.values()), lr=lr)
+  num, dim = len(tables_np), tables_np[0].shape[1]
+  tb = []
+  for b, y in zip(batches, labels, strict=True):
+    if bags:
+      parts = [b[f"f{k}"] for k in range(num)]
+      ids = np.concatenate([p[0][: p[3]] for p in parts])
+      lengths = np.concatenate([p[1] for p in parts])
+      wt = torch.from_numpy(np.concatenate([p[2][: p[3]] for p in parts]))
+    else:
+      ids = np.concatenate([b[f"f{k}"] for k in range(num)])
+      lengths = np.ones(ids.shape[0], np.int64)
+      wt = None
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tb.append(
+      (
+        torch.from_numpy(ids.astype(np.int64)),
+        torch.from_numpy(offsets.astype(np.int64)),
+        wt,
+        torch.from_numpy(y),
+      )
+    )
+
+  tb_loop = itertools.cycle(tb)
+
+  def run():
+    ids, offsets, wt, y = next(tb_loop)
+    head.zero_grad(set_to_none=True)
+    x = module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
+    logit = torch_logit(hp, x)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()  # the tables' optimizer runs fused in here
+    head.step()
+    return loss.item()
+
+  run()
+  torch_huge_pages(list(module.buffers()))
+  return run
+
+
+def floor_runner(torch, rows, dim, optimizer, unique_ids):
+  """The random-rows floor of the optimizer part (shared/ANCHORS.md): read
+  and write back the step's unique rows of the parameter and of each
+  state array, nothing computed; torch ``index_select`` / ``index_copy_``
+  (2 threads) where torch imports, numpy otherwise. lazy_adam: the
+  parameter, m and v (``[rows, dim]`` each); adagrad: the parameter and
+  its accumulator; rowwise_adagrad: the parameter and one accumulator per
+  row; sgd: the parameter."""
+  full = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1)
+  shapes = [(rows, dim)] * full
+  if optimizer == "rowwise_adagrad":
+    shapes.append((rows,))
+  rng = np.random.default_rng(SEED + 3)
+  arrays = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
+  if torch is not None:
+    arrays = [torch.from_numpy(a) for a in arrays]
+    torch_huge_pages(arrays)
+    ids = [torch.from_numpy(u.astype(np.int64)) for u in unique_ids]
+
+    def touch(a, u):
+      a.index_copy_(0, u, a.index_select(0, u))
+
+  else:
+    ids = unique_ids
+
+    def touch(a, u):
+      a[u] = np.take(a, u, axis=0)
+
+  ids_loop = itertools.cycle(ids)
+
+  def run():
+    u = next(ids_loop)
+    for a in arrays:
+      touch(a, u)
+
+  run()
+  return run
