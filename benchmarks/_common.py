@@ -358,42 +358,67 @@ def table_step(gtx: Any, tx: Any) -> Callable[..., Any]:
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def table_runner(
-  step: Callable[..., Any], tx: Any, table: Any, batches: Sequence[Any]
-) -> Callable[[], None]:
-  """A call of ``step`` on its own donated table and state, the next batch
-  of fresh ids each time, waiting for the loss."""
-  box = {"p": {"emb": table}, "k": 0}
-  box["s"] = tx.init(box["p"])
+def table_variants(
+  doc: str | None,
+  argv: Sequence[str] | None,
+  name: str,
+  title: str,
+  headers: Sequence[str],
+  cases: dict[str, dict[str, Callable[[], tuple[Any, Any]]]],
+) -> None:
+  """A benchmark of one table's whole step in variants, side by side.
 
-  def run() -> None:
-    box["k"] = (box["k"] + 1) % len(batches)
-    box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
-    v.block_until_ready()
-
-  return run
-
-
-def uniform_batches(rng: Any, rows: int, ids: int, count: int = 8) -> list:
-  """``count`` batches of ``ids`` uniform int32 ids in ``[0, rows)``."""
+  ``cases`` maps an optimizer to its variants, each a call that makes
+  ``(tx, jitted step)`` (a step of :func:`table_step`'s form). Every
+  variant runs on its own ``[--rows, --dim]`` table and donated state, the
+  next of 8 batches of ``--ids`` uniform ids each call, all of an
+  optimizer's variants alternated on the :class:`Schedule`. One row per
+  variant: the optimizer, the variant, ms per step and the ratio to its
+  optimizer's first variant; written as ``results/<name>``, ``title``
+  formatted with ``rows``, ``dim`` and ``ids``."""
   import jax.numpy as jnp
+  import numpy as np
 
-  return [
-    jnp.asarray(rng.randint(0, rows, ids), jnp.int32) for _ in range(count)
+  from benchmarks._results import write_results
+
+  p = parser(doc, schedule=Schedule())
+  add_table_args(p)
+  args = parse(p, argv, quick=QUICK_TABLE)
+  sched = Schedule.from_args(args)
+  rng = np.random.RandomState(0)
+  batches = [
+    jnp.asarray(rng.randint(0, args.rows, args.ids), jnp.int32)
+    for _ in range(8)
   ]
 
+  def runner(tx: Any, step: Any) -> Callable[[], None]:
+    table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
+    box = {"p": {"emb": table}, "k": 0}
+    box["s"] = tx.init(box["p"])
 
-def ratio_rows(
-  name: str, fns: dict[str, Callable[[], Any]], sched: Schedule
-) -> list[list[str]]:
-  """Times ``fns`` side by side (:func:`time_interleaved`); one row per
-  variant: ``name``, the variant, ms per call, and its ratio to the first."""
-  times = sched.time(fns, label=name)
-  base = next(iter(times.values()))
-  return [
-    [name, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"]
-    for variant, t in times.items()
-  ]
+    def run() -> None:
+      box["k"] = (box["k"] + 1) % len(batches)
+      box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
+      v.block_until_ready()
+
+    return run
+
+  rows = []
+  for opt, variants in cases.items():
+    fns = {variant: runner(*make()) for variant, make in variants.items()}
+    times = sched.time(fns, label=opt)
+    base = next(iter(times.values()))
+    rows += [
+      [opt, variant, f"{t * 1e3:.2f}", f"{t / base:.3f}"]
+      for variant, t in times.items()
+    ]
+  write_results(
+    name,
+    title.format(rows=args.rows, dim=args.dim, ids=args.ids),
+    headers,
+    rows,
+    notes=sched.describe() + "; both variants in one process.",
+  )
 
 
 # ----------------------------------------------------------------------------

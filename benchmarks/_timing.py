@@ -5,8 +5,10 @@ settle) runs every system round-robin, so that the noise of a shared
 machine hits each alike, and returns medians; :func:`record` keeps each
 system's :func:`spread` for the results' json (``RUN.timings``).
 :func:`step_runner` and :class:`Counter` turn a donated jitted step into a
-call without arguments on fresh ids; :func:`warm_copy_bandwidth` gives the
-floor of a copy. Why a burst and a settle: ``results/harness_notes.md``.
+call without arguments on fresh ids; :class:`Clock` (wall and CPU
+seconds) and :func:`once` time what runs once (a compile, a save);
+:func:`warm_copy_bandwidth` gives the floor of a copy. Why a burst and a
+settle: ``results/harness_notes.md``.
 """
 
 from __future__ import annotations

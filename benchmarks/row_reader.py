@@ -13,24 +13,14 @@ side in one process, and reports the ratio.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import (
-  QUICK_TABLE,
-  add_table_args,
-  parse,
-  parser,
-  ratio_rows,
-  table_runner,
-  uniform_batches,
-)
-from benchmarks._results import write_results
-from benchmarks._timing import Schedule
+from benchmarks._common import table_variants
 from gradtx import _rowio
 
 _ONE_READER = _rowio.gather_rows
@@ -59,33 +49,29 @@ def _step(tx: Any, reader: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = parser(__doc__, schedule=Schedule())
-  add_table_args(p)
-  args = parse(p, argv, quick=QUICK_TABLE)
-  sched = Schedule.from_args(args)
-  rng = np.random.RandomState(0)
-  batches = uniform_batches(rng, args.rows, args.ids)
-  rows = []
-  for name, make in (
-    ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
-    ("rowwise_adagrad", lambda: gtx.rowwise_adagrad(1e-2)),
-  ):
-    fns = {}
-    for variant, reader in (
-      ("fill gather", _fill_reader),
-      ("clamp + select (one reader)", _ONE_READER),
-    ):
+  readers = {
+    "fill gather": _fill_reader,
+    "clamp + select (one reader)": _ONE_READER,
+  }
+
+  def variants(make):
+    def variant(reader):
       tx = make()
-      table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
-      fns[variant] = table_runner(_step(tx, reader), tx, table, batches)
-    rows += ratio_rows(name, fns, sched)
-  write_results(
+      return tx, _step(tx, reader)
+
+    return {k: functools.partial(variant, r) for k, r in readers.items()}
+
+  table_variants(
+    __doc__,
+    argv,
     "row_reader",
-    f"One row reader, whole step: {args.rows:,} x {args.dim} table, "
-    f"{args.ids:,} fresh uniform ids per step",
+    "One row reader, whole step: {rows:,} x {dim} table, {ids:,} fresh "
+    "uniform ids per step",
     ["optimizer", "engine reads", "step ms", "vs fill"],
-    rows,
-    notes=sched.describe() + "; both variants in one process.",
+    {
+      "lazy_adam": variants(lambda: gtx.lazy_adam(1e-3)),
+      "rowwise_adagrad": variants(lambda: gtx.rowwise_adagrad(1e-2)),
+    },
   )
 
 
