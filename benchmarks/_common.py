@@ -5,18 +5,24 @@ and the writer (``_results``): the arguments every benchmark shares
 ``--fresh-memory``), the ids of a step (:func:`make_ids`), the
 competitors' plumbing (:func:`import_torch` with its threads set,
 :func:`torch_huge_pages`, :func:`fbgemm` and :func:`tbe`), the one-table
-step of the A/B runs, and the compiled-program readers
-(:func:`hlo_op_counts`, :func:`compile_phases`). It imports jax only inside
-functions: ``benchmarks.fbgemm_anchor`` runs where jax is not installed.
+step of the A/B runs and the versions of gradtx they load from git
+(:func:`load_version`, :func:`export_version`), and the compiled-program
+readers (:func:`hlo_op_counts`, :func:`compile_phases`). It imports jax
+only inside functions: ``benchmarks.fbgemm_anchor`` runs where jax is not
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
+import pathlib
 import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -419,6 +425,49 @@ def table_variants(
     rows,
     notes=sched.describe() + "; both variants in one process.",
   )
+
+
+# ----------------------------------------------------------------------------
+# versions of gradtx from git, for the A/B runs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_version(rev: str, name: str = "gradtx_before") -> Any:
+  """``gradtx`` as of ``rev``, imported as ``name`` in this process."""
+  out = pathlib.Path(tempfile.mkdtemp()) / name
+  out.mkdir()
+  for path, text in _version_files(rev):
+    text = re.sub(r"\bgradtx\b(?=[._ ])", out.name, text)
+    (out / path.name).write_text(text)
+  sys.path.insert(0, str(out.parent))
+  return importlib.import_module(out.name)
+
+
+def export_version(rev: str) -> str:
+  """A folder holding ``gradtx`` as of ``rev``, for a process to import;
+  ``rev`` may be such a folder itself (another checkout)."""
+  if (pathlib.Path(rev) / "gradtx" / "__init__.py").exists():
+    return str(pathlib.Path(rev).resolve())
+  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx"
+  out.mkdir()
+  for path, text in _version_files(rev):
+    (out / path.name).write_text(text)
+  return str(out.parent)
+
+
+def _version_files(rev: str) -> list[tuple[pathlib.PurePath, str]]:
+  def git(*args: str) -> str:
+    return subprocess.run(
+      ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+  names = git("ls-tree", "--name-only", rev, "gradtx/").split()
+  return [
+    (pathlib.PurePath(n), git("show", f"{rev}:{n}"))
+    for n in names
+    if n.endswith(".py")
+  ]
 
 
 # ----------------------------------------------------------------------------

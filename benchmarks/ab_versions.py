@@ -35,64 +35,29 @@ python where it exists, else this one where torch imports).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import pathlib
-import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from typing import Any
 
 import numpy as np
 
-from benchmarks._common import import_torch, parse, parser
+from benchmarks._common import (
+  ROOT,
+  export_version,
+  import_torch,
+  parse,
+  parser,
+)
 from benchmarks._results import result_path, write_results
 from benchmarks._timing import Clock, record
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHECKOUT = "this checkout"
 TORCH = "torch SparseAdam"
 WARMUP = 5
-
-
-def load_version(rev: str, name: str = "gradtx_before") -> Any:
-  """``gradtx`` as of ``rev``, imported as ``name`` in this process."""
-  out = pathlib.Path(tempfile.mkdtemp()) / name
-  out.mkdir()
-  for path, text in _version_files(rev):
-    text = re.sub(r"\bgradtx\b(?=[._ ])", out.name, text)
-    (out / path.name).write_text(text)
-  sys.path.insert(0, str(out.parent))
-  return importlib.import_module(out.name)
-
-
-def export_version(rev: str) -> str:
-  """A folder holding ``gradtx`` as of ``rev``, for a process to import;
-  ``rev`` may be such a folder itself (another checkout)."""
-  if (pathlib.Path(rev) / "gradtx" / "__init__.py").exists():
-    return str(pathlib.Path(rev).resolve())
-  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx"
-  out.mkdir()
-  for path, text in _version_files(rev):
-    (out / path.name).write_text(text)
-  return str(out.parent)
-
-
-def _version_files(rev: str) -> list[tuple[pathlib.PurePath, str]]:
-  def git(*args: str) -> str:
-    return subprocess.run(
-      ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout
-
-  names = git("ls-tree", "--name-only", rev, "gradtx/").split()
-  return [
-    (pathlib.PurePath(n), git("show", f"{rev}:{n}"))
-    for n in names
-    if n.endswith(".py")
-  ]
 
 
 def lazy_lion(
@@ -192,7 +157,7 @@ def _gtx_bags(spec: dict) -> tuple[Any, dict]:
   import jax.numpy as jnp
 
   import gradtx as gtx
-  from benchmarks import models, stacks
+  from benchmarks import models
 
   tables, rows, batch = 8, 200_000, 1024
   raw, labels, _ = models.bag_data(
@@ -209,7 +174,7 @@ def _gtx_bags(spec: dict) -> tuple[Any, dict]:
     jnp.asarray, {"emb": stack.stack(per_table), "head": head}
   )
   del per_table
-  tx = stacks.OPTIMIZERS[spec["case"]][0]()
+  tx = models.STACK_OPTIMIZERS[spec["case"]][0]()
   batches = [
     ({n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names}, y)
     for b, y in zip(raw, labels, strict=True)

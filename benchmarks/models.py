@@ -9,7 +9,8 @@ step (:func:`whole_step`: sparse gradient, ``tx.update``,
 ``apply_updates``, jitted, params and state donated), and the table-stack
 models of ``benchmarks.stacks`` (:func:`criteo_data`,
 :func:`criteo_models`, :func:`bag_data`, :func:`bag_models`,
-:func:`loop_runner`). torch's and FBGEMM's twins: ``benchmarks.twins``.
+:func:`loop_runner`, :data:`STACK_OPTIMIZERS`). torch's and FBGEMM's
+twins: ``benchmarks.twins``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,28 @@ from benchmarks._common import (
 
 SEED = 0
 HIDDEN = 256  # the mlp head's width
+
+
+# benchmarks.stacks' optimizers: name -> (gtx optimizer, torch's, learning
+# rate, FBGEMM's EmbOptimType or None: FBGEMM has no Adam on CPU)
+STACK_OPTIMIZERS = {
+  "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3, None),
+  "rowwise_adagrad": (
+    lambda: gtx.rowwise_adagrad(1e-2),
+    "Adagrad",
+    1e-2,
+    "EXACT_ROWWISE_ADAGRAD",
+  ),
+  "adagrad": (
+    lambda: gtx.adagrad(
+      1e-2, initial_accumulator_value=0.0, eps=1e-10, eps_outside_sqrt=True
+    ),
+    "Adagrad",
+    1e-2,
+    "EXACT_ADAGRAD",
+  ),
+  "sgd": (lambda: gtx.lazy_sgd(1e-2), "SGD", 1e-2, "EXACT_SGD"),
+}
 
 
 # Criteo Kaggle's 26 categorical cardinalities (DLRM, dlrm_s_criteo_kaggle).

@@ -18,10 +18,9 @@ import json
 import subprocess
 import sys
 
-from benchmarks._common import parse, parser
+from benchmarks._common import ROOT, parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import once
-from benchmarks.ab_versions import ROOT
 from benchmarks.models import table_rows
 
 
@@ -39,7 +38,7 @@ def _one(rev: str, kind: str, n: int, cap: int, dim: int) -> None:
   if rev == "HEAD+":
     import gradtx as gtx
   else:
-    from benchmarks.ab_versions import load_version
+    from benchmarks._common import load_version
 
     gtx = load_version(rev)
   sizes = _sizes(kind, n, cap)

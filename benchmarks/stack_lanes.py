@@ -23,6 +23,7 @@ from benchmarks.models import (
   CRITEO_KAGGLE,
   HIDDEN,
   SEED,
+  STACK_OPTIMIZERS,
   bce,
   criteo_data,
   criteo_models,
@@ -31,7 +32,6 @@ from benchmarks.models import (
   loop_runner,
   whole_step,
 )
-from benchmarks.stacks import OPTIMIZERS
 
 
 def lane_loss(specs, names, dim, lanes, batch):
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     "--optimizers",
     nargs="+",
     default=["lazy_adam", "rowwise_adagrad"],
-    choices=OPTIMIZERS,
+    choices=STACK_OPTIMIZERS,
   )
   quick = dict(cap=5000, batch=256, rounds=2, steps=4)
   args = parse(ap, argv, quick=quick)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     per_table_np = dict(zip(names, tables_np, strict=True))
     for opt in args.optimizers:
-      make = OPTIMIZERS[opt][0]
+      make = STACK_OPTIMIZERS[opt][0]
       hp = head_params(
         len(names), args.dim, "linear", HIDDEN, np.random.default_rng(SEED + 4)
       )

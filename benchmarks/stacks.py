@@ -73,6 +73,7 @@ from benchmarks._timing import Schedule
 from benchmarks.models import (
   CRITEO_KAGGLE,
   HIDDEN,
+  STACK_OPTIMIZERS,
   bag_data,
   bag_models,
   criteo_data,
@@ -84,26 +85,6 @@ from benchmarks.models import (
 from benchmarks.twins import fbgemm_runner, floor_runner, torch_runner
 
 SEED = 0
-# name -> (gtx optimizer, torch's, learning rate, FBGEMM's EmbOptimType or
-# None: FBGEMM has no Adam on CPU)
-OPTIMIZERS = {
-  "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3, None),
-  "rowwise_adagrad": (
-    lambda: gtx.rowwise_adagrad(1e-2),
-    "Adagrad",
-    1e-2,
-    "EXACT_ROWWISE_ADAGRAD",
-  ),
-  "adagrad": (
-    lambda: gtx.adagrad(
-      1e-2, initial_accumulator_value=0.0, eps=1e-10, eps_outside_sqrt=True
-    ),
-    "Adagrad",
-    1e-2,
-    "EXACT_ADAGRAD",
-  ),
-  "sgd": (lambda: gtx.lazy_sgd(1e-2), "SGD", 1e-2, "EXACT_SGD"),
-}
 
 
 # ----------------------------------------------------------------------------
@@ -205,7 +186,7 @@ def step_rows(args, torch) -> list[dict]:
       if model == "criteo" and "mlp" in args.heads:
         configs += [("mlp", o) for o in args.mlp_optimizers]
       for head, opt in configs:
-        make, torch_name, lr, fb_optim = OPTIMIZERS[opt]
+        make, torch_name, lr, fb_optim = STACK_OPTIMIZERS[opt]
         hp_np = head_params(
           len(names), args.dim, head, HIDDEN, np.random.default_rng(SEED + 4)
         )
@@ -367,7 +348,7 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
       "w": jax.ShapeDtypeStruct((features, dim), jnp.float32),
       "b": jax.ShapeDtypeStruct((), jnp.float32),
     }
-    tx = OPTIMIZERS[optimizer][0]()
+    tx = STACK_OPTIMIZERS[optimizer][0]()
     s = jax.eval_shape(tx.init, p)
     out[variant] = compile_phases(whole_step(loss, tx), p, s, ids, y)
     print(features, optimizer, variant, out[variant], flush=True)
@@ -433,15 +414,21 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--bag-rows", type=int, default=200_000)
   ap.add_argument("--bag-batch", type=int, default=1024)
   ap.add_argument(
-    "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
+    "--optimizers",
+    nargs="+",
+    default=list(STACK_OPTIMIZERS),
+    choices=STACK_OPTIMIZERS,
   )
-  add_head_args(ap, OPTIMIZERS)
+  add_head_args(ap, STACK_OPTIMIZERS)
   ap.add_argument(
     "--compile-features", type=int, nargs="+", default=[26, 104, 500]
   )
   ap.add_argument("--per-table-max", type=int, default=104)
   ap.add_argument(
-    "--compile-optimizers", nargs="+", default=["lazy_adam"], choices=OPTIMIZERS
+    "--compile-optimizers",
+    nargs="+",
+    default=["lazy_adam"],
+    choices=STACK_OPTIMIZERS,
   )
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
