@@ -261,7 +261,11 @@ NOTES = {
     " a scatter-add (the optax.adam "
     "baseline, Zipf ids above all); gtx coalesces on GPUs with a segmented "
     "scan and writes unique rows, so its lazy step does not meet it. "
-    "`benchmarks/gpu.sh` runs this benchmark at 1e7 x 128, 65,536 ids."
+    "`benchmarks/gpu.sh` runs the guides' whole steps (single table, "
+    "Criteo, bags, hashed; gtx beside torch and FBGEMM) on a lent GPU into "
+    "`results/gpu.md`, beside the cost model of `python -m "
+    "benchmarks.gpu_model` (`results/gpu_model.md`: a model read from the "
+    "exported cuda programs, not a measurement); no GPU has run it yet."
   ),
 }
 
