@@ -695,6 +695,8 @@ class TableStack:
         weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
       if whole:
         ids, whole = plain_features(ids, self._hashed_features()), False
+      else:
+        ids = dict(ids)  # rows replace raw ids below: not in the caller's
       for name, layout in self.maps.items():
         slots = raw_slots(layout, self.features, ids, weights, "lookup")
         if slots is not None:
