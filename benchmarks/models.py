@@ -15,6 +15,7 @@ twins: ``benchmarks.twins``.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -105,6 +106,15 @@ def bce(logit: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
 
+def concat_rows(stack: Any, table: Any, ids: Any) -> jax.Array:
+  """``stack.lookup(table, ids, output="concat")``, in the spelling of the
+  gradtx at hand (``benchmarks.ab_versions`` runs versions from before
+  ``output=``, whose spelling was ``concat=True``)."""
+  if "output" in inspect.signature(stack.lookup).parameters:
+    return stack.lookup(table, ids, output="concat")
+  return stack.lookup(table, ids, concat=True)
+
+
 def whole_step(loss, tx):
   def step(p, s, ids, y):
     value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
@@ -162,7 +172,7 @@ def criteo_models(rows, dim, batch=None):
 
   def stack_loss(p, ids, y):
     # the pooled features as one array (FBGEMM's output)
-    x = stack.lookup(p["emb"], ids, output="concat")
+    x = concat_rows(stack, p["emb"], ids)
     return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
   return stack, names, per_table_loss, stack_loss
@@ -185,7 +195,7 @@ def bag_models(tables, rows, dim, batch):
     return bce(logit(p["head"], jnp.stack(emb, axis=1)), y)
 
   def stack_loss(p, bags, y):
-    x = stack.lookup(p["emb"], bags, output="concat").reshape(batch, -1, dim)
+    x = concat_rows(stack, p["emb"], bags).reshape(batch, -1, dim)
     return bce(logit(p["head"], x), y)
 
   return stack, names, per_table_loss, stack_loss
