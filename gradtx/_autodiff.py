@@ -701,7 +701,8 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
     axes = tuple(sorted(axes - varying_axes(t)))
     if route.report[s].every_row and not axes:
       # each read's rows in its own shape: no copy to flatten them
-      out[s] = _every_row(read_ids, g_sinks[s], t.shape[0])
+      modes = [_jaxpr.read_mode(r) for r in reads]
+      out[s] = _every_row(read_ids, g_sinks[s], t.shape[0], modes)
       continue
     idx = _concat([i.reshape(-1) for i in read_ids])
     vals = _concat([g.reshape((-1,) + row) for g in g_sinks[s]])
@@ -710,7 +711,7 @@ def _value_and_grad(call: _Call, dense: Any, require_sparse: Any) -> Any:
       vals = lax.all_gather(vals, axes, tiled=True, to="invarying")
     out[s] = SparseRows(idx, vals, t.shape[0])
     if route.report[s].every_row:
-      out[s] = _every_row([idx], [vals], t.shape[0])
+      out[s] = _every_row([idx], [vals], t.shape[0], ["fill"])
   for f in frozen:  # no gradient: no row for an optimizer to touch
     t = leaves[f]
     out[f] = SparseRows(
@@ -1004,15 +1005,15 @@ def sparse_labels(
 
 
 def _every_row(
-  ids: list[jax.Array], rows: list[jax.Array], num_rows: int
+  ids: list[jax.Array], rows: list[jax.Array], num_rows: int, modes: list
 ) -> SparseRows:
   """The SparseRows of every row of a table read many times per row (ids
   ``0..num_rows-1``), each row the sum of the rows its reads got (``rows[k]``
-  at ``ids[k]``, padding ``num_rows``), so a table keeps one gradient form
-  whatever the batch size."""
+  at ``ids[k]``, padding ``num_rows``, read as ``modes[k]``), so a table
+  keeps one gradient form whatever the batch size."""
   return SparseRows(
     jnp.arange(num_rows, dtype=jnp.int32),
-    dense_sums(ids, rows, num_rows),
+    dense_sums(ids, rows, num_rows, modes),
     num_rows,
     unique=True,
     normalized=True,

@@ -580,6 +580,19 @@ def _read_rows(eqn: Any, m: _RowRead, invals: list[Any]) -> Any:
   return out
 
 
+def read_mode(read: Read) -> str:
+  """How ``read``'s gather treats the row ids :func:`row_ids` gives:
+  ``"lookup"`` (``gtx.lookup``'s read), ``"clip"`` (every id in range:
+  JAX's clamping gather, a ``dynamic_slice``) or ``"fill"`` (padding
+  ``num_rows`` reads zeros)."""
+  how = read.how
+  if how[0] == "as_is":
+    return "lookup"
+  if how[0] == "clamp" or how[2] == "CLIP":
+    return "clip"
+  return "fill"
+
+
 def row_ids(read: Read, raw: Any, num_rows: int) -> jax.Array:
   """The int32 row ids of ``read`` from the raw ids :func:`evaluate` gave
   (a gather's indices, a dynamic_slice's start, a lookup's ids; stacked

@@ -382,15 +382,18 @@ def scatter_add_rows(
 
 
 def dense_sums(
-  ids: list[jax.Array], rows: list[jax.Array], num_rows: int
+  ids: list[jax.Array], rows: list[jax.Array], num_rows: int, modes: list
 ) -> jax.Array:
   """The dense ``[num_rows, *row]`` array whose row ``i`` is the sum of the
   rows ``rows[k][j]`` whose id ``ids[k][j]`` is ``i`` (ids outside
   ``[0, num_rows)`` dropped): a table's gradient from its reads, each read
-  ``k`` in its own shape (``ids[k].shape + row``).
+  ``k`` in its own shape (``ids[k].shape + row``) and read as
+  ``modes[k]`` (``"lookup"``: by :func:`gather_rows`; ``"clip"``: every id
+  in range, JAX's clamping gather; ``"fill"``: padding reads zeros).
 
-  On CPU, ``jax.grad``'s own: each read's transpose of :func:`gather_rows`
-  (a scatter-add in input order into zeros), summed. On accelerators no
+  On CPU, ``jax.grad``'s own: each read's transpose (a scatter-add in input
+  order into zeros; the program ``jax.grad`` of the reads compiles to),
+  summed. On accelerators no
   atomics: the reads' rows flattened and summed by
   :func:`~gradtx._dedup.coalesce_rows`' sorted, fixed-order segment sums,
   each row written once (a float scatter-add of many reads onto a few
@@ -402,8 +405,8 @@ def dense_sums(
 
   def cpu(ids, rows):
     sums = [
-      jax.linear_transpose(functools.partial(_gather_of, i), zeros)(r)[0]
-      for i, r in zip(ids, rows, strict=True)
+      jax.linear_transpose(functools.partial(_READS[m], i), zeros)(r)[0]
+      for i, r, m in zip(ids, rows, modes, strict=True)
     ]
     return functools.reduce(jnp.add, sums)
 
@@ -423,8 +426,12 @@ def dense_sums(
   )
 
 
-def _gather_of(ids: jax.Array, table: jax.Array) -> jax.Array:
-  return gather_rows(table, ids)
+# The reads dense_sums transposes on CPU, by mode.
+_READS = {
+  "lookup": lambda ids, table: gather_rows(table, ids),
+  "clip": lambda ids, table: table[ids],
+  "fill": lambda ids, table: table.at[ids].get(mode="fill", fill_value=0),
+}
 
 
 def read_param_rows(p: Any, idx: jax.Array) -> jax.Array:
