@@ -9,7 +9,9 @@ transformation; the id map of hashed tables (``_vocab``) builds the
 FreshRows of the rows it gives to new ids. :func:`drop_entries` makes entries of
 a SparseRows padding. :class:`FreshMarks`, a part of a state that must know
 which leaves had rows made fresh (``track_changes``, whose record does not
-hold them), is stamped by every :func:`reset_rows`.
+hold them), is stamped by every :func:`reset_rows`. :func:`fresh_normal`
+draws the default initializer's values of fresh rows from a counter-based
+hash (:func:`threefry2x32` written out round by round).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from gradtx._rowio import scatter_rows
 from gradtx._sparse_rows import SparseRows
@@ -244,3 +248,62 @@ def drop_entries(g: SparseRows, drop: jax.Array) -> SparseRows:
     jnp.where(drop.reshape(shape), 0, g.values).astype(g.values.dtype),
     g.num_rows,
   )
+
+
+_U32 = np.uint32
+# Threefry-2x32's rotations and key-schedule constant (Salmon et al. 2011)
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA
+
+
+def threefry2x32(
+  key: tuple[jax.Array, jax.Array], x: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+  """Threefry-2x32 with 20 rounds, written out round by round: two uint32
+  words of key and of counter (broadcast alike) to two uint32 words. The
+  cipher of JAX's default PRNG; unrolled here so that its program is
+  straight-line integer ops, with no loop on any backend."""
+  k0, k1 = (jnp.asarray(k, jnp.uint32) for k in key)
+  ks = (k0, k1, k0 ^ k1 ^ _U32(_PARITY))
+  x0 = jnp.asarray(x[0], jnp.uint32) + ks[0]
+  x1 = jnp.asarray(x[1], jnp.uint32) + ks[1]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = (x1 << _U32(r)) | (x1 >> _U32(32 - r))
+      x1 = x1 ^ x0
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + _U32(i + 1)
+  return x0, x1
+
+
+def fresh_normal(
+  rng: jax.Array, step: jax.Array, rows: jax.Array, dim: int
+) -> jax.Array:
+  """``[m, dim]`` float32 standard normal values, row ``k`` a function of
+  (``rng``, ``step``, ``rows[k]``) alone: the key of the step is
+  Threefry-2x32 of the map's key words ``rng`` and counter ``(step, 0)``;
+  element ``(k, j)`` takes word ``j % 2`` of Threefry-2x32 of that key and
+  counter ``(rows[k], j // 2)``, as a uniform in ``(-1, 1)`` turned normal
+  by ``sqrt(2) * erfinv``, the transform of ``jax.random.normal``. A
+  counter-based draw: no state, no loop, the same values on every
+  backend and sharding, and a row given out twice in different steps
+  gets different values."""
+  rng = jnp.asarray(rng, jnp.uint32)
+  step_key = threefry2x32(
+    (rng[0], rng[1]), (jnp.asarray(step).astype(jnp.uint32), _U32(0))
+  )
+  blocks = (dim + 1) // 2
+  shape = (rows.shape[0], blocks)
+  r = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
+  b = jnp.broadcast_to(lax.iota(jnp.uint32, blocks)[None, :], shape)
+  w0, w1 = threefry2x32(step_key, (r, b))
+  bits = jnp.stack([w0, w1], axis=-1).reshape(rows.shape[0], 2 * blocks)
+  bits = bits[:, :dim]
+  # 23 bits of mantissa: a float in [1, 2), then [0, 1), then (-1, 1)
+  one = lax.bitcast_convert_type(
+    (bits >> _U32(9)) | _U32(0x3F800000), jnp.float32
+  )
+  low = np.nextafter(np.float32(-1.0), np.float32(1.0))
+  u = jnp.maximum(low, (one - 1.0) * (1.0 - low) + low)
+  return np.float32(np.sqrt(2.0)) * lax.erf_inv(u)

@@ -370,7 +370,7 @@ def _fresh_normal(rng, step, rows, dim):
 def test_threefry_matches_the_published_test_vectors():
   """Random123's known answers for threefry2x32_20, for the numpy
   reference and the unrolled cipher of the fresh rows."""
-  from gradtx._vocab import threefry2x32
+  from gradtx._fresh_rows import threefry2x32
 
   u = np.uint32
   for key, x, want in [
@@ -394,7 +394,7 @@ def test_fresh_rows_of_the_default_initializer_are_a_counter_hash():
   no call of JAX's PRNG in admit's program."""
   from scipy import stats
 
-  from gradtx._vocab import fresh_normal
+  from gradtx._fresh_rows import fresh_normal
 
   rng = np.array([7, 2**31 + 5], np.uint32)
   rows = np.arange(0, 4000, 3, dtype=np.int32)
