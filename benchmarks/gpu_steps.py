@@ -149,14 +149,20 @@ def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
   return _program(name, tx, loss, params_fn, batch_fn, {})
 
 
+def _criteo_stack(batch, dim, cap, features):
+  """Criteo's tables (capped at ``cap`` rows) in one stack made for
+  ``batch``: ``(rows, feature names, stack)``."""
+  rows = criteo_rows(features, cap)
+  names = [f"f{t}" for t in range(features)]
+  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
+  return rows, names, gtx.TableStack(specs, batch_size=batch)
+
+
 def criteo(
   batch: int = 2048, dim: int = 64, cap: int = CAP, features: int = 26
 ) -> Program:
   """The 26-feature Criteo stack step, one id per example and feature."""
-  rows = criteo_rows(features, cap)
-  names = [f"f{t}" for t in range(features)]
-  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  stack = gtx.TableStack(specs, batch_size=batch)
+  rows, names, stack = _criteo_stack(batch, dim, cap, features)
 
   def batch_fn(rng):
     ids = {
@@ -202,10 +208,7 @@ def bags(
   batch: int = 1024, dim: int = 64, cap: int = CAP, features: int = 26
 ) -> Program:
   """Criteo's tables read as ``gtx.Jagged`` bags of 1-20 weighted ids."""
-  rows = criteo_rows(features, cap)
-  names = [f"f{t}" for t in range(features)]
-  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  stack = gtx.TableStack(specs, batch_size=batch)
+  rows, names, stack = _criteo_stack(batch, dim, cap, features)
 
   def batch_fn(rng):
     parts = jagged_batch(rng, rows, batch)
@@ -283,10 +286,7 @@ def keyed(
 ) -> Program:
   """``features`` one-hot features as one ``gtx.Keyed`` ``[B, F]`` matrix,
   the pooled rows back as a ``gtx.Keyed`` read by one einsum."""
-  rows = criteo_rows(features, cap)
-  names = [f"f{t}" for t in range(features)]
-  specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  stack = gtx.TableStack(specs, batch_size=batch)
+  rows, names, stack = _criteo_stack(batch, dim, cap, features)
   tx = gtx.lazy_adam(1e-3)
   head = _head(features, dim)
 

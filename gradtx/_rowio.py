@@ -393,8 +393,8 @@ def dense_sums(
 
   On CPU, ``jax.grad``'s own: each read's transpose (a scatter-add in input
   order into zeros; the program ``jax.grad`` of the reads compiles to),
-  summed. On accelerators no
-  atomics: the reads' rows flattened and summed by
+  summed. On accelerators no atomics: the reads' rows flattened and summed
+  by
   :func:`~gradtx._dedup.coalesce_rows`' sorted, fixed-order segment sums,
   each row written once (a float scatter-add of many reads onto a few
   hundred rows is contended atomics on a GPU, whose sums change from run
