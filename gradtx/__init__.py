@@ -14,6 +14,7 @@ from gradtx._custom import RowTransformationState as RowTransformationState
 from gradtx._custom import row_transformation as row_transformation
 from gradtx._fresh_rows import FreshRows as FreshRows
 from gradtx._fresh_rows import reset_rows as reset_rows
+from gradtx._ids import Words as Words
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
@@ -79,7 +80,6 @@ from gradtx._transforms import scale as scale
 from gradtx._transforms import scale_by_learning_rate as scale_by_learning_rate
 from gradtx._vocab import Hashed as Hashed
 from gradtx._vocab import VocabState as VocabState
-from gradtx._vocab import Words as Words
 
 __version__ = "0.1.0"
 

@@ -25,12 +25,13 @@ from jax import lax
 from jax.experimental import checkify
 from jax.typing import ArrayLike
 
-from gradtx import _platform, _vocab
+from gradtx import _platform
 from gradtx._autodiff import host_check, lookup
+from gradtx._ids import HostWords, Words, host_words, raw_words, split_on_host
 from gradtx._sharded import split_like, unsplit
 from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int
-from gradtx._vocab import HostWords, Layout, Words
+from gradtx._vocab import Layout
 
 __all__ = ["Jagged", "Keyed", "KeyedJagged", "pad_batch"]
 
@@ -411,7 +412,7 @@ def host_ready(
   check_lengths(ids, what)
 
   def cast(x: Any, unsigned: bool = False) -> Any:
-    if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
+    if not isinstance(x, np.ndarray) or not split_on_host(x.dtype):
       return x
     low, high = (x.min(), x.max()) if x.size else (0, 0)
     for dtype in (np.int32, np.uint32) if unsigned else (np.int32,):
@@ -423,10 +424,10 @@ def host_ready(
     if isinstance(x, Jagged):
       return Jagged(feature(name, x.ids), cast(x.lengths), cast(x.weights))
     x = cast(x, unsigned=name in raw)
-    if not isinstance(x, np.ndarray) or not _vocab.split_on_host(x.dtype):
+    if not isinstance(x, np.ndarray) or not split_on_host(x.dtype):
       return x
     if name in raw:
-      return _vocab.host_words(x, f"feature {name!r} `ids`")
+      return host_words(x, f"feature {name!r} `ids`")
     _check_row_ids(name, x, what)
     return x
 
@@ -441,15 +442,13 @@ def _keyed_ready(x: Any, raw: Sequence[str], what: str) -> Any:
   """A keyed input whose numpy 64-bit ids do not fit an int32: its plain
   features' row ids checked, its whole array split into words."""
   values = x.values if isinstance(x, Keyed) else x.ids
-  if not isinstance(values, np.ndarray) or not _vocab.split_on_host(
-    values.dtype
-  ):
+  if not isinstance(values, np.ndarray) or not split_on_host(values.dtype):
     return x
   slots = _keyed_slots(x)
   for k, name in enumerate(x.names):
     if name not in raw:
       _check_row_ids(name, values[slots == k], what)
-  words = _vocab.host_words(values, f"gradtx.{type(x).__name__} `ids`")
+  words = host_words(values, f"gradtx.{type(x).__name__} `ids`")
   if isinstance(x, Keyed):
     return Keyed(x.names, words, x.weights)
   return KeyedJagged(x.names, words, x.lengths, x.weights)
@@ -637,7 +636,7 @@ def row_ids(x: Any, what: str) -> jax.Array:
   range). ``what`` names the ids in errors."""
   if not isinstance(x, (Words, HostWords)):
     return narrow_ids(x, MAX_ROWS, what)
-  hi, lo, pad = _vocab.raw_words(x, what)
+  hi, lo, pad = raw_words(x, what)
   fits = (hi == 0) & (lo <= np.uint32(MAX_ROWS))
   rows = jnp.where(fits, lax.bitcast_convert_type(lo, jnp.int32), MAX_ROWS)
   return jnp.where(pad, -1, rows)
@@ -1064,7 +1063,7 @@ def raw_slots(
   for f in feats:
     x = ids[f]
     form = feature_form(f, x, weights.get(f), what)
-    split, lo, pad = _vocab.raw_words(form.ids, f"feature {f!r}")
+    split, lo, pad = raw_words(form.ids, f"feature {f!r}")
     # the map's work is over the whole step's ids: split over a data-
     # parallel batch, they are gathered first, and the rows split back
     hi, lo, pad = (unsplit(v) for v in (split, lo, pad))

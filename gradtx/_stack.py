@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from gradtx import _vocab
+from gradtx import _ids, _vocab
 from gradtx._fresh_rows import FreshRows
 from gradtx._plan import (
   COMBINERS,
@@ -67,7 +67,7 @@ def _outside_traces(*trees: Any) -> bool:
   :func:`host_ready` makes those of the usual input forms fit first)."""
   for leaf in jax.tree.leaves(trees):
     if isinstance(leaf, np.ndarray):
-      if _vocab.split_on_host(leaf.dtype):
+      if _ids.split_on_host(leaf.dtype):
         return False
     elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
       return False
