@@ -145,6 +145,31 @@ def add_table_args(
   p.add_argument("--ids", type=int, default=ids)
 
 
+def add_memory_arg(p: argparse.ArgumentParser, cpu_gib: float) -> None:
+  """``--mem-gib``: what the systems may hold at once (read it with
+  :func:`memory_budget`)."""
+  p.add_argument(
+    "--mem-gib",
+    type=float,
+    default=None,
+    help=f"memory the systems may hold at once (default {cpu_gib:g} GiB on "
+    "CPU, half the device memory on accelerators)",
+  )
+  p.set_defaults(cpu_gib=cpu_gib)
+
+
+def memory_budget(args: argparse.Namespace) -> float:
+  """Bytes of :func:`add_memory_arg`'s ``--mem-gib``."""
+  if args.mem_gib is not None:
+    return args.mem_gib * 2**30
+  import jax
+
+  dev = jax.devices()[0]
+  stats = dev.memory_stats() if dev.platform != "cpu" else None
+  limit = (stats or {}).get("bytes_limit")
+  return 0.5 * limit if limit else args.cpu_gib * 2**30
+
+
 # --quick's sizes of a one-table step (add_table_args, the Schedule)
 QUICK_TABLE = dict(rows=20_000, ids=512, rounds=2, burst=2, settle=1)
 

@@ -1,6 +1,7 @@
 """The benchmarks' writer: ``benchmarks/results/<name>.md`` and ``.json``.
 
-:func:`write_results` prints a markdown table and writes it with the
+:func:`write_results` prints a markdown table (headers from
+:func:`columns`, headline figures from :func:`headline`) and writes it with the
 machine (:func:`machine`), the code measured (:func:`commit`), the run's
 settings and load, and the spread of every timing since the previous
 file; :func:`result_path` names any other output (plots) with the run's
@@ -100,6 +101,18 @@ def markdown_table(
   lines.append("|" + "|".join("---" for _ in headers) + "|")
   lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
   return "\n".join(lines)
+
+
+def columns(spec: str) -> list[str]:
+  """A table's headers written as its markdown row: ``"a | b | c"``."""
+  return [c.strip() for c in spec.split(" | ")]
+
+
+def headline(metric: str, value: Any, target: str | None = None) -> dict:
+  """One headline figure of a results file (``python -m benchmarks``
+  gathers them into ``summary.md``)."""
+  out = {"metric": metric, "value": value}
+  return out if target is None else {**out, "target": target}
 
 
 def result_path(name: str, ext: str) -> Path:

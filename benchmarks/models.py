@@ -25,10 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import (
-  huge_pages,
-  make_ids,
-)
+from benchmarks._common import hlo_table_copies, huge_pages, make_ids
+from benchmarks._timing import step_runner
 
 SEED = 0
 HIDDEN = 256  # the mlp head's width
@@ -113,6 +111,80 @@ def concat_rows(stack: Any, table: Any, ids: Any) -> jax.Array:
   if "output" in inspect.signature(stack.lookup).parameters:
     return stack.lookup(table, ids, output="concat")
   return stack.lookup(table, ids, concat=True)
+
+
+class OneTable(NamedTuple):
+  """One ``[rows, dim]`` table's steps: the table, the cotangent ``ct`` of
+  the loss ``sum(f(E[ids]) * ct)`` and fresh ids a step (numpy and on the
+  device)."""
+
+  table: np.ndarray
+  ct_np: np.ndarray
+  ids_np: list[np.ndarray]
+  ids: list[jax.Array]
+  ct: jax.Array
+
+  def unique(self) -> float:
+    """Distinct rows a step, on average."""
+    return float(np.mean([len(np.unique(i)) for i in self.ids_np]))
+
+
+def one_table(rows: int, dim: int, n: int, dist: str, steps: int) -> OneTable:
+  """:class:`OneTable` with ``steps`` fresh batches of ``n`` ids."""
+  ids_np = make_ids(rows, n, steps, dist)
+  rng = np.random.default_rng(SEED + 1)
+  table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
+  ct_np = rng.standard_normal((n, dim)).astype(np.float32)
+  ids = [jnp.asarray(i) for i in ids_np]
+  return OneTable(table, ct_np, ids_np, ids, jnp.asarray(ct_np))
+
+
+def one_table_step(
+  tx: Any,
+  data: OneTable,
+  *,
+  linear: bool = False,
+  lookup: bool = False,
+  dense: bool = False,
+  dtype: Any = jnp.float32,
+  stochastic: bool = False,
+) -> tuple[Callable[[int], Any], list, int]:
+  """The step users run on :class:`OneTable` (forward with the loss
+  ``sum(f(E[ids]) * ct)`` returned, ``f`` the identity if ``linear`` else
+  ``tanh``; backward; ``tx``; apply), jitted, params ``{"emb": table}``
+  (as ``dtype``) and state donated: ``(run(i), [params, state], table
+  copies in the compiled step)``. ``lookup``: read by ``gtx.lookup``, else
+  ``E[ids]``; ``dense``: ``jax.value_and_grad`` and
+  ``optax.apply_updates``; ``stochastic``: ``apply_updates(..., key=)``,
+  a new key a step."""
+  import optax
+
+  def loss(p, ids, ct):
+    rows = gtx.lookup(p["emb"], ids) if lookup else p["emb"][ids]
+    rows = rows.astype(jnp.float32)
+    return jnp.sum((rows if linear else jnp.tanh(rows)) * ct)
+
+  grad = jax.value_and_grad if dense else gtx.sparse_value_and_grad
+  apply = optax.apply_updates if dense else gtx.apply_updates
+
+  def step(p, s, ids, ct, *key):
+    value, g = grad(loss)(p, ids, ct)
+    u, s = tx.update(g, s, p)
+    kw = {"key": key[0]} if key else {}
+    return apply(p, u, **kw), s, value
+
+  params = {"emb": jnp.asarray(data.table, dtype)}
+  box = [params, tx.init(params)]
+  huge_pages(box)
+  jstep = jax.jit(step, donate_argnums=(0, 1))
+  ids, ct, key = data.ids, data.ct, jax.random.key(0)
+
+  def args_of(i: int) -> tuple:
+    keys = (jax.random.fold_in(key, i),) if stochastic else ()
+    return (ids[i % len(ids)], ct, *keys)
+
+  copies = hlo_table_copies(jstep, data.table.shape, *box, *args_of(0))
+  return step_runner(jstep, box, args_of), box, copies
 
 
 def whole_step(loss, tx):

@@ -30,132 +30,76 @@ gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import gradtx as gtx
 from benchmarks._common import (
+  add_memory_arg,
   available,
-  hlo_table_copies,
-  huge_pages,
-  make_ids,
+  memory_budget,
   parse,
   parser,
 )
-from benchmarks._results import oversubscribed, write_results
+from benchmarks._results import columns, headline, oversubscribed, write_results
 from benchmarks._timing import (
   Counter,
   Schedule,
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.twins import torch_sparse_adam
+from benchmarks.models import one_table, one_table_step
+from benchmarks.twins import torch_table
 
 LR = 1e-3
-SEED = 0
 
 
-def _loss_jax(rows: jax.Array, ct: jax.Array, linear: bool) -> jax.Array:
-  return jnp.sum((rows if linear else jnp.tanh(rows)) * ct)
-
-
-def _gtx(table, ids, grads, ct, linear, catch_up):
+def _gtx(data, linear, catch_up):
+  """The whole gtx step and its optimizer part alone (``update`` +
+  ``apply_updates`` on pre-built gradients of the step's ids), on the same
+  donated buffers."""
   tx = gtx.lazy_adam(LR, catch_up=catch_up)
-
-  def loss_fn(params, ids_, ct_):
-    return _loss_jax(gtx.lookup(params["emb"], ids_), ct_, linear)
-
-  def step(params, state, ids_, ct_):
-    loss, g = gtx.sparse_value_and_grad(loss_fn)(params, ids_, ct_)
-    u, state = tx.update(g, state, params)
-    return gtx.apply_updates(params, u), state, loss
+  run, box, copies = one_table_step(tx, data, linear=linear, lookup=True)
+  rows, dim = data.table.shape
+  vals = np.random.default_rng(2).standard_normal((len(data.ct), dim))
+  grads = [gtx.SparseRows(i, vals.astype(np.float32), rows) for i in data.ids]
 
   def opt_step(params, state, g):
     u, state = tx.update({"emb": g}, state, params)
     return gtx.apply_updates(params, u), state
 
-  params = {"emb": jnp.array(table)}
-  box = [params, tx.init(params)]
-  huge_pages(box)
-  jstep = jax.jit(step, donate_argnums=(0, 1))
   jopt = jax.jit(opt_step, donate_argnums=(0, 1))
-  copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
-
-  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
   run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
   return run, run_opt, copies, box
 
 
-def _optax(table, ids, ct, linear):
-  tx = optax.adam(LR)
-
-  def step(params, state, ids_, ct_):
-    loss, g = jax.value_and_grad(lambda p: _loss_jax(p[ids_], ct_, linear))(
-      params
-    )
-    u, state = tx.update(g, state, params)
-    return optax.apply_updates(params, u), state, loss
-
-  params = jnp.array(table)
-  box = [params, tx.init(params)]
-  huge_pages(box)
-  jstep = jax.jit(step, donate_argnums=(0, 1))
-  copies = hlo_table_copies(jstep, table.shape, box[0], box[1], ids[0], ct)
-
-  run = step_runner(jstep, box, lambda i: (ids[i % len(ids)], ct))
-  return run, copies, box
-
-
-def run_config(
-  rows: int,
-  dim: int,
-  n: int,
-  dist: str,
-  linear: bool,
-  sched: Schedule,
-  mem_bytes: float,
-  bandwidth: float,
-  with_torch: bool,
-) -> dict[str, Any]:
-  ids_np = make_ids(rows, n, sched.steps, dist)
-  rng = np.random.default_rng(SEED + 1)
-  table_np = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
-  ct_np = rng.standard_normal((n, dim)).astype(np.float32)
-  ids = [jnp.asarray(i) for i in ids_np]
-  ct = jnp.asarray(ct_np)
-  grad_vals = jnp.asarray(rng.standard_normal((n, dim)).astype(np.float32))
-  grads = [gtx.SparseRows(i, grad_vals, rows) for i in ids]
-  table_bytes = rows * dim * 4
+def run_config(rows, dim, n, dist, linear, sched, mem, bandwidth, torch):
+  data = one_table(rows, dim, n, dist, sched.steps)
   fns, keep, copies = {}, [], {}
-  run, run_opt, copies["gtx"], b = _gtx(table_np, ids, grads, ct, linear, False)
-  fns["gtx"], fns["gtx opt only"] = run, run_opt
-  keep.append(b)
-  run, _, copies["gtx catch_up"], b = _gtx(
-    table_np, ids, grads, ct, linear, True
-  )
-  fns["gtx catch_up"] = run
-  keep.append(b)
-  used = 6 * table_bytes
-  if with_torch:
-    fns["torch"], b = torch_sparse_adam(table_np, ids_np, ct_np, linear)
+  fns["gtx"], fns["gtx opt only"], copies["gtx"], b = _gtx(data, linear, False)
+  fns["gtx catch_up"], _, copies["gtx catch_up"], b2 = _gtx(data, linear, True)
+  keep += [b, b2]
+  used = 6 * rows * dim * 4
+  if torch:
+    fns["torch"], b, _ = torch_table("SparseAdam", data, linear=linear, lr=LR)
     keep.append(b)
-    used += 3 * table_bytes
-  if used + 4 * table_bytes <= mem_bytes:
-    fns["optax"], copies["optax"], b = _optax(table_np, ids, ct, linear)
+    used += 3 * rows * dim * 4
+  if used + 4 * rows * dim * 4 <= mem:
+    tx = optax.adam(LR)
+    fns["optax"], b, copies["optax"] = one_table_step(
+      tx, data, linear=linear, dense=True
+    )
     keep.append(b)
-  del table_np
   gc.collect()
   times = sched.time(
     {k: Counter(f, 0) for k, f in fns.items()},
     label=f"{rows:,} x {dim}, {dist}, {'linear' if linear else 'tanh'}",
   )
-  unique = float(np.mean([len(np.unique(i)) for i in ids_np]))
+  unique = data.unique()
   floor_bytes = unique * dim * 4 * 6 + n * (dim + 1) * 4
-  del keep, fns, grads, ids
+  del keep, fns, data
   gc.collect()
   return {
     "ms": {k: t * 1e3 for k, t in times.items()},
@@ -166,13 +110,8 @@ def run_config(
 
 
 def _row(rows, dim, n, dist, linear, res):
-  ms = res["ms"]
-  g, t, o = ms["gtx"], ms.get("torch"), ms.get("optax")
-  floor = res["floor_ms"]
-
-  def fmt(x):
-    return x if x is not None else "-"
-
+  ms, floor, copies = res["ms"], res["floor_ms"], res["copies"]
+  g, t, o = ms["gtx"], ms.get("torch", "-"), ms.get("optax", "-")
   return [
     f"{rows:,} x {dim}",
     dist,
@@ -181,16 +120,16 @@ def _row(rows, dim, n, dist, linear, res):
     round(res["unique"]),
     g,
     ms["gtx catch_up"],
-    fmt(t),
-    fmt(o),
-    t / g if t is not None else "-",
-    o / g if o is not None else "-",
+    t,
+    o,
+    t / g if t != "-" else "-",
+    o / g if o != "-" else "-",
     ms["gtx opt only"],
     floor,
     ms["gtx opt only"] / floor,
     g / floor,
-    "/".join(str(res["copies"][k]) for k in ("gtx", "gtx catch_up")),
-    res["copies"].get("optax", "-"),
+    f"{copies['gtx']}/{copies['gtx catch_up']}",
+    copies.get("optax", "-"),
   ]
 
 
@@ -204,19 +143,15 @@ def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
   import tempfile
   from pathlib import Path
 
-  ids = [jnp.asarray(i) for i in make_ids(rows, n, steps + 2, "uniform")]
-  rng = np.random.default_rng(SEED + 1)
-  table = (0.1 * rng.standard_normal((rows, dim))).astype(np.float32)
-  ct = jnp.asarray(rng.standard_normal((n, dim)).astype(np.float32))
-  run, _, _, box = _gtx(table, ids, ids, ct, linear, False)
+  data = one_table(rows, dim, n, "uniform", steps + 2)
+  run, _, _ = one_table_step(gtx.lazy_adam(LR), data, linear=linear)
   run(0)
   run(1)
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for i in range(2, steps + 2):
         run(i)
-    path = next(Path(d).rglob("*.trace.json.gz"))
-    events = json.load(gzip.open(path))
+    events = json.load(gzip.open(next(Path(d).rglob("*.trace.json.gz"))))
   events = events["traceEvents"] if isinstance(events, dict) else events
   total = collections.defaultdict(list)
   for e in events:
@@ -226,50 +161,30 @@ def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
       continue
     if e.get("ph") == "X" and "dur" in e:
       total[name].append(e["dur"])
-  del box
   return sorted(
     ((sum(v) / steps / 1e3, len(v) / steps, k) for k, v in total.items()),
     reverse=True,
   )
 
 
-HEADERS = [
-  "table",
-  "ids",
-  "loss",
-  "ids/step",
-  "unique rows",
-  "gtx ms",
-  "gtx catch_up ms",
-  "torch SparseAdam ms",
-  "optax.adam ms",
-  "torch / gtx",
-  "optax / gtx",
-  "gtx opt only ms",
-  "floor ms",
-  "opt only / floor",
-  "step / floor",
-  "gtx table copies (lazy/catch_up)",
-  "optax table copies",
-]
+HEADERS = columns(
+  "table | ids | loss | ids/step | unique rows | gtx ms | gtx catch_up ms | "
+  "torch SparseAdam ms | optax.adam ms | torch / gtx | optax / gtx | "
+  "gtx opt only ms | floor ms | opt only / floor | step / floor | "
+  "gtx table copies (lazy/catch_up) | optax table copies"
+)
 
 
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__, schedule=Schedule(), huge_pages=True)
   p.add_argument(
-    "--rows", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000]
+    "--rows", type=int, nargs="+", default=[100_000, 10**6, 4 * 10**6]
   )
   p.add_argument("--dim", type=int, default=64)
   p.add_argument("--ids", type=int, default=8192)
   p.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
   p.add_argument("--losses", nargs="+", default=["linear", "tanh"])
-  p.add_argument(
-    "--mem-gib",
-    type=float,
-    default=None,
-    help="memory the variants may hold at once (default 10 GiB on CPU, "
-    "half the device memory on accelerators)",
-  )
+  add_memory_arg(p, 10)
   p.add_argument("--no-torch", action="store_true")
   p.add_argument(
     "--profile",
@@ -278,14 +193,6 @@ def main(argv: list[str] | None = None) -> None:
     "ids, each --losses) instead of the comparison",
   )
   args = parse(p, argv, quick=dict(rows=[5_000], ids=256, rounds=3))
-  mem = args.mem_gib
-  if mem is None:
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if dev.platform != "cpu" else None
-    limit = (stats or {}).get("bytes_limit")
-    mem_bytes = 0.5 * limit if limit else 10 * 2**30
-  else:
-    mem_bytes = mem * 2**30
   if args.profile:
     for loss in args.losses:
       print(f"\n{args.rows[0]:,} x {args.dim}, {args.ids} ids, {loss} loss")
@@ -294,50 +201,36 @@ def main(argv: list[str] | None = None) -> None:
       )[:30]:
         print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
     return
-  with_torch = not args.no_torch and available("torch")
-  sched = Schedule.from_args(args)
+  torch = not args.no_torch and available("torch")
+  sched, mem = Schedule.from_args(args), memory_budget(args)
   bandwidth = warm_copy_bandwidth()
   results = []
   for rows in args.rows:
     for dist in args.dists:
       for loss in args.losses:
+        linear = loss == "linear"
         res = run_config(
-          rows,
-          args.dim,
-          args.ids,
-          dist,
-          loss == "linear",
-          sched,
-          mem_bytes,
-          bandwidth,
-          with_torch,
+          rows, args.dim, args.ids, dist, linear, sched, mem, bandwidth, torch
         )
-        results.append(
-          _row(rows, args.dim, args.ids, dist, loss == "linear", res)
-        )
+        results.append(_row(rows, args.dim, args.ids, dist, linear, res))
         print(results[-1], flush=True)
   caution = oversubscribed(
     "so every figure is inflated (compare with a quiet run) and torch's "
     "worker threads suffer more from it than XLA's: the torch / gtx ratio "
     "here overstates the quiet-machine ratio."
   )
-  headline = []
-  for r in results:
-    if isinstance(r[9], float):
-      headline.append(
-        {
-          "metric": f"train step speed-up vs torch SparseAdam ({r[0]}, "
-          f"{r[1]}, {r[2]})",
-          "value": round(r[9], 2),
-          "target": ">= 2x at 1M x 64, uniform",
-        }
-      )
-  headline.append(
-    {
-      "metric": "optimizer part / bandwidth floor (worst)",
-      "value": round(max(r[13] for r in results), 2),
-      "target": "<= 8x",
-    }
+  heads = [
+    headline(
+      f"train step speed-up vs torch SparseAdam ({r[0]}, {r[1]}, {r[2]})",
+      round(r[9], 2),
+      ">= 2x at 1M x 64, uniform",
+    )
+    for r in results
+    if isinstance(r[9], float)
+  ]
+  worst = round(max(r[13] for r in results), 2)
+  heads.append(
+    headline("optimizer part / bandwidth floor (worst)", worst, "<= 8x")
   )
   write_results(
     "train_step",
@@ -359,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
       "read + write counted). Table copies = `copy` instructions producing a"
       f" table-shaped value in the compiled step.{caution}"
     ),
-    extra={"headline": headline, "warm_copy_bandwidth": bandwidth},
+    extra={"headline": heads, "warm_copy_bandwidth": bandwidth},
   )
 
 

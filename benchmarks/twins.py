@@ -5,8 +5,8 @@ For ``benchmarks.recsys``: :func:`dlrm_torch` (one ``nn.Embedding`` a
 table), :func:`dlrm_fbgemm` (one table-batched module for all tables) and
 :func:`random_rows_floor`; for ``benchmarks.stacks``: :func:`torch_runner`,
 :func:`fbgemm_runner` (one-hot features or weighted bags) and
-:func:`floor_runner`; :func:`torch_sparse_adam`, the one-table step of
-``benchmarks.train_step`` and ``benchmarks.low_precision``. torch is
+:func:`floor_runner`; :func:`torch_table`, the one-table step of
+``benchmarks.train_step``, ``optimizers`` and ``low_precision``. torch is
 imported inside functions: this module imports where torch does not.
 """
 
@@ -53,14 +53,18 @@ def torch_logit(d: dict[str, Any], x: Any) -> Any:
   return h @ d["w2"] + d["b2"]
 
 
-def torch_sparse_adam(table_np, ids_np, ct_np, linear):
+def torch_table(name, data, *, linear=False, lr=1e-3):
+  """torch's twin of ``models.one_table_step``: ``nn.Embedding(sparse=True)``
+  with ``torch.optim.<name>`` (``SparseAdam``, ``Adagrad`` or ``SGD``) on
+  ``data`` (a ``models.OneTable``): ``(run(i), objects, state bytes per
+  row)``, its first step run (torch makes its state on it)."""
   torch = import_torch()
-  emb = torch.nn.Embedding(*table_np.shape, sparse=True)
+  emb = torch.nn.Embedding(*data.table.shape, sparse=True)
   with torch.no_grad():
-    emb.weight.copy_(torch.from_numpy(table_np))
-  opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
-  ids = [torch.from_numpy(i.astype(np.int64)) for i in ids_np]
-  ct = torch.from_numpy(ct_np)
+    emb.weight.copy_(torch.from_numpy(data.table))
+  opt = getattr(torch.optim, name)(emb.parameters(), lr=lr)
+  ids = [torch.from_numpy(i.astype(np.int64)) for i in data.ids_np]
+  ct = torch.from_numpy(data.ct_np)
 
   def run(i):
     opt.zero_grad(set_to_none=True)
@@ -69,10 +73,12 @@ def torch_sparse_adam(table_np, ids_np, ct_np, linear):
     loss.backward()
     opt.step()
     loss.item()
-    if i == 0:  # SparseAdam makes its state on step 1
-      torch_huge_pages([emb.weight, *torch_state([opt])])
 
-  return run, (emb, opt)
+  run(0)
+  states = torch_state([opt])
+  torch_huge_pages([emb.weight, *states])
+  nbytes = sum(t.numel() * t.element_size() for t in states if t.dim() >= 1)
+  return run, (emb, opt), nbytes / data.table.shape[0]
 
 
 def _torch_optimizers(name: str, tables: list, dense: list) -> list:
