@@ -5,7 +5,6 @@ from gradtx._accumulate import AccumulateState as AccumulateState
 from gradtx._accumulate import accumulate as accumulate
 from gradtx._autodiff import LeafSparsity as LeafSparsity
 from gradtx._autodiff import SparsityReport as SparsityReport
-from gradtx._autodiff import lookup as lookup
 from gradtx._autodiff import sparse_grad as sparse_grad
 from gradtx._autodiff import sparse_labels as sparse_labels
 from gradtx._autodiff import sparse_value_and_grad as sparse_value_and_grad
@@ -23,6 +22,7 @@ from gradtx._lazy_adam import ScaleByLazyAdamState as ScaleByLazyAdamState
 from gradtx._lazy_adam import lazy_adam as lazy_adam
 from gradtx._lazy_adam import lazy_adamw as lazy_adamw
 from gradtx._lazy_adam import scale_by_lazy_adam as scale_by_lazy_adam
+from gradtx._lookup import lookup as lookup
 from gradtx._memory import bytes_per_row as bytes_per_row
 from gradtx._memory import reuse_host_memory as reuse_host_memory
 from gradtx._memory import use_huge_pages as use_huge_pages

@@ -17,7 +17,8 @@ faults every page of it in again, zeroed: about 5,400 page faults for one
 ``[86016, 64]`` float32 buffer. :func:`reuse_host_memory` keeps freed
 memory in the process instead; gradtx applies it when it is imported where
 JAX runs on the CPU (it must come before JAX starts its CPU threads), and
-``GRADTX_REUSE_HOST_MEMORY=0`` opts out.
+``GRADTX_REUSE_HOST_MEMORY=0`` opts out. :func:`format_bytes` writes the
+byte counts that gradtx prints (plans, sparsity reports).
 """
 
 from __future__ import annotations
@@ -285,3 +286,12 @@ def bytes_per_row(tx: Any, params: Any) -> dict[str, float]:
         total += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s))
     out[jax.tree_util.keystr(path)] = total / rows
   return out
+
+
+def format_bytes(n: float) -> str:
+  """``n`` bytes for people: ``"512 B"``, ``"46.9 KiB"``, ``"1.5 GiB"``."""
+  for unit in ("B", "KiB", "MiB"):
+    if abs(n) < 1024:
+      return f"{int(n)} B" if unit == "B" else f"{n:,.1f} {unit}"
+    n /= 1024
+  return f"{n:,.1f} GiB"

@@ -26,7 +26,8 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from gradtx import _rows
-from gradtx._autodiff import DENSE_READS_PER_ROW, format_bytes
+from gradtx._lookup import DENSE_READS_PER_ROW
+from gradtx._memory import format_bytes
 from gradtx._sharded import spread_row
 from gradtx._static import is_int
 from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout

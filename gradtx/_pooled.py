@@ -26,8 +26,8 @@ from jax.experimental import checkify
 from jax.typing import ArrayLike
 
 from gradtx import _platform
-from gradtx._autodiff import host_check, lookup
 from gradtx._ids import HostWords, Words, host_words, raw_words, split_on_host
+from gradtx._lookup import host_check, lookup
 from gradtx._sharded import split_like, unsplit
 from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 from gradtx._static import is_int

@@ -46,7 +46,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
-from gradtx._autodiff import DENSE_READS_PER_ROW
+from gradtx._lookup import DENSE_READS_PER_ROW
 
 D = 3
 LONG = int(os.environ.get("GRADTX_FUZZ_EXAMPLES", "0"))

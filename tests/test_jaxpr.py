@@ -934,7 +934,7 @@ def test_a_table_read_many_times_per_row_gets_every_row_once_and_says_why():
 
 def test_the_threshold_is_reads_per_row():
   # just below and at DENSE_READS_PER_ROW reads per row
-  from gradtx._autodiff import DENSE_READS_PER_ROW
+  from gradtx._lookup import DENSE_READS_PER_ROW
 
   rows = 8
   for reads, sparse in (

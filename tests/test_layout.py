@@ -300,3 +300,29 @@ def test_the_module_map_gives_each_module_one_job():
       f"alone in docs/contributing.md's module map; the jobs naming it: "
       f"{ {m: jobs[m] for m in holders} }"
     )
+
+
+# The table stack family (issue 62): a one-way wing over the rest of the
+# package, which reads nothing of the sparse-gradient machinery for a
+# constant or a formatter.
+WING = (
+  "_ids",
+  "_plan",
+  "_pooled",
+  "_stack",
+  "_publish",
+  "_vocab",
+  "_fresh_rows",
+  "_open_vocab",
+)
+
+
+def test_no_module_of_the_wing_imports_autodiff():
+  assert all(m in MODULES for m in WING), sorted(set(WING) - set(MODULES))
+  bad = [
+    use for use in USES if use.module in WING and use.target == "_autodiff"
+  ]
+  assert not bad, (
+    "the table stack family imports gradtx/_autodiff.py (move what it needs "
+    "down to a module both can import): " + "; ".join(map(repr, bad))
+  )
