@@ -31,6 +31,7 @@ its state row-sharded, dense params mirrored), and writes
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from benchmarks._common import fake_cpu_devices
@@ -48,7 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
 from benchmarks._common import hlo_collectives, memory, parse, parser  # noqa: E402
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import columns, headline, write_results  # noqa: E402
 from benchmarks._timing import time_fn, time_interleaved  # noqa: E402
 
 SEQ = 8  # ids per example
@@ -154,42 +155,48 @@ def read_methods(mesh, rows, dim, n, rounds):
   return out
 
 
-def run_step(mesh, rows, dim, n, spec, rounds):
-  step, compiled = compile_step(mesh, rows, dim, n, spec)
+def _data(rows, dim, n):
+  """The params (numpy) and 4 batches of a step's timing."""
   rng = np.random.RandomState(0)
   params = {
-    "emb": jax.device_put(
-      rng.normal(0, 0.01, size=(rows, dim)).astype(np.float32),
-      NamedSharding(mesh, P(*spec)),
-    ),
-    "w": jax.device_put(
-      rng.normal(size=(dim,)).astype(np.float32), NamedSharding(mesh, P())
-    ),
+    "emb": rng.normal(0, 0.01, size=(rows, dim)).astype(np.float32),
+    "w": rng.normal(size=(dim,)).astype(np.float32),
   }
-  with jax.set_mesh(mesh):
-    state = jax.jit(TX.init)(params)
   batches = [
-    jax.device_put(
-      {
-        "ids": rng.randint(0, rows, size=(n // SEQ, SEQ)).astype(np.int32),
-        "labels": rng.choice([-1.0, 1.0], size=n // SEQ).astype(np.float32),
-      },
-      NamedSharding(mesh, P("d")),
-    )
+    {
+      "ids": rng.randint(0, rows, size=(n // SEQ, SEQ)).astype(np.int32),
+      "labels": rng.choice([-1.0, 1.0], size=n // SEQ).astype(np.float32),
+    }
     for _ in range(4)
   ]
+  return params, batches
+
+
+def _time(step, params, state, batches, rounds, label, mesh=None):
+  """Median seconds of ``step`` on its donated params and state."""
   box = {"p": params, "s": state, "i": 0}
 
   def one():
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
       box["p"], box["s"], loss = step(box["p"], box["s"], batches[box["i"] % 4])
     box["i"] += 1
     loss.block_until_ready()
 
-  sec = time_fn(
-    one, repeats=rounds, label=f"{rows:,} rows, {spec or 'replicated'}"
-  )
-  return sec
+  return time_fn(one, repeats=rounds, label=label)
+
+
+def run_step(mesh, rows, dim, n, spec, rounds):
+  step, _ = compile_step(mesh, rows, dim, n, spec)
+  params, batches = _data(rows, dim, n)
+  params = {
+    "emb": jax.device_put(params["emb"], NamedSharding(mesh, P(*spec))),
+    "w": jax.device_put(params["w"], NamedSharding(mesh, P())),
+  }
+  with jax.set_mesh(mesh):
+    state = jax.jit(TX.init)(params)
+  batches = jax.device_put(batches, NamedSharding(mesh, P("d")))
+  label = f"{rows:,} rows, {spec or 'replicated'}"
+  return _time(step, params, state, batches, rounds, label, mesh)
 
 
 def mirrored_step(rows, dim, n, hybrid):
@@ -227,30 +234,34 @@ def mirrored_step(rows, dim, n, hybrid):
 
 
 def run_mirrored(m, tx, step, rows, dim, n, rounds):
-  rng = np.random.RandomState(0)
-  params = m.place(
-    {
-      "emb": rng.normal(0, 0.01, size=(rows, dim)).astype(np.float32),
-      "w": rng.normal(size=(dim,)).astype(np.float32),
-    }
-  )
-  box = {"p": params, "s": m.init_state(tx, params), "i": 0}
-  batches = [
-    m.shard_batch(
-      {
-        "ids": rng.randint(0, rows, size=(n // SEQ, SEQ)).astype(np.int32),
-        "labels": rng.choice([-1.0, 1.0], size=n // SEQ).astype(np.float32),
-      }
-    )
-    for _ in range(4)
+  params, batches = _data(rows, dim, n)
+  params = m.place(params)
+  batches = [m.shard_batch(b) for b in batches]
+  state, label = m.init_state(tx, params), f"Mirrored step, {rows:,} rows"
+  return _time(step, params, state, batches, rounds, label)
+
+
+def _row(name, rows, args, compiled, copies, run) -> list:
+  """A table row: collective bytes, memory per device, and the step's ms
+  where table + m + v on ``copies`` devices fit ``--max-state-gib``."""
+  mem = memory(compiled)
+  fits = 3 * rows * args.dim * 4 * copies / 2**30 <= args.max_state_gib
+  return [
+    name,
+    rows,
+    args.ids,
+    collective_bytes(compiled.as_text()),
+    round((mem["argument"] + mem["temp"]) / 2**20, 1),
+    round(mem["temp"] / 2**20, 2),
+    round(run() * 1e3, 2) if fits else "not run (memory)",
   ]
 
-  def one():
-    box["p"], box["s"], loss = step(box["p"], box["s"], batches[box["i"] % 4])
-    box["i"] += 1
-    loss.block_until_ready()
 
-  return time_fn(one, repeats=rounds, label=f"Mirrored step, {rows:,} rows")
+def headers(first: str) -> list[str]:
+  return columns(
+    f"{first} | rows | ids/step | collective bytes/step | memory MiB/device "
+    "| temp MiB/device | step ms"
+  )
 
 
 def main_mirrored(args):
@@ -259,23 +270,12 @@ def main_mirrored(args):
   for rows in args.rows:
     for name, hybrid in (("Mirrored", False), ("Mirrored(shard_rows)", True)):
       m, tx, step, compiled = mirrored_step(rows, args.dim, args.ids, hybrid)
-      mem = memory(compiled)
+
+      def run(m=m, tx=tx, step=step, rows=rows):
+        return run_mirrored(m, tx, step, rows, args.dim, args.ids, args.rounds)
+
       copies = 1 if hybrid else DEVICES
-      state_gib = 3 * rows * args.dim * 4 * copies / 2**30
-      sec = None
-      if state_gib <= args.max_state_gib:
-        sec = run_mirrored(m, tx, step, rows, args.dim, args.ids, args.rounds)
-      out.append(
-        [
-          name,
-          rows,
-          args.ids,
-          collective_bytes(compiled.as_text()),
-          round((mem["argument"] + mem["temp"]) / 2**20, 1),
-          round(mem["temp"] / 2**20, 2),
-          "not run (memory)" if sec is None else round(sec * 1e3, 2),
-        ]
-      )
+      out.append(_row(name, rows, args, compiled, copies, run))
   notes = (
     f"gtx.Mirrored over {DEVICES} fake CPU devices; table [rows, "
     f"{args.dim}] float32, all_reduce + lazy_adam, {args.ids} ids per step "
@@ -291,15 +291,7 @@ def main_mirrored(args):
   write_results(
     "sharded_mirrored",
     "Mirrored: replicated vs row-sharded tables (8 devices)",
-    [
-      "step",
-      "rows",
-      "ids/step",
-      "collective bytes/step",
-      "memory MiB/device",
-      "temp MiB/device",
-      "step ms",
-    ],
+    headers("step"),
     out,
     notes=notes,
   )
@@ -318,45 +310,30 @@ def main(argv=None):
     main_mirrored(args)
     return
   mesh = jax.make_mesh((DEVICES,), ("d",), axis_types=(AxisType.Explicit,))
-  rows_out, headline = [], []
+  rows_out = []
   for rows in args.rows:
     for name, spec in (("replicated", ()), ("row-sharded", ("d", None))):
       _, compiled = compile_step(mesh, rows, args.dim, args.ids, spec)
-      mem = memory(compiled)
-      comm = collective_bytes(compiled.as_text())
-      # Table + m + v, on every device when replicated.
-      copies = DEVICES if name == "replicated" else 1
-      state_gib = 3 * rows * args.dim * 4 * copies / 2**30
-      sec = (
-        run_step(mesh, rows, args.dim, args.ids, spec, args.rounds)
-        if state_gib <= args.max_state_gib
-        else None
-      )
-      rows_out.append(
-        [
-          name,
-          rows,
-          args.ids,
-          comm,
-          round((mem["argument"] + mem["temp"]) / 2**20, 1),
-          round(mem["temp"] / 2**20, 2),
-          "not run (memory)" if sec is None else round(sec * 1e3, 2),
-        ]
-      )
+
+      def run(rows=rows, spec=spec):
+        return run_step(mesh, rows, args.dim, args.ids, spec, args.rounds)
+
+      copies = DEVICES if name == "replicated" else 1  # table + m + v
+      rows_out.append(_row(name, rows, args, compiled, copies, run))
   reads = read_methods(mesh, args.rows[0], args.dim, args.ids, args.rounds)
   by = {(r[0], r[1]): r for r in rows_out}
   big, small = args.rows[-1], args.rows[0]
-  headline = [
-    {
-      "metric": f"row-sharded collective bytes/step, {big} vs {small} rows",
-      "value": f"{by['row-sharded', big][3]} vs {by['row-sharded', small][3]}",
-      "target": "equal (does not grow with the table)",
-    },
-    {
-      "metric": f"per-device memory row-sharded / replicated at {big} rows",
-      "value": round(by["row-sharded", big][4] / by["replicated", big][4], 3),
-      "target": "about 1/8",
-    },
+  heads = [
+    headline(
+      f"row-sharded collective bytes/step, {big} vs {small} rows",
+      f"{by['row-sharded', big][3]} vs {by['row-sharded', small][3]}",
+      "equal (does not grow with the table)",
+    ),
+    headline(
+      f"per-device memory row-sharded / replicated at {big} rows",
+      round(by["row-sharded", big][4] / by["replicated", big][4], 3),
+      "about 1/8",
+    ),
   ]
   notes = (
     f"Explicit mesh of {DEVICES} fake CPU devices; table [rows, {args.dim}] "
@@ -374,18 +351,10 @@ def main(argv=None):
   write_results(
     "sharded",
     "Row-sharded vs replicated tables (8 devices)",
-    [
-      "table",
-      "rows",
-      "ids/step",
-      "collective bytes/step",
-      "memory MiB/device",
-      "temp MiB/device",
-      "step ms",
-    ],
+    headers("table"),
     rows_out,
     notes=notes,
-    extra={"headline": headline, "reads": reads},
+    extra={"headline": heads, "reads": reads},
   )
 
 

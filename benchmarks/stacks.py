@@ -63,6 +63,7 @@ from benchmarks._common import (
   parser,
 )
 from benchmarks._results import (
+  columns,
   figure,
   markdown_table,
   result_path,
@@ -85,22 +86,6 @@ from benchmarks.models import (
 from benchmarks.twins import fbgemm_runner, floor_runner, torch_runner
 
 SEED = 0
-
-
-# ----------------------------------------------------------------------------
-# data
-
-
-# ----------------------------------------------------------------------------
-# gtx
-
-
-# ----------------------------------------------------------------------------
-# torch
-
-
-# ----------------------------------------------------------------------------
-# the step table
 
 
 def optimizer_runner(loss, tx, params, batches, labels):
@@ -140,42 +125,45 @@ def _unique_ids(flat, rows):
   ]
 
 
+def _model(model, dist, args):
+  """``(stack, names, per-table loss, stack loss, feeds, labels, the
+  twins' feed, ids per step and table, rows per table)`` of one model."""
+  if model == "criteo":
+    crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
+    batches, labels = criteo_data(crows, args.batch, args.steps, dist)
+    stack, names, ptl, stl = criteo_models(crows, args.dim, args.batch)
+    flat = [[b[n] for n in names] for b in batches]
+    feeds = {"per-table": batches, "stack": batches}
+    return stack, names, ptl, stl, feeds, labels, batches, flat, crows
+  n, rows, batch = args.bag_tables, args.bag_rows, args.bag_batch
+  raw, labels, cap = bag_data(n, rows, batch, args.steps, dist)
+  stack, names, ptl, stl = bag_models(n, rows, args.dim, batch)
+  seg = {}
+  for b in raw:
+    for name, (_, lengths, _, _) in b.items():
+      s = np.repeat(np.arange(len(lengths)), lengths)
+      full = np.full(cap, batch - 1, np.int32)
+      full[: len(s)] = s
+      seg.setdefault(name, []).append(full)
+  feeds = {
+    "per-table": [
+      {n: (b[n][0], seg[n][k], b[n][2]) for n in names}
+      for k, b in enumerate(raw)
+    ],
+    "stack": [{n: gtx.Jagged(*b[n][:3]) for n in names} for b in raw],
+  }
+  flat = [[b[n][0][: b[n][3]] for n in names] for b in raw]
+  return stack, names, ptl, stl, feeds, labels, raw, flat, [rows] * n
+
+
 def step_rows(args, torch) -> list[dict]:
   out = []
   rng = np.random.default_rng(SEED + 2)
-  crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
   for model in ("criteo", "bags"):
     for dist in args.dists:
-      if model == "criteo":
-        batches, labels = criteo_data(crows, args.batch, args.steps, dist)
-        stack, names, ptl, stl = criteo_models(crows, args.dim, args.batch)
-        feeds = {"per-table": batches, "stack": batches}
-        flat = [[b[n] for n in names] for b in batches]
-        rows_np = crows
-      else:
-        raw, labels, cap = bag_data(
-          args.bag_tables, args.bag_rows, args.bag_batch, args.steps, dist
-        )
-        stack, names, ptl, stl = bag_models(
-          args.bag_tables, args.bag_rows, args.dim, args.bag_batch
-        )
-        seg = {}
-        for b in raw:
-          for n, (_, lengths, _, _) in b.items():
-            s = np.repeat(np.arange(len(lengths)), lengths)
-            full = np.full(cap, args.bag_batch - 1, np.int32)
-            full[: len(s)] = s
-            seg.setdefault(n, []).append(full)
-        per_table_feed = [
-          {n: (b[n][0], seg[n][k], b[n][2]) for n in names}
-          for k, b in enumerate(raw)
-        ]
-        stack_feed = [
-          {n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names} for b in raw
-        ]
-        feeds = {"per-table": per_table_feed, "stack": stack_feed}
-        flat = [[b[n][0][: b[n][3]] for n in names] for b in raw]
-        rows_np = [args.bag_rows] * args.bag_tables
+      stack, names, ptl, stl, feeds, labels, twin_feed, flat, rows_np = _model(
+        model, dist, args
+      )
       tables_np = [
         (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
         for r in rows_np
@@ -190,66 +178,40 @@ def step_rows(args, torch) -> list[dict]:
         hp_np = head_params(
           len(names), args.dim, head, HIDDEN, np.random.default_rng(SEED + 4)
         )
-        fns: dict[str, Callable[[], Any]] = {}
-        per_table = {
-          n: jnp.asarray(t) for n, t in zip(names, tables_np, strict=True)
-        }
+        per_table = dict(zip(names, map(jnp.asarray, tables_np), strict=True))
         per_table["head"] = jax.tree.map(jnp.asarray, hp_np)
-        tx = make()
-        fns["gtx per-table"] = loop_runner(
-          whole_step(ptl, tx), per_table, tx, feeds["per-table"], labels
-        )
-
         stack_np = stack.stack(dict(zip(names, tables_np, strict=True)))
         stack_np = {"emb": jax.tree.map(np.asarray, stack_np), "head": hp_np}
 
         def stacked(stack_np=stack_np):
           return jax.tree.map(jnp.asarray, stack_np)
 
-        tx = make()
-        fns["gtx stack"] = loop_runner(
-          whole_step(stl, tx), stacked(), tx, feeds["stack"], labels
-        )
+        fns: dict[str, Callable[[], Any]] = {}
+        for name, loss, params, feed in [
+          ("gtx per-table", ptl, per_table, feeds["per-table"]),
+          ("gtx stack", stl, stacked(), feeds["stack"]),
+        ]:
+          tx = make()
+          fns[name] = loop_runner(
+            whole_step(loss, tx), params, tx, feed, labels
+          )
+        twin = (tables_np, hp_np), (lr, twin_feed, labels, model == "bags")
         if torch is not None:
-          fns["torch"] = torch_runner(
-            torch,
-            tables_np,
-            hp_np,
-            torch_name,
-            lr,
-            raw if model == "bags" else batches,
-            labels,
-            model == "bags",
-          )
+          fns["torch"] = torch_runner(torch, *twin[0], torch_name, *twin[1])
         if torch is not None and fb_optim and fbgemm():
-          fns["fbgemm"] = fbgemm_runner(
-            torch,
-            tables_np,
-            hp_np,
-            fb_optim,
-            lr,
-            raw if model == "bags" else batches,
-            labels,
-            model == "bags",
-          )
-        tx = make()
+          fns["fbgemm"] = fbgemm_runner(torch, *twin[0], fb_optim, *twin[1])
         fns["gtx stack optimizer"] = optimizer_runner(
-          stl, tx, stacked(), feeds["stack"], labels
+          stl, make(), stacked(), feeds["stack"], labels
         )
         fns["floor"] = floor_runner(torch, sum(rows_np), args.dim, opt, unique)
         t = Schedule.from_args(args).time(
           fns, label=f"{model}, {head}, {dist}, {opt}"
         )
-        row = {
-          "model": model,
-          "head": head,
-          "dist": dist,
-          "optimizer": opt,
-          "unique_rows": uniq,
-          **{k: v * 1e3 for k, v in t.items()},
-        }
-        out.append(row)
-        print(row, flush=True)
+        row = dict(model=model, head=head, dist=dist, optimizer=opt)
+        out.append(
+          {**row, "unique_rows": uniq, **{k: v * 1e3 for k, v in t.items()}}
+        )
+        print(out[-1], flush=True)
   return out
 
 
@@ -447,53 +409,40 @@ def main(argv: list[str] | None = None) -> None:
     ]
   )
   systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
-  headers = ["model", "head", "ids", "optimizer", "unique rows"]
-  headers += [f"{s} ms" for s in systems]
-  headers += ["stack / per-table speed", "stack / torch speed"]
-  headers += ["stack / fbgemm speed"]
-  headers += ["stack optimizer ms", "floor ms", "optimizer / floor"]
+  headers = columns(
+    "model | head | ids | optimizer | unique rows | "
+    + " | ".join(f"{s} ms" for s in systems)
+    + " | stack / per-table speed | stack / torch speed | stack / fbgemm "
+    "speed | stack optimizer ms | floor ms | optimizer / floor"
+  )
   rows = []
   for r in steps:
-    torch_ms, fb_ms = r.get("torch"), r.get("fbgemm")
+    stack_ms, opt_ms = r["gtx stack"], r["gtx stack optimizer"]
+    speed = [r.get(s) for s in ("gtx per-table", "torch", "fbgemm")]
     rows.append(
-      [
-        r["model"],
-        r["head"],
-        r["dist"],
-        r["optimizer"],
-        f"{r['unique_rows']:,.0f}",
-        *[f"{r[s]:.2f}" if s in r else "n/a" for s in systems],
-        f"{r['gtx per-table'] / r['gtx stack']:.2f}x",
-        f"{torch_ms / r['gtx stack']:.2f}x" if torch_ms else "n/a",
-        f"{fb_ms / r['gtx stack']:.2f}x" if fb_ms else "n/a",
-        f"{r['gtx stack optimizer']:.2f}",
-        f"{r['floor']:.2f}",
-        f"{r['gtx stack optimizer'] / r['floor']:.2f}x",
-      ]
+      [r["model"], r["head"], r["dist"], r["optimizer"]]
+      + [f"{r['unique_rows']:,.0f}"]
+      + [f"{r[s]:.2f}" if s in r else "n/a" for s in systems]
+      + [f"{ms / stack_ms:.2f}x" if ms else "n/a" for ms in speed]
+      + [f"{opt_ms:.2f}", f"{r['floor']:.2f}", f"{opt_ms / r['floor']:.2f}x"]
     )
-  ch = ["features", "optimizer", "variant", "trace s", "lower s"]
-  ch += ["compile s", "total s", "kernels", "scatter", "gather", "while"]
-  crow = []
-  for pnt in points:
-    for v in ("per-table", "stack"):
-      if v not in pnt:
-        continue
-      c = pnt[v]
-      crow.append(
-        [
-          pnt["features"],
-          pnt["optimizer"],
-          v,
-          f"{c['trace_s']:.2f}",
-          f"{c['lower_s']:.2f}",
-          f"{c['compile_s']:.2f}",
-          f"{c['total_s']:.2f}",
-          c["kernels"],
-          c["scatter"],
-          c["gather"],
-          c["while"],
-        ]
-      )
+  ch = columns(
+    "features | optimizer | variant | trace s | lower s | compile s | "
+    "total s | kernels | scatter | gather | while"
+  )
+  crow = [
+    [pnt["features"], pnt["optimizer"], v]
+    + [f"{pnt[v][f'{k}_s']:.2f}" for k in ("trace", "lower", "compile")]
+    + [f"{pnt[v]['total_s']:.2f}"]
+    + [pnt[v][k] for k in ("kernels", "scatter", "gather", "while")]
+    for pnt in points
+    for v in ("per-table", "stack")
+    if v in pnt
+  ]
+  balance_rows = [
+    [b["dist"], b["placement"], f"{b['ids']:.2f}", f"{b['unique rows']:.2f}"]
+    for b in balance
+  ]
   notes = (
     "Whole training step, loss returned, params and state donated, fresh "
     "ids every step; the stacks made as the recommenders guide makes "
@@ -527,21 +476,11 @@ def main(argv: list[str] | None = None) -> None:
     "into 8 blocks; zipf (rank ids): the hot rows are the low ids "
     "(vocabularies sorted by frequency).\n\n"
     + markdown_table(
-      [
-        "ids",
-        "placement",
-        "ids per device, max / mean",
-        "unique rows per device, max / mean",
-      ],
-      [
-        [
-          b["dist"],
-          b["placement"],
-          f"{b['ids']:.2f}",
-          f"{b['unique rows']:.2f}",
-        ]
-        for b in balance
-      ],
+      columns(
+        "ids | placement | ids per device, max / mean | unique rows per "
+        "device, max / mean"
+      ),
+      balance_rows,
     )
   )
   _plot(steps, points)
