@@ -14,6 +14,10 @@ from gradtx._custom import row_transformation as row_transformation
 from gradtx._fresh_rows import FreshRows as FreshRows
 from gradtx._fresh_rows import reset_rows as reset_rows
 from gradtx._ids import Words as Words
+from gradtx._inputs import Jagged as Jagged
+from gradtx._inputs import Keyed as Keyed
+from gradtx._inputs import KeyedJagged as KeyedJagged
+from gradtx._inputs import pad_batch as pad_batch
 from gradtx._jaxpr import SparsityWarning as SparsityWarning
 from gradtx._lazy_adam import (
   ScaleByLazyAdamCatchUpState as ScaleByLazyAdamCatchUpState,
@@ -54,10 +58,6 @@ from gradtx._partial_rowwise_adam import (
 from gradtx._plan import StackPlan as StackPlan
 from gradtx._plan import StackSpec as StackSpec
 from gradtx._plan import TableSpec as TableSpec
-from gradtx._pooled import Jagged as Jagged
-from gradtx._pooled import Keyed as Keyed
-from gradtx._pooled import KeyedJagged as KeyedJagged
-from gradtx._pooled import pad_batch as pad_batch
 from gradtx._precision import QuantizedRows as QuantizedRows
 from gradtx._precision import stochastic_round as stochastic_round
 from gradtx._publish import Delta as Delta

@@ -5,7 +5,8 @@
 (:func:`host_words`), padding kept, so a compiled program can take numpy
 64-bit ids split before it runs; :func:`split_on_host` says which ids must
 be; :func:`raw_words` turns any raw ids (Words, host words, numpy or JAX
-integers) into the ``(hi, lo, padding)`` the id map reads.
+integers) into the ``(hi, lo, padding)`` the id map reads; :func:`row_ids`
+narrows ids or words to the int32 row ids a read takes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from gradtx._sparse_rows import MAX_ROWS, narrow_ids
 
 _U32 = np.uint32
 
@@ -146,3 +149,17 @@ def raw_words(x: Any, what: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     hi = jnp.where(wide < 0, _U32(0xFFFFFFFF), _U32(0))
     return hi, lo, wide < 0
   return jnp.zeros_like(lo), lo, jnp.zeros(lo.shape, bool)
+
+
+def row_ids(x: Any, what: str) -> jax.Array:
+  """Row ids as int32: integer ids by :func:`narrow_ids` (an id no int32
+  holds is out of range), or words (a keyed input's 64-bit ids,
+  :class:`Words` or :class:`HostWords`): a negative id of a signed type is
+  -1 (padding), an id past int32 ``MAX_ROWS`` (out of every table's
+  range). ``what`` names the ids in errors."""
+  if not isinstance(x, (Words, HostWords)):
+    return narrow_ids(x, MAX_ROWS, what)
+  hi, lo, pad = raw_words(x, what)
+  fits = (hi == 0) & (lo <= np.uint32(MAX_ROWS))
+  rows = jnp.where(fits, lax.bitcast_convert_type(lo, jnp.int32), MAX_ROWS)
+  return jnp.where(pad, -1, rows)

@@ -27,8 +27,16 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from gradtx import _ids, _vocab
+from gradtx import _vocab
 from gradtx._fresh_rows import FreshRows
+from gradtx._inputs import (
+  Keyed,
+  KeyedJagged,
+  host_ready,
+  keyed_batch,
+  outside_traces,
+  plain_features,
+)
 from gradtx._plan import (
   COMBINERS,
   StackPlan,
@@ -38,13 +46,8 @@ from gradtx._plan import (
   plan_stacks,
 )
 from gradtx._pooled import (
-  Keyed,
-  KeyedJagged,
   dict_reader,
-  host_ready,
-  keyed_batch,
   keyed_reader,
-  plain_features,
   pool_rows,
   raw_slots,
   split_features,
@@ -57,21 +60,6 @@ __all__ = ["TableStack"]
 
 # lookup's `output`: a dict of features, one array, a gtx.Keyed
 OUTPUTS = ("dict", "concat", "keyed")
-
-
-def _outside_traces(*trees: Any) -> bool:
-  """Whether a call's arrays are all concrete JAX or numpy arrays that
-  ``jax.jit`` takes as they are: no traced value (inside the user's
-  ``jit`` the method's ops join the user's program) and no numpy 64-bit
-  integers while ``jax_enable_x64`` is off (``jit`` would narrow them:
-  :func:`host_ready` makes those of the usual input forms fit first)."""
-  for leaf in jax.tree.leaves(trees):
-    if isinstance(leaf, np.ndarray):
-      if _ids.split_on_host(leaf.dtype):
-        return False
-    elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
-      return False
-  return True
 
 
 def _output(output: Any, concat: Any, keyed: Any) -> str:
@@ -399,7 +387,7 @@ class TableStack:
       raw,
       "admit",
     )
-    if _outside_traces(vocab, given, given_weights):
+    if outside_traces(vocab, given, given_weights):
       run = self._program(
         ("admit", bounds), lambda v, i, w: self._admit(v, i, w, bounds)
       )
@@ -556,7 +544,7 @@ class TableStack:
     log2 buckets ``0, 1, 2-3, 4-7, ...``. Called outside ``jax.jit``, one
     program compiled once per stack."""
     _vocab.check_vocab(vocab, self.maps, "vocab_stats")
-    if _outside_traces(vocab):
+    if outside_traces(vocab):
       return self._program(("vocab_stats",), self._vocab_stats)(vocab)
     return self._vocab_stats(vocab)
 
@@ -662,7 +650,7 @@ class TableStack:
     ids, weights = host_ready(ids, weights, raw, "lookup")
     options = (self._combiners(combiner), output)
     # checked op by op outside jit, so that a bad id raises at once
-    if not bounds_check and _outside_traces(params, ids, weights, vocab):
+    if not bounds_check and outside_traces(params, ids, weights, vocab):
       run = self._program(
         ("lookup", *options),
         lambda p, i, w, v: self._lookup(p, i, w, *options, v),

@@ -258,9 +258,11 @@ def test_no_module_outgrows_one_job():
   )
 
 
-# The jobs of the table stack family (issue 47), each one module's: its line
-# in the map opens with the job, and no other line's job names it.
+# The jobs of the table stack family (issues 47, 62), each one module's: its
+# line in the map opens with the job, and no other line's job names it.
 STACK_JOBS = {
+  "raw id": "_ids",
+  "input form": "_inputs",
   "plan": "_plan",
   "pooled read": "_pooled",
   "id map": "_vocab",
@@ -307,6 +309,7 @@ def test_the_module_map_gives_each_module_one_job():
 # constant or a formatter.
 WING = (
   "_ids",
+  "_inputs",
   "_plan",
   "_pooled",
   "_stack",
