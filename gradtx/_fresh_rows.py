@@ -297,7 +297,9 @@ def fresh_normal(
   shape = (rows.shape[0], blocks)
   r = jnp.broadcast_to(rows.astype(jnp.uint32)[:, None], shape)
   b = jnp.broadcast_to(lax.iota(jnp.uint32, blocks)[None, :], shape)
-  w0, w1 = threefry2x32(step_key, (r, b))
+  # materialized once a pair: fused into the interleave below, each
+  # element would run the cipher for its pair again
+  w0, w1 = lax.optimization_barrier(threefry2x32(step_key, (r, b)))
   bits = jnp.stack([w0, w1], axis=-1).reshape(rows.shape[0], 2 * blocks)
   bits = bits[:, :dim]
   # 23 bits of mantissa: a float in [1, 2), then [0, 1), then (-1, 1)

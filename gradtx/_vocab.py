@@ -290,7 +290,11 @@ def _probe(layout: Layout, tab: np.ndarray, h: jax.Array) -> _Probe:
   off = np.asarray(layout.offsets, np.int32)[tab]
   probes = np.asarray([s.probes for s in layout.settings], np.int32)[tab]
   j = np.arange(layout.probes, dtype=np.uint32)[None]
-  local = ((h % rows)[:, None] + j) % rows[:, None]
+  local = (h % rows)[:, None] + j
+  if min(layout.rows) >= layout.probes:  # wraps at most once: no remainder
+    local = jnp.where(local >= rows[:, None], local - rows[:, None], local)
+  else:
+    local = local % rows[:, None]
   local = local.astype(jnp.int32)
   phys = layout.physical(local + off[:, None])
   return _Probe(local, phys, jnp.asarray(j < probes[:, None]))
