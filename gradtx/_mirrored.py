@@ -119,13 +119,19 @@ def _reduce_sparse(u: SparseRows, axis_name: AxisName, op: str) -> SparseRows:
     # as after it, on 1/replicas of the rows.
     size = lax.axis_size(axis_name)
     values = (values / size).astype(values.dtype)
-  # Under shard_map's type checks (check_vma=True), mark the gathered rows
-  # as the same on every replica, so state updated from them may be returned
-  # replicated. Elsewhere (pmap, vmap, check_vma=False) a plain all-gather.
-  to = "invarying" if _is_varying(u.values, axis_name) else "varying"
-  indices = lax.all_gather(u.indices, axis_name, tiled=True, to=to)
-  values = lax.all_gather(values, axis_name, tiled=True, to=to)
+  indices = gather_replicas(u.indices, axis_name)
+  values = gather_replicas(values, axis_name)
   return SparseRows(indices, values, u.num_rows)
+
+
+def gather_replicas(x: jax.Array, axis_name: AxisName) -> jax.Array:
+  """Every replica's ``x`` concatenated on axis 0, in replica order, the
+  same on every replica. Under shard_map's type checks (check_vma=True)
+  the result is marked as the same on every replica, so state updated
+  from it may be returned replicated; elsewhere (pmap, vmap,
+  check_vma=False) a plain all-gather."""
+  to = "invarying" if _is_varying(x, axis_name) else "varying"
+  return lax.all_gather(x, axis_name, tiled=True, to=to)
 
 
 def _reduce_tree(tree: Any, axis_name: AxisName, op: str, where: str) -> Any:

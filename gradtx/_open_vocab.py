@@ -21,11 +21,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
+from gradtx._accumulate import AccumulateState
 from gradtx._fresh_rows import reset_rows
+from gradtx._mirrored import gather_replicas
+from gradtx._pooled import Jagged, KeyedJagged
 from gradtx._publish import Delta, TrackChangesState, delta
 from gradtx._sparse_rows import SparseRows
 from gradtx._stack import TableStack
+from gradtx._staleness import DropStaleState
 from gradtx._vocab import VocabState
 
 __all__ = ["OpenVocab", "OpenVocabState"]
@@ -104,6 +109,61 @@ def _masked(tree: Any, path: tuple[Any, ...], coarse: bool) -> Any:
   return out
 
 
+def _is_jagged(x: Any) -> bool:
+  return isinstance(x, (Jagged, KeyedJagged))
+
+
+def _gather_batch(tree: Any, axis_name: Any) -> Any:
+  """Every replica's part of a batch of ids or weights, concatenated in
+  replica order (the global batch), the same on every replica."""
+  for x in jax.tree.leaves(tree, is_leaf=_is_jagged):
+    if _is_jagged(x):
+      raise ValueError(
+        "gradtx.OpenVocab.admit with `axis_name`: a gradtx.Jagged or "
+        "gradtx.KeyedJagged feature is packed per replica and cannot be "
+        "joined into the global batch by a gather; give hashed features as "
+        "[B] or [B, L] ids (padding by a weight 0 or a negative id), "
+        "gradtx.Words or a gradtx.Keyed."
+      )
+  return jax.tree.map(
+    lambda x: gather_replicas(jnp.asarray(x), axis_name), tree
+  )
+
+
+def _own_part(tree: Any, axis_name: Any) -> Any:
+  """This replica's part of every leaf of a global batch."""
+  replicas, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+
+  def part(x):
+    size = x.shape[0] // replicas
+    return lax.dynamic_slice_in_dim(x, me * size, size, axis=0)
+
+  return jax.tree.map(part, tree)
+
+
+_WRAPPERS = {AccumulateState: "accumulate", DropStaleState: "drop_stale"}
+
+
+def _check_not_wrapped(state: Any, what: str) -> None:
+  """Refuses an OpenVocab inside ``accumulate`` or ``drop_stale``: a
+  gradient they hold back would reach the OpenVocab's update after later
+  admits, its rows given out meanwhile kept, and their buffers' rows never
+  made fresh."""
+  is_wrapper = lambda x: isinstance(x, tuple(_WRAPPERS))  # noqa: E731
+  for w in jax.tree.leaves(state, is_leaf=is_wrapper):
+    if is_wrapper(w) and any(
+      _is_state(x) for x in jax.tree.leaves(w, is_leaf=_is_state)
+    ):
+      name = _WRAPPERS[type(w)]
+      raise ValueError(
+        f"gradtx.OpenVocab.{what}: the OpenVocab is inside gradtx.{name}, "
+        "which would hand it gradients of ids mapped before later admits "
+        "gave their rows out, and hold rows its admit never makes fresh. "
+        f"Put gradtx.{name} inside the OpenVocab: `gtx.OpenVocab(stack, "
+        f"gtx.{name}(opt, ...), ...)`."
+      )
+
+
 def _shapes(tree: Any) -> tuple[Any, list[tuple[int, ...]]]:
   is_sparse = lambda x: isinstance(x, SparseRows)  # noqa: E731
   return jax.tree.structure(tree, is_leaf=is_sparse), [
@@ -162,7 +222,16 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       (``stack.init_vocab(key)``).
     max_new, max_new_fraction: each hashed table's bound of new ids a
       step, a count or a fraction of its id slots, as
-      ``TableStack.admit`` takes them.
+      ``TableStack.admit`` takes them (of the global batch, with
+      ``axis_name``).
+    axis_name: for a step run on every replica (:class:`gradtx.Mirrored`'s
+      ``axis_name``, or ``jax.shard_map``'s / ``jax.pmap``'s): :meth:`admit`
+      gathers the replicas' raw ids and maps the global batch on every
+      replica, so the maps, the fresh rows and the params stay the same on
+      all of them (equal to one device's step on the global batch), and
+      returns each replica the rows of its own part. Each replica does the
+      map's work of the global batch. Default None: one device, or a step
+      under ``jax.jit`` whose batch is sharded by the compiler.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -190,6 +259,7 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
     key: Any,
     max_new: int | Mapping[str, int] | None = None,
     max_new_fraction: float | Mapping[str, float] | None = None,
+    axis_name: Any = None,
   ) -> OpenVocab:
     if not isinstance(stack, TableStack) or not stack.maps:
       raise TypeError(
@@ -203,6 +273,15 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
         f"init and update); got {type(tx).__name__}."
       )
     path = _path(at)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not all(
+      isinstance(n, str) and n for n in names
+    ):
+      raise TypeError(
+        "gradtx.OpenVocab `axis_name` must be None or the replica axis name "
+        "of the step (a str, `gtx.Mirrored().axis_name`, or a tuple of "
+        f"them); got {axis_name!r}."
+      )
     inner = optax.with_extra_args_support(tx)
 
     def init_fn(params):
@@ -249,6 +328,7 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
     self.at = at
     self.max_new = max_new
     self.max_new_fraction = max_new_fraction
+    self.axis_name = axis_name
     self._inner = inner
     self._path = path
     return self
@@ -264,6 +344,7 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
         f"OpenVocab's state, or a state enclosing it); it holds {len(at)}."
       )
     (i,) = at
+    _check_not_wrapped(state, what)
     rest = treedef.unflatten(leaves[:i] + [None] + leaves[i + 1 :])
     self._check_outside(rest, what)
 
@@ -341,6 +422,9 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       )
     seen = self._inner_params(params, own.inner_state)
     mapped = {k: v.step for k, v in own.vocab.items()}
+    if self.axis_name is not None:
+      ids = _gather_batch(ids, self.axis_name)
+      weights = _gather_batch(weights, self.axis_name)
     rows, vocab, fresh = self.stack.admit(
       own.vocab,
       ids,
@@ -348,6 +432,8 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       max_new=self.max_new,
       max_new_fraction=self.max_new_fraction,
     )
+    if self.axis_name is not None:
+      rows = _own_part(rows, self.axis_name)
     new, inner_state = reset_rows(
       self._inner, own.inner_state, seen, _nest(self._path, fresh)
     )

@@ -435,3 +435,133 @@ def test_a_row_sharded_stack_on_8_devices(kind):
     np.testing.assert_allclose(
       np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("wrapper", ["accumulate", "drop_stale"])
+def test_a_wrapper_around_the_object_is_refused(wrapper):
+  """accumulate or drop_stale around the object would hand its update
+  gradients of ids mapped before later admits: refused, with the fix."""
+  stack = _stack()
+  ov = gtx.OpenVocab(stack, gtx.lazy_adam(0.1), at="emb", key=jax.random.key(1))
+  tx = (
+    gtx.accumulate(ov, 2) if wrapper == "accumulate" else gtx.drop_stale(ov, 1)
+  )
+  params = _params(stack)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=f"inside gradtx.{wrapper}.*Put gradtx"):
+    ov.admit(state, params, {"user_id": jnp.array([3])})
+  with pytest.raises(ValueError, match=f"inside gradtx.{wrapper}"):
+    ov.publish(params, state)
+  # inside it, as the guides show, is the way
+  ov = gtx.OpenVocab(
+    stack,
+    gtx.accumulate(gtx.lazy_adam(0.1), 2),
+    at="emb",
+    key=jax.random.key(1),
+  )
+  ov.admit(ov.init(params), params, {"user_id": jnp.array([3])})
+
+
+def _global_batch(rng, n, short):
+  """A global batch of ``n`` examples, the last ``short`` ones padding."""
+  real = n - short
+  batch = {
+    "user_id": rng.randint(0, 12, real).astype(np.int32) * 1_000_003,
+    "history": rng.randint(-1, 14, (real, L)).astype(np.int32) * 7_919,
+    "country": rng.randint(0, 3, real).astype(np.int32),
+    "weights": (rng.rand(real, L) > 0.2).astype(np.float32),
+    "labels": (rng.rand(real) > 0.5).astype(np.float32),
+  }
+  padded, mask = gtx.pad_batch(batch, n)
+  return {**padded, "mask": mask.astype(np.float32)}
+
+
+def _summed_loss(stack, p, ids, weights, labels, mask):
+  emb = stack.lookup(p["emb"], ids, weights=weights)
+  x = jnp.stack([emb[f] for f in FEATURE_ORDER], 1)
+  logit = jnp.sum(x * p["w"][None], axis=(1, 2))
+  return jnp.sum(mask * optax.sigmoid_binary_cross_entropy(logit, labels))
+
+
+def test_mirrored_replicas_keep_one_map_of_the_global_batch():
+  """With ``axis_name``, every replica of a Mirrored step maps the global
+  batch: the maps are the one-device run's exactly (placement, evictions,
+  fresh rows), and params and state equal it to rounding (the replicas'
+  gradients are summed in another order)."""
+  m = gtx.Mirrored()
+  n = 2 * m.num_replicas
+  stack = _stack()
+  key = jax.random.key(1)
+  one = gtx.OpenVocab(stack, gtx.lazy_adam(0.05), at="emb", key=key)
+  mirrored = gtx.OpenVocab(
+    stack,
+    optax.chain(gtx.all_reduce(m.axis_name, "sum"), gtx.lazy_adam(0.05)),
+    at="emb",
+    key=key,
+    axis_name=m.axis_name,
+  )
+
+  def step_of(ov):
+    def step(params, state, batch):
+      raw, weights, labels = _split(batch)
+      ids, params, state = ov.admit(state, params, raw, weights=weights)
+      grads = gtx.sparse_grad(_summed_loss, argnums=1)(
+        stack, params, ids, weights, labels, batch["mask"]
+      )
+      updates, state = ov.update(grads, state, params)
+      return gtx.apply_updates(params, updates), state
+
+    return step
+
+  params = _params(stack)
+  one_params, one_state = params, one.init(params)
+  m_params = m.replicate(params)
+  m_state = m.replicate(mirrored.init(params))
+  one_step = jax.jit(step_of(one))
+  m_step = m.step(step_of(mirrored))
+  rng = np.random.RandomState(5)
+  for i in range(6):
+    batch = _global_batch(rng, n, short=5 if i == 5 else 0)
+    one_params, one_state = one_step(one_params, one_state, batch)
+    m_params, m_state = m_step(m_params, m_state, m.shard_batch(batch))
+  _equal(mirrored.vocab(m_state), one.vocab(one_state))
+  stats = stack.vocab_stats(one.vocab(one_state))
+  assert int(stats["user"]["live"]) == 5  # the table is full: evictions
+  for a, b in zip(
+    jax.tree.leaves((m_params, m_state.inner_state[1])),
+    jax.tree.leaves((one_params, one_state.inner_state)),
+    strict=True,
+  ):
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_mirrored_refuses_jagged_features_and_a_bad_axis_name():
+  stack = _stack()
+  with pytest.raises(TypeError, match="`axis_name` must be None"):
+    gtx.OpenVocab(stack, gtx.lazy_sgd(1.0), key=jax.random.key(0), axis_name=3)
+  m = gtx.Mirrored()
+  ov = gtx.OpenVocab(
+    stack,
+    gtx.lazy_sgd(1.0),
+    at="emb",
+    key=jax.random.key(0),
+    axis_name=m.axis_name,
+  )
+  params = _params(stack)
+
+  def step(params, state, batch):
+    ids, params, state = ov.admit(state, params, batch)
+    return params, state
+
+  batch = {
+    "user_id": gtx.Jagged(
+      jnp.arange(2 * m.num_replicas, dtype=jnp.int32),
+      jnp.ones(2 * m.num_replicas, jnp.int32),
+    )
+  }
+  with pytest.raises(ValueError, match="gradtx.Jagged or gradtx.KeyedJagged"):
+    m.step(step)(
+      m.replicate(params), m.replicate(ov.init(params)), m.shard_batch(batch)
+    )
