@@ -25,8 +25,8 @@ from jax import lax
 
 from gradtx._accumulate import AccumulateState
 from gradtx._fresh_rows import reset_rows
+from gradtx._inputs import Jagged, KeyedJagged
 from gradtx._mirrored import gather_replicas
-from gradtx._pooled import Jagged, KeyedJagged
 from gradtx._publish import Delta, TrackChangesState, delta
 from gradtx._sparse_rows import SparseRows
 from gradtx._stack import TableStack
