@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 import gradtx as gtx
 from benchmarks._common import compile_phases, parse, parser
-from benchmarks._results import write_results
+from benchmarks._results import columns, headline, write_results
 from benchmarks.models import abstract_params, bce, table_rows, whole_step
 
 
@@ -108,12 +108,8 @@ def programs(tables: int, cap: int, dim: int, batch: int) -> dict:
     s = jax.eval_shape(tx.init, p)
     if kind == "per-table":
       out["jax.value_and_grad"] = (jax.jit(jax.value_and_grad(loss)), p, ids, y)
-    out[f"{kind} grad"] = (
-      jax.jit(gtx.sparse_value_and_grad(loss)),
-      p,
-      ids,
-      y,
-    )
+    grad = jax.jit(gtx.sparse_value_and_grad(loss))
+    out[f"{kind} grad"] = (grad, p, ids, y)
     out[f"{kind} step"] = (whole_step(loss, tx), p, s, ids, y)
   return out
 
@@ -122,9 +118,8 @@ def measure(tables: int, args: argparse.Namespace) -> dict:
   """name -> median :func:`timed` over ``args.repeats``."""
   samples: dict[str, list] = {}
   for _ in range(args.repeats):
-    for name, (fn, *xs) in programs(
-      tables, args.cap, args.dim, args.batch
-    ).items():
+    made = programs(tables, args.cap, args.dim, args.batch)
+    for name, (fn, *xs) in made.items():
       samples.setdefault(name, []).append(timed(fn, *xs))
   return {
     name: tuple(statistics.median(s[k] for s in runs) for k in range(6))
@@ -219,13 +214,8 @@ def form_programs(features: int, cap: int, dim: int, batch: int) -> dict:
       per_feature_head(p, {n: x[:, i] for i, n in enumerate(names)}), y
     )
 
-  out[HEAD_ALONE] = (
-    whole_step(head_loss, tx),
-    head,
-    jax.eval_shape(tx.init, head),
-    pooled,
-    y,
-  )
+  head_state = jax.eval_shape(tx.init, head)
+  out[HEAD_ALONE] = (whole_step(head_loss, tx), head, head_state, pooled, y)
   return out
 
 
@@ -276,18 +266,10 @@ def forms_main(args: argparse.Namespace) -> None:
   for form in results[base]:
     a, z = results[base][form], results[last][form]
     rows.append(
-      [
-        form,
-        f"{a['total_s']:.2f}",
-        f"{z['total_s']:.2f}",
-        f"{a['cpu_s']:.2f}",
-        f"{z['cpu_s']:.2f}",
-        f"{z['cpu_s'] / a['cpu_s']:.2f}",
-        a["kernels"],
-        z["kernels"],
-        a["hlo_lines"],
-        z["hlo_lines"],
-      ]
+      [form]
+      + [f"{x[k]:.2f}" for k in ("total_s", "cpu_s") for x in (a, z)]
+      + [f"{z['cpu_s'] / a['cpu_s']:.2f}"]
+      + [x[k] for k in ("kernels", "hlo_lines") for x in (a, z)]
     )
   notes = (
     f"One gtx.TableStack of Criteo's cardinalities capped at {args.cap:,} "
@@ -305,18 +287,11 @@ def forms_main(args: argparse.Namespace) -> None:
   write_results(
     "compile_tables_forms",
     "Trace and compile time of a stack's step, by input and output form",
-    [
-      "form",
-      f"{base} s",
-      f"{last} s",
-      f"{base} cpu s",
-      f"{last} cpu s",
-      f"{last}/{base} cpu",
-      f"kernels {base}",
-      f"kernels {last}",
-      f"HLO lines {base}",
-      f"HLO lines {last}",
-    ],
+    columns(
+      f"form | {base} s | {last} s | {base} cpu s | {last} cpu s | "
+      f"{last}/{base} cpu | kernels {base} | kernels {last} | HLO lines "
+      f"{base} | HLO lines {last}"
+    ),
     rows,
     notes=notes,
     extra={"results": {str(t): r for t, r in results.items()}},
@@ -362,38 +337,27 @@ def main(argv: list[str] | None = None) -> None:
   for t in args.tables:
     for name, (tr, lo, co, *_) in results[t].items():
       stacked = STACKED_TWIN.get(name)
+      total, vs = cpu(t, name), ""
+      if stacked:
+        vs = f"{total / cpu(t, stacked):.2f}"
       rows.append(
-        [
-          t,
-          name,
-          f"{tr:.2f}",
-          f"{lo:.2f}",
-          f"{co:.2f}",
-          f"{tr + lo + co:.2f}",
-          f"{results[t][name][3]:.2f}",
-          f"{cpu(t, name):.2f}",
-          f"{cpu(t, name) / cpu(base, name):.2f}",
-          f"{cpu(t, name) / cpu(t, stacked):.2f}" if stacked else "",
-        ]
+        [t, name]
+        + [f"{x:.2f}" for x in (tr, lo, co, tr + lo + co, results[t][name][3])]
+        + [f"{total:.2f}", f"{total / cpu(base, name):.2f}", vs]
       )
   last = args.tables[-1]
-  headline = [
-    {
-      "metric": f"per-table step trace+compile (CPU s), {last} vs {base} "
-      "tables",
-      "value": round(
-        cpu(last, "per-table step") / cpu(base, "per-table step"), 2
-      ),
-      "target": "<= 1.5",
-    },
-    {
-      "metric": f"per-table / stacked step trace+compile (CPU s) at {last} "
-      "tables",
-      "value": round(
-        cpu(last, "per-table step") / cpu(last, "stacked step"), 2
-      ),
-      "target": "<= 2",
-    },
+  step = "per-table step"
+  heads = [
+    headline(
+      f"per-table step trace+compile (CPU s), {last} vs {base} tables",
+      round(cpu(last, step) / cpu(base, step), 2),
+      "<= 1.5",
+    ),
+    headline(
+      f"per-table / stacked step trace+compile (CPU s) at {last} tables",
+      round(cpu(last, step) / cpu(last, "stacked step"), 2),
+      "<= 2",
+    ),
   ]
   notes = (
     f"Criteo's cardinalities capped at {args.cap:,} rows, {args.dim} wide, "
@@ -406,25 +370,17 @@ def main(argv: list[str] | None = None) -> None:
   write_results(
     "compile_tables",
     "Trace and compile time against the number of tables",
-    [
-      "tables",
-      "program",
-      "trace s",
-      "lower s",
-      "compile s",
-      "total s",
-      "trace cpu s",
-      "total cpu s",
-      f"vs {base}",
-      "vs stacked",
-    ],
+    columns(
+      "tables | program | trace s | lower s | compile s | total s | trace "
+      f"cpu s | total cpu s | vs {base} | vs stacked"
+    ),
     rows,
     notes=notes,
     extra={
       "seconds": {
         str(t): {k: list(v) for k, v in r.items()} for t, r in results.items()
       },
-      "headline": headline,
+      "headline": heads,
     },
   )
 

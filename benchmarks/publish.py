@@ -38,7 +38,13 @@ import orbax.checkpoint as ocp
 
 import gradtx as gtx
 from benchmarks._common import hlo_op_counts, parse, parser
-from benchmarks._results import markdown_table, oversubscribed, write_results
+from benchmarks._results import (
+  columns,
+  headline,
+  markdown_table,
+  oversubscribed,
+  write_results,
+)
 from benchmarks._timing import Clock, Schedule, time_interleaved
 
 SEED = 0
@@ -155,12 +161,8 @@ def measure_step(args, stack, data):
       k: [statistics.median(v[r * b : (r + 1) * b]) for r in range(half)]
       for k, v in got.items()
     }
-    ratios += [
-      t / p
-      for p, t in zip(
-        per_round["lazy_adam"], per_round["+ track_changes"], strict=True
-      )
-    ]
+    pairs = zip(*(per_round[k] for k in fns), strict=True)
+    ratios += [t / p for p, t in pairs]
     for k, v in got.items():
       samples[k] += v
   del plain, tracked
@@ -172,15 +174,8 @@ def measure_publish(args, stack, data, every, tmp: Path):
   run = Run(stack, tx, data)
   serving = jax.tree.map(np.asarray, run.params)
   full_bytes = nbytes(run.params)
-  rows = {
-    "rows": [],
-    "bytes": [],
-    "disk": [],
-    "build": [],
-    "write": [],
-    "full_write": [],
-    "full_disk": [],
-  }
+  keys = "rows bytes disk build write full_write full_disk"
+  rows = {k: [] for k in keys.split()}
   last = None
   with ocp.StandardCheckpointer() as ckptr:
     for n in range(args.publishes):
@@ -239,19 +234,12 @@ def main(argv=None):
     shutil.rmtree(tmp, ignore_errors=True)
 
   total_rows = args.tables * args.rows
-  headers = [
-    "publish every",
-    "changed rows (median)",
-    "of the rows",
-    "delta MiB (arrays)",
-    "delta MiB (orbax)",
-    "whole params MiB (orbax)",
-    "delta / whole bytes",
-    "build ms",
-    "delta write ms",
-    "whole write ms",
-    "(build + write) / whole write",
-  ]
+  headers = columns(
+    "publish every | changed rows (median) | of the rows | delta MiB "
+    "(arrays) | delta MiB (orbax) | whole params MiB (orbax) | delta / "
+    "whole bytes | build ms | delta write ms | whole write ms | (build + "
+    "write) / whole write"
+  )
   table = []
   for every, r in pubs.items():
     med = statistics.median
@@ -259,41 +247,23 @@ def main(argv=None):
     build, write = med(r["build"][1:]), med(r["write"])
     full = med(r["full_write"])
     table.append(
-      [
-        f"{every} steps",
-        int(med(r["rows"])),
-        f"{med(r['rows']) / total_rows:.2%}",
-        f"{med(r['bytes']) / 2**20:.1f}",
-        f"{med(r['disk']) / 2**20:.1f}",
-        f"{med(r['full_disk']) / 2**20:.1f}",
-        f"{med(r['disk']) / med(r['full_disk']):.3f}",
-        f"{build * 1e3:.0f}",
-        f"{write * 1e3:.0f}",
-        f"{full * 1e3:.0f}",
-        f"{(build + write) / full:.3f}",
-      ]
+      [f"{every} steps", int(med(r["rows"]))]
+      + [f"{med(r['rows']) / total_rows:.2%}"]
+      + [f"{med(r[k]) / 2**20:.1f}" for k in ("bytes", "disk", "full_disk")]
+      + [f"{med(r['disk']) / med(r['full_disk']):.3f}"]
+      + [f"{x * 1e3:.0f}" for x in (build, write, full)]
+      + [f"{(build + write) / full:.3f}"]
     )
   step_ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
   q1, q2, q3 = statistics.quantiles(ratios, n=4)
-  step_headers = [
-    "step",
-    "ms (median)",
-    "/ lazy_adam (median of paired rounds)",
-    "quartiles",
-    "kernels",
-    "scatters",
-    "fusions",
-  ]
+  step_headers = columns(
+    "step | ms (median) | / lazy_adam (median of paired rounds) | "
+    "quartiles | kernels | scatters | fusions"
+  )
   step_table = [
-    [
-      k,
-      f"{step_ms[k]:.2f}",
-      "1" if k == "lazy_adam" else f"{q2:.3f}",
-      "" if k == "lazy_adam" else f"{q1:.3f} - {q3:.3f}",
-      ops[k]["kernels"],
-      ops[k]["scatter"],
-      ops[k]["fusion"],
-    ]
+    [k, f"{step_ms[k]:.2f}"]
+    + (["1", ""] if k == "lazy_adam" else [f"{q2:.3f}", f"{q1:.3f} - {q3:.3f}"])
+    + [ops[k][op] for op in ("kernels", "scatter", "fusion")]
     for k in step_ms
   ]
   notes = (
@@ -336,15 +306,15 @@ def main(argv=None):
       "step_ops": ops,
       "publish": {str(k): v for k, v in pubs.items()},
       "headline": [
-        {
-          "metric": "step with track_changes / without (lazy_adam, 2M x 64)",
-          "value": f"{statistics.median(ratios):.3f}",
-          "target": "<= 1.03",
-        },
-        {
-          "metric": "delta / whole params bytes, publish every 10 / 100 steps",
-          "value": " / ".join(row[6] for row in table[:2]),
-        },
+        headline(
+          "step with track_changes / without (lazy_adam, 2M x 64)",
+          f"{statistics.median(ratios):.3f}",
+          "<= 1.03",
+        ),
+        headline(
+          "delta / whole params bytes, publish every 10 / 100 steps",
+          " / ".join(row[6] for row in table[:2]),
+        ),
       ],
     },
   )

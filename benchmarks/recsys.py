@@ -74,7 +74,9 @@ from benchmarks._common import (
   with_threads,
 )
 from benchmarks._results import (
+  columns,
   commit,
+  headline,
   markdown_table,
   oversubscribed,
   result_path,
@@ -212,14 +214,6 @@ def _opt_grads(loss, params_np, rows, data, stacked_rows: bool):
 
 
 # ----------------------------------------------------------------------------
-# torch and FBGEMM
-
-
-# ----------------------------------------------------------------------------
-# floors
-
-
-# ----------------------------------------------------------------------------
 # the step's time
 
 
@@ -346,28 +340,13 @@ def compile_sweep(counts, cap, dim, batch, optimizers) -> list[dict]:
 # report
 
 
-STEP_HEADERS = [
-  "ids",
-  "head",
-  "optimizer",
-  "gtx ms",
-  "gtx stacked ms",
-  "torch twin",
-  "torch ms",
-  "torch / gtx",
-  "torch / gtx, p10",
-  "torch, other threads: ms (/ gtx)",
-  "stacked / gtx",
-  "FBGEMM ms",
-  "FBGEMM / gtx",
-  "FBGEMM, other threads: ms (/ gtx)",
-  "gtx opt only ms",
-  "stacked opt only ms",
-  "random-rows floor ms",
-  "sequential floor ms",
-  "unique rows",
-  "first losses agree",
-]
+STEP_HEADERS = columns(
+  "ids | head | optimizer | gtx ms | gtx stacked ms | torch twin | torch ms "
+  "| torch / gtx | torch / gtx, p10 | torch, other threads: ms (/ gtx) | "
+  "stacked / gtx | FBGEMM ms | FBGEMM / gtx | FBGEMM, other threads: ms (/ "
+  "gtx) | gtx opt only ms | stacked opt only ms | random-rows floor ms | "
+  "sequential floor ms | unique rows | first losses agree"
+)
 
 
 def _step_row(dist, head, opt_name, r) -> list:
@@ -414,29 +393,15 @@ def _step_row(dist, head, opt_name, r) -> list:
 
 
 def _compile_headers(fewest: int) -> list[str]:
-  return [
-    "optimizer",
-    "tables",
-    "variant",
-    "trace s",
-    "lower s",
-    "compile s",
-    "total s",
-    f"total / {fewest} tables",
-    "per-table / stacked",
-  ]
+  return columns(
+    "optimizer | tables | variant | trace s | lower s | compile s | total s "
+    f"| total / {fewest} tables | per-table / stacked"
+  )
 
 
 # compile_point's op counts, in the order of OPS_HEADERS
-OPS_KEYS = [
-  "kernels",
-  "fusion",
-  "while",
-  "sort",
-  "scatter",
-  "gather",
-  "hlo_lines",
-]
+OPS_KEYS = ["kernels", "fusion", "while", "sort", "scatter", "gather"]
+OPS_KEYS += ["hlo_lines"]
 OPS_HEADERS = ["optimizer", "tables", "variant", *OPS_KEYS[:-1], "HLO lines"]
 
 
@@ -447,24 +412,16 @@ def _compile_tables(points: list[dict]) -> tuple[list, list]:
   for p in points:
     key = (p["optimizer"], base_tables, p["variant"])
     other = by.get((p["optimizer"], p["tables"], "stacked"))
+    key3 = [p["optimizer"], p["tables"], p["variant"]]
+    per_stacked = "-"
+    if p["variant"] == "per-table" and other:
+      per_stacked = f"{p['total_s'] / other['total_s']:.2f}x"
     rows.append(
-      [
-        p["optimizer"],
-        p["tables"],
-        p["variant"],
-        f"{p['trace_s']:.2f}",
-        f"{p['lower_s']:.2f}",
-        f"{p['compile_s']:.2f}",
-        f"{p['total_s']:.2f}",
-        f"{p['total_s'] / by[key]['total_s']:.2f}x",
-        f"{p['total_s'] / other['total_s']:.2f}x"
-        if p["variant"] == "per-table" and other
-        else "-",
-      ]
+      key3
+      + [f"{p[f'{k}_s']:.2f}" for k in ("trace", "lower", "compile", "total")]
+      + [f"{p['total_s'] / by[key]['total_s']:.2f}x", per_stacked]
     )
-    ops.append(
-      [p["optimizer"], p["tables"], p["variant"]] + [p[k] for k in OPS_KEYS]
-    )
+    ops.append(key3 + [p[k] for k in OPS_KEYS])
   return rows, ops
 
 
@@ -552,56 +509,40 @@ def main(argv: list[str] | None = None) -> None:
           print(dict(zip(STEP_HEADERS, steps[-1], strict=True)), flush=True)
   points = []
   if not args.no_compile:
-    points = compile_sweep(
-      args.compile_tables,
-      args.compile_cap,
-      args.compile_dim,
-      args.compile_batch,
-      args.compile_optimizers,
-    )
+    sizes = args.compile_cap, args.compile_dim, args.compile_batch
+    points = compile_sweep(args.compile_tables, *sizes, args.compile_optimizers)
   compile_rows, ops_rows = _compile_tables(points) if points else ([], [])
   png = result_path("recsys", ".png")
   plot_recsys(raw, points, len(rows), png)
-  headline = []
+  heads = []
   for r in steps:
     c = dict(zip(STEP_HEADERS, r, strict=True))
+    opt, where = c["optimizer"], f"({c['head']}, {c['ids']})"
     if c["head"] == "linear" and c["torch / gtx"] != "-":
-      if c["optimizer"] in ("lazy_adam", "rowwise_adagrad"):
-        headline.append(
-          {
-            "metric": f"{c['optimizer']} step vs torch {c['torch twin']} "
-            f"(linear head, {c['ids']})",
-            "value": float(c["torch / gtx"].rstrip("x")),
-            "target": ">= 2x" if c["optimizer"] == "lazy_adam" else ">= 4x",
-          }
+      if opt in ("lazy_adam", "rowwise_adagrad"):
+        heads.append(
+          headline(
+            f"{opt} step vs torch {c['torch twin']} (linear head, {c['ids']})",
+            float(c["torch / gtx"].rstrip("x")),
+            ">= 2x" if opt == "lazy_adam" else ">= 4x",
+          )
         )
-    headline.append(
-      {
-        "metric": f"{c['optimizer']} stacked / per-table step ({c['head']}, "
-        f"{c['ids']})",
-        "value": float(c["stacked / gtx"].rstrip("x")),
-        "target": ">= 1x",
-      }
+    value = float(c["stacked / gtx"].rstrip("x"))
+    heads.append(
+      headline(f"{opt} stacked / per-table step {where}", value, ">= 1x")
     )
   by = {(p["optimizer"], p["tables"], p["variant"]): p for p in points}
   lo, hi = min(args.compile_tables), max(args.compile_tables)
-  for opt_name in args.compile_optimizers if points else []:
-    a, b = by[(opt_name, lo, "per-table")], by[(opt_name, hi, "per-table")]
-    s = by[(opt_name, hi, "stacked")]
-    headline.append(
-      {
-        "metric": f"{opt_name} compile, {hi} / {lo} tables",
-        "value": round(b["total_s"] / a["total_s"], 2),
-        "target": "<= 1.5x",
-      }
+  for opt in args.compile_optimizers if points else []:
+    a, b = by[(opt, lo, "per-table")], by[(opt, hi, "per-table")]
+    s = by[(opt, hi, "stacked")]
+    ratio = round(b["total_s"] / a["total_s"], 2)
+    heads.append(
+      headline(f"{opt} compile, {hi} / {lo} tables", ratio, "<= 1.5x")
     )
-    headline.append(
-      {
-        "metric": f"{opt_name} compile at {hi} tables, per-table / stacked",
-        "value": round(b["total_s"] / s["total_s"], 2),
-        "target": "<= 2x",
-      }
-    )
+    ratio = round(b["total_s"] / s["total_s"], 2)
+    metric = f"{opt} compile at {hi} tables, per-table / stacked"
+    heads.append(headline(metric, ratio, "<= 2x"))
   versions = f"jax {jax.__version__}, gradtx/ as of commit {code}"
   if "torch" in systems:
     versions += f", torch {version('torch')} (2 threads)"
@@ -663,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     steps,
     notes=notes,
     extra={
-      "headline": headline,
+      "headline": heads,
       "commit": code,
       "groups": raw,
       "compile": points,
