@@ -246,9 +246,36 @@ def plot_convergence(
   save_figure(fig, path, dpi=110)
 
 
+# Which malloc a dense baseline ran with: since f5ce7a7 (2026-12-03),
+# importing gradtx on a CPU makes the whole process reuse freed host memory.
+DENSE_NOTE = (
+  "Dense baselines (`jax.value_and_grad`, `optax.adam`, `MultiSteps`) run "
+  "in the process that imports gradtx. Since gradtx 2026-12-03 (f5ce7a7) "
+  "that import sets malloc to reuse freed host memory for the whole process "
+  "on a CPU (`gtx.reuse_host_memory`), which makes a dense step beside "
+  "gradtx several times faster than in a process without it. Each section "
+  "with a dense baseline says which it ran with: **gradtx's malloc** "
+  "(measured after that commit) or **glibc's malloc** (measured before: "
+  "the dense step ran as in a process without gradtx; beside gradtx today "
+  "it takes less, so the ratio there is smaller). Sections measured with "
+  "`--fresh-memory` support say so in their last paragraph.\n"
+)
+_GLIBC = (
+  "Dense baseline: **glibc's malloc** (this run predates gradtx's "
+  "import-time host-memory setting; not rerun since)."
+)
+
 # Text the page shows under a section's table.
 NOTES = {
+  "sparse_grad": _GLIBC,
+  "lazy_adam": _GLIBC,
+  "accumulate": _GLIBC,
+  "optimizers": _GLIBC,
+  "convergence": _GLIBC.replace("Dense baseline", "Dense baseline's time"),
   "train_step": (
+    "Dense baseline (`optax.adam`): **gradtx's malloc** (measured in the "
+    "process that imported gradtx, after its import-time host-memory "
+    "setting).\n\n"
     "FBGEMM (TorchRec's fused CPU kernels) has no Adam on CPU. Its fused "
     "Adagrad, row-wise Adagrad and SGD run beside gtx's twins in the "
     "sparse optimizers table below (where `fbgemm_gpu` imports), and in a "
@@ -317,6 +344,7 @@ def main() -> None:
     "Regenerate everything with `make bench` (`python -m benchmarks`); this "
     "page is written by `python -m benchmarks.plots` from "
     "`benchmarks/results/`.\n",
+    DENSE_NOTE,
   ]
   summary = RESULTS / "summary.md"
   if summary.exists():
