@@ -45,14 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import (
-  ROOT,
-  export_version,
-  import_torch,
-  parse,
-  parser,
-)
-from benchmarks._results import result_path, write_results
+from benchmarks._common import ROOT, export_version, import_torch, parse, parser
+from benchmarks._results import columns, result_path, write_results
 from benchmarks._timing import Clock, record
 
 CHECKOUT = "this checkout"
@@ -97,6 +91,7 @@ MANY = {
 }
 # the bags stack steps (--bags): benchmarks.stacks' optimizers by name
 BAGS = ("lazy_adam", "sgd")
+SIZES = ("rows", "dim", "ids", "tables", "steps")  # a step's process gets
 
 
 # ----------------------------------------------------------------------------
@@ -280,16 +275,8 @@ def measure(
   for r in range(args.rounds):
     for n in names if r % 2 == 0 else names[::-1]:
       python, path = systems[n]
-      spec = {
-        "kind": kind,
-        "case": case,
-        "path": path,
-        "rows": args.rows,
-        "dim": args.dim,
-        "ids": args.ids,
-        "tables": args.tables,
-        "steps": args.steps,
-      }
+      spec = dict(kind=kind, case=case, path=path)
+      spec.update({k: getattr(args, k) for k in SIZES})
       per[n].append(_spawn(python, spec))
       got = statistics.median(per[n][-1]["wall"])
       print(f"{label} | {n} | round {r + 1}: {got:.2f} ms", file=sys.stderr)
@@ -308,19 +295,13 @@ def measure(
   for n in names:
     ratios = [a / b for a, b in zip(wall[n], wall[base], strict=True)]
     ops = per[n][0]["ops"]
+    med = statistics.median(wall[n])
     rows.append(
-      [
-        label,
-        n,
-        f"{statistics.median(wall[n]):.2f}",
-        _spread(wall[n]),
-        f"{statistics.median(wall[n]) / statistics.median(wall[base]):.3f}",
-        f"{min(ratios):.2f}-{max(ratios):.2f}",
-        f"{statistics.median(p10[n]):.2f}",
-        f"{statistics.median(cpu[n]):.2f}",
-        ops.get("kernels", "-"),
-        ops.get("scatter", "-"),
-      ]
+      [label, n, f"{med:.2f}", _spread(wall[n])]
+      + [f"{med / statistics.median(wall[base]):.3f}"]
+      + [f"{min(ratios):.2f}-{max(ratios):.2f}"]
+      + [f"{statistics.median(x[n]):.2f}" for x in (p10, cpu)]
+      + [ops.get("kernels", "-"), ops.get("scatter", "-")]
     )
   return rows
 
@@ -330,13 +311,9 @@ def _torch_python(args: Any) -> str | None:
     return None
   candidates = [args.torch_python] if args.torch_python else []
   candidates += [str(ROOT / ".venv-bench" / "bin" / "python"), sys.executable]
-  for python in candidates:
-    if not os.path.exists(python):
-      continue
-    ok = subprocess.run(
-      [python, "-c", "import torch"], capture_output=True
-    ).returncode
-    if ok == 0:
+  for python in filter(os.path.exists, candidates):
+    check = [python, "-c", "import torch"]
+    if subprocess.run(check, capture_output=True).returncode == 0:
       return python
   return None
 
@@ -456,18 +433,10 @@ def main(argv: list[str] | None = None) -> None:
       if single
       else ""
     ),
-    [
-      "step",
-      "version",
-      "step ms",
-      "spread ms",
-      "vs before",
-      "spread",
-      "p10 ms",
-      "cpu ms",
-      "kernels",
-      "scatters",
-    ],
+    columns(
+      "step | version | step ms | spread ms | vs before | spread | p10 ms | "
+      "cpu ms | kernels | scatters"
+    ),
     rows,
     notes=notes,
     extra={"previous": previous} if previous else None,

@@ -17,55 +17,27 @@ models: ``benchmarks/corpus.py``).
   next-token cross entropy on a fixed set of held-out positions.
 
 Every config starts from the same init and sees the same batches in the
-same order for the same number of steps; one process runs them side by
-side, in rounds (each config trains one eval interval, then the next
-config does), so machine noise hits all of them alike:
+same order for the same number of steps, in rounds in one process (each
+config trains one eval interval, then the next), so machine noise hits all
+alike. Configs (:data:`CONFIGS`): dense ``optax.adam`` (``jax.value_and_grad``),
+the gradtx optimizers on ``gtx.sparse_value_and_grad``, and low-precision
+variants, each with a float32 twin (the same optimizer in float32): int8
+accumulators of ``adagrad`` / ``lazy_sgd``; bf16 tables (rounded to nearest
+or stochastically, ``key=fold_in(key, step)``) with float32 moments, or
+with ``lazy_adam``'s default moments in each param's dtype; int8 m/v; and
+bf16 stochastic + int8 m/v. A state dtype passed to an optimizer applies to
+every parameter (in the LM, ``"int8"`` also quantizes ``w``'s and
+``w_out``'s state). Reported per task and config: held-out loss every
+``steps / evals`` steps and at the end (as a ratio to float32 ``lazy_adam``
+and to the float32 twin), where a low-precision variant stops following
+its twin (:func:`stall_step`), ``gtx.bytes_per_row`` of the table, and the
+whole step's time (median, the first ``SETTLE`` of each round untimed).
+Writes ``results/convergence.{md,json,png}``.
 
-* ``adam (dense)``: ``jax.value_and_grad`` (dense table gradients) and
-  ``optax.adam``, which moves every row every step;
-* ``lazy_adam``, ``lazy_adam catch_up``, ``rowwise_adagrad``, ``adagrad``,
-  ``lazy_sgd momentum``: ``gtx.sparse_value_and_grad`` (SparseRows
-  gradients for the tables) and the gradtx optimizer;
-* ``adagrad int8`` / ``lazy_sgd momentum int8``: float32 tables,
-  ``gtx.adagrad(lr, accumulator_dtype="int8")`` (Adagrad's sum of squares
-  in 8 bits) / ``gtx.lazy_sgd(lr, momentum=0.9, accumulator_dtype="int8")``
-  (the momentum trace in 8 bits);
-* ``bf16 nearest`` / ``bf16 stochastic``: the embedding tables stored in
-  bfloat16 (dense layers stay float32), ``gtx.lazy_adam(lr,
-  mu_dtype=jnp.float32, nu_dtype=jnp.float32)``, applied with
-  ``gtx.apply_updates`` rounding to nearest / stochastically
-  (``key=fold_in(key, step)``). The moments stay float32, so only the
-  table's rounding differs from float32 ``lazy_adam``;
-* ``bf16 stochastic, bf16 m/v``: the same with ``gtx.lazy_adam(lr)``,
-  whose moments take each parameter's dtype: bfloat16 for the tables,
-  float32 for the LM's dense layers (``mu_dtype=nu_dtype=jnp.bfloat16``
-  would make those bfloat16 too);
-* ``int8 m/v``: float32 tables, ``gtx.lazy_adam(lr, mu_dtype="int8",
-  nu_dtype="int8")``; ``bf16 stochastic + int8 m/v``: both.
-
-A state dtype passed to an optimizer applies to every parameter: in the
-LM, ``"int8"`` also quantizes the dense weights' state (``w``, ``w_out``;
-the 1-D biases' stays float32).
-
-Every low-precision variant has a float32 twin, the same optimizer in
-float32: ``lazy_adam`` for the Adam ones, ``adagrad`` and ``lazy_sgd
-momentum`` for the int8 accumulators. Reported per task and config:
-held-out loss every ``steps / evals`` steps and at the end (as a ratio to
-float32 ``lazy_adam`` and, for the low-precision variants, to their float32
-twin's), for the low-precision variants the step from which they stop
-following their twin (``stalls at``, see :func:`stall_step`), bytes per
-row of the embedding table (``gtx.bytes_per_row``: the row and its
-optimizer state), and the whole training step's time (jitted, params and
-state donated, fresh ids each step, the loss returned and waited for;
-median over the timed steps, the first ``SETTLE`` of each round untimed)
-with its ratio to ``lazy_adam``'s. Writes
-``results/convergence.{md,json,png}``.
-
-Learning rates: one peak rate per task and optimizer family, decayed to 0
-by a cosine schedule over the run (``--schedule constant`` keeps the peak), the
-low-precision variants using their float32 twin's (never tuned per
-variant), chosen by a sweep of the float32 optimizers at the default sizes
-and schedule (``LR``; the sweep: ``results/convergence_lr_sweep.md``).
+Learning rates (:data:`LR`): one peak rate per task and optimizer family,
+cosine-decayed to 0 (``--schedule constant`` keeps the peak), the
+low-precision variants using their twin's, chosen by a sweep of the
+float32 optimizers (``results/convergence_lr_sweep.md``).
 
   python -m benchmarks.convergence [--quick] [--only NAME ...]
       [--tasks skip-gram lm] [--steps 5000] [--evals 10]
@@ -86,7 +58,7 @@ import optax
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
-from benchmarks._results import result_path, write_results
+from benchmarks._results import columns, headline, result_path, write_results
 from benchmarks._timing import Clock, record
 from benchmarks.corpus import (
   HELD_OUT_EVERY,
@@ -106,18 +78,8 @@ MAX_TOKENS = 2_000_000
 # to the gradient's scale and share one rate across tasks; Adagrad (its 0.1
 # initial accumulator) and SGD are not.
 LR = {
-  "skip-gram": {
-    "adam": 1e-2,
-    "rowwise_adagrad": 0.1,
-    "adagrad": 30.0,
-    "sgd": 10.0,
-  },
-  "next-token LM": {
-    "adam": 1e-2,
-    "rowwise_adagrad": 0.1,
-    "adagrad": 1.0,
-    "sgd": 0.3,
-  },
+  "skip-gram": dict(adam=1e-2, rowwise_adagrad=0.1, adagrad=30.0, sgd=10.0),
+  "next-token LM": dict(adam=1e-2, rowwise_adagrad=0.1, adagrad=1.0, sgd=0.3),
 }
 FAMILIES = list(LR["skip-gram"])
 
@@ -195,6 +157,7 @@ CONFIGS = [
 NAMES = [c.name for c in CONFIGS]
 TWIN = {c.name: c.twin for c in CONFIGS if c.twin}
 BASE = "lazy_adam"
+CHEAPEST = "bf16 stochastic + int8 m/v"
 # task key -> (maker, its sizes, its --quick sizes): vocab, batch, held-out
 # examples.
 TASKS = {
@@ -380,41 +343,27 @@ def _result_row(task: Task, cfg: Config, runs: dict, failed: dict) -> list:
 
 def _headline(task: str, runs: dict[str, Run]) -> list[dict[str, Any]]:
   out = []
-  for name, target in [
-    ("bf16 stochastic + int8 m/v", "<= 1.01"),
-    ("int8 m/v", ""),
-    ("bf16 stochastic, bf16 m/v", ""),
-    ("bf16 stochastic", ""),
-    ("bf16 nearest", ""),
-    ("adagrad int8", ""),
-    ("lazy_sgd momentum int8", ""),
-  ]:
+  for name in reversed(TWIN):  # the cheapest first
     twin = runs.get(TWIN[name])
     if name in runs and twin is not None:
       out.append(
-        {
-          "metric": f"{task}: held-out loss, {name} / {TWIN[name]}",
-          "value": round(runs[name].curve[-1][1] / twin.curve[-1][1], 4),
-          "target": target,
-        }
+        headline(
+          f"{task}: held-out loss, {name} / {TWIN[name]}",
+          round(runs[name].curve[-1][1] / twin.curve[-1][1], 4),
+          "<= 1.01" if name == CHEAPEST else "",
+        )
       )
-  base, cheap = runs.get(BASE), runs.get("bf16 stochastic + int8 m/v")
+  base, cheap = runs.get(BASE), runs.get(CHEAPEST)
   if base is not None and cheap is not None:
     out.append(
-      {
-        "metric": f"{task}: table bytes/row, bf16 stochastic + int8 m/v vs "
-        f"{BASE}",
-        "value": f"{cheap.bytes_per_row:g} vs {base.bytes_per_row:g}",
-      }
+      headline(
+        f"{task}: table bytes/row, {CHEAPEST} vs {BASE}",
+        f"{cheap.bytes_per_row:g} vs {base.bytes_per_row:g}",
+      )
     )
-    out.append(
-      {
-        "metric": f"{task}: step time, bf16 stochastic + int8 m/v / {BASE}",
-        "value": round(
-          statistics.median(cheap.times) / statistics.median(base.times), 2
-        ),
-      }
-    )
+    ratio = statistics.median(cheap.times) / statistics.median(base.times)
+    metric = f"{task}: step time, {CHEAPEST} / {BASE}"
+    out.append(headline(metric, round(ratio, 2)))
   return out
 
 
@@ -461,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     f"({clock.wall():.1f}s)",
     flush=True,
   )
-  rows, curves, tables, headline, per_task, failed_all = [], {}, [], [], {}, []
+  rows, curves, tables, heads, per_task, failed_all = [], {}, [], [], {}, []
   for key in args.tasks:
     make, sizes, quick_sizes = TASKS[key]
     task = make(corpus, *(quick_sizes if args.quick else sizes))
@@ -483,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += [_result_row(task, cfg, runs, failed) for cfg in configs]
     if runs:
       tables.append(_curve_table(task.name, runs))
-    headline += _headline(task.name, runs)
+    heads += _headline(task.name, runs)
     per_task[task.name] = {
       "vocab": task.vocab,
       "batch": task.batch,
@@ -521,8 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     f"per config, {schedule}, held-out loss every {steps // evals} steps; "
     f"the same init, batches and order for every config. {task_notes}. "
     "`peak lr`: per task and optimizer family, from a sweep of the float32 "
-    "optimizers (see the module docstring). Adam and row-wise Adagrad are "
-    "invariant to the gradient's scale and get the same rate on both "
+    "optimizers (results/convergence_lr_sweep.md). Adam and row-wise "
+    "Adagrad are invariant to the gradient's scale and get the same rate on "
+    "both "
     "tasks; Adagrad and SGD are not, skip-gram's per-row gradients being "
     "far smaller than the LM's, and no one rate per family works for both "
     "tasks (the best shared rate in the sweep costs them 7-17%), so they get "
@@ -551,25 +501,15 @@ def main(argv: list[str] | None = None) -> None:
   write_results(
     "convergence",
     "Convergence: held-out loss with cheaper optimizers and lower precision",
-    [
-      "task",
-      "config",
-      "peak lr",
-      "table dtype",
-      "table state dtypes",
-      "table bytes/row",
-      "held-out loss",
-      f"/ {BASE}",
-      "/ float32 twin",
-      "stalls at step",
-      "step ms",
-      f"step / {BASE}",
-      "note",
-    ],
+    columns(
+      "task | config | peak lr | table dtype | table state dtypes | table "
+      f"bytes/row | held-out loss | / {BASE} | / float32 twin | stalls at "
+      f"step | step ms | step / {BASE} | note"
+    ),
     rows,
     notes=notes,
     extra={
-      "headline": headline,
+      "headline": heads,
       "steps": steps,
       "evals": evals,
       "max_tokens": max_tokens,

@@ -1,24 +1,15 @@
 """Lazy Adam step on an embedding table: gradtx vs optax.adam vs plain jnp.
 
-One optimizer step on a ``[rows, dim]`` table given a row-sparse gradient of
-``ids`` rows (uniform random ids, duplicates included, fresh every step:
-pre-generated, so the touched rows are cold as in training), three ways,
-jitted with params and optimizer state donated:
-
-* ``gtx.lazy_adam``: SparseRows gradient, coalesce, gather, update, scatter
-  back in place, ``gtx.apply_updates``;
-* ``optax.adam`` on the dense ``[rows, dim]`` gradient (every row updated);
-* a reference lazy step written with plain ``jnp`` ops and no hints
-  (``jnp.unique(size=...)`` + ``segment_sum``, gather, update, scatter).
-
-Reported: ms/step, the speed-up over optax.adam, and the ratio to the
-memory-bandwidth floor: the bytes a lazy step must move (read and write the
-touched rows of params, m and v; read the gradient rows) over the bandwidth
-of a copy into a pre-faulted buffer (``warm_copy_bandwidth``). The whole
-training step (forward, backward, optimizer) is ``benchmarks/train_step.py``.
-Variants are timed round-robin when they fit in memory together
-(``--mem-gib``), else one after the other; optax.adam is skipped where its
-four tables would not fit.
+One optimizer step on a ``[rows, dim]`` table given a row-sparse gradient
+of ``ids`` fresh uniform rows (duplicates included), jitted with params and
+state donated, three ways (:func:`_variant`): ``gtx.lazy_adam`` on the
+SparseRows, ``optax.adam`` on the dense gradient, and a lazy step in plain
+``jnp`` (:func:`reference_lazy_step`). Reported: ms/step, the speed-up over
+optax.adam, and the ratio to the bandwidth floor (the touched rows of
+params, m and v read and written, the gradient rows read, at the warm copy
+bandwidth). Round-robin where all fit in ``--mem-gib`` together, else one
+after the other; optax.adam skipped where its four tables would not fit.
+The whole training step is ``benchmarks/train_step.py``.
 
   python -m benchmarks.lazy_adam [--rows 100000 1000000 10000000]
       [--dim 64] [--ids 8192] [--mem-gib 8] [--quick]

@@ -1,23 +1,12 @@
 """Low-precision tables and 8-bit optimizer state: the whole step's time.
 
-Each variant runs the step users run on one ``[V, D]`` table (forward with
-the loss returned, sparse backward, lazy Adam, apply; jitted, params and
-state donated, on huge pages), with fresh ids every step (uniform and Zipf),
-side by side in one process:
-
-* ``float32``: float32 table, float32 moments (768 B/row at D = 64);
-* ``bf16 nearest``: bfloat16 table, float32 moments (``mu_dtype`` and
-  ``nu_dtype``: by default the moments take the table's dtype), rounded to
-  nearest;
-* ``bf16 stochastic``: the same with ``gtx.apply_updates(..., key=)``;
-* ``int8 m/v``: float32 table, 8-bit moments (``mu_dtype="int8"``,
-  ``nu_dtype="int8"``);
-* ``bf16 stochastic + int8 m/v``: both (264 B/row at D = 64);
-* ``torch SparseAdam``: float32, the competitor (``torch.set_num_threads(2)``).
-
-The bandwidth floor is the bytes a variant must move per step (each touched
-row's param and state read and written once) over the measured bandwidth of
-a copy into an already-touched buffer.
+Each variant of :data:`VARIANTS` (a table dtype, lazy Adam's moment
+dtypes, stochastic rounding or not: from float32 at 768 B/row to bf16
+stochastic + int8 m/v at 264 B/row, D = 64) runs the one-table step
+(``models.one_table_step``, read by ``gtx.lookup``; on huge pages) on fresh
+ids, uniform and Zipf, side by side in one process with torch's float32
+``SparseAdam`` (2 threads). The floor: each touched row's param and state
+read and written once, at the bandwidth of a copy into a touched buffer.
 
   python -m benchmarks.low_precision [--rows 1000000] [--dim 64] [--ids 8192]
 """

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import gradtx as gtx  # noqa: E402
 from benchmarks._common import hlo_collectives, memory, parse, parser  # noqa: E402
-from benchmarks._results import write_results  # noqa: E402
+from benchmarks._results import columns, headline, write_results  # noqa: E402
 from benchmarks._timing import time_interleaved  # noqa: E402
 
 LR = 0.01
@@ -54,14 +54,10 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     "emb": rng.normal(0.0, 0.01, size=(rows, dim)).astype(np.float32),
     "w": rng.normal(size=(dim,)).astype(np.float32),
   }
-  batch = m.shard_batch(
-    {
-      "ids": rng.randint(0, rows, size=(r * per_replica, SEQ)).astype(np.int32),
-      "labels": rng.choice([-1.0, 1.0], size=r * per_replica).astype(
-        np.float32
-      ),
-    }
-  )
+  n = r * per_replica
+  ids_ = rng.randint(0, rows, size=(n, SEQ)).astype(np.int32)
+  labels = rng.choice([-1.0, 1.0], size=n).astype(np.float32)
+  batch = m.shard_batch({"ids": ids_, "labels": labels})
 
   # -- the Mirrored step -----------------------------------------------------
   tx = optax.chain(gtx.all_reduce(axis), gtx.scale_by_learning_rate(LR))
@@ -112,9 +108,7 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   params, loss2 = hand(m.replicate(host_params), batch)
   del host_params
   np.testing.assert_allclose(np.asarray(loss2), want_loss, rtol=1e-6)
-  for a, b in zip(
-    jax.tree.leaves(host(params)), jax.tree.leaves(want), strict=True
-  ):
+  for a, b in zip(*map(jax.tree.leaves, (host(params), want)), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   del want
 
@@ -178,31 +172,23 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     "sparse": from_shapes["sparse"] * (r - 1) / r,
     "dense": from_shapes["dense"] * 2 * (r - 1) / r,
   }
-  row = [
-    f"{rows:,} x {dim}",
-    ids,
-    r,
-    times["hand"] * 1e3,
-    times["mirrored"] * 1e3,
-    times["mirrored"] / times["hand"],
-    from_shapes["sparse"] / 2**20,
-    sparse_hlo / 2**20,
-    from_shapes["dense"] / 2**20,
-    dense_hlo / 2**20,
-    ring["dense"] / ring["sparse"],
-  ]
+  row = [f"{rows:,} x {dim}", ids, r, times["hand"] * 1e3]
+  row += [times["mirrored"] * 1e3, times["mirrored"] / times["hand"]]
+  row += [from_shapes["sparse"] / 2**20, sparse_hlo / 2**20]
+  row += [from_shapes["dense"] / 2**20, dense_hlo / 2**20]
+  row += [ring["dense"] / ring["sparse"]]
   extra = {
     "headline": [
-      {
-        "metric": f"Mirrored.step / hand jit+shard_map time ({row[0]})",
-        "value": round(row[5], 3),
-        "target": "<= 1.05",
-      },
-      {
-        "metric": f"dense all-reduce / sparse all-gather bytes ({row[0]})",
-        "value": round(row[10], 1),
-        "target": "",
-      },
+      headline(
+        f"Mirrored.step / hand jit+shard_map time ({row[0]})",
+        round(row[5], 3),
+        "<= 1.05",
+      ),
+      headline(
+        f"dense all-reduce / sparse all-gather bytes ({row[0]})",
+        round(row[10], 1),
+        "",
+      ),
     ],
     "hlo_collectives": {k: [list(x) for x in v] for k, v in hlo.items()},
     "ring_bytes_per_device": ring,
@@ -227,19 +213,12 @@ def main(argv: list[str] | None = None) -> None:
   write_results(
     "mirrored",
     "Mirrored step: overhead and cross-replica reduction bytes",
-    [
-      "table",
-      "ids / replica",
-      "replicas",
-      "hand jit+shard_map ms",
-      "Mirrored.step ms",
-      "Mirrored / hand",
-      "sparse all-gather MiB (shapes)",
-      "(HLO)",
-      "dense all-reduce MiB (shapes)",
-      "(HLO)",
-      "dense / sparse ring bytes",
-    ],
+    columns(
+      "table | ids / replica | replicas | hand jit+shard_map ms | "
+      "Mirrored.step ms | Mirrored / hand | sparse all-gather MiB (shapes) | "
+      "(HLO) | dense all-reduce MiB (shapes) | (HLO) | dense / sparse ring "
+      "bytes"
+    ),
     [row],
     notes=(
       "Both steps: gtx.sparse_value_and_grad, all-gather of the table's "

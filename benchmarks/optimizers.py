@@ -1,30 +1,17 @@
 """The whole training step per sparse optimizer: gradtx vs optax vs torch.
 
-For each optimizer, the step users run (forward with the loss returned,
-backward, optimizer, apply), on the same model and the same fresh ids, timed
-round-robin in one process:
-
-* ``gtx``: ``gtx.sparse_value_and_grad`` of the unmodified loss (a plain
-  ``E[ids]`` read; a SparseRows gradient), the gradtx optimizer,
-  ``gtx.apply_updates``; jitted, params and state donated.
-* ``optax`` (dense equivalent): ``jax.value_and_grad`` (a dense ``[V, D]``
-  gradient) + ``optax.adagrad`` / ``optax.sgd`` + ``optax.apply_updates``;
-  jitted, donated. optax has no FTRL and no row-wise Adagrad.
-* ``torch``: ``nn.Embedding(sparse=True)`` with ``torch.optim.Adagrad``,
-  ``torch.optim.SGD`` (sparse gradients: no momentum in torch) or
-  ``torch.optim.SparseAdam``, ``torch.set_num_threads(2)``, ``loss.item()``
-  returned. Skipped cleanly without torch.
-* ``FBGEMM``: TorchRec's fused CPU kernels (``benchmarks.fbgemm_anchor``):
-  EXACT_ROWWISE_ADAGRAD, EXACT_ADAGRAD, EXACT_SGD, the optimizer fused in
-  the backward. Only where ``fbgemm_gpu`` imports: its wheel needs its own
-  torch, so run this module in that environment with gradtx importable
-  (``PYTHONPATH=. /tmp/fbvenv/bin/python -m benchmarks.optimizers`` after
-  ``pip install jax optax`` there); skipped cleanly otherwise.
-
-The model is ``loss = sum(tanh(E[ids]) * ct)`` on a ``[V, D]`` table; ids are
-fresh every step (pre-generated, uniform or Zipf s = 1.05, as in
-``benchmarks.train_step``). Every optimizer group is timed against torch
-SparseAdam in the same rounds, the anchor of the issue's goal.
+For each optimizer of :data:`OPTIMIZERS`, the one-table step users run
+(``models.one_table_step``: forward with ``sum(tanh(E[ids]) * ct)``
+returned, a plain ``E[ids]`` read, backward, optimizer, apply; jitted,
+donated) on fresh ids (uniform or Zipf), round-robin in one process with
+its twins: the dense optax optimizer on ``jax.value_and_grad`` (optax has
+no FTRL and no row-wise Adagrad), torch's ``nn.Embedding(sparse=True)``
+with ``Adagrad``, ``SGD`` (no momentum for sparse gradients) or
+``SparseAdam`` (2 threads), FBGEMM's fused CPU kernels (:data:`FBGEMM`;
+only where ``fbgemm_gpu`` imports: run this module in that environment
+with gradtx importable, ``PYTHONPATH=. /tmp/fbvenv/bin/python -m
+benchmarks.optimizers``), and torch SparseAdam, the anchor, in every
+group's rounds.
 
   python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
       [--rounds 10] [--burst 10] [--settle 3] [--smoke]

@@ -1,30 +1,22 @@
 """The whole training step: gradtx lazy_adam vs torch SparseAdam vs optax.adam.
 
-What users run, timed side by side in one process on the same model and the
-same ids: forward with the loss returned, backward, optimizer, apply.
-
-* ``gtx``: ``gtx.sparse_value_and_grad`` (SparseRows gradient),
-  ``gtx.lazy_adam``, ``gtx.apply_updates``; jitted, params and state
-  donated. ``gtx catch_up`` is the same with ``catch_up=True``.
-* ``torch``: ``nn.Embedding(sparse=True)`` + ``torch.optim.SparseAdam``
-  (``torch.set_num_threads(2)``), ``loss.item()`` returned.
-* ``optax``: ``jax.value_and_grad`` (dense gradient) + ``optax.adam`` +
-  ``optax.apply_updates``; jitted, donated. Skipped where its four tables
-  would not fit in ``--mem-gib`` beside the others.
-* ``gtx opt only``: the gtx optimizer part alone (``update`` +
-  ``apply_updates`` on a pre-built SparseRows gradient of the step's fresh
-  ids), on the same donated buffers as ``gtx``.
-
-Every step gets fresh ids (pre-generated outside the timed region): uniform,
-or Zipf with s = 1.05 over a fixed random permutation of the rows. Two loss
-forms: ``sum(E[ids] * ct)`` (linear in the table: the row gradient does not
-read the rows) and ``sum(tanh(E[ids]) * ct)``. The floor is the bytes a lazy
-step must move (read + write the touched rows of params, m and v; read the
-gradient rows) over the bandwidth of a copy into a pre-faulted buffer.
+What users run, side by side in one process on the same table and ids
+(``models.one_table``: fresh ids every step, uniform or Zipf s = 1.05):
+forward with the loss returned (``sum(E[ids] * ct)``, linear in the table,
+or ``sum(tanh(E[ids]) * ct)``), backward, optimizer, apply. ``gtx`` and
+``gtx catch_up``: ``gtx.lazy_adam`` on ``gtx.sparse_value_and_grad``;
+``gtx opt only``: its ``update`` + ``apply_updates`` alone on pre-built
+gradients of the same ids, same buffers; ``torch``:
+``nn.Embedding(sparse=True)`` + ``SparseAdam``, 2 threads; ``optax``:
+``optax.adam`` on ``jax.value_and_grad``, skipped where its four tables
+would not fit in ``--mem-gib`` beside the others. The floor: the bytes a
+lazy step must move (the touched rows of params, m and v read and
+written, the gradient rows read) at the bandwidth of a copy into a
+pre-faulted buffer.
 
   python -m benchmarks.train_step [--rows 100000 1000000 4000000] [--dim 64]
       [--ids 8192] [--rounds 10] [--burst 10] [--settle 3] [--mem-gib 10]
-      [--smoke]
+      [--smoke] [--profile]
 """
 
 from __future__ import annotations
