@@ -424,15 +424,10 @@ def table_variants(
 
   def runner(tx: Any, step: Any) -> Callable[[], None]:
     table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
-    box = {"p": {"emb": table}, "k": 0}
-    box["s"] = tx.init(box["p"])
-
-    def run() -> None:
-      box["k"] = (box["k"] + 1) % len(batches)
-      box["p"], box["s"], v = step(box["p"], box["s"], batches[box["k"]])
-      v.block_until_ready()
-
-    return run
+    box = [{"emb": table}, None]
+    box[1] = tx.init(box[0])
+    run = _timing.step_runner(step, box, lambda k: (batches[k % 8],))
+    return _timing.Counter(run)
 
   rows = []
   for opt, variants in cases.items():

@@ -22,7 +22,7 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
-from benchmarks._timing import time_interleaved
+from benchmarks._timing import Counter, step_runner, time_interleaved
 
 
 def make_step(stack, tx, bounds_check: bool):
@@ -59,24 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     }
     for _ in range(4)
   ]
-  carry, fns, counts = {}, {}, {}
+  fns = {}
   for checked in (False, True):
     key = "bounds_check=True" if checked else "off (default)"
     params = {
       "emb": stack.init(jax.random.key(0)),
       "w": jnp.ones((16 * args.features,), jnp.float32),
     }
-    carry[key] = [params, tx.init(params)]
     step = make_step(stack, tx, checked)
-    counts[key] = iter(range(10**9))
-
-    def call(step=step, key=key):
-      ids = batches[next(counts[key]) % len(batches)]
-      p_, s_, v = step(*carry[key], ids)
-      carry[key] = [p_, s_]
-      jax.block_until_ready(v)
-
-    fns[key] = call
+    box = [params, tx.init(params)]
+    run = step_runner(step, box, lambda k: (batches[k % len(batches)],))
+    fns[key] = Counter(run, 0)
   t = time_interleaved(fns, warmup=2, rounds=args.rounds, label="bounds check")
   base = t["off (default)"]
   rows = [[k, f"{v * 1e3:.2f}", f"{v / base:.2f}x"] for k, v in t.items()]

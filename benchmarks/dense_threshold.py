@@ -9,14 +9,16 @@ fixed R. The crossover R / V sets ``gradtx._autodiff.DENSE_READS_PER_ROW``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
-from benchmarks._results import write_results
-from benchmarks._timing import Schedule
+from benchmarks._results import columns, write_results
+from benchmarks._timing import Counter, Schedule, step_runner
 from gradtx._autodiff import DENSE_READS_PER_ROW
 
 RATIOS = (0.05, 0.1, 0.25, 0.35, 0.5, 1.0, 2.0, 4.0, 8.0, 64.0, 2048.0)
@@ -42,6 +44,10 @@ def _step(kind: str):
   return tx, jax.jit(step, donate_argnums=(0, 1))
 
 
+def _batch(batches: list, k: int) -> tuple:
+  return (batches[k % len(batches)],)
+
+
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__, schedule=Schedule())
   p.add_argument("--reads", type=int, default=4096)
@@ -63,37 +69,22 @@ def main(argv: list[str] | None = None) -> None:
         "emb": jnp.asarray(rng.normal(size=(v, args.dim)), jnp.float32),
         "w": jnp.ones(args.dim, jnp.float32),
       }
-      box = {"p": p, "s": tx.init(p), "k": 0}
-
-      def run(box=box, step=step, batches=batches):
-        box["k"] = (box["k"] + 1) % STEPS
-        box["p"], box["s"], val = step(box["p"], box["s"], batches[box["k"]])
-        val.block_until_ready()
-
-      fns[kind] = run
+      args_of = functools.partial(_batch, batches)
+      run = step_runner(step, [p, tx.init(p)], args_of)
+      fns[kind] = Counter(run)
     t = sched.time(fns, label=f"reads / V {ratio:g}")
+    picks = "dense" if ratio >= DENSE_READS_PER_ROW else "sparse"
+    ms = [f"{t[k] * 1e3:.3f}" for k in ("sparse", "dense")]
     rows.append(
-      [
-        f"{v:,}",
-        f"{ratio:g}",
-        f"{t['sparse'] * 1e3:.3f}",
-        f"{t['dense'] * 1e3:.3f}",
-        f"{t['sparse'] / t['dense']:.2f}",
-        "dense" if ratio >= DENSE_READS_PER_ROW else "sparse",
-      ]
+      [f"{v:,}", f"{ratio:g}", *ms, f"{t['sparse'] / t['dense']:.2f}", picks]
     )
   write_results(
     "dense_threshold",
     f"Sparse vs dense gradient, whole lazy_adam step, {args.reads:,} reads "
     f"per step, {args.dim} wide",
-    [
-      "rows V",
-      "reads / V",
-      "sparse ms",
-      "dense ms",
-      "sparse / dense",
-      "gtx picks",
-    ],
+    columns(
+      "rows V | reads / V | sparse ms | dense ms | sparse / dense | gtx picks"
+    ),
     rows,
     notes=sched.describe() + "; both in one process, fresh uniform ids.",
   )

@@ -29,8 +29,8 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
-from benchmarks._results import write_results
-from benchmarks._timing import once, time_interleaved
+from benchmarks._results import columns, write_results
+from benchmarks._timing import Counter, once, time_interleaved
 
 WAYS = ("outside jit", "op by op", "user's jax.jit")
 FORMS = ("int32 jax", "int64 numpy")
@@ -105,13 +105,11 @@ def main(argv: list[str] | None = None) -> None:
       first[key] = once(
         lambda fn=fn, b=batches[form][0]: jax.block_until_ready(fn(b))
       )
-      count = iter(range(1, 10**9))
-
-      def call(fn=fn, count=count, form=form):
-        ids = batches[form][next(count) % len(batches[form])]
-        jax.block_until_ready(fn(ids))
-
-      fns[key] = call
+      fns[key] = Counter(
+        lambda k, fn=fn, b=batches[form]: jax.block_until_ready(
+          fn(b[k % len(b)])
+        )
+      )
   t = time_interleaved(fns, warmup=1, rounds=args.rounds, label="eager calls")
   rows = []
   for method in ("admit", "lookup", "vocab_stats"):
@@ -121,27 +119,15 @@ def main(argv: list[str] | None = None) -> None:
       ours = t[f"{method}, {form}, outside jit"]
       for way in WAYS:
         key = f"{method}, {form}, {way}"
-        rows.append(
-          [
-            method,
-            "-" if method == "vocab_stats" else form,
-            way,
-            f"{first[key]:.2f}",
-            f"{t[key] * 1e3:.2f}",
-            f"{t[key] / ours:.2f}x",
-          ]
-        )
+        ids = "-" if method == "vocab_stats" else form
+        rows.append([method, ids, way, f"{first[key]:.2f}"])
+        rows[-1] += [f"{t[key] * 1e3:.2f}", f"{t[key] / ours:.2f}x"]
   write_results(
     "eager_calls",
     "A table stack's methods called outside jax.jit",
-    [
-      "method",
-      "ids",
-      "called",
-      "first call s",
-      "later calls ms",
-      "vs outside jit",
-    ],
+    columns(
+      "method | ids | called | first call s | later calls ms | vs outside jit"
+    ),
     rows,
     notes=(
       f"{args.features} hashed tables of {args.rows:,} rows, 16 wide, "

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._common import (
-  available,
   import_torch,
   tbe,
   torch_huge_pages,
   torch_state,
 )
-from benchmarks.models import SEED
+from benchmarks._timing import Counter
 
 # torch's optimizers' learning rates, as the gtx twins' in benchmarks.recsys
 LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
@@ -81,10 +80,10 @@ def torch_table(name, data, *, linear=False, lr=1e-3):
   return run, (emb, opt), nbytes / data.table.shape[0]
 
 
-def _torch_optimizers(name: str, tables: list, dense: list) -> list:
+def _torch_optimizers(name: str, tables: list, dense: list, lr=None) -> list:
   import torch
 
-  lr = LR[name]
+  lr = LR[name] if lr is None else lr
   if name == "SparseAdam":  # SparseAdam refuses dense gradients
     return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr)]
   make = {"Adagrad": torch.optim.Adagrad, "SGD": torch.optim.SGD}[name]
@@ -176,18 +175,21 @@ def state_layout(tx: Any, dim: int) -> tuple[int, int]:
 
 def random_rows_floor(layout, total: int, dim: int, data, offsets):
   """Gather + scatter of each step's unique rows in ``layout``'s buffers
-  (``total`` rows each): ``(run, name of the library)``."""
-  wide, narrow = layout
+  (``total`` rows each): ``(run(i), name of the library)``."""
   uniq = [np.unique(s + offsets) for s in data.ids]
   if jax.default_backend() != "cpu":
-    return _device_rows_floor(
-      layout, total, dim, uniq
-    ), "jitted jnp gather + scatter"
-  if available("torch"):
-    import torch
+    run = _device_rows_floor(layout, total, dim, uniq)
+    return run, "jitted jnp gather + scatter"
+  return _host_rows_floor(layout, total, dim, uniq, import_torch())
 
-    bufs = [torch.ones(total, dim) for _ in range(wide)]
-    bufs += [torch.ones(total) for _ in range(narrow)]
+
+def _host_rows_floor(layout, total: int, dim: int, uniq: list, torch):
+  """The rows read and written back in place with nothing computed: torch
+  ``index_select`` + ``index_copy_`` (2 threads), numpy without torch."""
+  wide, narrow = layout
+  shapes = [(total, dim)] * wide + [(total,)] * narrow
+  if torch is not None:
+    bufs = [torch.ones(sh) for sh in shapes]
     torch_huge_pages(bufs)
     idx = [torch.from_numpy(u.astype(np.int64)) for u in uniq]
 
@@ -197,8 +199,7 @@ def random_rows_floor(layout, total: int, dim: int, data, offsets):
         b.index_copy_(0, u, b.index_select(0, u))
 
     return run, "torch index_select + index_copy_"
-  bufs = [np.ones((total, dim), np.float32) for _ in range(wide)]
-  bufs += [np.ones(total, np.float32) for _ in range(narrow)]
+  bufs = [np.ones(sh, np.float32) for sh in shapes]
 
   def run_np(i):
     u = uniq[i % len(uniq)]
@@ -244,15 +245,8 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
       e.weight.copy_(torch.from_numpy(t))
     tables.append(e)
   hp = torch_head(hp_np)
-  sparse_params = [e.weight for e in tables]
-  if opt_name == "SparseAdam":
-    opts = [
-      torch.optim.SparseAdam(sparse_params, lr=lr),
-      torch.optim.Adam(list(hp.values()), lr=lr),
-    ]
-  else:
-    opt = getattr(torch.optim, opt_name)
-    opts = [opt(sparse_params + list(hp.values()), lr=lr)]
+  weights = [e.weight for e in tables]
+  opts = _torch_optimizers(opt_name, weights, list(hp.values()), lr)
   tb = []
   for b, y in zip(batches, labels, strict=True):
     if bags:
@@ -355,39 +349,15 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
 
 
 def floor_runner(torch, rows, dim, optimizer, unique_ids):
-  """The random-rows floor of the optimizer part (shared/ANCHORS.md): read
-  and write back the step's unique rows of the parameter and of each
-  state array, nothing computed; torch ``index_select`` / ``index_copy_``
-  (2 threads) where torch imports, numpy otherwise. lazy_adam: the
-  parameter, m and v (``[rows, dim]`` each); adagrad: the parameter and
-  its accumulator; rowwise_adagrad: the parameter and one accumulator per
-  row; sgd: the parameter."""
-  full = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1)
-  shapes = [(rows, dim)] * full
+  """The random-rows floor of the optimizer part (shared/ANCHORS.md) of
+  ``benchmarks.stacks``: the step's unique rows of the parameter and of
+  each state array (lazy_adam: the parameter, m and v; adagrad: the
+  parameter and its accumulator; rowwise_adagrad: the parameter and one
+  accumulator per row; sgd: the parameter), as :func:`_host_rows_floor`."""
+  layout = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1), 0
   if optimizer == "rowwise_adagrad":
-    shapes.append((rows,))
-  rng = np.random.default_rng(SEED + 3)
-  arrays = [rng.standard_normal(sh).astype(np.float32) for sh in shapes]
-  if torch is not None:
-    arrays = [torch.from_numpy(a) for a in arrays]
-    torch_huge_pages(arrays)
-    ids = [torch.from_numpy(u.astype(np.int64)) for u in unique_ids]
-
-    def touch(a, u):
-      a.index_copy_(0, u, a.index_select(0, u))
-
-  else:
-    ids = unique_ids
-
-    def touch(a, u):
-      a[u] = np.take(a, u, axis=0)
-
-  ids_loop = itertools.cycle(ids)
-
-  def run():
-    u = next(ids_loop)
-    for a in arrays:
-      touch(a, u)
-
+    layout = 1, 1
+  run, _ = _host_rows_floor(layout, rows, dim, unique_ids, torch)
+  run = Counter(run, 0)
   run()
   return run
