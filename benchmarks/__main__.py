@@ -17,30 +17,10 @@ from benchmarks._common import parse, parser
 from benchmarks._results import RESULTS, machine, markdown_table
 from benchmarks._timing import Clock
 
-BENCHMARKS = [
-  "sparse_grad",
-  "lazy_adam",
-  "accumulate",
-  "staleness",
-  "mirrored",
-  "train_step",
-  "optimizers",
-  "dense_threshold",
-  "lr_pass",
-  "row_reader",
-  "row_gather",
-  "cpu_overlap",
-  "convergence",
-  "low_precision",
-  "recsys",
-  "compile_tables",
-  "stacks",
-  "stack_lanes",
-  "vocab",
-  "eager_calls",
-  "bounds_check",
-  "publish",
-]
+BENCHMARKS = """sparse_grad lazy_adam accumulate staleness mirrored train_step
+optimizers dense_threshold lr_pass row_reader row_gather cpu_overlap
+convergence low_precision recsys compile_tables stacks stack_lanes vocab
+eager_calls bounds_check publish""".split()
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
 

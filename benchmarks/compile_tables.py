@@ -1,37 +1,25 @@
 """Trace and compile time against the number of tables (issue 29).
 
-A DLRM-shaped model as users write it: one leaf per table, each read as
-``p[f"t{i}"][ids[:, i]]``, a linear logit per feature
-(``rows @ p["w"][i]``), a logistic loss; one optimizer (``gtx.lazy_adam``)
-over every leaf; ``gtx.sparse_value_and_grad`` + ``tx.update`` +
-``gtx.apply_updates`` under one donated ``jax.jit``. Criteo's 26
-categorical cardinalities capped at ``--cap`` rows (20k), ``--dim`` wide
-(32), batch ``--batch`` (1024), replicated x2 and x4 for 52 and 104
-tables. Beside it the same tables stacked by hand into one leaf (ids
-shifted by each table's row offset, one read), and ``jax.value_and_grad``
-of the per-table model (JAX's own trace of the same loss: the floor of the
-rewrite).
-
-Per program: ``trace`` (``jax.jit(f).trace``: Python, the rewrite, the
-optimizer's Python), ``lower`` (to StableHLO) and ``compile`` (XLA), in
-seconds of wall clock, on abstract arguments (no table is allocated); and
-the CPU seconds of the three (``time.process_time``, every thread of this
-process), which a shared machine's load inflates far less: the ratios are
-of CPU seconds. Nothing is cached between programs: each is a new
-function, the persistent compilation cache is off.
+A DLRM-shaped model as users write it (one leaf per table read
+``p[f"t{i}"][ids[:, i]]``, a linear logit per feature, a logistic loss,
+``gtx.lazy_adam`` over every leaf, the whole step under one donated
+``jax.jit``) on Criteo's cardinalities capped at ``--cap`` rows, replicated
+for 52 and 104 tables; beside it the same tables stacked by hand into one
+leaf, and ``jax.value_and_grad`` of the per-table model (JAX's own trace:
+the floor of the rewrite). Per program, on abstract arguments with nothing
+cached: wall seconds to trace, lower and compile, and their CPU seconds
+(every thread of the process; a shared machine's load inflates them far
+less: the ratios are of CPU seconds).
 
   python -m benchmarks.compile_tables [--tables 26 52 104] [--repeats 1]
-      [--quick]
 
 ``--forms`` times instead the whole step of one ``gtx.TableStack`` over
-the same tables for each input and output form users write (issue 48):
-a dict of ``[B]`` inputs, one ``[B, F]`` matrix sliced per feature into
-that dict, the matrix passed whole as a ``gtx.Keyed``, jagged features as
-one ``gtx.KeyedJagged``; the pooled rows read as one ``output="concat"``
-array or per feature (a logit weight vector per feature: the dict's
-entries one by one, or ``output="keyed"``'s ``[B, F, dim]`` in one einsum),
-at 26 and 500 features (``results/compile_tables_forms.md``), each form
-in a fresh process of its own, as a user's program compiles its step.
+the same tables for each input and output form users write (issue 48: a
+dict of ``[B]`` inputs, a ``[B, F]`` matrix sliced into that dict or passed
+as a ``gtx.Keyed``, jagged features as a ``gtx.KeyedJagged``; the pooled
+rows as one ``output="concat"`` array or per feature), at 26 and 500
+features, each form in a fresh process as a user's program compiles its
+step (``results/compile_tables_forms.md``).
 
   python -m benchmarks.compile_tables --forms [--tables 26 500]
 """

@@ -1,47 +1,23 @@
 """Recommender scale: a DLRM-shaped model with one table per feature.
 
-The model as users write it, on Criteo Kaggle's 26 categorical features
-(DLRM's cardinalities, capped at ``--cap`` rows: 840,543 rows in all at
-100k), every table ``--dim`` wide: one leaf per table ``p[f"t{i}"]``, read
-``p[f"t{i}"][ids[:, i]]``, a head over the 26 embeddings (``linear``: one
-logit weight vector per feature; ``mlp``: one tanh layer over the
-concatenated embeddings), binary cross-entropy returned. Fresh ids every
-step (pre-generated; uniform or Zipf s = 1.05 per table, as
-``benchmarks.train_step``). Timed round-robin in one process, per
-optimizer:
+The model as users write it (``benchmarks.models``: Criteo Kaggle's 26
+cardinalities capped at ``--cap`` rows, ``--dim`` wide, one leaf per table
+read ``p[f"t{i}"][ids[:, i]]``, a ``linear`` or ``mlp`` head, binary
+cross-entropy returned), fresh ids every step (uniform or Zipf), timed
+round-robin in one process per optimizer (:data:`OPTIMIZERS`, each with its
+torch and FBGEMM twins): ``gtx`` (one jitted, donated step),
+``gtx stacked`` (the tables stacked by hand into one leaf, read
+``p["emb"][ids + offsets]``), the optimizer parts alone on pre-built
+gradients (``opt only``), torch (26 ``nn.Embedding(sparse=True)``, the
+head on Adam for SparseAdam; at each ``--torch-threads``), FBGEMM (one
+table-batched module, SUM bags of one id, the optimizer fused in the
+backward; where ``fbgemm_gpu`` imports, see ``benchmarks.fbgemm_anchor``),
+and the random-rows floor (``twins.random_rows_floor``) beside the
+sequential floor at the warm copy bandwidth. Then trace, lower and compile
+of the whole gtx step at ``--compile-tables`` tables, per-table against
+stacked, and each compiled step's ops (what a GPU would launch).
 
-* ``gtx``: ``gtx.sparse_value_and_grad`` + ``tx.update`` +
-  ``gtx.apply_updates`` in one jitted step, params and state donated; one
-  optimizer for every leaf.
-* ``gtx stacked``: the same tables stacked by hand into one leaf, read as
-  ``p["emb"][ids + offsets]``.
-* ``gtx opt only`` / ``gtx stacked opt only``: ``update`` + ``apply_updates``
-  alone on pre-built gradients of the step's ids, on the same buffers.
-* ``torch``: 26 ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (the head on
-  ``Adam``), sparse ``Adagrad`` or ``SGD``, the same head and loss,
-  ``torch.set_num_threads(2)``, ``loss.item()`` returned.
-* ``FBGEMM``: one ``SplitTableBatchedEmbeddingBagsCodegen`` holding all 26
-  tables (SUM bags of one id; EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD /
-  EXACT_SGD fused in the backward), the head on torch's Adagrad or SGD.
-  Only where ``fbgemm_gpu`` imports (see ``benchmarks.fbgemm_anchor``:
-  its wheel needs torch 2.14; run this module in that environment with
-  jax and optax installed there).
-* ``floor: random rows``: gather + scatter (torch ``index_select`` +
-  ``index_copy_``, numpy without torch) of the step's unique rows of the
-  params and of every state buffer, one buffer per state kind, on the same
-  ids. Beside it the sequential floor: the same bytes (read + write, plus
-  the gradient rows read) over the bandwidth of a copy into a pre-faulted
-  buffer.
-
-Then the compile time of the whole gtx step (trace, lower and compile
-apart) at ``--compile-tables`` tables (Criteo's cardinalities repeated,
-capped at 20k rows, 32 wide, batch 1024, linear head), per-table vs stacked
-by hand, and the ops of each compiled step against the number of tables
-(while loops, sorts, scatters, gathers, fusions, kernels: what a GPU would
-launch).
-
-Writes ``benchmarks/results/recsys.{md,json,png}`` (with
-``GRADTX_BENCH_SUFFIX`` appended, as every benchmark).
+Writes ``benchmarks/results/recsys.{md,json,png}``.
 
   python -m benchmarks.recsys [--quick] [--optimizers ...] [--dists ...]
       [--heads ...] [--cap 100000] [--dim 64] [--batch 2048]

@@ -1,29 +1,19 @@
 """Row-sharded vs replicated tables: collective bytes, memory, step time.
 
 On 8 fake CPU devices (this module sets ``XLA_FLAGS`` before JAX is first
-imported; run it as its own process). The training step (gtx.lookup bag of
-embeddings, ``sparse_value_and_grad``, ``lazy_adam``, ``apply_updates``,
-params and state donated) is jitted on an Explicit mesh with the batch split
-over the 8 devices and the table either replicated (``P()``) or row-sharded
-(``P("d", None)``). For each table size (fixed batch):
+imported: run it as its own process), the training step (a ``gtx.lookup``
+bag of embeddings, ``sparse_value_and_grad``, ``lazy_adam``, donated) on an
+Explicit mesh, the batch split over the devices, the table replicated
+(``P()``) or row-sharded (``P("d", None)``); per table size: the bytes its
+collectives move (from the compiled HLO), per-device memory
+(``memory_analysis``) and the step's time where the state fits. Also the
+two ways to read rows of a sharded table: gradtx's masked local read +
+reduce-scatter, and TorchRec's routing of ids to their owners with two
+all-to-alls (buckets at the static worst case).
 
-1. bytes moved by collectives per step, summed from the compiled HLO
-   (result shapes of all-gather / all-reduce / reduce-scatter /
-   all-to-all / collective-permute);
-2. per-device memory (``memory_analysis``: arguments + temporaries);
-3. step time (median, round-robin), where the whole state fits this
-   machine's memory (replicated tables are 8 copies).
-
-It also compares the two ways to read rows of a sharded table: the masked
-local read + reduce-scatter gradtx uses, and routing ids to their owners
-with two all-to-alls (TorchRec's way; static shapes force each owner's
-bucket to the worst case, ``n`` ids per source device).
-
-``--mirrored`` measures the same three figures for the per-replica step of
-``gtx.Mirrored`` (``all_reduce`` then ``lazy_adam``): every param
-replicated, against the hybrid ``Mirrored(shard_rows="emb")`` (table and
-its state row-sharded, dense params mirrored), and writes
-``results/sharded_mirrored.{md,json}``.
+``--mirrored``: the same figures for ``gtx.Mirrored``'s step (``all_reduce``
+then ``lazy_adam``), every param replicated, against the hybrid
+``Mirrored(shard_rows="emb")``; writes ``results/sharded_mirrored``.
 
   python -m benchmarks.sharded [--rows 1000000 8000000] [--dim 32]
       [--ids 8192] [--quick] [--mirrored]

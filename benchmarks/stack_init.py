@@ -63,13 +63,9 @@ def main(argv=None):
     rev, kind, n = args.one
     _one(rev, kind, int(n), args.cap, args.dim)
     return
-  now = subprocess.run(
-    ["git", "rev-parse", "--short", "HEAD"],
-    cwd=ROOT,
-    check=True,
-    capture_output=True,
-    text=True,
-  ).stdout.strip()
+  git = ["git", "rev-parse", "--short", "HEAD"]
+  now = subprocess.run(git, cwd=ROOT, check=True, capture_output=True)
+  now = now.stdout.decode().strip()
   versions = {
     f"this checkout ({now}+)": "HEAD+",
     f"before ({args.before})": args.before,
@@ -79,38 +75,16 @@ def main(argv=None):
     for n in args.tables:
       got = {}
       for name, rev in versions.items():
-        cmd = [
-          sys.executable,
-          "-m",
-          "benchmarks.stack_init",
-          "--before",
-          args.before,
-        ]
-        cmd += [
-          "--cap",
-          str(args.cap),
-          "--dim",
-          str(args.dim),
-          "--one",
-          rev,
-          kind,
-          str(n),
-        ]
+        cmd = [sys.executable, "-m", "benchmarks.stack_init"]
+        cmd += ["--before", args.before, "--cap", str(args.cap)]
+        cmd += ["--dim", str(args.dim), "--one", rev, kind, str(n)]
         out = subprocess.run(
           cmd, cwd=ROOT, check=True, capture_output=True, text=True
         )
         got[name] = json.loads(out.stdout.strip().splitlines()[-1])
       (a, b) = (got[k]["init"] for k in versions)
-      rows.append(
-        [
-          kind,
-          n,
-          f"{got[name]['rows']:,}",
-          f"{a:.2f}",
-          f"{b:.2f}",
-          f"{b / a:.1f}x",
-        ]
-      )
+      rows.append([kind, n, f"{got[name]['rows']:,}", f"{a:.2f}", f"{b:.2f}"])
+      rows[-1].append(f"{b / a:.1f}x")
       print(rows[-1], flush=True)
   (after, before) = versions
   write_results(

@@ -1,41 +1,23 @@
-"""Table stacks: the whole training step of a recommender, per-table leaves
-against ``gtx.TableStack``, beside torch, on one-hot features and on
-multi-hot bags; then compile time and op counts against the number of
-features; then where a step's rows land on an 8-way row-sharded stack.
+"""Table stacks: a recommender's whole training step, per-table leaves
+against ``gtx.TableStack``, beside torch and FBGEMM; then compile time and
+op counts against the number of features; then where a step's rows land on
+an 8-way row-sharded stack.
 
-Models (the loss returned, fresh ids every step, params and state donated):
+Models (``benchmarks.models``; loss returned, fresh ids, params and state
+donated): ``criteo``, Criteo's 26 cardinalities capped at ``--cap``, one id
+per example and feature, a linear head (and ``--heads mlp`` for
+``--mlp-optimizers``), the stack made with ``batch_size`` as the
+recommenders guide makes it; ``bags``, ``--bag-tables`` tables of
+``--bag-rows``, bags of 1-20 weighted ids summed (``jax.ops.segment_sum``
+per table as users write it; ``gtx.Jagged`` features of one stack; torch
+``nn.EmbeddingBag``). Systems: ``gtx per-table``, ``gtx stack``, ``torch``
+(``sparse=True``, 2 threads) and ``fbgemm`` (TorchRec's table-batched
+kernels on the host, the optimizer fused in the backward; where
+``fbgemm_gpu`` imports), the stack's optimizer part alone and its
+random-rows floor, per optimizer of ``models.STACK_OPTIMIZERS``. Host
+memory is reused as gradtx sets it at import; ``--fresh-memory`` opts out.
 
-* ``criteo``: Criteo Kaggle's 26 cardinalities capped at ``--cap`` rows,
-  ``--dim`` wide, batch ``--batch``, one id per example and feature
-  (uniform or Zipf), a linear logit per feature, and (``--heads``) a tanh
-  layer of 256 over the concatenated features for ``--mlp-optimizers``;
-  the stack made with ``batch_size=--batch``, as the recommenders guide
-  makes it (tables read at least 4 times a row in a dense stack).
-* ``bags``: ``--bag-tables`` tables of ``--bag-rows`` x ``--dim``, batch
-  ``--bag-batch``, a bag of 1-20 ids per example and feature (Zipf or
-  uniform) with per-id weights, summed: gtx per table as users write it
-  (``jax.ops.segment_sum`` over the flat ids padded to a static capacity),
-  gtx with the bags as ``gtx.Jagged`` features of one stack, torch
-  ``nn.EmbeddingBag(mode="sum", sparse=True, per_sample_weights)``.
-
-Systems: ``gtx per-table`` (a leaf per table, read ``p[t][ids]``), ``gtx
-stack`` (``stack.lookup``), ``torch`` (``nn.Embedding``/``nn.EmbeddingBag``
-``sparse=True``, 2 threads) where torch imports, and ``fbgemm`` (FBGEMM's
-table-batched module on the host, TorchRec's kernels, the optimizer fused
-into the backward) where ``fbgemm_gpu`` imports (package
-``fbgemm-gpu-cpu`` with its matching torch, e.g. 1.9.0 with torch 2.14.1,
-installed beside gradtx). Optimizers (``--optimizers``): ``lazy_adam``
-(torch SparseAdam; FBGEMM has no Adam on CPU), ``rowwise_adagrad`` (torch
-Adagrad, which is element-wise: the anchor users would pick; FBGEMM
-EXACT_ROWWISE_ADAGRAD), ``adagrad`` (torch Adagrad, FBGEMM EXACT_ADAGRAD)
-and ``sgd`` (``gtx.lazy_sgd``, torch SGD, FBGEMM EXACT_SGD). Then ``trace
-+ lower + compile`` of the criteo step at ``--compile-features`` features
-(Criteo's cardinalities repeated, capped at 20k rows, 32 wide, batch 1024)
-and the compiled step's op counts, and the rows per device of an 8-way
-row-sharded stack. Host memory is reused as gradtx sets it at import (for
-every system of the process); ``--fresh-memory`` opts out.
-
-Writes ``benchmarks/results/stacks.{md,json}``.
+Writes ``benchmarks/results/stacks.{md,json,png}``.
 
   python -m benchmarks.stacks [--quick] [--rounds 8]
 """
