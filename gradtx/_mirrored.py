@@ -16,6 +16,7 @@ of gradients into an optax chain.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -572,11 +573,32 @@ def _join_outputs(
   )
 
 
+# the replica axis of the Mirrored step whose function is being traced
+_REPLICA_AXIS: contextvars.ContextVar = contextvars.ContextVar(
+  "gradtx_replica_axis", default=None
+)
+
+
+def replica_axis() -> AxisName | None:
+  """The replica axis name of the :class:`Mirrored` step being traced
+  here (inside its function), or None outside one."""
+  return _REPLICA_AXIS.get()
+
+
 def _split_call(
-  fn: Callable[..., Any], per_replica: tuple[int, ...], name: str, *args: Any
+  fn: Callable[..., Any],
+  per_replica: tuple[int, ...],
+  name: str,
+  axis_name: AxisName,
+  *args: Any,
 ) -> tuple[Any, list[Any]]:
-  """The body both strategies map: ``fn`` with its outputs split."""
-  return _split_outputs(fn(*args), per_replica, name)
+  """The body both strategies map: ``fn`` with its outputs split, traced
+  with :func:`replica_axis` telling its axis."""
+  token = _REPLICA_AXIS.set(axis_name)
+  try:
+    return _split_outputs(fn(*args), per_replica, name)
+  finally:
+    _REPLICA_AXIS.reset(token)
 
 
 # -- the step: two execution strategies --------------------------------------
@@ -646,7 +668,7 @@ def _compile_step(
   """The jitted step: checks its arguments at trace time, runs ``fn`` per
   replica with ``strategy`` and puts the outputs back in ``fn``'s order."""
   name = getattr(fn, "__name__", repr(fn))
-  body = functools.partial(_split_call, fn, per_replica, name)
+  body = functools.partial(_split_call, fn, per_replica, name, r.axis_name)
 
   def run(*args):
     if len(args) < 3:

@@ -26,7 +26,7 @@ from jax import lax
 from gradtx._accumulate import AccumulateState
 from gradtx._fresh_rows import reset_rows
 from gradtx._inputs import Jagged, KeyedJagged
-from gradtx._mirrored import gather_replicas
+from gradtx._mirrored import gather_replicas, replica_axis
 from gradtx._publish import Delta, TrackChangesState, delta
 from gradtx._sparse_rows import SparseRows
 from gradtx._stack import TableStack
@@ -119,7 +119,7 @@ def _gather_batch(tree: Any, axis_name: Any) -> Any:
   for x in jax.tree.leaves(tree, is_leaf=_is_jagged):
     if _is_jagged(x):
       raise ValueError(
-        "gradtx.OpenVocab.admit with `axis_name`: a gradtx.Jagged or "
+        "gradtx.OpenVocab.admit on replicas: a gradtx.Jagged or "
         "gradtx.KeyedJagged feature is packed per replica and cannot be "
         "joined into the global batch by a gather; give hashed features as "
         "[B] or [B, L] ids (padding by a weight 0 or a negative id), "
@@ -208,7 +208,8 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
   :meth:`admit`, :meth:`publish` and :meth:`mapped_at`: they find and
   replace its :class:`OpenVocabState` in it (one OpenVocab a state).
   Wrap what follows the stack's rows (``accumulate``, ``drop_stale``, the
-  optimizer) inside it, so that :meth:`admit` resets their rows; put
+  optimizer) inside it, so that :meth:`admit` resets their rows (an
+  OpenVocab inside ``accumulate`` or ``drop_stale`` is refused); put
   :func:`gradtx.track_changes` in ``tx``, or after an enclosing
   ``multi_transform`` so that it records every leaf, to publish.
 
@@ -224,14 +225,15 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       step, a count or a fraction of its id slots, as
       ``TableStack.admit`` takes them (of the global batch, with
       ``axis_name``).
-    axis_name: for a step run on every replica (:class:`gradtx.Mirrored`'s
-      ``axis_name``, or ``jax.shard_map``'s / ``jax.pmap``'s): :meth:`admit`
-      gathers the replicas' raw ids and maps the global batch on every
-      replica, so the maps, the fresh rows and the params stay the same on
-      all of them (equal to one device's step on the global batch), and
-      returns each replica the rows of its own part. Each replica does the
-      map's work of the global batch. Default None: one device, or a step
-      under ``jax.jit`` whose batch is sharded by the compiler.
+    axis_name: the replica axis of a step run on every replica under
+      ``jax.shard_map`` or ``jax.pmap``: :meth:`admit` gathers the
+      replicas' raw ids and maps the global batch on every replica, so
+      the maps, the fresh rows and the params stay the same on all of
+      them (equal to one device's step on the global batch), and returns
+      each replica the rows of its own part. Each replica does the map's
+      work of the global batch. Inside a :class:`gradtx.Mirrored` step it
+      takes the step's axis itself; default None elsewhere: one device,
+      or a step under ``jax.jit`` whose batch the compiler shards.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -422,9 +424,10 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       )
     seen = self._inner_params(params, own.inner_state)
     mapped = {k: v.step for k, v in own.vocab.items()}
-    if self.axis_name is not None:
-      ids = _gather_batch(ids, self.axis_name)
-      weights = _gather_batch(weights, self.axis_name)
+    axis = self.axis_name if self.axis_name is not None else replica_axis()
+    if axis is not None:
+      ids = _gather_batch(ids, axis)
+      weights = _gather_batch(weights, axis)
     rows, vocab, fresh = self.stack.admit(
       own.vocab,
       ids,
@@ -432,8 +435,8 @@ class OpenVocab(optax.GradientTransformationExtraArgs):
       max_new=self.max_new,
       max_new_fraction=self.max_new_fraction,
     )
-    if self.axis_name is not None:
-      rows = _own_part(rows, self.axis_name)
+    if axis is not None:
+      rows = _own_part(rows, axis)
     new, inner_state = reset_rows(
       self._inner, own.inner_state, seen, _nest(self._path, fresh)
     )

@@ -483,14 +483,22 @@ def _summed_loss(stack, p, ids, weights, labels, mask):
   return jnp.sum(mask * optax.sigmoid_binary_cross_entropy(logit, labels))
 
 
-def test_mirrored_replicas_keep_one_map_of_the_global_batch():
-  """With ``axis_name``, every replica of a Mirrored step maps the global
-  batch: the maps are the one-device run's exactly (placement, evictions,
-  fresh rows), and params and state equal it to rounding (the replicas'
-  gradients are summed in another order)."""
-  m = gtx.Mirrored()
+@pytest.mark.parametrize("axis", ["given", "the step's", "rows sharded"])
+def test_mirrored_replicas_keep_one_map_of_the_global_batch(axis):
+  """Every replica of a Mirrored step maps the global batch (the axis
+  given, or taken from the step; the stack mirrored or split by rows over
+  the replicas): the maps are the one-device run's exactly (placement,
+  evictions, fresh rows), and params and state equal it to rounding (the
+  replicas' gradients are summed in another order)."""
+  if axis == "rows sharded":
+    m = gtx.Mirrored(
+      shard_rows=lambda path, x: "emb" in jax.tree_util.keystr(path)
+    )
+    stack = gtx.TableStack(TABLES, features=FEATURES, shards=m.num_replicas)
+  else:
+    m = gtx.Mirrored()
+    stack = _stack()
   n = 2 * m.num_replicas
-  stack = _stack()
   key = jax.random.key(1)
   one = gtx.OpenVocab(stack, gtx.lazy_adam(0.05), at="emb", key=key)
   mirrored = gtx.OpenVocab(
@@ -498,7 +506,7 @@ def test_mirrored_replicas_keep_one_map_of_the_global_batch():
     optax.chain(gtx.all_reduce(m.axis_name, "sum"), gtx.lazy_adam(0.05)),
     at="emb",
     key=key,
-    axis_name=m.axis_name,
+    axis_name=m.axis_name if axis == "given" else None,
   )
 
   def step_of(ov):
@@ -515,8 +523,8 @@ def test_mirrored_replicas_keep_one_map_of_the_global_batch():
 
   params = _params(stack)
   one_params, one_state = params, one.init(params)
-  m_params = m.replicate(params)
-  m_state = m.replicate(mirrored.init(params))
+  m_params = m.place(params)
+  m_state = m.init_state(mirrored, m_params)
   one_step = jax.jit(step_of(one))
   m_step = m.step(step_of(mirrored))
   rng = np.random.RandomState(5)
