@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks.models import CRITEO_KAGGLE
+from benchmarks.models import bce, table_rows
 
 CAP = 100_000  # rows of a Criteo table at most, as benchmarks.stacks
 MAX_BAG = 20  # a bag holds 1..MAX_BAG ids
@@ -53,10 +53,6 @@ class Program(NamedTuple):
   init: Callable[[Any], tuple]  # key -> the donated arguments, concrete
   batch: Callable[[np.random.Generator], tuple]  # rng -> the other ones
   info: dict  # sizes, for tables and the cost model's notes
-
-
-def bce(logit: jax.Array, y: jax.Array) -> jax.Array:
-  return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
 
 def _abstract(tree: Any) -> Any:
@@ -91,7 +87,7 @@ def _program(name, tx, loss, params_fn, batch_fn, info) -> Program:
 
 def criteo_rows(features: int = 26, cap: int = CAP) -> list[int]:
   """Criteo Kaggle's cardinalities (repeated past 26), capped at ``cap``."""
-  return [min(CRITEO_KAGGLE[i % 26], cap) for i in range(features)]
+  return table_rows(features, cap)
 
 
 def _labels(rng, batch):
@@ -131,16 +127,23 @@ def single_table(
   return _program("single table", tx, loss, params_fn, batch_fn, info)
 
 
-def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
-  tx = gtx.lazy_adam(1e-3)
-  head = _head(len(features), dim)
+def _concat_loss(stack, features: int, dim: int, batch: int, lookup_ids):
+  """The stack's rows as one concat array, a linear head, bce."""
 
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], lookup_ids(ids), output="concat")
-    x = x.reshape(batch, len(features), dim)
+    x = x.reshape(batch, features, dim)
     return bce(
       jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
     )
+
+  return loss
+
+
+def _stack_program(name, stack, features, dim, batch, lookup_ids, batch_fn):
+  tx = gtx.lazy_adam(1e-3)
+  head = _head(len(features), dim)
+  loss = _concat_loss(stack, len(features), dim, batch, lookup_ids)
 
   def params_fn(key):
     k1, k2 = jax.random.split(key)
@@ -238,15 +241,7 @@ def hashed(
   stack = gtx.TableStack(specs)
   tx = gtx.lazy_adam(1e-3)
   head = _head(features, dim)
-
-  def loss(p, ids, y):
-    x = stack.lookup(p["emb"], ids, output="concat")
-    x = x.reshape(batch, features, dim)
-    return bce(
-      jnp.sum(x * p["head"]["w"][None], axis=(1, 2)) + p["head"]["b"], y
-    )
-
-  update = _update(tx, loss)
+  update = _update(tx, _concat_loss(stack, features, dim, batch, lambda x: x))
 
   def run(params, state, vocab, raw, y):
     ids, vocab, fresh = stack.admit(vocab, raw)
