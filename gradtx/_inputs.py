@@ -652,3 +652,15 @@ def outside_traces(*trees: Any) -> bool:
     elif not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
       return False
   return True
+
+
+def run_program(programs: dict, key: Any, fn: Callable, *args: Any) -> Any:
+  """``fn(*args)``: outside any trace (:func:`outside_traces`) as one
+  program, compiled once per ``key`` and kept in ``programs`` (a stack's:
+  eagerly, op by op, the id map's placement loop would compile again on
+  every call); inside one, as ops of the caller's program."""
+  if not outside_traces(*args):
+    return fn(*args)
+  if key not in programs:
+    programs[key] = jax.jit(fn)
+  return programs[key](*args)

@@ -8,7 +8,12 @@ each stack with hashed tables. It returns a :class:`StackPlan`, which
 prints itself (``print(stack)``) and whose :class:`StackSpec` records
 ``TableStack.stacks`` hands out. The default initializer of the tables
 (:func:`default_tables`) is here too; the rows an id map gives to new ids
-draw its distribution themselves (``_vocab``).
+draw its distribution themselves (``_vocab``). The plan answers for the
+facade what follows from it alone: the params of one array per stack
+(:func:`init_params`, :func:`stack_params`, :func:`unstack_params`), each
+feature's combiner and the arrays a set of features reads
+(:func:`arrays_read`); a :class:`StackSpec` maps its rows both ways
+(``physical``, ``logical``, ``table_of``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from jax.typing import DTypeLike
 from gradtx import _rows
 from gradtx._lookup import DENSE_READS_PER_ROW
 from gradtx._memory import format_bytes
-from gradtx._sharded import spread_row
+from gradtx._sharded import gathered_row, spread_row
 from gradtx._static import is_int
 from gradtx._vocab import MAP_BYTES_PER_ROW, Hashed, Layout
 
@@ -180,6 +185,16 @@ class StackSpec(NamedTuple):
   def physical(self, p: Any) -> Any:
     """The array row of logical row ``p`` (numpy or jax ints)."""
     return spread_row(p, self.size, self.shards)
+
+  def logical(self, r: Any) -> Any:
+    """The logical row of array row ``r`` (numpy or jax ints)."""
+    return gathered_row(r, self.size, self.shards)
+
+  def table_of(self, r: Any) -> np.ndarray:
+    """The index in ``tables`` of the table holding each array row ``r``
+    (numpy ints)."""
+    at = np.searchsorted(np.asarray(self.offsets), self.logical(r), "right")
+    return at - 1
 
   def to_array(self, logical: Any) -> Any:
     """``[rows, ...]`` rows in logical order -> the stack's array."""
@@ -535,3 +550,133 @@ def _check_count(value: Any, name: str, what: str) -> int:
       f"gradtx.TableStack `{name}` must be a positive int{what}; got {value!r}."
     )
   return int(value)
+
+
+# -- the params, read by the plan ---------------------------------------------
+def init_params(plan: StackPlan, key: Any) -> dict[str, jax.Array]:
+  """The params of ``plan`` (``TableStack.init``'s, traced): each table's
+  rows from its initializer with its own key, the default initializer's
+  tables of one width and dtype drawn at once."""
+  per_table, alike = {}, {}
+  names = list(plan.tables)
+  for i, (t, spec) in enumerate(plan.tables.items()):
+    shape, dtype = (int(spec.rows), int(spec.dim)), jnp.dtype(spec.dtype)
+    if spec.initializer is None:  # drawn below, with its width's tables
+      alike.setdefault((shape[1], dtype), []).append(i)
+    else:
+      x = spec.initializer(jax.random.fold_in(key, i), shape, dtype)
+      per_table[t] = jnp.asarray(x, dtype)
+  for (dim, dtype), index in alike.items():
+    sizes = [int(plan.tables[names[i]].rows) for i in index]
+    rows = default_tables(key, index, sizes, dim, dtype)
+    # The group (every default table of this width and dtype) does not
+    # depend on the plan; kept out of the fusions of the stacks that
+    # consume it, its draw is the same program, bit for bit, whatever
+    # the plan.
+    rows = lax.optimization_barrier(rows)
+    parts = jnp.split(rows, np.cumsum(sizes)[:-1])
+    per_table.update(zip([names[i] for i in index], parts, strict=True))
+  return stack_params(plan, per_table)
+
+
+def stack_params(plan: StackPlan, per_table: Mapping[str, Any]) -> dict:
+  """Params from one array per table (``TableStack.stack``)."""
+  missing = [t for t in plan.tables if t not in per_table]
+  if missing:
+    raise ValueError(
+      f"gradtx.TableStack.stack: `per_table` has no array for {missing}."
+    )
+  for t, spec in plan.tables.items():
+    shape = tuple(jnp.shape(per_table[t]))
+    if shape != (spec.rows, spec.dim):
+      raise ValueError(
+        f"gradtx.TableStack.stack: table {t!r} has shape {shape}, its "
+        f"TableSpec says ({spec.rows}, {spec.dim})."
+      )
+  out = {
+    s.name: s.to_array(
+      jnp.concatenate([jnp.asarray(per_table[t], s.dtype) for t in s.tables])
+    )
+    for s in plan.stacks.values()
+  }
+  for t in plan.outside:
+    out[t] = jnp.asarray(per_table[t], plan.tables[t].dtype)
+  return out
+
+
+def unstack_params(plan: StackPlan, params: Mapping[str, Any]) -> dict:
+  """One ``[rows, dim]`` array per table (``TableStack.unstack``)."""
+  check_params(plan, params, "unstack")
+  logical = {k: s.to_logical(params[k]) for k, s in plan.stacks.items()}
+  out = {}
+  for t in plan.tables:
+    where, off = plan.location(t)
+    if where == t:
+      out[t] = params[t]
+    else:
+      out[t] = logical[where][off : off + plan.tables[t].rows]
+  return out
+
+
+def check_params(plan: StackPlan, params: Any, what: str) -> None:
+  """``params`` has the keys of the plan's arrays, for the TableStack
+  method ``what``."""
+  want = list(plan.stacks) + list(plan.outside)
+  if not isinstance(params, Mapping) or any(k not in params for k in want):
+    got = list(params) if isinstance(params, Mapping) else type(params)
+    raise ValueError(
+      f"gradtx.TableStack.{what}: `params` must be the dict `stack.init` "
+      f"returns, with keys {want}; got {got}."
+    )
+
+
+# -- the features, read by the plan -------------------------------------------
+def hashed_features(plan: StackPlan) -> list[str]:
+  """The features of hashed tables, in the plan's order."""
+  hashed = {t for layout in plan.maps.values() for t in layout.tables}
+  return [f for f, t in plan.features.items() if t in hashed]
+
+
+def feature_combiners(
+  plan: StackPlan, combiner: Any
+) -> tuple[tuple[str, str], ...]:
+  """Each feature's combiner (``lookup``'s ``combiner`` over its table's),
+  checked: ``((feature, combiner), ...)``, hashable (a program's key)."""
+  given = combiner if isinstance(combiner, Mapping) else {}
+  unknown = [f for f in given if f not in plan.features]
+  if unknown:
+    raise ValueError(
+      f"gradtx.TableStack.lookup `combiner` names unknown features "
+      f"{unknown}; the features are {list(plan.features)}."
+    )
+  every = None if isinstance(combiner, Mapping) else combiner
+  out = []
+  for f, t in plan.features.items():
+    c = given.get(f, every) or plan.tables[t].combiner or "sum"
+    if c not in COMBINERS:
+      raise ValueError(
+        f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}, "
+        f"or a dict feature name -> one of them; got {c!r}"
+        + (f" for feature {f!r}." if f in given else ".")
+      )
+    out.append((f, c))
+  return tuple(out)
+
+
+def arrays_read(plan: StackPlan, features: Any) -> list[tuple[str, list[str]]]:
+  """``(params key, features)`` per array that ``features`` read: the
+  stacks in order, then each table outside; features in the order
+  declared to the stack (never the order given: ``jax.jit`` sorts a
+  dict's keys)."""
+  given = set(features)
+  declared = [f for f in plan.features if f in given]
+  by_array = []
+  for name, s in plan.stacks.items():
+    feats = [f for f in declared if plan.features[f] in s.tables]
+    if feats:
+      by_array.append((name, feats))
+  for t in plan.outside:
+    feats = [f for f in declared if plan.features[f] == t]
+    if feats:
+      by_array.append((t, feats))
+  return by_array

@@ -24,10 +24,20 @@ from jax.typing import ArrayLike
 
 from gradtx import _platform
 from gradtx._ids import Words, raw_words, row_ids
-from gradtx._inputs import Jagged, Keyed, KeyedJagged, feature_form
+from gradtx._inputs import (
+  Jagged,
+  Keyed,
+  KeyedJagged,
+  feature_form,
+  host_ready,
+  keyed_batch,
+  plain_features,
+  run_program,
+)
 from gradtx._lookup import host_check, lookup
-from gradtx._sharded import split_like, unsplit
-from gradtx._vocab import Layout
+from gradtx._plan import StackPlan, arrays_read, check_params, hashed_features
+from gradtx._sharded import is_split, split_like, unsplit
+from gradtx._vocab import Layout, check_vocab, find
 
 
 class _Bag(NamedTuple):
@@ -468,3 +478,130 @@ def raw_slots(
     np.concatenate(tabs).astype(np.int32),
     rebuild,
   )
+
+
+# -- the one read of a stack's features ---------------------------------------
+def read_features(
+  plan: StackPlan,
+  programs: dict,
+  params: Mapping[str, jax.Array],
+  ids: Any,
+  weights: Mapping[str, ArrayLike] | None,
+  combiners: tuple[tuple[str, str], ...],
+  output: str,
+  vocab: Mapping[str, Any] | None = None,
+  bounds_check: bool = False,
+) -> Any:
+  """``TableStack.lookup``: every feature's pooled rows in ``output``'s
+  form (``"dict"``, ``"concat"``, ``"keyed"``), one gather and one
+  segment sum per array read.
+
+  The inputs are made fit on the host (:func:`host_ready`); outside any
+  trace the read runs as one program, compiled once per options and kept
+  in ``programs`` (the stack's), checked op by op with ``bounds_check``
+  so that a bad id raises at once. With ``vocab`` the hashed features'
+  raw ids find their rows first (read-only)."""
+  raw = [] if vocab is None else hashed_features(plan)
+  ids, weights = host_ready(ids, weights, raw, "lookup")
+
+  def read(p, i, w, v, check=False):
+    return _read(plan, p, i, w, combiners, output, v, check)
+
+  if bounds_check:
+    return read(params, ids, weights, vocab, True)
+  key = ("lookup", combiners, output)
+  return run_program(programs, key, read, params, ids, weights, vocab)
+
+
+def _read(plan, params, ids, weights, combiners, output, vocab, check):
+  check_params(plan, params, "lookup")
+  combiners = dict(combiners)
+  weights = dict(weights or {})
+  whole = isinstance(ids, (Keyed, KeyedJagged))
+  if whole and weights:
+    raise ValueError(
+      "gradtx.TableStack.lookup: `ids` is keyed; put its weights in "
+      f"`gtx.{type(ids).__name__}(..., weights=...)`, not in `weights`."
+    )
+  names = list(ids.names) if whole else list(ids)
+  unknown = [f for f in names + list(weights) if f not in plan.features]
+  if unknown:
+    raise ValueError(
+      f"gradtx.TableStack.lookup: unknown features {unknown}; the "
+      f"features are {list(plan.features)}."
+    )
+  if vocab is not None:
+    ids, weights = _found_rows(plan, vocab, ids, weights)
+    whole = False
+  # A batch split over Explicit mesh axes: pooled whole, split back.
+  split = next(
+    (x for x in jax.tree.leaves((ids, weights)) if is_split(x)), None
+  )
+  if split is not None:
+    ids, weights = jax.tree.map(
+      lambda x: unsplit(x) if is_split(x) else x, (ids, weights)
+    )
+  if whole:
+    batch = keyed_batch(ids, hashed_features(plan))
+    slots_of = keyed_reader(ids)
+  else:
+    batch, slots_of = dict_reader(
+      ids, weights, [f for f in plan.features if f in set(names)]
+    )
+  out, parts = {}, []
+  for where, feats in arrays_read(plan, names):
+    s = plan.stacks.get(where)
+    tables = [plan.features[f] for f in feats]
+    pooled = pool_rows(
+      params[where],
+      slots_of(feats),
+      batch,
+      [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
+      [plan.tables[t].rows for t in tables],
+      s,
+      [combiners[f] for f in feats],
+      feats if check else None,
+    )
+    if split is not None:
+      pooled = split_like(pooled, split)
+    if output == "dict":
+      out.update(split_features(pooled, feats))
+    else:
+      flat = output == "concat"
+      parts.append(pooled.reshape(pooled.shape[0], -1) if flat else pooled)
+  if output == "dict":
+    return {f: out[f] for f in names}
+  if output == "keyed":
+    dims = {p.shape[-1] for p in parts}
+    if len(dims) > 1:
+      raise ValueError(
+        "gradtx.TableStack.lookup `output='keyed'` needs features of one "
+        f"width; these have widths {sorted(dims)}. Pass "
+        "`output='concat'` (one [B, sum of dims] array) or read the dict."
+      )
+    values = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    order = [f for _, feats in arrays_read(plan, names) for f in feats]
+    return Keyed(order, values)
+  return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+
+def _found_rows(plan, vocab, ids, weights):
+  """``(ids, weights)`` with the hashed features' raw ids replaced by the
+  rows their maps hold (read-only: an unknown id is padding); a keyed
+  input is read as its dict."""
+  check_vocab(vocab, plan.maps, "lookup")
+  hashed = hashed_features(plan)
+  if isinstance(ids, (Keyed, KeyedJagged)):
+    if isinstance(ids, Keyed) and ids.weights is not None:
+      weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
+    ids = plain_features(ids, hashed)
+  else:
+    ids = dict(ids)  # rows replace raw ids below: not in the caller's
+  for name, layout in plan.maps.items():
+    slots = raw_slots(layout, plan.features, ids, weights, "lookup")
+    if slots is not None:
+      rows = find(
+        vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
+      )
+      ids.update(slots.rebuild(rows))
+  return ids, weights

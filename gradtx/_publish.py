@@ -45,6 +45,7 @@ from gradtx._fresh_rows import FreshMarks
 from gradtx._rowio import gather_rows, scatter_rows
 from gradtx._sharded import is_split, per_row_full
 from gradtx._sparse_rows import SparseRows
+from gradtx._stack import TableStack
 from gradtx._update_trees import broadcast_prefix, tree_map, zero_counter
 from gradtx._vocab import VocabState
 
@@ -442,7 +443,7 @@ def _maps(
         "the first publish)."
       )
     return {}
-  if stack is None or not hasattr(stack, "maps"):
+  if not isinstance(stack, TableStack):
     raise ValueError(
       "gradtx.delta `vocab` needs `stack=`, the gradtx.TableStack whose id "
       "maps it holds."
@@ -479,14 +480,12 @@ def _maps(
   return out
 
 
-def _table_of(stack: Any, name: str, ids: np.ndarray) -> np.ndarray:
+def _table_of(stack: TableStack, name: str, ids: np.ndarray) -> np.ndarray:
   """Index in ``list(stack.tables)`` of the table of each array row."""
   s = stack.stacks[name]
-  per = s.size // s.shards
-  logical = (ids % per) * s.shards + ids // per if s.shards > 1 else ids
-  k = np.searchsorted(np.asarray(s.offsets), logical, side="right") - 1
   names = list(stack.tables)
-  return np.asarray([names.index(t) for t in s.tables], np.int32)[k]
+  index = np.asarray([names.index(t) for t in s.tables], np.int32)
+  return index[s.table_of(ids)]
 
 
 @jax.jit

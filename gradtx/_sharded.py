@@ -7,9 +7,10 @@ mesh and Explicit axes of an array), places optimizer state with the rows
 it belongs to (:func:`owner_sharding`, :func:`per_row_full`), replicates
 the ids and rows of a sparse gradient where they are needed whole
 (deduplication, accumulation: :func:`unsplit`, and back:
-:func:`split_like`), and builds a sharded
-state (:func:`gradtx.sharded_init`), and spreads a table stack's rows
-over its shards (:func:`spread_row`). The owner-local reads and writes of
+:func:`split_like`), builds a sharded state (:func:`gradtx.sharded_init`),
+and is the one place a table stack's rows are mapped over its shards and
+back (:func:`spread_row`, :func:`gathered_row`; the plan's ``StackSpec``
+and the id map's layout ask it). The owner-local reads and writes of
 row-sharded tables are in :mod:`gradtx._rowio`.
 
 On ``AxisType.Auto`` meshes the sharding is not in the type and XLA's
@@ -173,6 +174,15 @@ def spread_row(p: Any, size: int, shards: int) -> Any:
   if shards == 1:
     return p
   return (p % shards) * (size // shards) + p // shards
+
+
+def gathered_row(r: Any, size: int, shards: int) -> Any:
+  """The logical row of array row ``r`` (numpy or jax ints): the inverse
+  of :func:`spread_row`."""
+  if shards == 1:
+    return r
+  per = size // shards
+  return (r % per) * shards + r // per
 
 
 def sharded_init(tx: Any, params: Any) -> Any:

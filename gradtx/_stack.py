@@ -12,48 +12,39 @@ every gradtx optimizer updates it with one deduplication, one rule call and
 one scatter per state kind, whatever the number of features. Features
 arrive as a dict, or keyed in one array (:class:`gradtx.Keyed`,
 :class:`gradtx.KeyedJagged`) that the lookup reads with no op per feature;
-their forms and the pooled read are ``_pooled``'s.
+their forms are ``_inputs``'. The class is the facade: each method checks
+its arguments and calls one module below it, the data going down once:
+the plan (``_plan``: params, which features read which arrays), the
+admission of new ids (``_admission``), the pooled read (``_pooled``'s
+``read_features``) and the id map (``_vocab``).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
 from jax.typing import ArrayLike
 
 from gradtx import _vocab
+from gradtx._admission import admit_ids, new_id_bounds
 from gradtx._fresh_rows import FreshRows
-from gradtx._inputs import (
-  Keyed,
-  KeyedJagged,
-  host_ready,
-  keyed_batch,
-  outside_traces,
-  plain_features,
-)
+from gradtx._inputs import Keyed, KeyedJagged, run_program
 from gradtx._plan import (
-  COMBINERS,
   StackPlan,
   StackSpec,
   TableSpec,
-  default_tables,
+  arrays_read,
+  feature_combiners,
+  init_params,
   plan_stacks,
+  stack_params,
+  unstack_params,
 )
-from gradtx._pooled import (
-  dict_reader,
-  keyed_reader,
-  pool_rows,
-  raw_slots,
-  split_features,
-)
-from gradtx._sharded import is_split, split_like, unsplit
-from gradtx._static import is_int
+from gradtx._pooled import read_features
 from gradtx._vocab import VocabState
 
 __all__ = ["TableStack"]
@@ -198,20 +189,15 @@ class TableStack:
 
   __str__ = __repr__
 
-  def _program(self, key: Any, fn: Callable[..., Any]) -> Any:
-    """``jax.jit(fn)``, made once per ``key`` for this stack: a method
-    called outside any trace runs as one compiled program instead of op by
-    op (eagerly, the id map's placement loop compiled again on every
-    call)."""
-    programs = self.__dict__.setdefault("_programs", {})
-    if key not in programs:
-      programs[key] = jax.jit(fn)
-    return programs[key]
+  def _programs(self) -> dict[Any, Any]:
+    """This stack's compiled programs, by method and options: a method
+    called outside any trace runs as one of them instead of op by op."""
+    return self.__dict__.setdefault("_compiled", {})
 
   def __getstate__(self) -> dict[str, Any]:
     # a pickled or copied stack (a Ray worker's, say) compiles its own
     state = dict(self.__dict__)
-    state.pop("_programs", None)
+    state.pop("_compiled", None)
     return state
 
   # -- params ---------------------------------------------------------------
@@ -227,76 +213,16 @@ class TableStack:
     the rows of all the tables that use it at once: its cost does not grow
     with the number of tables. (A table with an initializer of its own
     adds that initializer's ops to the program.)"""
-    return jax.jit(self._init)(key)
-
-  def _init(self, key: Any) -> dict[str, jax.Array]:
-    per_table, alike = {}, {}
-    names = list(self.tables)
-    for i, (t, spec) in enumerate(self.tables.items()):
-      shape, dtype = (int(spec.rows), int(spec.dim)), jnp.dtype(spec.dtype)
-      if spec.initializer is None:  # drawn below, with its width's tables
-        alike.setdefault((shape[1], dtype), []).append(i)
-      else:
-        x = spec.initializer(jax.random.fold_in(key, i), shape, dtype)
-        per_table[t] = jnp.asarray(x, dtype)
-    for (dim, dtype), index in alike.items():
-      sizes = [int(self.tables[names[i]].rows) for i in index]
-      rows = default_tables(key, index, sizes, dim, dtype)
-      # The group (every default table of this width and dtype) does not
-      # depend on the plan; kept out of the fusions of the stacks that
-      # consume it, its draw is the same program, bit for bit, whatever
-      # the plan.
-      rows = lax.optimization_barrier(rows)
-      parts = jnp.split(rows, np.cumsum(sizes)[:-1])
-      per_table.update(zip([names[i] for i in index], parts, strict=True))
-    return self.stack(per_table)
+    return jax.jit(functools.partial(init_params, self.plan))(key)
 
   def stack(self, per_table: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
     """Params from one array per table (a per-table model or checkpoint)."""
-    missing = [t for t in self.tables if t not in per_table]
-    if missing:
-      raise ValueError(
-        f"gradtx.TableStack.stack: `per_table` has no array for {missing}."
-      )
-    for t, spec in self.tables.items():
-      shape = tuple(jnp.shape(per_table[t]))
-      if shape != (spec.rows, spec.dim):
-        raise ValueError(
-          f"gradtx.TableStack.stack: table {t!r} has shape {shape}, its "
-          f"TableSpec says ({spec.rows}, {spec.dim})."
-        )
-    out = {
-      s.name: s.to_array(
-        jnp.concatenate([jnp.asarray(per_table[t], s.dtype) for t in s.tables])
-      )
-      for s in self.stacks.values()
-    }
-    for t in self.outside:
-      out[t] = jnp.asarray(per_table[t], self.tables[t].dtype)
-    return out
+    return stack_params(self.plan, per_table)
 
   def unstack(self, params: Mapping[str, Any]) -> dict[str, Any]:
     """One ``[rows, dim]`` array per table, from the params (or from a tree
     shaped like them: optimizer moments, a dense gradient)."""
-    self._check_params(params, "unstack")
-    logical = {k: s.to_logical(params[k]) for k, s in self.stacks.items()}
-    out = {}
-    for t in self.tables:
-      where, off = self.location(t)
-      if where == t:
-        out[t] = params[t]
-      else:
-        out[t] = logical[where][off : off + self.tables[t].rows]
-    return out
-
-  def _check_params(self, params: Any, what: str) -> None:
-    want = list(self.stacks) + list(self.outside)
-    if not isinstance(params, Mapping) or any(k not in params for k in want):
-      got = list(params) if isinstance(params, Mapping) else type(params)
-      raise ValueError(
-        f"gradtx.TableStack.{what}: `params` must be the dict `stack.init` "
-        f"returns, with keys {want}; got {got}."
-      )
+    return unstack_params(self.plan, params)
 
   # -- open vocabularies ----------------------------------------------------
   def init_vocab(self, key: Any) -> dict[str, VocabState]:
@@ -376,51 +302,8 @@ class TableStack:
       :class:`gradtx.FreshRows` (the rows given out and their new values).
     """
     _vocab.check_vocab(vocab, self.maps, "admit")
-    bounds = self._new_id_bounds(max_new, max_new_fraction)
-    raw = self._hashed_features()
-    # the program takes a dict's hashed features alone: the others come
-    # back as they were given
-    keyed = isinstance(ids, (Keyed, KeyedJagged))
-    given, given_weights = host_ready(
-      ids if keyed else {f: x for f, x in ids.items() if f in raw},
-      {f: w for f, w in (weights or {}).items() if f in raw},
-      raw,
-      "admit",
-    )
-    if outside_traces(vocab, given, given_weights):
-      run = self._program(
-        ("admit", bounds), lambda v, i, w: self._admit(v, i, w, bounds)
-      )
-      out, vocab, fresh = run(vocab, given, given_weights)
-      return (out if keyed else {**ids, **out}), vocab, fresh
-    if not keyed:  # the others come back as they were given
-      given = {**ids, **given}
-      given_weights = {**(weights or {}), **given_weights}
-    return self._admit(vocab, given, given_weights, bounds)
-
-  def _hashed_features(self) -> list[str]:
-    hashed = {t for layout in self.maps.values() for t in layout.tables}
-    return [f for f, t in self.features.items() if t in hashed]
-
-  def _admit(self, vocab, ids, weights, bounds):
-    if isinstance(ids, (Keyed, KeyedJagged)):  # read feature by feature
-      if isinstance(ids, Keyed) and ids.weights is not None:
-        weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
-      ids = plain_features(ids, self._hashed_features())
-    out = dict(ids)
-    new_vocab, fresh = dict(vocab), {}
-    for name, layout in self.maps.items():
-      slots = raw_slots(layout, self.features, ids, weights, "admit")
-      if slots is None:
-        continue
-      counts, fractions = map(dict, bounds)
-      # an int a count, a float a fraction (_new_id_bounds made them so)
-      bound = _vocab.budgets(layout, slots.tab, {**fractions, **counts})
-      rows, new_vocab[name], fresh[name] = _vocab.admit(
-        vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
-      )
-      out.update(slots.rebuild(rows))
-    return out, new_vocab, fresh
+    bounds = new_id_bounds(self.plan, max_new, max_new_fraction)
+    return admit_ids(self.plan, self._programs(), vocab, ids, weights, bounds)
 
   def drop_reassigned(
     self,
@@ -462,76 +345,6 @@ class TableStack:
         out[name] = _vocab.drop_reassigned(out[name], vocab[name].born, s)
     return out
 
-  def _new_id_bounds(
-    self, max_new: Any, fraction: Any
-  ) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """``admit``'s bounds of new ids, checked: ``(counts, fractions)``,
-    each ``((table, bound), ...)`` (hashable: a program's key), a table
-    in neither at the default fraction. A float ``max_new`` (or a dict's
-    float) is a fraction, deprecated."""
-    hashed = [t for layout in self.maps.values() for t in layout.tables]
-    where = "gradtx.TableStack.admit"
-
-    def per_table(v: Any, arg: str) -> dict[str, Any]:
-      if v is None:
-        return {}
-      if not isinstance(v, Mapping):
-        return dict.fromkeys(hashed, v)
-      unknown = [t for t in v if t not in hashed]
-      if unknown:
-        raise ValueError(
-          f"{where} `{arg}` names {unknown}, which are not hashed tables; "
-          f"the hashed tables are {hashed}."
-        )
-      return dict(v)
-
-    counts = per_table(max_new, "max_new")
-    fractions = per_table(fraction, "max_new_fraction")
-    # the deprecated spelling: a float max_new is a fraction
-    old = {
-      t: counts.pop(t) for t in list(counts) if isinstance(counts[t], float)
-    }
-    bad = {
-      t: v
-      for t, v in {**old, **fractions}.items()
-      if isinstance(v, bool)
-      or not isinstance(v, (int, float))
-      or not 0 < v <= 1
-    }
-    if bad:
-      raise ValueError(
-        f"{where} `max_new_fraction` must be a float in (0, 1] (a fraction "
-        "of the table's id slots), or a dict table name -> float; got "
-        f"{bad!r}."
-      )
-    bad = {t: v for t, v in counts.items() if not (is_int(v) and v >= 1)}
-    if bad:
-      raise ValueError(
-        f"{where} `max_new` must be an int >= 1 (a count of new ids), or a "
-        f"dict table name -> int; got {bad!r}. For a fraction of the "
-        "table's id slots pass `max_new_fraction`."
-      )
-    both = [t for t in hashed if t in fractions and (t in counts or t in old)]
-    if both:
-      raise ValueError(
-        f"{where}: tables {both} are bounded by both `max_new` and "
-        "`max_new_fraction`; give each table one bound."
-      )
-    if old:
-      new = old if isinstance(max_new, Mapping) else max_new
-      warnings.warn(
-        f"{where} `max_new={max_new!r}` (a float: a fraction of the id "
-        f"slots) is deprecated: pass `max_new_fraction={new!r}`; `max_new` "
-        "takes an int count.",
-        DeprecationWarning,
-        stacklevel=3,
-      )
-    fractions.update(old)
-    return (
-      tuple((t, int(counts[t])) for t in hashed if t in counts),
-      tuple((t, float(fractions[t])) for t in hashed if t in fractions),
-    )
-
   def vocab_stats(self, vocab: Mapping[str, VocabState]) -> dict[str, dict]:
     """What to watch, per hashed table (cheap and jittable): ``live`` rows
     and ``occupancy``, the last step's ``inserted`` new ids, ``evicted``
@@ -544,9 +357,9 @@ class TableStack:
     log2 buckets ``0, 1, 2-3, 4-7, ...``. Called outside ``jax.jit``, one
     program compiled once per stack."""
     _vocab.check_vocab(vocab, self.maps, "vocab_stats")
-    if outside_traces(vocab):
-      return self._program(("vocab_stats",), self._vocab_stats)(vocab)
-    return self._vocab_stats(vocab)
+    return run_program(
+      self._programs(), ("vocab_stats",), self._vocab_stats, vocab
+    )
 
   def _vocab_stats(self, vocab):
     out = {}
@@ -646,143 +459,18 @@ class TableStack:
       ``output="keyed"`` a :class:`Keyed`.
     """
     output = _output(output, concat, keyed)
-    raw = [] if vocab is None else self._hashed_features()
-    ids, weights = host_ready(ids, weights, raw, "lookup")
-    options = (self._combiners(combiner), output)
-    # checked op by op outside jit, so that a bad id raises at once
-    if not bounds_check and outside_traces(params, ids, weights, vocab):
-      run = self._program(
-        ("lookup", *options),
-        lambda p, i, w, v: self._lookup(p, i, w, *options, v),
-      )
-      return run(params, ids, weights, vocab)
-    return self._lookup(params, ids, weights, *options, vocab, bounds_check)
-
-  def _lookup(
-    self, params, ids, weights, combiners, output, vocab, check=False
-  ):
-    self._check_params(params, "lookup")
-    combiners = dict(combiners)
-    weights = dict(weights or {})
-    whole = isinstance(ids, (Keyed, KeyedJagged))
-    if whole and weights:
-      raise ValueError(
-        "gradtx.TableStack.lookup: `ids` is keyed; put its weights in "
-        f"`gtx.{type(ids).__name__}(..., weights=...)`, not in `weights`."
-      )
-    names = list(ids.names) if whole else list(ids)
-    unknown = [f for f in names + list(weights) if f not in self.features]
-    if unknown:
-      raise ValueError(
-        f"gradtx.TableStack.lookup: unknown features {unknown}; the "
-        f"features are {list(self.features)}."
-      )
-    if vocab is not None:
-      _vocab.check_vocab(vocab, self.maps, "lookup")
-      if isinstance(ids, Keyed) and ids.weights is not None:
-        weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
-      if whole:
-        ids, whole = plain_features(ids, self._hashed_features()), False
-      else:
-        ids = dict(ids)  # rows replace raw ids below: not in the caller's
-      for name, layout in self.maps.items():
-        slots = raw_slots(layout, self.features, ids, weights, "lookup")
-        if slots is not None:
-          rows = _vocab.find(
-            vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
-          )
-          ids.update(slots.rebuild(rows))
-    # A batch split over Explicit mesh axes: pooled whole, split back.
-    split = next(
-      (x for x in jax.tree.leaves((ids, weights)) if is_split(x)), None
+    combiners = feature_combiners(self.plan, combiner)
+    return read_features(
+      self.plan,
+      self._programs(),
+      params,
+      ids,
+      weights,
+      combiners,
+      output,
+      vocab,
+      bounds_check,
     )
-    if split is not None:
-      ids, weights = jax.tree.map(
-        lambda x: unsplit(x) if is_split(x) else x, (ids, weights)
-      )
-    if whole:
-      batch = keyed_batch(ids, self._hashed_features())
-      read = keyed_reader(ids)
-    else:
-      batch, read = dict_reader(
-        ids, weights, [f for f in self.features if f in set(names)]
-      )
-    out, parts = {}, []
-    for where, feats in self._by_array(names):
-      s = self.stacks.get(where)
-      tables = [self.features[f] for f in feats]
-      pooled = pool_rows(
-        params[where],
-        read(feats),
-        batch,
-        [0] if s is None else [s.offsets[s.tables.index(t)] for t in tables],
-        [self.tables[t].rows for t in tables],
-        s,
-        [combiners[f] for f in feats],
-        feats if check else None,
-      )
-      if split is not None:
-        pooled = split_like(pooled, split)
-      if output == "concat":
-        parts.append(pooled.reshape(pooled.shape[0], -1))
-      elif output == "keyed":
-        parts.append(pooled)
-      else:
-        out.update(split_features(pooled, feats))
-    if output == "keyed":
-      dims = {p.shape[-1] for p in parts}
-      if len(dims) > 1:
-        raise ValueError(
-          "gradtx.TableStack.lookup `output='keyed'` needs features of one "
-          f"width; these have widths {sorted(dims)}. Pass "
-          "`output='concat'` (one [B, sum of dims] array) or read the dict."
-        )
-      values = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-      return Keyed(self.concat_order(names), values)
-    if output == "concat":
-      return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-    return {f: out[f] for f in names}
-
-  def _combiners(self, combiner: Any) -> tuple[tuple[str, str], ...]:
-    """Each feature's combiner (``lookup``'s ``combiner`` over its
-    table's), checked: ``((feature, combiner), ...)``, hashable (a
-    program's key)."""
-    given = combiner if isinstance(combiner, Mapping) else {}
-    unknown = [f for f in given if f not in self.features]
-    if unknown:
-      raise ValueError(
-        f"gradtx.TableStack.lookup `combiner` names unknown features "
-        f"{unknown}; the features are {list(self.features)}."
-      )
-    every = None if isinstance(combiner, Mapping) else combiner
-    out = []
-    for f, t in self.features.items():
-      c = given.get(f, every) or self.tables[t].combiner or "sum"
-      if c not in COMBINERS:
-        raise ValueError(
-          f"gradtx.TableStack.lookup `combiner` must be one of {COMBINERS}, "
-          f"or a dict feature name -> one of them; got {c!r}"
-          + (f" for feature {f!r}." if f in given else ".")
-        )
-      out.append((f, c))
-    return tuple(out)
-
-  def _by_array(self, features: Any) -> list[tuple[str, list[str]]]:
-    """``(params key, features)`` per array read: the stacks in order, then
-    each table outside; features in the order of ``features`` declared to
-    the stack (never the order given: ``jax.jit`` sorts a dict's keys)."""
-    given = set(features)
-    declared = [f for f in self.features if f in given]
-    by_array = []
-    for name, s in self.stacks.items():
-      feats = [f for f in declared if self.features[f] in s.tables]
-      if feats:
-        by_array.append((name, feats))
-    for t in self.outside:
-      feats = [f for f in declared if self.features[f] == t]
-      if feats:
-        by_array.append((t, feats))
-    return by_array
 
   def concat_order(self, ids: Any) -> list[str]:
     """The features of ``lookup(..., output="concat")``'s array (and of
@@ -792,4 +480,4 @@ class TableStack:
     only on which features ``ids`` holds, not on the order of its keys, so
     it is the same eagerly and under ``jax.jit`` (which sorts a dict's
     keys)."""
-    return [f for _, feats in self._by_array(ids) for f in feats]
+    return [f for _, feats in arrays_read(self.plan, ids) for f in feats]

@@ -342,7 +342,7 @@ def test_init_draws_every_default_table_in_one_pass():
     return gtx.TableStack(tables, batch_size=64)
 
   def draws(n):
-    jaxpr = jax.make_jaxpr(plan(n)._init)(jax.random.key(0))
+    jaxpr = jax.make_jaxpr(plan(n).init)(jax.random.key(0))
     return str(jaxpr).count("random_bits[")
 
   assert draws(40) == draws(3) == 2  # one per width
