@@ -331,3 +331,22 @@ def test_no_module_of_the_wing_imports_autodiff():
     "the table stack family imports gradtx/_autodiff.py (move what it needs "
     "down to a module both can import): " + "; ".join(map(repr, bad))
   )
+
+
+# The facade stays thin (issue 62): each TableStack method checks its
+# arguments and calls one module below it.
+MAX_FACADE_LINES = {"_stack": 600, "TableStack": 400}
+
+
+def test_the_stack_facade_stays_thin():
+  tree = MODULES["_stack"]
+  lines = {"_stack": len((PACKAGE / "_stack.py").read_text().splitlines())}
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef) and node.name in MAX_FACADE_LINES:
+      lines[node.name] = node.end_lineno - node.lineno + 1
+  assert set(lines) == set(MAX_FACADE_LINES), lines
+  long = {k: n for k, n in lines.items() if n >= MAX_FACADE_LINES[k]}
+  assert not long, (
+    f"the table stack's facade grew past {MAX_FACADE_LINES}: {long}; move "
+    "the work into the module of its job (docs/contributing.md's map)"
+  )
