@@ -18,10 +18,12 @@ from typing import Any
 
 from gradtx import _vocab
 from gradtx._inputs import (
+  Feature,
+  Jagged,
   Keyed,
   KeyedJagged,
   host_ready,
-  plain_features,
+  parse,
   run_program,
 )
 from gradtx._plan import StackPlan, hashed_features
@@ -77,14 +79,13 @@ def admit_ids(
 
 
 def _admit(plan, vocab, ids, weights, bounds):
-  if isinstance(ids, (Keyed, KeyedJagged)):  # read feature by feature
-    if isinstance(ids, Keyed) and ids.weights is not None:
-      weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
-    ids = plain_features(ids, hashed_features(plan))
-  out = dict(ids)
+  hashed = hashed_features(plan)
+  # a keyed input read feature by feature; the hashed features parsed
+  forms, _ = parse(ids, weights, hashed, "admit", whole=False, names=hashed)
+  out = {f: x for f, x in forms.items() if not isinstance(x, Feature)}
   new_vocab, fresh = dict(vocab), {}
   for name, layout in plan.maps.items():
-    slots = raw_slots(layout, plan.features, ids, weights, "admit")
+    slots = raw_slots(layout, plan.features, forms)
     if slots is None:
       continue
     counts, fractions = map(dict, bounds)
@@ -93,7 +94,9 @@ def _admit(plan, vocab, ids, weights, bounds):
     rows, new_vocab[name], fresh[name] = _vocab.admit(
       vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
     )
-    out.update(slots.rebuild(rows))
+    for f, r in slots.rebuild(rows).items():  # each in its own form
+      jagged = forms[f].lengths is not None
+      out[f] = Jagged(r, forms[f].lengths, forms[f].weights) if jagged else r
   return out, new_vocab, fresh
 
 

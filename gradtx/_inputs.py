@@ -6,9 +6,9 @@ Features arrive as a dict of ``[B]`` ids, ``[B, L]`` bags or
 shape. :func:`host_ready` makes every form fit a compiled program on the
 host (jagged lengths checked, numpy 64-bit ids narrowed or split into
 words) and :func:`outside_traces` says whether a call may run as one;
-:func:`feature_form` is the one parser of a dict feature's form,
-:func:`keyed_batch` checks a keyed input's, and :func:`plain_features`
-reads a keyed input as its dict.
+:func:`parse` is the one parse of an input (a dict feature's form by
+:func:`feature_form`, a keyed input's by :func:`keyed_batch`, or read as
+its dict by :func:`plain_features`).
 """
 
 from __future__ import annotations
@@ -577,6 +577,39 @@ def feature_form(name: str, x: Any, w: Any, what: str) -> Feature:
       f"shape {shape}; got {_shape(w)}."
     )
   return Feature(x, None, w)
+
+
+def parse(
+  ids: Any,
+  weights: Any,
+  hashed: Sequence[str],
+  what: str,
+  *,
+  whole: bool = True,
+  names: Sequence[str] | None = None,
+) -> tuple[Any, int | None]:
+  """The one parse of a stack's input for the TableStack method ``what``:
+  ``(forms, batch)``.
+
+  A keyed input read ``whole`` stays as it is, its arrays' forms checked
+  (:func:`keyed_batch`), and ``batch`` is its ``B``. Otherwise a keyed
+  input is read as its dict (:func:`plain_features`, its weights the
+  features'), and each feature of a dict named in ``names`` (default:
+  every one) becomes its :class:`Feature` (:func:`feature_form`), the
+  others staying as given; ``batch`` is None."""
+  if isinstance(ids, (Keyed, KeyedJagged)):
+    if whole:
+      return ids, keyed_batch(ids, hashed)
+    if isinstance(ids, Keyed) and ids.weights is not None:
+      weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
+    ids = plain_features(ids, hashed)
+  weights = dict(weights or {})
+  parsed = set(ids if names is None else names)
+  forms = {
+    f: feature_form(f, x, weights.get(f), what) if f in parsed else x
+    for f, x in ids.items()
+  }
+  return forms, None
 
 
 def plain_features(x: Keyed | KeyedJagged, hashed: Sequence[str]) -> dict:

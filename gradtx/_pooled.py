@@ -25,13 +25,11 @@ from jax.typing import ArrayLike
 from gradtx import _platform
 from gradtx._ids import Words, raw_words, row_ids
 from gradtx._inputs import (
-  Jagged,
+  Feature,
   Keyed,
   KeyedJagged,
-  feature_form,
   host_ready,
-  keyed_batch,
-  plain_features,
+  parse,
   run_program,
 )
 from gradtx._lookup import host_check, lookup
@@ -51,8 +49,7 @@ class _Bag(NamedTuple):
   per_example: int  # ids per example for the dense forms, 0 if jagged
 
 
-def _bag(name: str, x: Any, w: Any) -> _Bag:
-  form = feature_form(name, x, w, "lookup")
+def _bag(name: str, form: Feature) -> _Bag:
   ids = row_ids(form.ids, f"gradtx.TableStack.lookup: feature {name!r} `ids`")
   weight = None if form.weights is None else jnp.asarray(form.weights)
   if form.lengths is not None:
@@ -351,10 +348,11 @@ def split_features(pooled: jax.Array, names: list[str]) -> dict:
 
 
 def dict_reader(
-  ids: Any, weights: Any, declared: list[str] | None = None
+  forms: Mapping[str, Feature], declared: list[str] | None = None
 ) -> tuple[int, Callable]:
-  """``(batch, read)`` of a dict of features: ``read(feats)`` gives the
-  :class:`_Slots` of those features.
+  """``(batch, read)`` of a dict of features (their forms parsed,
+  ``_inputs.parse``): ``read(feats)`` gives the :class:`_Slots` of those
+  features.
 
   ``declared``: the features in the stack's declared order. When several
   groups (stacks) read one-hot features, their ids are joined once, all of
@@ -362,14 +360,14 @@ def dict_reader(
   into it), and each group takes its columns by one static gather: a
   group's columns need not be adjacent in the matrix, and a sliced dict
   then adds no op per feature."""
-  for f, x in ids.items():
-    if isinstance(x.ids if isinstance(x, Jagged) else x, Words):
+  for f, form in forms.items():
+    if isinstance(form.ids, Words):
       raise TypeError(
         f"gradtx.TableStack.lookup: feature {f!r} has raw gradtx.Words "
         "ids; pass `vocab=` to map them read-only, or the ids "
         "`stack.admit` returned."
       )
-  bags = {f: _bag(f, x, weights.get(f)) for f, x in ids.items()}
+  bags = {f: _bag(f, form) for f, form in forms.items()}
   sizes = {b.batch for b in bags.values()}
   if len(sizes) > 1:
     raise ValueError(
@@ -378,7 +376,7 @@ def dict_reader(
       "same leading axis."
     )
   batch = sizes.pop()
-  one_hot = [f for f in (declared or list(ids)) if bags[f].per_example == 1]
+  one_hot = [f for f in (declared or list(forms)) if bags[f].per_example == 1]
   column_of = {f: k for k, f in enumerate(one_hot)}
   joined_columns: dict[str, jax.Array] = {}
 
@@ -416,7 +414,7 @@ def dict_reader(
 class RawSlots(NamedTuple):
   """The raw ids of a stack's hashed features: flat words, which slots are
   ids, each slot's hashed table (static), and ``rebuild(rows)`` -> feature
-  name -> rows in the feature's own form."""
+  name -> its rows, in the shape of its ids."""
 
   hi: jax.Array
   lo: jax.Array
@@ -426,32 +424,25 @@ class RawSlots(NamedTuple):
 
 
 def raw_slots(
-  layout: Layout,
-  features: Mapping[str, str],
-  ids: Mapping[str, Any],
-  weights: Mapping[str, ArrayLike] | None,
-  what: str,
+  layout: Layout, features: Mapping[str, str], forms: Mapping[str, Feature]
 ) -> RawSlots | None:
-  """The raw ids in ``ids`` of the features (``features``: feature ->
-  table) of the hashed tables of one id map (``layout``), flat and joined,
-  with a way back to each feature's form; None when ``ids`` holds none.
-  ``what``: the TableStack method reading them, named in errors."""
-  weights = dict(weights or {})
+  """The raw ids in ``forms`` (parsed features, ``_inputs.parse``) of the
+  features (``features``: feature -> table) of the hashed tables of one
+  id map (``layout``), flat and joined, with a way back to each feature's
+  shape; None when ``forms`` holds none."""
   # in the plan's order, which jit's sorting of dict keys does not change
-  feats = [f for f, t in features.items() if f in ids and t in layout.tables]
+  feats = [f for f, t in features.items() if f in forms and t in layout.tables]
   if not feats:
     return None
   his, los, oks, tabs, backs = [], [], [], [], []
   for f in feats:
-    x = ids[f]
-    form = feature_form(f, x, weights.get(f), what)
+    form = forms[f]
     split, lo, pad = raw_words(form.ids, f"feature {f!r}")
     # the map's work is over the whole step's ids: split over a data-
     # parallel batch, they are gathered first, and the rows split back
     hi, lo, pad = (unsplit(v) for v in (split, lo, pad))
     ok = ~pad
-    jag = form.lengths is not None
-    if jag:
+    if form.lengths is not None:
       total = jnp.sum(unsplit(form.lengths).astype(jnp.int32))
       ok = ok & (jnp.arange(hi.shape[0]) < total)
     if form.weights is not None:
@@ -460,15 +451,14 @@ def raw_slots(
     los.append(lo.reshape(-1))
     oks.append(ok.reshape(-1))
     tabs.append(np.full(hi.size, layout.tables.index(features[f])))
-    backs.append((f, split, x if jag else None))
+    backs.append((f, split))
   sizes = [h.shape[0] for h in his]
 
   def rebuild(rows: jax.Array) -> dict[str, Any]:
     parts = jnp.split(rows, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [rows]
     out = {}
-    for (f, split, jag), r in zip(backs, parts, strict=True):
-      r = split_like(r.reshape(split.shape), split)
-      out[f] = jag._replace(ids=r) if jag is not None else r
+    for (f, split), r in zip(backs, parts, strict=True):
+      out[f] = split_like(r.reshape(split.shape), split)
     return out
 
   return RawSlots(
@@ -530,23 +520,20 @@ def _read(plan, params, ids, weights, combiners, output, vocab, check):
       f"gradtx.TableStack.lookup: unknown features {unknown}; the "
       f"features are {list(plan.features)}."
     )
-  if vocab is not None:
-    ids, weights = _found_rows(plan, vocab, ids, weights)
-    whole = False
-  # A batch split over Explicit mesh axes: pooled whole, split back.
-  split = next(
-    (x for x in jax.tree.leaves((ids, weights)) if is_split(x)), None
+  forms, batch = parse(
+    ids, weights, hashed_features(plan), "lookup", whole=vocab is None
   )
+  if vocab is not None:
+    forms = _found_rows(plan, vocab, forms)
+  # A batch split over Explicit mesh axes: pooled whole, split back.
+  split = next((x for x in jax.tree.leaves(forms) if is_split(x)), None)
   if split is not None:
-    ids, weights = jax.tree.map(
-      lambda x: unsplit(x) if is_split(x) else x, (ids, weights)
-    )
-  if whole:
-    batch = keyed_batch(ids, hashed_features(plan))
-    slots_of = keyed_reader(ids)
+    forms = jax.tree.map(lambda x: unsplit(x) if is_split(x) else x, forms)
+  if batch is not None:  # keyed, read whole
+    slots_of = keyed_reader(forms)
   else:
     batch, slots_of = dict_reader(
-      ids, weights, [f for f in plan.features if f in set(names)]
+      forms, [f for f in plan.features if f in set(names)]
     )
   out, parts = {}, []
   for where, feats in arrays_read(plan, names):
@@ -585,23 +572,17 @@ def _read(plan, params, ids, weights, combiners, output, vocab, check):
   return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
-def _found_rows(plan, vocab, ids, weights):
-  """``(ids, weights)`` with the hashed features' raw ids replaced by the
-  rows their maps hold (read-only: an unknown id is padding); a keyed
-  input is read as its dict."""
+def _found_rows(plan, vocab, forms):
+  """``forms`` with the hashed features' raw ids replaced by the rows
+  their maps hold (read-only: an unknown id is padding)."""
   check_vocab(vocab, plan.maps, "lookup")
-  hashed = hashed_features(plan)
-  if isinstance(ids, (Keyed, KeyedJagged)):
-    if isinstance(ids, Keyed) and ids.weights is not None:
-      weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
-    ids = plain_features(ids, hashed)
-  else:
-    ids = dict(ids)  # rows replace raw ids below: not in the caller's
+  forms = dict(forms)
   for name, layout in plan.maps.items():
-    slots = raw_slots(layout, plan.features, ids, weights, "lookup")
+    slots = raw_slots(layout, plan.features, forms)
     if slots is not None:
       rows = find(
         vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid
       )
-      ids.update(slots.rebuild(rows))
-  return ids, weights
+      for f, r in slots.rebuild(rows).items():
+        forms[f] = forms[f]._replace(ids=r)
+  return forms
