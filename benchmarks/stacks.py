@@ -179,9 +179,9 @@ def step_rows(args, torch) -> list[dict]:
           )
         twin = (tables_np, hp_np), (lr, twin_feed, labels, model == "bags")
         if torch is not None:
-          fns["torch"] = torch_runner(torch, *twin[0], torch_name, *twin[1])
+          fns["torch"], _ = torch_runner(torch, *twin[0], torch_name, *twin[1])
         if torch is not None and fb_optim and fbgemm():
-          fns["fbgemm"] = fbgemm_runner(torch, *twin[0], fb_optim, *twin[1])
+          fns["fbgemm"], _ = fbgemm_runner(torch, *twin[0], fb_optim, *twin[1])
         fns["gtx stack optimizer"] = optimizer_runner(
           stl, make(), stacked(), feeds["stack"], labels
         )

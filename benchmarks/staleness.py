@@ -98,6 +98,15 @@ def _run_json(seed: int, r, threads: bool = True) -> dict:
   }
 
 
+def _setting(workers: int, limit: int | None, rescale: bool) -> list:
+  """A row's first cells: workers, max_staleness, rescale."""
+  return [
+    workers,
+    "none" if limit is None else limit,
+    "yes" if rescale else "no",
+  ]
+
+
 def _label(workers: int, limit: int | None, rescale: bool) -> str:
   s = "none" if limit is None else str(limit)
   return f"N={workers} s={s}" + (" rescale" if rescale else "")
@@ -232,10 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     key = ("threads", workers, limit, rescale)
     curves[key] = _median_curve([r.curve for r in runs])
     rows.append(
-      [
-        workers,
-        "none" if limit is None else limit,
-        "yes" if rescale else "no",
+      _setting(workers, limit, rescale)
+      + [
         a["loss"],
         a["range"],
         a["dropped"],
@@ -367,10 +374,8 @@ def ray_main(args) -> None:
             a = _summary(runs["threads"], initial, received=False)
             b = _summary(runs["ray"], initial, received=False)
             rows.append(
-              [
-                workers,
-                "none" if limit is None else limit,
-                "yes" if rescale else "no",
+              _setting(workers, limit, rescale)
+              + [
                 a["loss"],
                 b["loss"],
                 a["dropped"],

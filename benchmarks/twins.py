@@ -90,78 +90,32 @@ def _torch_optimizers(name: str, tables: list, dense: list, lr=None) -> list:
   return [make(tables + dense, lr=lr)]
 
 
-def dlrm_torch(params_np, rows, opt_name, data):
-  """26 ``nn.Embedding(sparse=True)`` and the head: ``(run, first loss,
-  objects)``."""
+def _dlrm_twin(runner, params_np, rows, optimizer, lr, data):
+  """``runner`` (:func:`torch_runner` or :func:`fbgemm_runner`) on
+  ``benchmarks.recsys``' model: its tables ``t0`` ..., its head and its
+  ``models.Data`` as per-feature batches: ``(run(i), first loss,
+  run)``."""
   import torch
-  import torch.nn.functional as F
 
-  dim = params_np["t0"].shape[1]
-  embs = []
-  for i, v in enumerate(rows):
-    e = torch.nn.Embedding(v, dim, sparse=True)
-    with torch.no_grad():
-      e.weight.copy_(torch.from_numpy(params_np[f"t{i}"]))
-    embs.append(e)
-  head = torch_head(params_np)
-  opts = _torch_optimizers(
-    opt_name, [e.weight for e in embs], list(head.values())
+  tables = [params_np[f"t{i}"] for i in range(len(rows))]
+  head = {k: v for k, v in params_np.items() if not k.startswith("t")}
+  feats = [{f"f{i}": s[:, i] for i in range(len(rows))} for s in data.ids]
+  run, first = runner(
+    torch, tables, head, optimizer, lr, feats, data.labels, False
   )
-  ids = [
-    [torch.from_numpy(s[:, i].astype(np.int64)) for i in range(len(rows))]
-    for s in data.ids
-  ]
-  labels = [torch.from_numpy(y) for y in data.labels]
+  return (lambda i: run()), first, run
 
-  def run(i):
-    k = i % len(ids)
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    x = torch.stack([e(c) for e, c in zip(embs, ids[k], strict=True)], dim=1)
-    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
-    loss.backward()
-    for o in opts:
-      o.step()
-    return loss.item()
 
-  first = run(0)  # torch makes its optimizer state on the first step
-  torch_huge_pages([e.weight for e in embs] + torch_state(opts))
-  return run, first, (embs, head, opts)
+def dlrm_torch(params_np, rows, opt_name, data):
+  """One ``nn.Embedding(sparse=True)`` a table and the head."""
+  return _dlrm_twin(torch_runner, params_np, rows, opt_name, LR[opt_name], data)
 
 
 def dlrm_fbgemm(params_np, rows, optim, data):
   """FBGEMM's one module for all tables (SUM bags of one id), the head on
-  torch's twin of ``optim``: ``(run, first loss, objects)``."""
-  import torch
-  import torch.nn.functional as F
-
-  dim = params_np["t0"].shape[1]
+  torch's twin of ``optim``."""
   lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
-  module = tbe(list(rows), dim, optim, "SUM", lr)
-  for i, w in enumerate(module.split_embedding_weights()):
-    w.data.copy_(torch.from_numpy(params_np[f"t{i}"]))
-  head = torch_head(params_np)
-  opt = (torch.optim.SGD if optim == "EXACT_SGD" else torch.optim.Adagrad)(
-    list(head.values()), lr=lr
-  )
-  batch, tables = data.ids[0].shape
-  # table-major: table t's ids for the whole batch, then table t + 1's
-  ids = [torch.from_numpy(s.T.reshape(-1).astype(np.int64)) for s in data.ids]
-  offsets = torch.arange(batch * tables + 1, dtype=torch.int64)
-  labels = [torch.from_numpy(y) for y in data.labels]
-
-  def run(i):
-    k = i % len(ids)
-    opt.zero_grad(set_to_none=True)
-    x = module(ids[k], offsets).view(batch, tables, dim)
-    loss = F.binary_cross_entropy_with_logits(torch_logit(head, x), labels[k])
-    loss.backward()  # the tables' optimizer runs fused in the backward
-    opt.step()
-    return loss.item()
-
-  first = run(0)
-  torch_huge_pages([p for _, p in module.named_parameters()])
-  return run, first, (module, head, opt)
+  return _dlrm_twin(fbgemm_runner, params_np, rows, optim, lr, data)
 
 
 def state_layout(tx: Any, dim: int) -> tuple[int, int]:
@@ -288,9 +242,9 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
       o.step()
     return loss.item()
 
-  run()  # the optimizers' state exists after a first step
+  first = run()  # the optimizers' state exists after a first step
   torch_huge_pages([e.weight for e in tables] + torch_state(opts))
-  return run
+  return run, first
 
 
 def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
@@ -343,9 +297,9 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
     head.step()
     return loss.item()
 
-  run()
+  first = run()
   torch_huge_pages(list(module.buffers()))
-  return run
+  return run, first
 
 
 def floor_runner(torch, rows, dim, optimizer, unique_ids):
