@@ -81,7 +81,7 @@ def admit_ids(
 def _admit(plan, vocab, ids, weights, bounds):
   hashed = hashed_features(plan)
   # a keyed input read feature by feature; the hashed features parsed
-  forms, _ = parse(ids, weights, hashed, "admit", whole=False, names=hashed)
+  forms, _ = parse(ids, weights, hashed, "admit", raw=True, names=hashed)
   out = {f: x for f, x in forms.items() if not isinstance(x, Feature)}
   new_vocab, fresh = dict(vocab), {}
   for name, layout in plan.maps.items():

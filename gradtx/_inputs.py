@@ -585,31 +585,51 @@ def parse(
   hashed: Sequence[str],
   what: str,
   *,
-  whole: bool = True,
+  raw: bool = False,
   names: Sequence[str] | None = None,
 ) -> tuple[Any, int | None]:
   """The one parse of a stack's input for the TableStack method ``what``:
-  ``(forms, batch)``.
+  ``(forms, batch)``, every row id narrowed to int32 (:func:`row_ids`).
 
-  A keyed input read ``whole`` stays as it is, its arrays' forms checked
-  (:func:`keyed_batch`), and ``batch`` is its ``B``. Otherwise a keyed
-  input is read as its dict (:func:`plain_features`, its weights the
-  features'), and each feature of a dict named in ``names`` (default:
-  every one) becomes its :class:`Feature` (:func:`feature_form`), the
-  others staying as given; ``batch`` is None."""
+  Without ``raw`` (a lookup of rows) a keyed input stays whole, its
+  arrays' forms checked (:func:`keyed_batch`) and its ids narrowed, and
+  ``batch`` is its ``B``. With ``raw`` (``admit``, a lookup through the
+  maps) the hashed features' ids stay raw: a keyed input is read as its
+  dict (:func:`plain_features`, its weights the features'). Each feature
+  of a dict named in ``names`` (default: every one) becomes its
+  :class:`Feature` (:func:`feature_form`), the others staying as given;
+  ``batch`` is then None."""
   if isinstance(ids, (Keyed, KeyedJagged)):
-    if whole:
-      return ids, keyed_batch(ids, hashed)
+    if not raw:
+      batch = keyed_batch(ids, hashed)
+      what = f"gradtx.TableStack.{what}: gradtx.{type(ids).__name__}"
+      if isinstance(ids, Keyed):
+        values = row_ids(ids.values, f"{what} `values`")
+        return Keyed(ids.names, values, ids.weights), batch
+      narrowed = row_ids(ids.ids, f"{what} `ids`")
+      return KeyedJagged(ids.names, narrowed, ids.lengths, ids.weights), batch
     if isinstance(ids, Keyed) and ids.weights is not None:
       weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
     ids = plain_features(ids, hashed)
   weights = dict(weights or {})
   parsed = set(ids if names is None else names)
-  forms = {
-    f: feature_form(f, x, weights.get(f), what) if f in parsed else x
-    for f, x in ids.items()
-  }
+  forms = {}
+  for f, x in ids.items():
+    form = feature_form(f, x, weights.get(f), what) if f in parsed else x
+    if f in parsed and not (raw and f in hashed):
+      form = form._replace(ids=_row_ids_of(f, form.ids, what))
+    forms[f] = form
   return forms, None
+
+
+def _row_ids_of(name: str, x: Any, what: str) -> jax.Array:
+  where = f"gradtx.TableStack.{what}: feature {name!r}"
+  if isinstance(x, Words):
+    raise TypeError(
+      f"{where} has raw gradtx.Words ids; pass `vocab=` to map them "
+      "read-only, or the ids `stack.admit` returned."
+    )
+  return row_ids(x, f"{where} `ids`")
 
 
 def plain_features(x: Keyed | KeyedJagged, hashed: Sequence[str]) -> dict:

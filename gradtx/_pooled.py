@@ -23,7 +23,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from gradtx import _platform
-from gradtx._ids import Words, raw_words, row_ids
+from gradtx._ids import raw_words
 from gradtx._inputs import (
   Feature,
   Keyed,
@@ -50,7 +50,7 @@ class _Bag(NamedTuple):
 
 
 def _bag(name: str, form: Feature) -> _Bag:
-  ids = row_ids(form.ids, f"gradtx.TableStack.lookup: feature {name!r} `ids`")
+  ids = form.ids  # row ids (_inputs.parse, or the id map's rows)
   weight = None if form.weights is None else jnp.asarray(form.weights)
   if form.lengths is not None:
     # slots past the last bag belong to no example
@@ -159,7 +159,7 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
   order) of a keyed input, with no op per feature."""
   if isinstance(x, KeyedJagged):
     return _jagged_reader(x)
-  values = row_ids(x.values, "gradtx.TableStack.lookup: gradtx.Keyed `values`")
+  values = x.values  # row ids (_inputs.parse)
   weights = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   batch, width = values.shape[:2]
 
@@ -186,7 +186,7 @@ def keyed_reader(x: Keyed | KeyedJagged) -> Callable[[list[str]], _Slots]:
 
 
 def _jagged_reader(x: KeyedJagged) -> Callable[[list[str]], _Slots]:
-  ids = row_ids(x.ids, "gradtx.TableStack.lookup: gradtx.KeyedJagged `ids`")
+  ids = x.ids  # row ids (_inputs.parse)
   lengths = jnp.asarray(x.lengths).astype(jnp.int32)
   weight = None if x.weights is None else jnp.asarray(x.weights, jnp.float32)
   keys, batch = len(x.names), lengths.shape[1]
@@ -360,13 +360,6 @@ def dict_reader(
   into it), and each group takes its columns by one static gather: a
   group's columns need not be adjacent in the matrix, and a sliced dict
   then adds no op per feature."""
-  for f, form in forms.items():
-    if isinstance(form.ids, Words):
-      raise TypeError(
-        f"gradtx.TableStack.lookup: feature {f!r} has raw gradtx.Words "
-        "ids; pass `vocab=` to map them read-only, or the ids "
-        "`stack.admit` returned."
-      )
   bags = {f: _bag(f, form) for f, form in forms.items()}
   sizes = {b.batch for b in bags.values()}
   if len(sizes) > 1:
@@ -521,7 +514,7 @@ def _read(plan, params, ids, weights, combiners, output, vocab, check):
       f"features are {list(plan.features)}."
     )
   forms, batch = parse(
-    ids, weights, hashed_features(plan), "lookup", whole=vocab is None
+    ids, weights, hashed_features(plan), "lookup", raw=vocab is not None
   )
   if vocab is not None:
     forms = _found_rows(plan, vocab, forms)
