@@ -320,9 +320,17 @@ def fbgemm() -> bool:
   return available("torch") and available("fbgemm_gpu")
 
 
-def tbe(rows: int | list[int], dim: int, optim: str, pooling: str, lr: float):
-  """FBGEMM's table-batched module on CPU: one table of ``rows`` rows, or
-  one table per entry of a list (every table ``dim`` wide)."""
+def tbe(
+  rows: int | list[int],
+  dim: int,
+  optim: str,
+  pooling: str,
+  lr: float,
+  device: str = "cpu",
+):
+  """FBGEMM's table-batched module on the host (``device`` "cpu") or on
+  the GPU: one table of ``rows`` rows, or one table per entry of a list
+  (every table ``dim`` wide)."""
   from fbgemm_gpu.split_embedding_configs import EmbOptimType
   from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     EmbeddingLocation,
@@ -334,12 +342,15 @@ def tbe(rows: int | list[int], dim: int, optim: str, pooling: str, lr: float):
   )
 
   tables = rows if isinstance(rows, list) else [rows]
+  where = (EmbeddingLocation.HOST, ComputeDevice.CPU)
+  if str(device) != "cpu":
+    where = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
   return SplitTableBatchedEmbeddingBagsCodegen(
-    [(r, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in tables],
+    [(r, dim, *where) for r in tables],
     optimizer=getattr(EmbOptimType, optim),
     pooling_mode=getattr(PoolingMode, pooling),
     learning_rate=lr,
-  )
+  ).to(device)
 
 
 def memory(compiled: Any) -> dict[str, int]:

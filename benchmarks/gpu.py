@@ -45,10 +45,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from benchmarks import gpu_model, gpu_steps
+from benchmarks import gpu_model, gpu_steps, models, twins
 from benchmarks._common import available, compile_phases
 from benchmarks._results import RESULTS, commit, machine, markdown_table
-from benchmarks._timing import Clock, Schedule
+from benchmarks._timing import Clock, Counter, Schedule
 
 SEED = 0
 BATCHES = 8  # distinct batches a system cycles through
@@ -94,146 +94,45 @@ def _torch_device(torch) -> Any:
 
 
 def torch_single(torch, program, batches):
-  dev = _torch_device(torch)
+  """``nn.Embedding(sparse=True)`` + ``SparseAdam`` on the same ids
+  (``twins.torch_table``, the loss ``sum(tanh(E[ids]) * 0.01)``)."""
   rows, dim = program.info["rows"], program.info["dim"]
-  emb = torch.nn.Embedding(rows, dim, sparse=True, device=dev)
-  opt = torch.optim.SparseAdam(emb.parameters(), lr=LR)
-  ids = [torch.from_numpy(b[0].astype(np.int64)).to(dev) for b in batches]
-
-  ids_loop = itertools.cycle(ids)
-
-  def run():
-    x = next(ids_loop)
-    opt.zero_grad(set_to_none=True)
-    loss = (torch.tanh(emb(x)) * 0.01).sum()
-    loss.backward()
-    opt.step()
-    return loss.item()
-
-  run()
-  return run
-
-
-def _head(torch, features, dim, dev):
-  g = torch.Generator().manual_seed(SEED)
-  w = (0.1 * torch.randn(features, dim, generator=g)).to(dev)
-  return w.requires_grad_(), torch.zeros((), device=dev, requires_grad=True)
-
-
-def _torch_batches(torch, program, batches, bags: bool):
-  """Per batch: per feature ``(ids, offsets, weights)`` (bags) or ids,
-  and the labels, on the device."""
+  ids = [b[0] for b in batches]
+  rng = np.random.default_rng(SEED)
+  table = (0.05 * rng.standard_normal((rows, dim))).astype(np.float32)
+  ct = np.full((len(ids[0]), dim), 0.01, np.float32)
+  data = models.OneTable(table, ct, ids, [], None)
   dev = _torch_device(torch)
-  out = []
-  for feats, y in batches:
-    per = []
-    for f in sorted(feats, key=lambda n: int(n[1:])):
-      if bags:
-        ids, lengths, w = feats[f]
-        n = int(lengths.sum())
-        off = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        per.append(
-          tuple(
-            torch.from_numpy(np.asarray(a)).to(dev)
-            for a in (ids[:n].astype(np.int64), off.astype(np.int64), w[:n])
-          )
-        )
-      else:
-        per.append(torch.from_numpy(feats[f].astype(np.int64)).to(dev))
-    out.append((per, torch.from_numpy(y).to(dev)))
-  return out
+  return Counter(twins.torch_table("SparseAdam", data, lr=LR, device=dev)[0])
 
 
-def torch_tables(torch, program, batches, bags: bool):
+def torch_tables(torch, program, batches, bags: bool, fbgemm: bool = False):
   """One ``nn.Embedding`` / ``nn.EmbeddingBag`` per table, sparse, with
-  ``SparseAdam``; the head on ``Adam``."""
-  dev = _torch_device(torch)
+  ``SparseAdam`` and the head on ``Adam`` (``twins.torch_runner``); or
+  (``fbgemm``) FBGEMM's table-batched module on the device, all tables in
+  one, its fused Adam in the backward, pooled by a sum
+  (``twins.fbgemm_runner``)."""
   dim, features = program.info["dim"], program.info["features"]
-  rows = gpu_steps.criteo_rows(features, program.info["cap"])
-  cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
-  kw = {"mode": "sum"} if bags else {}
-  tables = [cls(r, dim, sparse=True, device=dev, **kw) for r in rows]
-  w, b = _head(torch, features, dim, dev)
-  opts = [
-    torch.optim.SparseAdam([t.weight for t in tables], lr=LR),
-    torch.optim.Adam([w, b], lr=LR),
+  rng = np.random.default_rng(SEED)
+  tables = [
+    (0.05 * rng.standard_normal((r, dim))).astype(np.float32)
+    for r in gpu_steps.criteo_rows(features, program.info["cap"])
   ]
-  data = _torch_batches(torch, program, batches, bags)
-
-  data_loop = itertools.cycle(data)
-
-  def run():
-    per, y = next(data_loop)
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    if bags:
-      xs = [t(ids, off, per_sample_weights=wt) for t, (ids, off, wt) in
-            zip(tables, per, strict=True)]  # fmt: skip
-    else:
-      xs = [t(ids) for t, ids in zip(tables, per, strict=True)]
-    logit = (torch.stack(xs, 1) * w).sum((1, 2)) + b
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()
-    for o in opts:
-      o.step()
-    return loss.item()
-
-  run()
-  return run
+  head = models.head_params(features, dim, "linear", 0, rng)
+  feats = [
+    {f: (*v, int(v[1].sum())) if bags else v for f, v in b[0].items()}
+    for b in batches
+  ]
+  labels = [b[1] for b in batches]
+  runner, optim = twins.torch_runner, "SparseAdam"
+  if fbgemm:
+    runner, optim = twins.fbgemm_runner, "ADAM"
+  dev = _torch_device(torch)
+  return runner(torch, tables, head, optim, LR, feats, labels, bags, dev)[0]
 
 
 def fbgemm_tables(torch, program, batches, bags: bool):
-  """FBGEMM's table-batched module on the GPU, all tables in one, its
-  fused Adam in the backward (``EmbOptimType.ADAM``), pooled by a sum."""
-  from fbgemm_gpu.split_embedding_configs import EmbOptimType
-  from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-    EmbeddingLocation,
-    PoolingMode,
-  )
-  from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-  )
-
-  dev = _torch_device(torch)
-  dim, features = program.info["dim"], program.info["features"]
-  rows = gpu_steps.criteo_rows(features, program.info["cap"])
-  module = SplitTableBatchedEmbeddingBagsCodegen(
-    [(r, dim, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r in rows],
-    optimizer=EmbOptimType.ADAM,
-    pooling_mode=PoolingMode.SUM,
-    learning_rate=LR,
-  ).to(dev)
-  w, b = _head(torch, features, dim, dev)
-  head = torch.optim.Adam([w, b], lr=LR)
-  data = []
-  for per, y in _torch_batches(torch, program, batches, bags):
-    if bags:
-      ids = torch.cat([p[0] for p in per])
-      lengths = torch.cat([torch.diff(p[1], append=p[1].new_tensor(
-        [p[0].numel()])) for p in per])  # fmt: skip
-      wt = torch.cat([p[2] for p in per])
-    else:
-      ids = torch.cat(per)
-      lengths = torch.ones_like(ids)
-      wt = None
-    offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-    data.append((ids, offsets, wt, y))
-
-  data_loop = itertools.cycle(data)
-
-  def run():
-    ids, offsets, wt, y = next(data_loop)
-    head.zero_grad(set_to_none=True)
-    x = module(ids, offsets, per_sample_weights=wt).view(-1, features, dim)
-    logit = (x * w).sum((1, 2)) + b
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()  # the tables' Adam runs fused in here
-    head.step()
-    return loss.item()
-
-  run()
-  return run
+  return torch_tables(torch, program, batches, bags, fbgemm=True)
 
 
 # ----------------------------------------------------------------------------

@@ -33,11 +33,11 @@ from benchmarks._timing import Counter
 LR = {"SparseAdam": 1e-3, "Adagrad": 1e-2, "SGD": 1e-2}
 
 
-def torch_head(params_np: dict[str, np.ndarray]) -> dict[str, Any]:
+def torch_head(params_np: dict[str, np.ndarray], device="cpu") -> dict:
   import torch
 
   return {
-    k: torch.nn.Parameter(torch.from_numpy(v.copy()))
+    k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(device))
     for k, v in params_np.items()
     if not k.startswith("t")
   }
@@ -52,18 +52,18 @@ def torch_logit(d: dict[str, Any], x: Any) -> Any:
   return h @ d["w2"] + d["b2"]
 
 
-def torch_table(name, data, *, linear=False, lr=1e-3):
+def torch_table(name, data, *, linear=False, lr=1e-3, device="cpu"):
   """torch's twin of ``models.one_table_step``: ``nn.Embedding(sparse=True)``
   with ``torch.optim.<name>`` (``SparseAdam``, ``Adagrad`` or ``SGD``) on
   ``data`` (a ``models.OneTable``): ``(run(i), objects, state bytes per
   row)``, its first step run (torch makes its state on it)."""
   torch = import_torch()
-  emb = torch.nn.Embedding(*data.table.shape, sparse=True)
+  emb = torch.nn.Embedding(*data.table.shape, sparse=True, device=device)
   with torch.no_grad():
     emb.weight.copy_(torch.from_numpy(data.table))
   opt = getattr(torch.optim, name)(emb.parameters(), lr=lr)
-  ids = [torch.from_numpy(i.astype(np.int64)) for i in data.ids_np]
-  ct = torch.from_numpy(data.ct_np)
+  ids = [torch.from_numpy(i.astype(np.int64)).to(device) for i in data.ids_np]
+  ct = torch.from_numpy(data.ct_np).to(device)
 
   def run(i):
     opt.zero_grad(set_to_none=True)
@@ -189,16 +189,27 @@ def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
   return run
 
 
-def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
+def _on(torch, device):
+  """numpy -> a tensor on ``device``."""
+  return lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def torch_runner(
+  torch, tables_np, hp_np, opt_name, lr, batches, labels, bags, device="cpu"
+):
+  """One ``nn.Embedding`` (``nn.EmbeddingBag`` for ``bags`` of
+  ``(ids, lengths, weights, n)``) a table, ``sparse=True``, and the head:
+  ``(run(), first loss)``."""
+  on = _on(torch, device)
   tables = []
   for t in tables_np:
     cls = torch.nn.EmbeddingBag if bags else torch.nn.Embedding
     kw = {"mode": "sum"} if bags else {}
-    e = cls(t.shape[0], t.shape[1], sparse=True, **kw)
+    e = cls(t.shape[0], t.shape[1], sparse=True, device=device, **kw)
     with torch.no_grad():
       e.weight.copy_(torch.from_numpy(t))
     tables.append(e)
-  hp = torch_head(hp_np)
+  hp = torch_head(hp_np, device)
   weights = [e.weight for e in tables]
   opts = _torch_optimizers(opt_name, weights, list(hp.values()), lr)
   tb = []
@@ -209,18 +220,12 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
         ids, lengths, wt, n = b[f"f{k}"]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         step.append(
-          (
-            torch.from_numpy(ids[:n].astype(np.int64)),
-            torch.from_numpy(offsets.astype(np.int64)),
-            torch.from_numpy(wt[:n]),
-          )
+          (on(ids[:n].astype(np.int64)), on(offsets.astype(np.int64)))
+          + (on(wt[:n]),)
         )
     else:
-      step = [
-        torch.from_numpy(b[f"f{k}"].astype(np.int64))
-        for k in range(len(tables))
-      ]
-    tb.append((step, torch.from_numpy(y)))
+      step = [on(b[f"f{k}"].astype(np.int64)) for k in range(len(tables))]
+    tb.append((step, on(y)))
 
   tb_loop = itertools.cycle(tb)
 
@@ -247,21 +252,24 @@ def torch_runner(torch, tables_np, hp_np, opt_name, lr, batches, labels, bags):
   return run, first
 
 
-def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
+def fbgemm_runner(
+  torch, tables_np, hp_np, optim, lr, batches, labels, bags, device="cpu"
+):
   """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
   on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
   tables in one module, looked up in one call on its own jagged input (flat
   ids table-major, offsets, per-id weights), pooled by a sum (one-hot
   features: bags of one id), the optimizer fused into the backward; the
   head by torch's dense optimizer of the same kind."""
-  module = tbe(
-    [t.shape[0] for t in tables_np], tables_np[0].shape[1], optim, "SUM", lr
-  )
+  on = _on(torch, device)
+  rows, dim = [t.shape[0] for t in tables_np], tables_np[0].shape[1]
+  module = tbe(rows, dim, optim, "SUM", lr, device)
   with torch.no_grad():
     for dst, t in zip(module.split_embedding_weights(), tables_np, strict=True):
       dst.copy_(torch.from_numpy(t))
-  hp = torch_head(hp_np)
-  head = {"EXACT_SGD": torch.optim.SGD}.get(optim, torch.optim.Adagrad)
+  hp = torch_head(hp_np, device)
+  head = {"EXACT_SGD": torch.optim.SGD, "ADAM": torch.optim.Adam}
+  head = head.get(optim, torch.optim.Adagrad)
   head = head(list(hp.values()), lr=lr)
   num, dim = len(tables_np), tables_np[0].shape[1]
   tb = []
@@ -270,20 +278,14 @@ def fbgemm_runner(torch, tables_np, hp_np, optim, lr, batches, labels, bags):
       parts = [b[f"f{k}"] for k in range(num)]
       ids = np.concatenate([p[0][: p[3]] for p in parts])
       lengths = np.concatenate([p[1] for p in parts])
-      wt = torch.from_numpy(np.concatenate([p[2][: p[3]] for p in parts]))
+      wt = on(np.concatenate([p[2][: p[3]] for p in parts]))
     else:
       ids = np.concatenate([b[f"f{k}"] for k in range(num)])
       lengths = np.ones(ids.shape[0], np.int64)
       wt = None
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tb.append(
-      (
-        torch.from_numpy(ids.astype(np.int64)),
-        torch.from_numpy(offsets.astype(np.int64)),
-        wt,
-        torch.from_numpy(y),
-      )
-    )
+    tb.append((on(ids.astype(np.int64)), on(offsets.astype(np.int64)), wt))
+    tb[-1] += (on(y),)
 
   tb_loop = itertools.cycle(tb)
 
