@@ -366,7 +366,8 @@ def pad_batch(batch: Any, batch_size: int) -> tuple[Any, Any]:
 class Feature(NamedTuple):
   """One feature of a dict input, its form checked (:func:`feature_form`)."""
 
-  ids: Any  # as given: [B], [B, L], or a Jagged's [capacity]
+  ids: Any  # [B], [B, L], or a Jagged's [capacity]; row ids once parsed
+  # (:func:`parse`), a hashed feature's raw ids where it keeps them
   lengths: jax.Array | None  # a Jagged's [B] integer lengths; else None
   weights: Any  # per-id weights, the ids' shape; None: every id weighs 1
 
