@@ -16,7 +16,6 @@ twins: ``benchmarks.twins``.
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,7 +25,7 @@ import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import hlo_table_copies, huge_pages, make_ids
-from benchmarks._timing import step_runner
+from benchmarks._timing import Counter, step_runner
 
 SEED = 0
 HIDDEN = 256  # the mlp head's width
@@ -274,17 +273,12 @@ def bag_models(tables, rows, dim, batch):
 
 
 def loop_runner(step, params, tx, batches, labels):
+  """A call without arguments: ``step`` on the next batch and its labels,
+  params and state donated (the first step run)."""
   box = [params, tx.init(params)]
   huge_pages(box)
-
-  loop = itertools.cycle(list(zip(batches, labels, strict=True)))
-
-  def run():
-    ids, y = next(loop)
-    box[0], box[1], v = step(box[0], box[1], ids, y)
-    jax.block_until_ready((box[0], v))
-    return float(v)
-
+  feed = list(zip(batches, labels, strict=True))
+  run = Counter(step_runner(step, box, lambda i: feed[i % len(feed)]), 0)
   run()
   return run
 

@@ -28,7 +28,7 @@ import numpy as np
 import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
-from benchmarks._timing import Schedule, warm_copy_bandwidth
+from benchmarks._timing import Counter, Schedule, warm_copy_bandwidth
 
 
 def systems(table_np: np.ndarray, ids_np: list[np.ndarray]) -> dict:
@@ -42,8 +42,7 @@ def systems(table_np: np.ndarray, ids_np: list[np.ndarray]) -> dict:
   np.take(table_np, ids_np[0], axis=0, out=out)  # fault the pages in
 
   def cycle(call):
-    count = iter(range(10**9))
-    return lambda: call(next(count) % len(ids))
+    return Counter(lambda k: call(k % len(ids)), 0)
 
   return {
     "gtx.lookup": cycle(lambda k: read(table, ids[k]).block_until_ready()),

@@ -33,7 +33,7 @@ from benchmarks._common import (
   parser,
 )
 from benchmarks._results import columns, headline, markdown_table, write_results
-from benchmarks._timing import time_interleaved
+from benchmarks._timing import Counter, time_interleaved
 
 SEQ = 16  # ids per example
 POOL = 16  # distinct id batches, cycled: fresh ids every step
@@ -96,13 +96,7 @@ def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
   del ref_g, g, emb
 
   def caller(f):
-    box = [0]
-
-    def call():
-      box[0] = (box[0] + 1) % POOL
-      jax.block_until_ready(f(params, *pool[box[0]]))
-
-    return call
+    return Counter(lambda k: jax.block_until_ready(f(params, *pool[k % POOL])))
 
   times = time_interleaved(
     {k: caller(f) for k, f in fns.items()}, rounds=rounds, label="step"

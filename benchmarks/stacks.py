@@ -24,7 +24,6 @@ Writes ``benchmarks/results/stacks.{md,json,png}``.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +51,7 @@ from benchmarks._results import (
   save_figure,
   write_results,
 )
-from benchmarks._timing import Schedule
+from benchmarks._timing import Counter, Schedule, step_runner
 from benchmarks.models import (
   CRITEO_KAGGLE,
   HIDDEN,
@@ -85,14 +84,7 @@ def optimizer_runner(loss, tx, params, batches, labels):
   box = [jax.tree.map(jnp.copy, params), None]
   box[1] = tx.init(box[0])
   huge_pages(box)
-
-  grads_loop = itertools.cycle(grads)
-
-  def run():
-    g = next(grads_loop)
-    box[0], box[1] = update(box[0], box[1], g)
-    jax.block_until_ready(box[0])
-
+  run = Counter(step_runner(update, box, lambda i: (grads[i % len(grads)],)), 0)
   run()
   return run
 
