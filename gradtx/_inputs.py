@@ -603,12 +603,12 @@ def parse(
   if isinstance(ids, (Keyed, KeyedJagged)):
     if not raw:
       batch = keyed_batch(ids, hashed)
-      what = f"gradtx.TableStack.{what}: gradtx.{type(ids).__name__}"
-      if isinstance(ids, Keyed):
-        values = row_ids(ids.values, f"{what} `values`")
-        return Keyed(ids.names, values, ids.weights), batch
-      narrowed = row_ids(ids.ids, f"{what} `ids`")
-      return KeyedJagged(ids.names, narrowed, ids.lengths, ids.weights), batch
+      # the ids come first among a keyed input's children
+      (given, *rest), names = ids.tree_flatten()
+      field = "values" if isinstance(ids, Keyed) else "ids"
+      where = f"gradtx.TableStack.{what}: gradtx.{type(ids).__name__}"
+      narrowed = row_ids(given, f"{where} `{field}`")
+      return type(ids).tree_unflatten(names, (narrowed, *rest)), batch
     if isinstance(ids, Keyed) and ids.weights is not None:
       weights = {f: ids.weights[:, k] for k, f in enumerate(ids.names)}
     ids = plain_features(ids, hashed)
