@@ -24,9 +24,15 @@ training step, and what it buys over the hashing trick.
   table (a row for every distinct id). Ids never seen in training read zeros
   in the map and the unbounded table, and a colliding row with the modulo.
 
-Writes ``benchmarks/results/vocab.{md,json}`` and ``vocab_quality.{md,json}``.
+* ``parts`` (``--only parts``): where the id map's time goes, on the
+  100%-capacity stack of ``cost``: the jitted pieces of the hashed step
+  timed alone, interleaved with the in-range step and the whole hashed
+  step: ``stack.admit`` alone, ``admit`` + ``gtx.reset_rows``.
 
-  python -m benchmarks.vocab [--quick]
+Writes ``benchmarks/results/vocab.{md,json}``, ``vocab_quality.{md,json}``
+and ``vocab_parts.{md,json}``.
+
+  python -m benchmarks.vocab [--quick] [--only cost|quality|parts]
 """
 
 from __future__ import annotations
@@ -75,9 +81,15 @@ def train_step(stack, tx, loss, hashed: bool):
 # cost inside the whole step
 
 
-def cost(args):
-  nf = 26
-  names = [f"f{t}" for t in range(nf)]
+OPTIMIZERS = (
+  ("rowwise_adagrad", lambda: gtx.rowwise_adagrad(1e-2)),
+  ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
+)
+
+
+def _criteo_raw(args):
+  """The 26 features' names, raw id batches, labels and distinct ids."""
+  names = [f"f{t}" for t in range(26)]
   rng = np.random.default_rng(SEED)
   raw = [
     {n: zipf_raw(rng, args.batch, args.zipf, t) for t, n in enumerate(names)}
@@ -87,13 +99,15 @@ def cost(args):
   distinct = {
     n: len(np.unique(np.concatenate([b[n] for b in raw]))) for n in names
   }
+  return names, raw, labels, distinct
+
+
+def cost(args):
+  names, raw, labels, distinct = _criteo_raw(args)
   rows_out, extra = [], {"distinct": distinct}
   for frac in args.fractions:
     rows = {n: max(64, int(np.ceil(frac * distinct[n]))) for n in names}
-    for opt_name, make in (
-      ("rowwise_adagrad", lambda: gtx.rowwise_adagrad(1e-2)),
-      ("lazy_adam", lambda: gtx.lazy_adam(1e-3)),
-    ):
+    for opt_name, make in OPTIMIZERS:
       times = _cost_pair(args, names, rows, raw, labels, make)
       ratio = times["map"] / times["in range"]
       rows_out.append([
@@ -135,7 +149,9 @@ def cost(args):
   )
 
 
-def _cost_pair(args, names, rows, raw, labels, make_tx):
+def _cost_pair(args, names, rows, raw, labels, make_tx, parts=False):
+  """Runners of the in-range and the hashed step (with ``parts``, of the
+  hashed step's pieces too), timed interleaved: system -> seconds."""
   fns = {}
   for system in ("in range", "map"):
     hashed = system == "map"
@@ -178,7 +194,70 @@ def _cost_pair(args, names, rows, raw, labels, make_tx):
     for _ in range(args.fill if hashed else 2):
       run()
     fns[system] = run
+    if hashed and parts:
+      fns.update(_pieces(stack, tx, box, batches))
   return Schedule.from_args(args).time(fns, warmup=1)
+
+
+def _pieces(stack, tx, box, batches):
+  """Runners of ``stack.admit`` alone and of ``admit`` + ``reset_rows``,
+  each on its own copy of the filled state (map and params donated)."""
+
+  def admit(vocab, ids):
+    return stack.admit(vocab, ids)[1]
+
+  def admit_reset(params, state, vocab, ids):
+    ids, vocab, fresh = stack.admit(vocab, ids)
+    params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
+    return params, state, vocab
+
+  pieces = {
+    "admit alone": (jax.jit(admit, donate_argnums=(0,)), [box[2]]),
+    "admit + reset_rows": (
+      jax.jit(admit_reset, donate_argnums=(0, 1, 2)),
+      list(box),
+    ),
+  }
+  out = {}
+  for name, (jitted, state) in pieces.items():
+    state[:] = jax.tree.map(jnp.copy, state)
+
+    def run(jitted=jitted, state=state, i=[0]):  # noqa: B006
+      new = jitted(*state, batches[i[0] % len(batches)])
+      i[0] += 1
+      state[:] = new if isinstance(new, tuple) else [new]
+      jax.block_until_ready(new)
+
+    run()
+    out[name] = run
+  return out
+
+
+def parts(args):
+  names, raw, labels, distinct = _criteo_raw(args)
+  rows = {n: max(64, distinct[n]) for n in names}
+  rows_out, extra = [], {"runs": []}
+  for opt_name, make in OPTIMIZERS:
+    times = _cost_pair(args, names, rows, raw, labels, make, parts=True)
+    base = times["in range"]
+    for part in ("in range", "admit alone", "admit + reset_rows", "map"):
+      rows_out.append([opt_name, part, times[part] * 1e3, times[part] / base])
+    extra["runs"].append({"optimizer": opt_name, **times})
+  write_results(
+    "vocab_parts",
+    "Where the id map's time goes in the hashed step (26 hashed Criteo "
+    f"features, batch {args.batch}, dim {args.dim}, Zipf({args.zipf}) raw "
+    "ids, capacity 100% of the distinct ids)",
+    ["optimizer", "part", "ms", "/ in-range step"],
+    rows_out,
+    notes=(
+      "Interleaved rounds, one process. `in range`: the step on ids mapped "
+      "in numpy; `map`: the whole hashed step (`stack.admit` + "
+      "`gtx.reset_rows` + loss, gradient and update). The pieces run "
+      "jitted alone on copies of the filled map, params and state."
+    ),
+    extra=extra,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -312,13 +391,15 @@ def main(argv=None):
   p.add_argument("--q-test", type=int, default=50_000)
   p.add_argument("--q-zipf", type=float, default=1.3)
   p.add_argument("--q-capacity", type=float, default=0.25)
-  p.add_argument("--only", choices=["cost", "quality"], default=None)
+  p.add_argument("--only", choices=["cost", "quality", "parts"], default=None)
   quick = dict(batch=256, batches=4, fill=3, rounds=2, fractions=[0.5])
   args = parse(p, argv, quick=dict(quick, q_steps=20, q_test=2000))
   if args.only in (None, "cost"):
     cost(args)
   if args.only in (None, "quality"):
     quality(args)
+  if args.only in (None, "parts"):
+    parts(args)
 
 
 if __name__ == "__main__":
