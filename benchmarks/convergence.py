@@ -108,6 +108,11 @@ def _sgd(accumulator_dtype: Any = None) -> Callable[[float], Any]:
   )
 
 
+def _low(name: str, make: Any, dtype: Any = jnp.float32, **kw: Any) -> Config:
+  """A low-precision Adam variant, ``lazy_adam`` its float32 twin."""
+  return Config(name, "adam", make, dtype, twin="lazy_adam", **kw)
+
+
 BF16 = jnp.bfloat16
 CONFIGS = [
   Config("adam (dense)", "adam", optax.adam, dense=True),
@@ -127,32 +132,12 @@ CONFIGS = [
   Config(
     "lazy_sgd momentum int8", "sgd", _sgd("int8"), twin="lazy_sgd momentum"
   ),
-  Config("bf16 nearest", "adam", _adam(jnp.float32), BF16, twin="lazy_adam"),
-  Config(
-    "bf16 stochastic",
-    "adam",
-    _adam(jnp.float32),
-    BF16,
-    stochastic=True,
-    twin="lazy_adam",
-  ),
-  Config(
-    "bf16 stochastic, bf16 m/v",
-    "adam",
-    gtx.lazy_adam,  # moments in each param's dtype: bf16 for the tables only
-    BF16,
-    stochastic=True,
-    twin="lazy_adam",
-  ),
-  Config("int8 m/v", "adam", _adam("int8"), twin="lazy_adam"),
-  Config(
-    "bf16 stochastic + int8 m/v",
-    "adam",
-    _adam("int8"),
-    BF16,
-    stochastic=True,
-    twin="lazy_adam",
-  ),
+  _low("bf16 nearest", _adam(jnp.float32), BF16),
+  _low("bf16 stochastic", _adam(jnp.float32), BF16, stochastic=True),
+  # moments in each param's dtype: bf16 for the tables only
+  _low("bf16 stochastic, bf16 m/v", gtx.lazy_adam, BF16, stochastic=True),
+  _low("int8 m/v", _adam("int8")),
+  _low("bf16 stochastic + int8 m/v", _adam("int8"), BF16, stochastic=True),
 ]
 NAMES = [c.name for c in CONFIGS]
 TWIN = {c.name: c.twin for c in CONFIGS if c.twin}

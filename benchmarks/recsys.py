@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
+from benchmarks import models, twins
 from benchmarks._common import (
   add_head_args,
   available,
@@ -66,24 +67,7 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.models import (
-  abstract_params,
-  init_params,
-  make_data,
-  per_table_loss,
-  row_offsets,
-  stacked,
-  stacked_loss,
-  table_rows,
-  whole_step,
-)
 from benchmarks.plots import plot_recsys
-from benchmarks.twins import (
-  dlrm_fbgemm,
-  dlrm_torch,
-  random_rows_floor,
-  state_layout,
-)
 
 SEED = 0
 
@@ -128,7 +112,7 @@ def _jitted(key: tuple, loss: Callable[..., Any], make_tx: Callable) -> tuple:
     tx = make_tx()
     _JITTED[key] = (
       tx,
-      whole_step(loss, tx),
+      models.whole_step(loss, tx),
       jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1)),
     )
   return _JITTED[key]
@@ -173,7 +157,7 @@ def _opt_grads(loss, params_np, rows, data, stacked_rows: bool):
     for k, v in params_np.items()
     if not isinstance(form[k], gtx.SparseRows)
   }
-  offsets = row_offsets(rows)
+  offsets = models.row_offsets(rows)
   out = []
   for step_ids in data.ids:
     g = dict(dense)
@@ -207,16 +191,21 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   clock = Clock()
   opt = OPTIMIZERS[opt_name]
   tables = len(rows)
-  data = make_data(rows, batch, sched.steps, dist)
-  params = init_params(rows, dim, head, hidden)
+  data = models.make_data(rows, batch, sched.steps, dist)
+  params = models.init_params(rows, dim, head, hidden)
   ids = [jnp.asarray(s) for s in data.ids]
   labels = [jnp.asarray(y) for y in data.labels]
   fns, first, keep = {}, {}, []
   # the optimizer part barely depends on the head: timed with the linear one
   opt_only = "opt only" in systems and head == "linear"
   for name, loss, p, stacked_rows in [
-    ("gtx", per_table_loss(tables), params, False),
-    ("gtx stacked", stacked_loss(rows), stacked(params, tables), True),
+    ("gtx", models.per_table_loss(tables), params, False),
+    (
+      "gtx stacked",
+      models.stacked_loss(rows),
+      models.stacked(params, tables),
+      True,
+    ),
   ]:
     grads = _opt_grads(loss, p, rows, data, stacked_rows) if opt_only else None
     jitted = _jitted((name, head, opt_name), loss, opt.gtx)
@@ -229,17 +218,19 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   fb = f"FBGEMM {opt.fbgemm}" if opt.fbgemm else None
   for n in threads if "torch" in systems else []:
     label = _threads_label(twin, n, threads)
-    run, first[label], objs = dlrm_torch(params, rows, opt.torch, data)
+    run, first[label], objs = twins.dlrm_torch(params, rows, opt.torch, data)
     fns[label] = with_threads(n, run)
     keep.append(objs)
     if "fbgemm" in systems and fb:
       label = _threads_label(fb, n, threads)
-      run, first[label], objs = dlrm_fbgemm(params, rows, opt.fbgemm, data)
+      run, first[label], objs = twins.dlrm_fbgemm(
+        params, rows, opt.fbgemm, data
+      )
       fns[label] = with_threads(n, run)
       keep.append(objs)
-  layout = state_layout(opt.gtx(), dim)
-  floor_run, floor_lib = random_rows_floor(
-    layout, sum(rows), dim, data, row_offsets(rows)
+  layout = twins.state_layout(opt.gtx(), dim)
+  floor_run, floor_lib = twins.random_rows_floor(
+    layout, sum(rows), dim, data, models.row_offsets(rows)
   )
   fns["floor: random rows"] = with_threads(max(threads), floor_run)
   print(f"  set up in {clock.wall():.0f} s", flush=True)
@@ -250,7 +241,7 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   )
   spread = RUN.timings[-1]["ms"]
   unique = float(
-    np.mean([len(np.unique(s + row_offsets(rows))) for s in data.ids])
+    np.mean([len(np.unique(s + models.row_offsets(rows))) for s in data.ids])
   )
   wide, narrow = layout
   floor_bytes = unique * (wide * dim + narrow) * 4 * 2
@@ -277,15 +268,19 @@ def compile_point(
   tables: int, cap: int, dim: int, batch: int, opt_name: str, variant: str
 ) -> dict[str, Any]:
   """Trace, lower and compile the whole step once on abstract inputs."""
-  rows = table_rows(tables, cap)
-  params = abstract_params(rows, dim, variant == "stacked")
-  loss = stacked_loss(rows) if variant == "stacked" else per_table_loss(tables)
+  rows = models.table_rows(tables, cap)
+  params = models.abstract_params(rows, dim, variant == "stacked")
+  loss = (
+    models.stacked_loss(rows)
+    if variant == "stacked"
+    else models.per_table_loss(tables)
+  )
   tx = OPTIMIZERS[opt_name].gtx()
   state = jax.eval_shape(tx.init, params)
   ids = jax.ShapeDtypeStruct((batch, tables), jnp.int32)
   y = jax.ShapeDtypeStruct((batch,), jnp.float32)
   # a fresh step function each time: nothing comes from jit's caches
-  jitted = whole_step(loss, tx)
+  jitted = models.whole_step(loss, tx)
   return {
     "tables": tables,
     "variant": variant,
@@ -466,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
   if not args.no_opt_only:
     systems.add("opt only")
   sched = Schedule.from_args(args)
-  rows = table_rows(args.tables, args.cap)
+  rows = models.table_rows(args.tables, args.cap)
   code = commit()
   bandwidth = warm_copy_bandwidth()
   steps, raw = [], []

@@ -16,22 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
+from benchmarks import models
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import Schedule
-from benchmarks.models import (
-  CRITEO_KAGGLE,
-  HIDDEN,
-  SEED,
-  STACK_OPTIMIZERS,
-  bce,
-  criteo_data,
-  criteo_models,
-  head_params,
-  logit,
-  loop_runner,
-  whole_step,
-)
 
 
 def lane_loss(specs, names, dim, lanes, batch):
@@ -40,7 +28,9 @@ def lane_loss(specs, names, dim, lanes, batch):
 
   def loss(p, ids, y):
     x = stack.lookup(p["emb"], ids, output="concat")
-    return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
+    return models.bce(
+      models.logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y
+    )
 
   return stack, loss
 
@@ -56,29 +46,33 @@ def main(argv: list[str] | None = None) -> None:
     "--optimizers",
     nargs="+",
     default=["lazy_adam", "rowwise_adagrad"],
-    choices=STACK_OPTIMIZERS,
+    choices=models.STACK_OPTIMIZERS,
   )
   quick = dict(cap=5000, batch=256, rounds=2, steps=4)
   args = parse(ap, argv, quick=quick)
   sched = Schedule.from_args(args)
-  crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
-  rng = np.random.default_rng(SEED + 2)
+  crows = [min(c, args.cap) for c in models.CRITEO_KAGGLE]
+  rng = np.random.default_rng(models.SEED + 2)
   tables_np = [
     (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
     for r in crows
   ]
   rows = []
   for dist in args.dists:
-    batches, labels = criteo_data(crows, args.batch, args.steps, dist)
-    _, names, per_table_loss, _ = criteo_models(crows, args.dim)
+    batches, labels = models.criteo_data(crows, args.batch, args.steps, dist)
+    _, names, per_table_loss, _ = models.criteo_models(crows, args.dim)
     specs = {
       n: gtx.TableSpec(r, args.dim) for n, r in zip(names, crows, strict=True)
     }
     per_table_np = dict(zip(names, tables_np, strict=True))
     for opt in args.optimizers:
-      make = STACK_OPTIMIZERS[opt][0]
-      hp = head_params(
-        len(names), args.dim, "linear", HIDDEN, np.random.default_rng(SEED + 4)
+      make = models.STACK_OPTIMIZERS[opt][0]
+      hp = models.head_params(
+        len(names),
+        args.dim,
+        "linear",
+        models.HIDDEN,
+        np.random.default_rng(models.SEED + 4),
       )
 
       def head(hp=hp):  # each system its own (its step donates them)
@@ -87,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
       per = {n: jnp.asarray(t) for n, t in per_table_np.items()}
       tx = make()
       fns = {
-        "per-table": loop_runner(
-          whole_step(per_table_loss, tx),
+        "per-table": models.loop_runner(
+          models.whole_step(per_table_loss, tx),
           {**per, "head": head()},
           tx,
           batches,
@@ -99,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         stack, loss = lane_loss(specs, names, args.dim, lanes, args.batch)
         params = {"emb": stack.stack(per_table_np), "head": head()}
         tx = make()
-        fns[f"lanes={lanes}"] = loop_runner(
-          whole_step(loss, tx), params, tx, batches, labels
+        fns[f"lanes={lanes}"] = models.loop_runner(
+          models.whole_step(loss, tx), params, tx, batches, labels
         )
       t = sched.time(fns, label=f"{dist}, {opt}")
       base = t["lanes=1"]

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
+from benchmarks import models, twins
 from benchmarks._common import (
   ZIPF_S,
   add_head_args,
@@ -52,19 +53,6 @@ from benchmarks._results import (
   write_results,
 )
 from benchmarks._timing import Counter, Schedule, step_runner
-from benchmarks.models import (
-  CRITEO_KAGGLE,
-  HIDDEN,
-  STACK_OPTIMIZERS,
-  bag_data,
-  bag_models,
-  criteo_data,
-  criteo_models,
-  head_params,
-  loop_runner,
-  whole_step,
-)
-from benchmarks.twins import fbgemm_runner, floor_runner, torch_runner
 
 SEED = 0
 
@@ -103,15 +91,15 @@ def _model(model, dist, args):
   """``(stack, names, per-table loss, stack loss, feeds, labels, the
   twins' feed, ids per step and table, rows per table)`` of one model."""
   if model == "criteo":
-    crows = [min(c, args.cap) for c in CRITEO_KAGGLE]
-    batches, labels = criteo_data(crows, args.batch, args.steps, dist)
-    stack, names, ptl, stl = criteo_models(crows, args.dim, args.batch)
+    crows = [min(c, args.cap) for c in models.CRITEO_KAGGLE]
+    batches, labels = models.criteo_data(crows, args.batch, args.steps, dist)
+    stack, names, ptl, stl = models.criteo_models(crows, args.dim, args.batch)
     flat = [[b[n] for n in names] for b in batches]
     feeds = {"per-table": batches, "stack": batches}
     return stack, names, ptl, stl, feeds, labels, batches, flat, crows
   n, rows, batch = args.bag_tables, args.bag_rows, args.bag_batch
-  raw, labels, cap = bag_data(n, rows, batch, args.steps, dist)
-  stack, names, ptl, stl = bag_models(n, rows, args.dim, batch)
+  raw, labels, cap = models.bag_data(n, rows, batch, args.steps, dist)
+  stack, names, ptl, stl = models.bag_models(n, rows, args.dim, batch)
   seg = {}
   for b in raw:
     for name, (_, lengths, _, _) in b.items():
@@ -148,9 +136,13 @@ def step_rows(args, torch) -> list[dict]:
       if model == "criteo" and "mlp" in args.heads:
         configs += [("mlp", o) for o in args.mlp_optimizers]
       for head, opt in configs:
-        make, torch_name, lr, fb_optim = STACK_OPTIMIZERS[opt]
-        hp_np = head_params(
-          len(names), args.dim, head, HIDDEN, np.random.default_rng(SEED + 4)
+        make, torch_name, lr, fb_optim = models.STACK_OPTIMIZERS[opt]
+        hp_np = models.head_params(
+          len(names),
+          args.dim,
+          head,
+          models.HIDDEN,
+          np.random.default_rng(SEED + 4),
         )
         per_table = dict(zip(names, map(jnp.asarray, tables_np), strict=True))
         per_table["head"] = jax.tree.map(jnp.asarray, hp_np)
@@ -166,18 +158,24 @@ def step_rows(args, torch) -> list[dict]:
           ("gtx stack", stl, stacked(), feeds["stack"]),
         ]:
           tx = make()
-          fns[name] = loop_runner(
-            whole_step(loss, tx), params, tx, feed, labels
+          fns[name] = models.loop_runner(
+            models.whole_step(loss, tx), params, tx, feed, labels
           )
         twin = (tables_np, hp_np), (lr, twin_feed, labels, model == "bags")
         if torch is not None:
-          fns["torch"], _ = torch_runner(torch, *twin[0], torch_name, *twin[1])
+          fns["torch"], _ = twins.torch_runner(
+            torch, *twin[0], torch_name, *twin[1]
+          )
         if torch is not None and fb_optim and fbgemm():
-          fns["fbgemm"], _ = fbgemm_runner(torch, *twin[0], fb_optim, *twin[1])
+          fns["fbgemm"], _ = twins.fbgemm_runner(
+            torch, *twin[0], fb_optim, *twin[1]
+          )
         fns["gtx stack optimizer"] = optimizer_runner(
           stl, make(), stacked(), feeds["stack"], labels
         )
-        fns["floor"] = floor_runner(torch, sum(rows_np), args.dim, opt, unique)
+        fns["floor"] = twins.floor_runner(
+          torch, sum(rows_np), args.dim, opt, unique
+        )
         t = Schedule.from_args(args).time(
           fns, label=f"{model}, {head}, {dist}, {opt}"
         )
@@ -201,7 +199,7 @@ def shard_balance(args, shards: int = 8) -> list[dict]:
   cut into ``shards`` blocks (where a small table's every read lands on one
   device). ``zipf (rank ids)``: Zipf ids whose hot rows are the low ids
   (vocabularies sorted by frequency)."""
-  rows = [min(c, args.cap) for c in CRITEO_KAGGLE]
+  rows = [min(c, args.cap) for c in models.CRITEO_KAGGLE]
   names = [f"f{t}" for t in range(len(rows))]
   specs = {
     n: gtx.TableSpec(r, args.dim) for n, r in zip(names, rows, strict=True)
@@ -259,7 +257,7 @@ def _zipf_ranks(rows, n, steps, seed):
 
 
 def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
-  rows = [min(CRITEO_KAGGLE[i % 26], 20_000) for i in range(features)]
+  rows = [min(models.CRITEO_KAGGLE[i % 26], 20_000) for i in range(features)]
   dim, batch = 32, 1024
   out = {"features": features, "optimizer": optimizer}
   rng = np.random.default_rng(SEED)
@@ -268,7 +266,7 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
     for t, r in enumerate(rows)
   }
   y = np.zeros(batch, np.float32)
-  stack, names, ptl, stl = criteo_models(rows, dim, batch)
+  stack, names, ptl, stl = models.criteo_models(rows, dim, batch)
   variants = [("per-table", ptl), ("stack", stl)]
   if features > per_table_max:
     variants = variants[1:]
@@ -284,9 +282,9 @@ def compile_point(features: int, optimizer: str, per_table_max: int) -> dict:
       "w": jax.ShapeDtypeStruct((features, dim), jnp.float32),
       "b": jax.ShapeDtypeStruct((), jnp.float32),
     }
-    tx = STACK_OPTIMIZERS[optimizer][0]()
+    tx = models.STACK_OPTIMIZERS[optimizer][0]()
     s = jax.eval_shape(tx.init, p)
-    out[variant] = compile_phases(whole_step(loss, tx), p, s, ids, y)
+    out[variant] = compile_phases(models.whole_step(loss, tx), p, s, ids, y)
     print(features, optimizer, variant, out[variant], flush=True)
   return out
 
@@ -352,10 +350,10 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument(
     "--optimizers",
     nargs="+",
-    default=list(STACK_OPTIMIZERS),
-    choices=STACK_OPTIMIZERS,
+    default=list(models.STACK_OPTIMIZERS),
+    choices=models.STACK_OPTIMIZERS,
   )
-  add_head_args(ap, STACK_OPTIMIZERS)
+  add_head_args(ap, models.STACK_OPTIMIZERS)
   ap.add_argument(
     "--compile-features", type=int, nargs="+", default=[26, 104, 500]
   )
@@ -364,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     "--compile-optimizers",
     nargs="+",
     default=["lazy_adam"],
-    choices=STACK_OPTIMIZERS,
+    choices=models.STACK_OPTIMIZERS,
   )
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
@@ -430,8 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     "input, pooled by a sum, the optimizer fused into the backward; n/a for "
     "lazy_adam (no Adam on CPU) or where fbgemm_gpu does not import. Heads: "
     "linear (a logit weight vector per feature, a bias), mlp (a tanh layer "
-    f"of {HIDDEN} over the concatenated features, then a logit); torch and "
-    "FBGEMM run "
+    f"of {models.HIDDEN} over the concatenated features, then a logit); "
+    "torch and FBGEMM run "
     "the head with their dense optimizer of the same kind (Adam for "
     "SparseAdam). stack "
     "optimizer: `tx.update` + `gtx.apply_updates` alone on the stack's "

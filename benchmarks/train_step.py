@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import gradtx as gtx
+from benchmarks import models, twins
 from benchmarks._common import (
   add_memory_arg,
   available,
@@ -42,8 +43,6 @@ from benchmarks._timing import (
   step_runner,
   warm_copy_bandwidth,
 )
-from benchmarks.models import one_table, one_table_step
-from benchmarks.twins import torch_table
 
 LR = 1e-3
 
@@ -53,7 +52,7 @@ def _gtx(data, linear, catch_up):
   ``apply_updates`` on pre-built gradients of the step's ids), on the same
   donated buffers."""
   tx = gtx.lazy_adam(LR, catch_up=catch_up)
-  run, box, copies = one_table_step(tx, data, linear=linear, lookup=True)
+  run, box, copies = models.one_table_step(tx, data, linear=linear, lookup=True)
   rows, dim = data.table.shape
   vals = np.random.default_rng(2).standard_normal((len(data.ct), dim))
   grads = [gtx.SparseRows(i, vals.astype(np.float32), rows) for i in data.ids]
@@ -68,19 +67,21 @@ def _gtx(data, linear, catch_up):
 
 
 def run_config(rows, dim, n, dist, linear, sched, mem, bandwidth, torch):
-  data = one_table(rows, dim, n, dist, sched.steps)
+  data = models.one_table(rows, dim, n, dist, sched.steps)
   fns, keep, copies = {}, [], {}
   fns["gtx"], fns["gtx opt only"], copies["gtx"], b = _gtx(data, linear, False)
   fns["gtx catch_up"], _, copies["gtx catch_up"], b2 = _gtx(data, linear, True)
   keep += [b, b2]
   used = 6 * rows * dim * 4
   if torch:
-    fns["torch"], b, _ = torch_table("SparseAdam", data, linear=linear, lr=LR)
+    fns["torch"], b, _ = twins.torch_table(
+      "SparseAdam", data, linear=linear, lr=LR
+    )
     keep.append(b)
     used += 3 * rows * dim * 4
   if used + 4 * rows * dim * 4 <= mem:
     tx = optax.adam(LR)
-    fns["optax"], b, copies["optax"] = one_table_step(
+    fns["optax"], b, copies["optax"] = models.one_table_step(
       tx, data, linear=linear, dense=True
     )
     keep.append(b)
@@ -135,8 +136,8 @@ def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
   import tempfile
   from pathlib import Path
 
-  data = one_table(rows, dim, n, "uniform", steps + 2)
-  run, _, _ = one_table_step(gtx.lazy_adam(LR), data, linear=linear)
+  data = models.one_table(rows, dim, n, "uniform", steps + 2)
+  run, _, _ = models.one_table_step(gtx.lazy_adam(LR), data, linear=linear)
   run(0)
   run(1)
   with tempfile.TemporaryDirectory() as d:
