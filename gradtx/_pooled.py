@@ -1,13 +1,13 @@
 """Pooled reads: the one gather that reads a table stack's features and the
 one segment sum that pools them.
 
-:func:`dict_reader` and :func:`keyed_reader` lay a group of features
-(their forms are ``_inputs``') out as slots, :func:`pool_rows` reads a
-group's rows from its array with one gather and pools them with one
-segment sum into ``[B, F, dim]``, and :func:`split_features` splits that
-into features. :func:`raw_slots` joins the raw ids of a hashed table's
-features for the id map (``_vocab``) and gives its rows back in each
-feature's form.
+:func:`read_features` is ``TableStack.lookup``'s one call: the input
+parsed (``_inputs.parse``), the hashed features' raw ids through their
+maps where the maps are given (:func:`raw_slots` joins them for the id
+map, ``_vocab``, and gives each feature its rows back), then per array
+read the slots (:func:`dict_reader`, :func:`keyed_reader`), one gather
+and one segment sum into ``[B, F, dim]`` (:func:`pool_rows`), and the
+output's form (:func:`split_features` for the dict).
 """
 
 from __future__ import annotations
