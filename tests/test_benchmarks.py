@@ -246,3 +246,37 @@ def test_compile_phases_add_up():
   phases = sum(got[f"{p}_s"] for p in ("trace", "lower", "compile"))
   assert 0 < phases <= got["total_s"]
   assert got["cpu_s"] >= 0 and got["hlo_lines"] > 0 and got["kernels"] >= 1
+
+
+def test_columns_and_headline():
+  assert results.columns("a | b, c | d") == ["a", "b, c", "d"]
+  assert results.headline("m", 1.5) == {"metric": "m", "value": 1.5}
+  assert results.headline("m", 2, ">= 1x")["target"] == ">= 1x"
+
+
+def test_memory_budget_flag_and_default():
+  p = bench.parser("doc")
+  bench.add_memory_arg(p, 3)
+  assert bench.memory_budget(p.parse_args(["--mem-gib", "0.5"])) == 2**29
+  assert bench.memory_budget(p.parse_args([])) == 3 * 2**30  # on the CPU
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_one_table_step_matches_numpy(dense):
+  """models.one_table_step's loss and SGD update against numpy's
+  sum(tanh(E[ids]) * ct) and its row gradient, duplicates summed."""
+  import optax
+
+  import gradtx as gtx
+  from benchmarks import models
+
+  data = models.one_table(50, 4, 16, "zipf", steps=2)
+  tx = optax.sgd(0.1) if dense else gtx.lazy_sgd(0.1)
+  run, box, copies = models.one_table_step(tx, data, dense=dense)
+  table, ids, ct = data.table.astype(np.float64), data.ids_np[1], data.ct_np
+  want_loss = np.sum(np.tanh(table[ids]) * ct)
+  grad = np.zeros_like(table)
+  np.add.at(grad, ids, (1 - np.tanh(table[ids]) ** 2) * ct)
+  np.testing.assert_allclose(float(run(1)), want_loss, rtol=1e-5)
+  np.testing.assert_allclose(box[0]["emb"], table - 0.1 * grad, atol=1e-6)
+  assert copies == 0 or dense
