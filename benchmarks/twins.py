@@ -1,13 +1,16 @@
 """torch's and FBGEMM's twins of the shared models (``benchmarks.models``),
 and the random-rows floors beside them.
 
-For ``benchmarks.recsys``: :func:`dlrm_torch` (one ``nn.Embedding`` a
-table), :func:`dlrm_fbgemm` (one table-batched module for all tables) and
-:func:`random_rows_floor`; for ``benchmarks.stacks``: :func:`torch_runner`,
-:func:`fbgemm_runner` (one-hot features or weighted bags) and
-:func:`floor_runner`; :func:`torch_table`, the one-table step of
-``benchmarks.train_step``, ``optimizers`` and ``low_precision``. torch is
-imported inside functions: this module imports where torch does not.
+:func:`torch_table`, the one-table step of ``benchmarks.train_step``,
+``optimizers``, ``low_precision`` and ``gpu``; :func:`torch_runner` (one
+``nn.Embedding`` / ``nn.EmbeddingBag`` a table) and :func:`fbgemm_runner`
+(one table-batched module for all tables), on one-hot features or weighted
+bags, for ``benchmarks.stacks`` and ``gpu`` and, on the DLRM model's
+tables, ``benchmarks.recsys`` (:func:`dlrm_torch`, :func:`dlrm_fbgemm`);
+the random-rows floors :func:`random_rows_floor` (recsys) and
+:func:`floor_runner` (stacks). Every twin takes a ``device`` where it can
+run on a GPU. torch is imported inside functions: this module imports
+where torch does not.
 """
 
 from __future__ import annotations
