@@ -9,8 +9,11 @@ step (:func:`whole_step`: sparse gradient, ``tx.update``,
 ``apply_updates``, jitted, params and state donated), and the table-stack
 models of ``benchmarks.stacks`` (:func:`criteo_data`,
 :func:`criteo_models`, :func:`bag_data`, :func:`bag_models`,
-:func:`loop_runner`, :data:`STACK_OPTIMIZERS`). torch's and FBGEMM's
-twins: ``benchmarks.twins``.
+:func:`loop_runner`, :data:`STACK_OPTIMIZERS`); and one table's step, the
+scenario of ``benchmarks.train_step``, ``optimizers`` and
+``low_precision`` (:func:`one_table`: the table and fresh ids;
+:func:`one_table_step`: the step, sparse or dense, in any dtype). torch's
+and FBGEMM's twins: ``benchmarks.twins``.
 """
 
 from __future__ import annotations

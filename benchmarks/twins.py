@@ -8,9 +8,9 @@ and the random-rows floors beside them.
 bags, for ``benchmarks.stacks`` and ``gpu`` and, on the DLRM model's
 tables, ``benchmarks.recsys`` (:func:`dlrm_torch`, :func:`dlrm_fbgemm`);
 the random-rows floors :func:`random_rows_floor` (recsys) and
-:func:`floor_runner` (stacks). Every twin takes a ``device`` where it can
-run on a GPU. torch is imported inside functions: this module imports
-where torch does not.
+:func:`floor_runner` (stacks). :func:`torch_table`, :func:`torch_runner` and
+:func:`fbgemm_runner` take a ``device``. torch is imported inside functions:
+this module imports where torch does not.
 """
 
 from __future__ import annotations
