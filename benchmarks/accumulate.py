@@ -105,6 +105,24 @@ def _memory_row(name, compiled) -> dict:
   return {"variant": name, **m, "total": total}
 
 
+def _k1_memory(params, grads) -> dict:
+  """The compiled memory of the k = 1 steps and of adam alone."""
+  small = {}
+  for name, tx in [
+    ("optax.MultiSteps(adam), k=1", optax.MultiSteps(optax.adam(1e-3), 1)),
+    ("gtx.accumulate(adam), k=1", gtx.accumulate(optax.adam(1e-3), 1)),
+    ("optax.adam alone", optax.adam(1e-3)),
+  ]:
+    tx = getattr(tx, "gradient_transformation", lambda tx=tx: tx)()
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
+    state = jax.eval_shape(tx.init, abstract)
+    compiled = _step(tx).lower(abstract, state, grads).compile()
+    small[name] = _memory_row(name, compiled)
+  return small
+
+
 def main(argv=None) -> None:
   p = parser(__doc__.split("\n")[0], rounds=7, fresh_memory=True)
   p.add_argument("--k", type=int, default=4)
@@ -169,18 +187,7 @@ def main(argv=None) -> None:
   table_buffer = _nbytes(acc["table"])
 
   # k = 1: compiled memory only (optax#320, #472: MultiSteps at k = 1).
-  small = {}
-  for name, tx in [
-    ("optax.MultiSteps(adam), k=1", optax.MultiSteps(optax.adam(1e-3), 1)),
-    ("gtx.accumulate(adam), k=1", gtx.accumulate(optax.adam(1e-3), 1)),
-    ("optax.adam alone", optax.adam(1e-3)),
-  ]:
-    tx = getattr(tx, "gradient_transformation", lambda tx=tx: tx)()
-    p = runners[base].params
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
-    state = jax.eval_shape(tx.init, abstract)
-    compiled = _step(tx).lower(abstract, state, dense_grads).compile()
-    small[name] = _memory_row(name, compiled)
+  small = _k1_memory(runners[base].params, dense_grads)
   for name, m in small.items():
     rows_out.append([name, "-", "-", "-", "-", *_mib(m), "-"])
 

@@ -352,6 +352,25 @@ def _headline(task: str, runs: dict[str, Run]) -> list[dict[str, Any]]:
   return out
 
 
+def _task_record(task: Task, runs: dict, failed: dict, lrs: dict, wall) -> dict:
+  """What the json keeps of one task's runs."""
+  examples = sum(len(next(iter(b.values()))) for b in task.eval_batches)
+  return {
+    "vocab": task.vocab,
+    "batch": task.batch,
+    "train_tokens": task.tokens[0],
+    "held_out_tokens": task.tokens[1],
+    "eval_examples": examples,
+    "learning_rates": lrs[task.name],
+    "wall_s": wall,
+    "curves": {
+      k: [(x, _finite(y)) for x, y in r.curve] for k, r in runs.items()
+    },
+    "step_ms": {k: statistics.median(r.times) * 1e3 for k, r in runs.items()},
+    "failed": failed,
+  }
+
+
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__.splitlines()[0], steps=STEPS)
   p.add_argument(
@@ -418,22 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     if runs:
       tables.append(_curve_table(task.name, runs))
     heads += _headline(task.name, runs)
-    per_task[task.name] = {
-      "vocab": task.vocab,
-      "batch": task.batch,
-      "train_tokens": task.tokens[0],
-      "held_out_tokens": task.tokens[1],
-      "eval_examples": sum(
-        len(next(iter(b.values()))) for b in task.eval_batches
-      ),
-      "learning_rates": lrs[task.name],
-      "wall_s": wall,
-      "curves": {
-        k: [(x, _finite(y)) for x, y in c] for k, c in curves[task.name].items()
-      },
-      "step_ms": {k: statistics.median(r.times) * 1e3 for k, r in runs.items()},
-      "failed": failed,
-    }
+    per_task[task.name] = _task_record(task, runs, failed, lrs, wall)
 
   png = result_path("convergence", ".png")
   if any(curves.values()):

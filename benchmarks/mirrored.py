@@ -44,6 +44,43 @@ def loss_fn(params, batch):
   return jnp.mean(jnp.logaddexp(0.0, -batch["labels"] * logits))
 
 
+def _reduction_bytes(compiled: dict, rows: int, dim: int, n: int, r: int):
+  """The table gradient's collective bytes of the sparse and the dense
+  step: from the shapes, as the compiled HLO moves them (checked against
+  each other), and what each device receives with ring algorithms."""
+  w_bytes = dim * 4  # the dense leaf w: a small all-reduce in both steps
+  from_shapes = {
+    "sparse": r * n * 4 + r * n * dim * 4,  # gathered int32 ids + f32 rows
+    "dense": rows * dim * 4,  # the f32 table gradient, all-reduced
+  }
+  want = {  # (all-gather, all-reduce) bytes of each compiled step
+    "sparse": (from_shapes["sparse"], w_bytes),
+    "dense": (0, from_shapes["dense"] + w_bytes),
+  }
+  hlo, got = {}, {}
+  for name, c in compiled.items():
+    hlo[name] = hlo_collectives(c.as_text(), ("all-gather", "all-reduce"))
+    got[name] = tuple(
+      sum(b for op, b in hlo[name] if op == kind)
+      for kind in ("all-gather", "all-reduce")
+    )
+    if got[name] != want[name]:
+      raise AssertionError(
+        f"{name} step: HLO collectives {hlo[name]} move {got[name]} bytes "
+        f"(all-gather, all-reduce); the shapes say {want[name]}."
+      )
+  sparse_hlo = got["sparse"][0]
+  dense_hlo = got["dense"][1] - w_bytes
+  # Bytes each device receives with ring algorithms: an all-gather brings
+  # in the other replicas' (r-1)/r of the result, an all-reduce moves
+  # 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
+  ring = {
+    "sparse": from_shapes["sparse"] * (r - 1) / r,
+    "dense": from_shapes["dense"] * 2 * (r - 1) / r,
+  }
+  return from_shapes, sparse_hlo, dense_hlo, ring, hlo
+
+
 def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   m = gtx.Mirrored()
   r = m.num_replicas
@@ -141,37 +178,10 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   dense = m.step(dense_step, donate_argnums=(0, 1))
   compiled_dense = dense.lower(box["p"], opt_state, batch).compile()  # not run
 
-  n = ids  # rows of the table's SparseRows gradient per replica
-  w_bytes = dim * 4  # the dense leaf w: a small all-reduce in both steps
-  from_shapes = {
-    "sparse": r * n * 4 + r * n * dim * 4,  # gathered int32 ids + f32 rows
-    "dense": rows * dim * 4,  # the f32 table gradient, all-reduced
-  }
-  want = {  # (all-gather, all-reduce) bytes of each compiled step
-    "sparse": (from_shapes["sparse"], w_bytes),
-    "dense": (0, from_shapes["dense"] + w_bytes),
-  }
-  hlo, got = {}, {}
-  for name, c in [("sparse", compiled_sparse), ("dense", compiled_dense)]:
-    hlo[name] = hlo_collectives(c.as_text(), ("all-gather", "all-reduce"))
-    got[name] = tuple(
-      sum(b for op, b in hlo[name] if op == kind)
-      for kind in ("all-gather", "all-reduce")
-    )
-    if got[name] != want[name]:
-      raise AssertionError(
-        f"{name} step: HLO collectives {hlo[name]} move {got[name]} bytes "
-        f"(all-gather, all-reduce); the shapes say {want[name]}."
-      )
-  sparse_hlo = got["sparse"][0]
-  dense_hlo = got["dense"][1] - w_bytes
-  # Bytes each device receives with ring algorithms: an all-gather brings
-  # in the other replicas' (r-1)/r of the result, an all-reduce moves
-  # 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
-  ring = {
-    "sparse": from_shapes["sparse"] * (r - 1) / r,
-    "dense": from_shapes["dense"] * 2 * (r - 1) / r,
-  }
+  compiled = {"sparse": compiled_sparse, "dense": compiled_dense}
+  from_shapes, sparse_hlo, dense_hlo, ring, hlo = _reduction_bytes(
+    compiled, rows, dim, ids, r
+  )
   row = [f"{rows:,} x {dim}", ids, r, times["hand"] * 1e3]
   row += [times["mirrored"] * 1e3, times["mirrored"] / times["hand"]]
   row += [from_shapes["sparse"] / 2**20, sparse_hlo / 2**20]

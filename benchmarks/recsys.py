@@ -396,7 +396,8 @@ def _compile_tables(points: list[dict]) -> tuple[list, list]:
   return rows, ops
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
+  """The arguments and their --quick sizes."""
   p = parser(__doc__, schedule=Schedule(5, 5, 2), huge_pages=True)
   p.add_argument("--tables", type=int, default=26)
   p.add_argument("--cap", type=int, default=100_000)
@@ -444,6 +445,46 @@ def main(argv: list[str] | None = None) -> None:
   quick = dict(tables=8, cap=2000, dim=16, batch=256, hidden=32)
   quick.update(rounds=2, burst=2, settle=1, compile_tables=[4, 8])
   quick.update(compile_cap=500, compile_dim=8, compile_batch=64)
+  return p, quick
+
+
+def _headlines(steps: list, points: list[dict], args) -> list[dict]:
+  """The step's speed-ups over torch and over per-table leaves, and the
+  compile time's growth with the tables."""
+  heads = []
+  for r in steps:
+    c = dict(zip(STEP_HEADERS, r, strict=True))
+    opt, where = c["optimizer"], f"({c['head']}, {c['ids']})"
+    if c["head"] == "linear" and c["torch / gtx"] != "-":
+      if opt in ("lazy_adam", "rowwise_adagrad"):
+        heads.append(
+          headline(
+            f"{opt} step vs torch {c['torch twin']} (linear head, {c['ids']})",
+            float(c["torch / gtx"].rstrip("x")),
+            ">= 2x" if opt == "lazy_adam" else ">= 4x",
+          )
+        )
+    value = float(c["stacked / gtx"].rstrip("x"))
+    heads.append(
+      headline(f"{opt} stacked / per-table step {where}", value, ">= 1x")
+    )
+  by = {(p["optimizer"], p["tables"], p["variant"]): p for p in points}
+  lo, hi = min(args.compile_tables), max(args.compile_tables)
+  for opt in args.compile_optimizers if points else []:
+    a, b = by[(opt, lo, "per-table")], by[(opt, hi, "per-table")]
+    s = by[(opt, hi, "stacked")]
+    ratio = round(b["total_s"] / a["total_s"], 2)
+    heads.append(
+      headline(f"{opt} compile, {hi} / {lo} tables", ratio, "<= 1.5x")
+    )
+    ratio = round(b["total_s"] / s["total_s"], 2)
+    metric = f"{opt} compile at {hi} tables, per-table / stacked"
+    heads.append(headline(metric, ratio, "<= 2x"))
+  return heads
+
+
+def main(argv: list[str] | None = None) -> None:
+  p, quick = _parser()
   args = parse(p, argv, quick=quick)
   if args.replot:
     data = json.loads(Path(args.replot).read_text())
@@ -485,35 +526,8 @@ def main(argv: list[str] | None = None) -> None:
   compile_rows, ops_rows = _compile_tables(points) if points else ([], [])
   png = result_path("recsys", ".png")
   plot_recsys(raw, points, len(rows), png)
-  heads = []
-  for r in steps:
-    c = dict(zip(STEP_HEADERS, r, strict=True))
-    opt, where = c["optimizer"], f"({c['head']}, {c['ids']})"
-    if c["head"] == "linear" and c["torch / gtx"] != "-":
-      if opt in ("lazy_adam", "rowwise_adagrad"):
-        heads.append(
-          headline(
-            f"{opt} step vs torch {c['torch twin']} (linear head, {c['ids']})",
-            float(c["torch / gtx"].rstrip("x")),
-            ">= 2x" if opt == "lazy_adam" else ">= 4x",
-          )
-        )
-    value = float(c["stacked / gtx"].rstrip("x"))
-    heads.append(
-      headline(f"{opt} stacked / per-table step {where}", value, ">= 1x")
-    )
-  by = {(p["optimizer"], p["tables"], p["variant"]): p for p in points}
-  lo, hi = min(args.compile_tables), max(args.compile_tables)
-  for opt in args.compile_optimizers if points else []:
-    a, b = by[(opt, lo, "per-table")], by[(opt, hi, "per-table")]
-    s = by[(opt, hi, "stacked")]
-    ratio = round(b["total_s"] / a["total_s"], 2)
-    heads.append(
-      headline(f"{opt} compile, {hi} / {lo} tables", ratio, "<= 1.5x")
-    )
-    ratio = round(b["total_s"] / s["total_s"], 2)
-    metric = f"{opt} compile at {hi} tables, per-table / stacked"
-    heads.append(headline(metric, ratio, "<= 2x"))
+  heads = _headlines(steps, points, args)
+  lo = min(args.compile_tables)
   versions = f"jax {jax.__version__}, gradtx/ as of commit {code}"
   if "torch" in systems:
     versions += f", torch {version('torch')} (2 threads)"

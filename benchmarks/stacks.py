@@ -332,6 +332,47 @@ def _plot(steps: list[dict], points: list[dict]) -> None:
   save_figure(fig, result_path("stacks", ".png"), dpi=110)
 
 
+def _tables(steps: list[dict], points: list[dict], balance: list[dict]):
+  """The step table, the compile table and the row shards' table: each
+  headers and rows."""
+  systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
+  headers = columns(
+    "model | head | ids | optimizer | unique rows | "
+    + " | ".join(f"{s} ms" for s in systems)
+    + " | stack / per-table speed | stack / torch speed | stack / fbgemm "
+    "speed | stack optimizer ms | floor ms | optimizer / floor"
+  )
+  rows = []
+  for r in steps:
+    stack_ms, opt_ms = r["gtx stack"], r["gtx stack optimizer"]
+    speed = [r.get(s) for s in ("gtx per-table", "torch", "fbgemm")]
+    rows.append(
+      [r["model"], r["head"], r["dist"], r["optimizer"]]
+      + [f"{r['unique_rows']:,.0f}"]
+      + [f"{r[s]:.2f}" if s in r else "n/a" for s in systems]
+      + [f"{ms / stack_ms:.2f}x" if ms else "n/a" for ms in speed]
+      + [f"{opt_ms:.2f}", f"{r['floor']:.2f}", f"{opt_ms / r['floor']:.2f}x"]
+    )
+  ch = columns(
+    "features | optimizer | variant | trace s | lower s | compile s | "
+    "total s | kernels | scatter | gather | while"
+  )
+  crow = [
+    [pnt["features"], pnt["optimizer"], v]
+    + [f"{pnt[v][f'{k}_s']:.2f}" for k in ("trace", "lower", "compile")]
+    + [f"{pnt[v]['total_s']:.2f}"]
+    + [pnt[v][k] for k in ("kernels", "scatter", "gather", "while")]
+    for pnt in points
+    for v in ("per-table", "stack")
+    if v in pnt
+  ]
+  balance_rows = [
+    [b["dist"], b["placement"], f"{b['ids']:.2f}", f"{b['unique rows']:.2f}"]
+    for b in balance
+  ]
+  return headers, rows, ch, crow, balance_rows
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = parser(
     __doc__,
@@ -380,41 +421,7 @@ def main(argv: list[str] | None = None) -> None:
       for o in args.compile_optimizers
     ]
   )
-  systems = ["gtx per-table", "gtx stack", "torch", "fbgemm"]
-  headers = columns(
-    "model | head | ids | optimizer | unique rows | "
-    + " | ".join(f"{s} ms" for s in systems)
-    + " | stack / per-table speed | stack / torch speed | stack / fbgemm "
-    "speed | stack optimizer ms | floor ms | optimizer / floor"
-  )
-  rows = []
-  for r in steps:
-    stack_ms, opt_ms = r["gtx stack"], r["gtx stack optimizer"]
-    speed = [r.get(s) for s in ("gtx per-table", "torch", "fbgemm")]
-    rows.append(
-      [r["model"], r["head"], r["dist"], r["optimizer"]]
-      + [f"{r['unique_rows']:,.0f}"]
-      + [f"{r[s]:.2f}" if s in r else "n/a" for s in systems]
-      + [f"{ms / stack_ms:.2f}x" if ms else "n/a" for ms in speed]
-      + [f"{opt_ms:.2f}", f"{r['floor']:.2f}", f"{opt_ms / r['floor']:.2f}x"]
-    )
-  ch = columns(
-    "features | optimizer | variant | trace s | lower s | compile s | "
-    "total s | kernels | scatter | gather | while"
-  )
-  crow = [
-    [pnt["features"], pnt["optimizer"], v]
-    + [f"{pnt[v][f'{k}_s']:.2f}" for k in ("trace", "lower", "compile")]
-    + [f"{pnt[v]['total_s']:.2f}"]
-    + [pnt[v][k] for k in ("kernels", "scatter", "gather", "while")]
-    for pnt in points
-    for v in ("per-table", "stack")
-    if v in pnt
-  ]
-  balance_rows = [
-    [b["dist"], b["placement"], f"{b['ids']:.2f}", f"{b['unique rows']:.2f}"]
-    for b in balance
-  ]
+  headers, rows, ch, crow, balance_rows = _tables(steps, points, balance)
   notes = (
     "Whole training step, loss returned, params and state donated, fresh "
     "ids every step; the stacks made as the recommenders guide makes "
