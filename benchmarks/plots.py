@@ -258,7 +258,9 @@ DENSE_NOTE = (
   "(measured after that commit) or **glibc's malloc** (measured before: "
   "the dense step ran as in a process without gradtx; beside gradtx today "
   "it takes less, so the ratio there is smaller). Sections measured with "
-  "`--fresh-memory` support say so in their last paragraph.\n"
+  "`--fresh-memory` support say so in their last paragraph. The headline "
+  "ratios below (`results/summary.md`, 2026-11-30) all predate the "
+  "setting: their dense baselines ran with glibc's malloc.\n"
 )
 _GLIBC = (
   "Dense baseline: **glibc's malloc** (this run predates gradtx's "
