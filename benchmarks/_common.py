@@ -2,14 +2,14 @@
 and the writer (``_results``): the arguments every benchmark shares
 (:func:`parser` / :func:`parse`: ``--quick``, ``--rounds`` or the
 :class:`~benchmarks._timing.Schedule`, ``--steps``, ``--huge-pages``,
-``--fresh-memory``), the ids of a step (:func:`make_ids`), the
-competitors' plumbing (:func:`import_torch` with its threads set,
-:func:`torch_huge_pages`, :func:`fbgemm` and :func:`tbe`), the one-table
-step of the A/B runs and the versions of gradtx they load from git
-(:func:`load_version`, :func:`export_version`), and the compiled-program
-readers (:func:`hlo_op_counts`, :func:`compile_phases`). It imports jax
-only inside functions: ``benchmarks.fbgemm_anchor`` runs where jax is not
-installed.
+``--fresh-memory``, ``--mem-gib``), the ids of a step (:func:`make_ids`),
+the competitors' plumbing (:func:`import_torch` with its threads set,
+:func:`torch_huge_pages`, :func:`fbgemm`, :func:`tbe` and
+:func:`tbe_step`), the one-table step of the A/B runs and the versions of
+gradtx they load from git (:func:`load_version`, :func:`export_version`),
+and the compiled-program readers (:func:`hlo_op_counts`,
+:func:`compile_phases`). It imports jax only inside functions:
+``benchmarks.fbgemm_anchor`` runs where jax is not installed.
 """
 
 from __future__ import annotations
@@ -351,6 +351,29 @@ def tbe(
     pooling_mode=getattr(PoolingMode, pooling),
     learning_rate=lr,
   ).to(device)
+
+
+def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
+  """FBGEMM's fused training step on ``[rows, dim]``: ``run(i)`` reads
+  ``ids[i % len(ids)]`` (int64 tensors) as bags of one id, returns the loss
+  ``sum(tanh(E[ids]) * ct)`` as a float after the backward, which runs the
+  optimizer fused. Also the optimizer state's bytes per row and the
+  module."""
+  import torch
+
+  module = tbe(rows, dim, optim, pooling, lr)
+  n = ct.shape[0]
+  offsets = torch.arange(n + 1, dtype=torch.int64)
+
+  def run(i):
+    out = module(ids[i % len(ids)], offsets)
+    loss = (torch.tanh(out.view(n, dim)) * ct).sum()
+    loss.backward()  # the optimizer runs fused in the backward
+    return loss.item()
+
+  states = [t for table in module.split_optimizer_states() for t in table]
+  per_row = sum(t.numel() * t.element_size() for t in states) / rows
+  return run, per_row, module
 
 
 def memory(compiled: Any) -> dict[str, int]:

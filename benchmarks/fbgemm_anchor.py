@@ -23,34 +23,18 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks._common import fbgemm, import_torch, parse, parser, tbe, version
+from benchmarks._common import (
+  fbgemm,
+  import_torch,
+  parse,
+  parser,
+  tbe_step,
+  version,
+)
 from benchmarks._results import write_results
 
 # The harness imports jax only where it is installed: this runs without it.
 from benchmarks._timing import Counter, time_interleaved
-
-
-def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
-  """FBGEMM's fused training step on ``[rows, dim]``: ``run(i)`` reads
-  ``ids[i % len(ids)]`` (int64 tensors) as bags of one id, returns the loss
-  ``sum(tanh(E[ids]) * ct)`` as a float after the backward, which runs the
-  optimizer fused. Also the optimizer state's bytes per row and the
-  module."""
-  import torch
-
-  module = tbe(rows, dim, optim, pooling, lr)
-  n = ct.shape[0]
-  offsets = torch.arange(n + 1, dtype=torch.int64)
-
-  def run(i):
-    out = module(ids[i % len(ids)], offsets)
-    loss = (torch.tanh(out.view(n, dim)) * ct).sum()
-    loss.backward()  # the optimizer runs fused in the backward
-    return loss.item()
-
-  states = [t for table in module.split_optimizer_states() for t in table]
-  per_row = sum(t.numel() * t.element_size() for t in states) / rows
-  return run, per_row, module
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,6 @@ import gradtx as gtx
 from benchmarks import _common as bench
 from benchmarks._results import columns, headline, write_results
 from benchmarks._timing import RUN, Counter, Schedule
-from benchmarks.fbgemm_anchor import tbe_step
 from benchmarks.models import one_table, one_table_step
 from benchmarks.twins import torch_table
 
@@ -73,7 +72,9 @@ def _fbgemm(name, data):
   optim, pooling = FBGEMM[name]
   ids = [torch.from_numpy(i.astype("int64")) for i in data.ids_np]
   ct = torch.from_numpy(data.ct_np)
-  run, per_row, tbe = tbe_step(*data.table.shape, optim, pooling, LR, ids, ct)
+  run, per_row, tbe = bench.tbe_step(
+    *data.table.shape, optim, pooling, LR, ids, ct
+  )
   bench.torch_huge_pages([p for _, p in tbe.named_parameters()])
   return Counter(run), tbe, per_row, "-"
 
