@@ -23,7 +23,7 @@ import re
 from functools import cached_property
 from typing import Any
 
-# The named scope of the id map's placement rounds (``gradtx._vocab``),
+# The named scope of the id map's placement rounds (``gradtx._placement``),
 # the one while loop an accelerator step may keep.
 PLACEMENT_SCOPE = "gtx_id_map_placement"
 

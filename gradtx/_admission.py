@@ -5,7 +5,7 @@ facade.
 table (``max_new`` a count, ``max_new_fraction`` a fraction of the
 table's id slots); :func:`admit_ids` makes the inputs fit on the host,
 joins each map's raw ids (``_pooled.raw_slots``), gives each hashed
-table its budget and places the new ids (``_vocab``), and hands the rows
+table its budget and places the new ids (``_placement``), and hands the rows
 back in each feature's own form, as one compiled program outside any
 trace.
 """
@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from gradtx import _vocab
+from gradtx import _placement
 from gradtx._inputs import (
   Feature,
   Jagged,
@@ -90,8 +90,8 @@ def _admit(plan, vocab, ids, weights, bounds):
       continue
     counts, fractions = map(dict, bounds)
     # an int a count, a float a fraction (new_id_bounds made them so)
-    bound = _vocab.budgets(layout, slots.tab, {**fractions, **counts})
-    rows, new_vocab[name], fresh[name] = _vocab.admit(
+    bound = _placement.budgets(layout, slots.tab, {**fractions, **counts})
+    rows, new_vocab[name], fresh[name] = _placement.admit(
       vocab[name], layout, slots.hi, slots.lo, slots.tab, slots.valid, bound
     )
     for f, r in slots.rebuild(rows).items():  # each in its own form

@@ -1,5 +1,6 @@
 """An independent numpy reference of the id map of hashed tables, in plain
-Python loops over ids, from the rules in gradtx/_vocab.py's docstring.
+Python loops over ids, from the rules in the docstrings of gradtx/_vocab.py
+and gradtx/_placement.py.
 
 Nothing here imports gradtx. The hash is MurmurHash3's 32-bit finalizer on
 Python ints; a table's seed is its name's CRC-32 xor its ``seed``, mixed.

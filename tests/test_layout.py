@@ -267,6 +267,7 @@ STACK_JOBS = {
   "pooled read": "_pooled",
   "admission": "_admission",
   "id map": "_vocab",
+  "placement": "_placement",
   "fresh rows": "_fresh_rows",
   "facade": "_stack",
 }
@@ -317,6 +318,7 @@ WING = (
   "_stack",
   "_publish",
   "_vocab",
+  "_placement",
   "_fresh_rows",
   "_open_vocab",
 )
