@@ -31,6 +31,8 @@ import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import columns, write_results
 from benchmarks._timing import Counter, once, time_interleaved
+from gradtx import _admission, _pooled
+from gradtx._plan import feature_combiners
 
 WAYS = ("outside jit", "op by op", "user's jax.jit")
 FORMS = ("int32 jax", "int64 numpy")
@@ -41,6 +43,8 @@ def systems(stack: Any, params: Any, vocab: Any, form: str) -> dict:
   jit_admit = jax.jit(stack.admit)
   jit_lookup = jax.jit(lambda p, i, v: stack.lookup(p, i, vocab=v))
   jit_stats = jax.jit(stack.vocab_stats)
+  # the bodies TableStack compiles as one program, called op by op
+  none, combiners = (None, None), feature_combiners(stack.plan, None)
 
   def jitted(i):  # a jitted step takes 64-bit ids as gtx.Words
     return (
@@ -49,13 +53,13 @@ def systems(stack: Any, params: Any, vocab: Any, form: str) -> dict:
 
   out = {
     ("admit", "outside jit"): lambda i: stack.admit(vocab, i),
-    ("admit", "op by op"): lambda i: stack._admit(
-      vocab, i, None, stack._new_id_bounds(None, None)
+    ("admit", "op by op"): lambda i: _admission._admit(
+      stack.plan, vocab, i, None, _admission.new_id_bounds(stack.plan, *none)
     ),
     ("admit", "user's jax.jit"): lambda i: jit_admit(vocab, jitted(i)),
     ("lookup", "outside jit"): lambda i: stack.lookup(params, i, vocab=vocab),
-    ("lookup", "op by op"): lambda i: stack._lookup(
-      params, i, None, stack._combiners(None), "dict", vocab
+    ("lookup", "op by op"): lambda i: _pooled._read(
+      stack.plan, params, i, None, combiners, "dict", vocab, False
     ),
     ("lookup", "user's jax.jit"): lambda i: jit_lookup(
       params, jitted(i), vocab
