@@ -20,15 +20,16 @@ uniform ids every step, pre-generated), on the default path (no opt-in
 call). Every built-in optimizer runs, and a user-written one: the guide's
 lazy Lion (docs/guides/custom_optimizer.md) through
 ``gtx.row_transformation``; then the DLRM-shaped step of
-``benchmarks.recsys`` on ``--tables`` tables, and with ``--bags`` the
-weighted bags of ``benchmarks.stacks`` in one table stack. torch's
-``nn.Embedding(sparse=True)`` + ``SparseAdam`` runs beside lazy Adam, in
+``benchmarks.recsys`` on ``--tables`` tables, with ``--bags`` the
+weighted bags of ``benchmarks.stacks`` in one table stack, and with
+``--hashed`` the hashed Criteo step of ``benchmarks.vocab`` (the id map).
+torch's ``nn.Embedding(sparse=True)`` + ``SparseAdam`` runs beside lazy Adam, in
 processes of its own, with ``--torch-python`` (default: ``.venv-bench``'s
 python where it exists, else this one where torch imports).
 
   python -m benchmarks.ab_versions --before REV [REV ...] [--after REV]
       [--rows 1000000] [--dim 64] [--ids 8192] [--rounds 5] [--steps 30]
-      [--only TEXT] [--tables 26] [--bags]
+      [--only TEXT] [--tables 26] [--bags] [--hashed]
       [--torch-python PATH | --no-torch]
 """
 
@@ -91,6 +92,9 @@ MANY = {
 }
 # the bags stack steps (--bags): benchmarks.stacks' optimizers by name
 BAGS = ("lazy_adam", "sgd")
+# the hashed Criteo steps (--hashed): benchmarks.vocab's at capacity 100%
+HASHED = MANY
+HASHED_FILL = 20  # untimed steps first, so the maps are full and evicting
 SIZES = ("rows", "dim", "ids", "tables", "steps")  # a step's process gets
 
 
@@ -179,6 +183,39 @@ def _gtx_bags(spec: dict) -> tuple[Any, dict]:
   )
 
 
+def _gtx_hashed(spec: dict) -> tuple[Any, dict]:
+  """The hashed step of ``benchmarks.vocab``: 26 hashed Criteo features,
+  batch 2,048, Zipf raw ids, each table as many rows as its distinct ids
+  over the 16 batches the steps cycle through; ``stack.admit`` +
+  ``gtx.reset_rows`` + loss, gradient and update, params, state and map
+  donated, after ``HASHED_FILL`` untimed steps."""
+  import jax
+  import jax.numpy as jnp
+
+  import gradtx as gtx
+  from benchmarks import models
+  from benchmarks._common import hlo_op_counts
+
+  names, raw, labels, distinct = models.criteo_raw(2048, 16, 1.2, 0)
+  rows = {n: max(64, distinct[n]) for n in names}
+  tx = HASHED[spec["case"]](gtx)
+  stack, params, step = models.hashed_criteo(names, rows, spec["dim"], tx, True)
+  box = [params, tx.init(params), stack.init_vocab(jax.random.key(1))]
+  batches = [
+    ({n: jnp.asarray(b[n]) for n in names}, jnp.asarray(y))
+    for b, y in zip(raw, labels, strict=True)
+  ]
+  compiled = step.lower(*box, *batches[0]).compile()
+
+  def run(k: int) -> None:
+    *box[:], loss = compiled(*box, *batches[k % len(batches)])
+    loss.block_until_ready()
+
+  for k in range(HASHED_FILL):
+    run(k)
+  return run, hlo_op_counts(compiled.as_text())
+
+
 def _compiled_runner(jitted, params, state, batches, args) -> tuple[Any, dict]:
   """``(run(k), op counts)``: the step compiled once, run on batch ``k``
   with its donated params and state, waiting for the loss."""
@@ -223,7 +260,9 @@ def worker(spec: dict) -> dict:
     run, ops = _torch_single(spec)
   else:
     sys.path.insert(0, spec["path"])
-    make = {"many": _gtx_many, "bags": _gtx_bags}.get(spec["kind"], _gtx_single)
+    make = {"many": _gtx_many, "bags": _gtx_bags, "hashed": _gtx_hashed}.get(
+      spec["kind"], _gtx_single
+    )
     run, ops = make(spec)
   for k in range(WARMUP):
     run(k)
@@ -366,6 +405,11 @@ def main(argv: list[str] | None = None) -> None:
     action="store_true",
     help="also the bags stack step of benchmarks.stacks (Zipf, gtx.Jagged)",
   )
+  p.add_argument(
+    "--hashed",
+    action="store_true",
+    help="also the hashed Criteo step of benchmarks.vocab (the id map)",
+  )
   p.add_argument("--torch-python", default=None)
   p.add_argument("--no-torch", action="store_true")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -402,6 +446,10 @@ def main(argv: list[str] | None = None) -> None:
     label = f"{case}, bags stack"
     if not args.only or label in args.only:
       rows += measure(label, "bags", case, systems, args)
+  for case in HASHED if args.hashed else ():
+    label = f"{case}, 26 hashed tables"
+    if not args.only or label in args.only:
+      rows += measure(label, "hashed", case, systems, args)
   versions = " vs ".join(
     reversed([n.split("(")[-1].rstrip(")") for n in systems])
   )

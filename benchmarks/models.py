@@ -351,3 +351,77 @@ def abstract_params(rows: list[int], dim: int, stacked: bool) -> dict:
       {f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)}
     )
   return p
+
+
+# ----------------------------------------------------------------------------
+# hashed tables: benchmarks.vocab's Criteo step (and ab_versions' --hashed)
+RAW_SPACE = 10**9
+
+
+def zipf_raw(rng, n, a, salt):
+  """``n`` raw ids: Zipf ranks (exponent ``a``) below 10^9, scrambled by a
+  multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
+  rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
+  return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
+
+
+def criteo_raw(batch: int, batches: int, zipf: float, seed: int):
+  """26 features' names, ``batches`` batches of Zipf raw ids and labels,
+  and each feature's distinct ids over them."""
+  names = [f"f{t}" for t in range(26)]
+  rng = np.random.default_rng(seed)
+  raw = [
+    {n: zipf_raw(rng, batch, zipf, t) for t, n in enumerate(names)}
+    for _ in range(batches)
+  ]
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in raw]
+  distinct = {
+    n: len(np.unique(np.concatenate([b[n] for b in raw]))) for n in names
+  }
+  return names, raw, labels, distinct
+
+
+def hashed_criteo(names, rows, dim, tx, hashed: bool):
+  """``(stack, params, step)``: one table a feature of ``rows[name]`` rows,
+  hashed or not, a logit per feature, and the whole step jitted with
+  params, state (and the map) donated, the loss returned last. Hashed:
+  ``step(params, state, vocab, raw, y)``, ``stack.admit`` mapping the raw
+  ids and ``gtx.reset_rows`` making the rows it gave out fresh first;
+  else ``step(params, state, ids, y)``."""
+  specs = {
+    n: gtx.TableSpec(rows[n], dim, hashed=gtx.Hashed() if hashed else None)
+    for n in names
+  }
+  stack = gtx.TableStack(specs)
+
+  def loss(p, ids, y):
+    x = stack.lookup(p["emb"], ids, output="concat")
+    x = x.reshape(x.shape[0], len(names), dim)
+    w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
+    return bce(jnp.sum(x * w, axis=(1, 2)), y)
+
+  params = {
+    "emb": stack.init(jax.random.key(0)),
+    "w": jnp.full((len(names), dim), 0.01, jnp.float32),
+  }
+  step = hashed_step(stack, tx, loss, hashed)
+  return stack, params, jax.jit(step, donate_argnums=tuple(range(2 + hashed)))
+
+
+def hashed_step(stack, tx, loss, hashed: bool):
+  """The whole step on ``stack`` (not jitted), the loss returned last: with
+  ``hashed``, ``stack.admit`` maps the raw ids and ``gtx.reset_rows`` resets
+  the rows it gave out first, the map carried after the state."""
+
+  def plain(params, state, ids, y):
+    v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, v
+
+  def mapped(params, state, vocab, ids, y):
+    ids, vocab, fresh = stack.admit(vocab, ids)
+    params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
+    params, state, v = plain(params, state, ids, y)
+    return params, state, vocab, v
+
+  return mapped if hashed else plain

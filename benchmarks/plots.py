@@ -313,6 +313,7 @@ SECTIONS = [
   ("recsys", "Recommender scale: many tables", None),
   ("stacks", "Table stacks: per-table vs stack vs torch and FBGEMM", None),
   ("vocab", "Open vocabularies: the id map's cost in the step", None),
+  ("vocab_parts", "Open vocabularies: where the id map's time goes", None),
   ("vocab_quality", "Open vocabularies: held-out loss", None),
   ("eager_calls", "A table stack's methods called outside jax.jit", None),
   ("publish", "Publishing deltas to serving", None),

@@ -45,36 +45,15 @@ import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import write_results
 from benchmarks._timing import Schedule
-from benchmarks.models import bce
+from benchmarks.models import (
+  bce,
+  criteo_raw,
+  hashed_criteo,
+  hashed_step,
+  zipf_raw,
+)
 
 SEED = 0
-RAW_SPACE = 10**9
-
-
-def zipf_raw(rng, n, a, salt):
-  """``n`` raw ids: Zipf ranks (exponent ``a``) below 10^9, scrambled by a
-  multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
-  rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
-  return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
-
-
-def train_step(stack, tx, loss, hashed: bool):
-  """The whole step on ``stack`` (not jitted), the loss returned last: with
-  ``hashed``, ``stack.admit`` maps the raw ids and ``gtx.reset_rows`` resets
-  the rows it gave out first, the map carried after the state."""
-
-  def plain(params, state, ids, y):
-    v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)
-    u, state = tx.update(g, state, params)
-    return gtx.apply_updates(params, u), state, v
-
-  def mapped(params, state, vocab, ids, y):
-    ids, vocab, fresh = stack.admit(vocab, ids)
-    params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
-    params, state, v = plain(params, state, ids, y)
-    return params, state, vocab, v
-
-  return mapped if hashed else plain
 
 
 # ----------------------------------------------------------------------------
@@ -87,23 +66,10 @@ OPTIMIZERS = (
 )
 
 
-def _criteo_raw(args):
-  """The 26 features' names, raw id batches, labels and distinct ids."""
-  names = [f"f{t}" for t in range(26)]
-  rng = np.random.default_rng(SEED)
-  raw = [
-    {n: zipf_raw(rng, args.batch, args.zipf, t) for t, n in enumerate(names)}
-    for _ in range(args.batches)
-  ]
-  labels = [(rng.random(args.batch) < 0.25).astype(np.float32) for _ in raw]
-  distinct = {
-    n: len(np.unique(np.concatenate([b[n] for b in raw]))) for n in names
-  }
-  return names, raw, labels, distinct
-
-
 def cost(args):
-  names, raw, labels, distinct = _criteo_raw(args)
+  names, raw, labels, distinct = criteo_raw(
+    args.batch, args.batches, args.zipf, SEED
+  )
   rows_out, extra = [], {"distinct": distinct}
   for frac in args.fractions:
     rows = {n: max(64, int(np.ceil(frac * distinct[n]))) for n in names}
@@ -155,28 +121,9 @@ def _cost_pair(args, names, rows, raw, labels, make_tx, parts=False):
   fns = {}
   for system in ("in range", "map"):
     hashed = system == "map"
-    specs = {
-      n: gtx.TableSpec(
-        rows[n], args.dim, hashed=gtx.Hashed() if hashed else None
-      )
-      for n in names
-    }
-    stack = gtx.TableStack(specs)
     tx = make_tx()
-
-    def loss(p, ids, y, stack=stack):
-      x = stack.lookup(p["emb"], ids, output="concat")
-      x = x.reshape(x.shape[0], len(names), args.dim)
-      w = p["w"][np.array([names.index(f) for f in stack.concat_order(ids)])]
-      return bce(jnp.sum(x * w, axis=(1, 2)), y)
-
-    params = {
-      "emb": stack.init(jax.random.key(0)),
-      "w": jnp.full((len(names), args.dim), 0.01, jnp.float32),
-    }
+    stack, params, jitted = hashed_criteo(names, rows, args.dim, tx, hashed)
     box = [params, tx.init(params)]
-    step = train_step(stack, tx, loss, hashed)
-    jitted = jax.jit(step, donate_argnums=tuple(range(2 + hashed)))
     if hashed:
       box.append(stack.init_vocab(jax.random.key(1)))
       batches = [{n: jnp.asarray(b[n]) for n in names} for b in raw]
@@ -203,13 +150,14 @@ def _pieces(stack, tx, box, batches):
   """Runners of ``stack.admit`` alone and of ``admit`` + ``reset_rows``,
   each on its own copy of the filled state (map and params donated)."""
 
-  def admit(vocab, ids):
-    return stack.admit(vocab, ids)[1]
+  def admit(vocab, ids):  # the fresh rows' values are an output too
+    _, vocab, fresh = stack.admit(vocab, ids)
+    return (vocab,), fresh
 
   def admit_reset(params, state, vocab, ids):
     ids, vocab, fresh = stack.admit(vocab, ids)
     params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
-    return params, state, vocab
+    return (params, state, vocab), None
 
   pieces = {
     "admit alone": (jax.jit(admit, donate_argnums=(0,)), [box[2]]),
@@ -223,10 +171,10 @@ def _pieces(stack, tx, box, batches):
     state[:] = jax.tree.map(jnp.copy, state)
 
     def run(jitted=jitted, state=state, i=[0]):  # noqa: B006
-      new = jitted(*state, batches[i[0] % len(batches)])
+      new, out = jitted(*state, batches[i[0] % len(batches)])
       i[0] += 1
-      state[:] = new if isinstance(new, tuple) else [new]
-      jax.block_until_ready(new)
+      state[:] = new
+      jax.block_until_ready((new, out))
 
     run()
     out[name] = run
@@ -234,7 +182,9 @@ def _pieces(stack, tx, box, batches):
 
 
 def parts(args):
-  names, raw, labels, distinct = _criteo_raw(args)
+  names, raw, labels, distinct = criteo_raw(
+    args.batch, args.batches, args.zipf, SEED
+  )
   rows = {n: max(64, distinct[n]) for n in names}
   rows_out, extra = [], {"runs": []}
   for opt_name, make in OPTIMIZERS:
@@ -361,7 +311,7 @@ def _train_eval(kind, rows, hashed, names, dim, train, test_ids, test_y, seen):
       return out
     return ids
 
-  whole = train_step(stack, tx, loss, kind == "map")
+  whole = hashed_step(stack, tx, loss, kind == "map")
   step = jax.jit(lambda *a: whole(*a)[:-1])  # the loss unused: not computed
   if kind == "map":
     vocab = stack.init_vocab(jax.random.key(1))
