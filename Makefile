@@ -75,7 +75,7 @@ test:
 # About half the newest suite's time, in a few heavy files (the rest is
 # test-newest-rest: a new test file lands there).
 NEWEST_HALF := $(addprefix tests/test_,$(addsuffix .py,\
-  conformance docs fuzz multihost checkpoint interop))
+  conformance docs fuzz multihost checkpoint interop engine models lazy_adam))
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
