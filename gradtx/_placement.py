@@ -65,7 +65,22 @@ def budgets(layout: Layout, tab: np.ndarray, max_new: Any) -> np.ndarray:
   """Each hashed table's bound of new ids for a step (static ints):
   ``max_new`` per table (an int, or a fraction of the table's own id
   slots, at least ``MIN_NEW`` or all of them when there are fewer),
-  never more than its slots."""
+  never more than its slots.
+
+  Examples:
+    >>> import numpy as np
+    >>> import gradtx as gtx
+    >>> from gradtx import _placement
+    >>> stack = gtx.TableStack({
+    ...     "user": gtx.TableSpec(100, 4, hashed=gtx.Hashed()),
+    ...     "item": gtx.TableSpec(100, 4, hashed=gtx.Hashed())})
+    >>> (layout,) = stack.maps.values()
+    >>> tab = np.repeat(np.arange(2), [1000, 10])  # each slot's table
+    >>> _placement.budgets(layout, tab, 0.125)  # at least 64, at most 10
+    array([125,  10], dtype=int32)
+    >>> _placement.budgets(layout, tab, {"item": 3})
+    array([125,   3], dtype=int32)
+  """
   slots = np.bincount(tab, minlength=len(layout.tables))
   out = []
   for t, n in zip(layout.tables, slots, strict=True):
