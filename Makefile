@@ -15,12 +15,12 @@ VENV_NEWEST := .venv-newest
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 # pytest workers: two for one suite run alone; `make test` runs the two
-# environments' suites side by side, in processes of whole files (see there).
+# environments' suites side by side, one process each (see there).
 WORKERS ?= -n 2 --dist worksteal
 PYTEST = -m pytest -q $(WORKERS)
 
-.PHONY: test test-oldest test-oldest-all test-newest test-newest-half \
-  test-newest-rest test-ray lint fuzz demo bench docs clean
+.PHONY: test test-oldest test-oldest-all test-newest test-ray lint fuzz demo bench \
+  docs clean
 
 comma := ,
 # $(1): venv folder, $(2): the Python that creates it, $(3): constraints
@@ -59,23 +59,17 @@ VERSION_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
   input_traps engine no_table_copy platforms accelerator_branches memory \
   determinism conformance lazy_adam layout))
 
-# The two environments' suites side by side, in pytest processes of whole
-# files: one process traces a program or runs a shared reference once for
-# its files, where xdist's workers each did it again. The newest suite,
-# the longest, runs as two processes of about half its time each
-# (NEWEST_HALF and the rest), so that both cores stay busy to the end
-# rather than one idling once the oldest is done. The Ray trainer's tests
-# run beside them in a process of their own: most of their time is spent
-# waiting on Ray's processes. The output comes a line at a time, each
-# line whole.
+# The two environments' suites side by side, one pytest process each: one
+# process traces a program or runs a shared reference once for its whole
+# suite, where two workers each did it again, and the two processes keep
+# both cores busy. The Ray trainer's tests run beside them in a process of
+# their own: most of their time is spent waiting on Ray's processes, which
+# would hold back the newest suite at its end while the oldest is done.
+# The output comes a line at a time, each line whole.
 test:
-	$(MAKE) --no-print-directory -j5 --output-sync=line WORKERS= \
-	  lint test-oldest test-newest-half test-newest-rest test-ray
-
-# About half the newest suite's time, in a few heavy files (the rest is
-# test-newest-rest: a new test file lands there).
-NEWEST_HALF := $(addprefix tests/test_,$(addsuffix .py,\
-  conformance docs fuzz multihost checkpoint interop engine models lazy_adam))
+	$(MAKE) --no-print-directory -j4 --output-sync=line WORKERS= \
+	  NEWEST_APART=--ignore=tests/test_ray.py lint test-oldest test-newest \
+	  test-ray
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
@@ -87,14 +81,6 @@ test-oldest-all: $(VENV)/.installed
 test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
 	$(PY_NEWEST) $(PYTEST) $(NEWEST_APART)
-
-test-newest-half: $(VENV_NEWEST)/.installed
-	$(PY_NEWEST) $(PYTEST) $(NEWEST_HALF)
-
-test-newest-rest: $(VENV_NEWEST)/.installed
-	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST) $(addprefix --ignore=,$(NEWEST_HALF)) \
-	  --ignore=tests/test_ray.py
 
 test-ray: $(VENV_NEWEST)/.installed
 	$(PY_NEWEST) -m pytest -q tests/test_ray.py
