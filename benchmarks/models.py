@@ -230,12 +230,13 @@ def bag_data(tables, rows, batch, steps, dist, max_len=20):
   return out, labels, cap
 
 
-def criteo_models(rows, dim, batch=None):
+def criteo_models(rows, dim, batch=None, lanes=None):
   names = [f"f{t}" for t in range(len(rows))]
   specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
   # as the recommenders guide builds it: with the step's batch size, the
   # tables a step reads at least 4 times a row stay outside the stack
-  stack = gtx.TableStack(specs, batch_size=batch)
+  lanes = {} if lanes is None else {"lanes": lanes}
+  stack = gtx.TableStack(specs, batch_size=batch, **lanes)
 
   # both read the features in the stack's concat order (its declared
   # order), so the head's params mean the same in both

@@ -1,7 +1,9 @@
 """Table stacks: a recommender's whole training step, per-table leaves
 against ``gtx.TableStack``, beside torch and FBGEMM; then compile time and
 op counts against the number of features; then where a step's rows land on
-an 8-way row-sharded stack.
+an 8-way row-sharded stack; then the criteo step as stacks of
+``--lanes`` lanes (``gtx.TableStack(..., lanes=L)``) beside per-table
+leaves, on the default path.
 
 Models (``benchmarks.models``; loss returned, fresh ids, params and state
 donated): ``criteo``, Criteo's 26 cardinalities capped at ``--cap``, one id
@@ -17,9 +19,11 @@ kernels on the host, the optimizer fused in the backward; where
 random-rows floor, per optimizer of ``models.STACK_OPTIMIZERS``. Host
 memory is reused as gradtx sets it at import; ``--fresh-memory`` opts out.
 
-Writes ``benchmarks/results/stacks.{md,json,png}``.
+Writes ``benchmarks/results/stacks.{md,json,png}`` (``--only stacks``) and
+``benchmarks/results/stack_lanes.{md,json}`` (``--only lanes``; the
+committed table has ``--lanes 1 2`` and four ``--lane-optimizers``).
 
-  python -m benchmarks.stacks [--quick] [--rounds 8]
+  python -m benchmarks.stacks [--quick] [--rounds 8] [--only stacks lanes]
 """
 
 from __future__ import annotations
@@ -373,6 +377,82 @@ def _tables(steps: list[dict], points: list[dict], balance: list[dict]):
   return headers, rows, ch, crow, balance_rows
 
 
+# ----------------------------------------------------------------------------
+# lanes
+
+
+def lane_rows(args, sched: Schedule) -> list[list]:
+  """The lanes table's rows: per ids and optimizer, the criteo step
+  per-table and as a stack of each of ``args.lanes`` lanes (ms), the speed
+  over ``lanes=1`` and over per-table."""
+  crows = [min(c, args.cap) for c in models.CRITEO_KAGGLE]
+  rng = np.random.default_rng(models.SEED + 2)
+  tables_np = [
+    (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
+    for r in crows
+  ]
+  rows = []
+  for dist in args.dists:
+    batches, labels = models.criteo_data(crows, args.batch, args.steps, dist)
+    _, names, per_table_loss, _ = models.criteo_models(crows, args.dim)
+    per_table_np = dict(zip(names, tables_np, strict=True))
+    for opt in args.lane_optimizers:
+      make = models.STACK_OPTIMIZERS[opt][0]
+      hp = models.head_params(
+        len(names),
+        args.dim,
+        "linear",
+        models.HIDDEN,
+        np.random.default_rng(models.SEED + 4),
+      )
+      systems = {"per-table": (per_table_loss, dict(per_table_np))}
+      for lanes in args.lanes:
+        stack, _, _, loss = models.criteo_models(
+          crows, args.dim, args.batch, lanes
+        )
+        systems[f"lanes={lanes}"] = (loss, {"emb": stack.stack(per_table_np)})
+      fns = {}
+      for name, (loss, emb) in systems.items():
+        tx = make()  # each system its own params (its step donates them)
+        params = jax.tree.map(jnp.asarray, {**emb, "head": hp})
+        fns[name] = models.loop_runner(
+          models.whole_step(loss, tx), params, tx, batches, labels
+        )
+      t = sched.time(fns, label=f"{dist}, {opt}")
+      base = t["lanes=1"]
+      rows.append(
+        [dist, opt, f"{t['per-table'] * 1e3:.2f}"]
+        + [f"{t[f'lanes={k}'] * 1e3:.2f}" for k in args.lanes]
+        + [f"{base / t[f'lanes={k}']:.2f}x" for k in args.lanes if k != 1]
+        + [f"{t['per-table'] / t[f'lanes={k}']:.2f}x" for k in args.lanes]
+      )
+      print(rows[-1], flush=True)
+  return rows
+
+
+def write_lanes(args) -> None:
+  sched = Schedule.from_args(args)
+  rows = lane_rows(args, sched)
+  others = [k for k in args.lanes if k != 1]
+  write_results(
+    "stack_lanes",
+    "Lanes of a table stack: the Criteo whole step (ms, median)",
+    ["ids", "optimizer", "per-table ms"]
+    + [f"lanes={k} ms" for k in args.lanes]
+    + [f"lanes={k} / lanes=1 speed" for k in others]
+    + [f"lanes={k} / per-table speed" for k in args.lanes],
+    rows,
+    notes=(
+      f"Criteo's 26 cardinalities capped at {args.cap:,}, {args.dim} wide, "
+      f"batch {args.batch}, a linear head; the stacks made with "
+      "`batch_size` as the recommenders guide makes them (tables read 4 "
+      f"times a row or more in a dense stack); {sched.describe()}. Default "
+      "path: no opt-in call (host memory reused as gradtx sets it at "
+      "import), the OS's pages."
+    ),
+  )
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = parser(
     __doc__,
@@ -405,10 +485,30 @@ def main(argv: list[str] | None = None) -> None:
     default=["lazy_adam"],
     choices=models.STACK_OPTIMIZERS,
   )
+  ap.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4])
+  ap.add_argument(
+    "--lane-optimizers",
+    nargs="+",
+    default=["lazy_adam", "rowwise_adagrad"],
+    choices=models.STACK_OPTIMIZERS,
+  )
+  ap.add_argument(
+    "--only",
+    nargs="+",
+    choices=["stacks", "lanes"],
+    default=["stacks", "lanes"],
+  )
   ap.add_argument("--no-steps", action="store_true")
   ap.add_argument("--no-compile", action="store_true")
   quick = dict(cap=5000, bag_rows=5000, batch=256, bag_batch=128, rounds=2)
   args = parse(ap, argv, quick=dict(quick, compile_features=[26, 52]))
+  if "lanes" in args.only:
+    write_lanes(args)
+  if "stacks" in args.only:
+    write_stacks(args)
+
+
+def write_stacks(args) -> None:
   torch = import_torch()
   steps = [] if args.no_steps else step_rows(args, torch)
   balance = shard_balance(args)
