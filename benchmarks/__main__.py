@@ -20,7 +20,7 @@ from benchmarks._timing import Clock
 BENCHMARKS = """sparse_grad lazy_adam accumulate staleness mirrored train_step
 optimizers dense_threshold lr_pass row_reader row_gather cpu_overlap
 convergence low_precision recsys compile_tables stacks vocab
-eager_calls bounds_check publish""".split()
+eager_calls publish""".split()
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
 

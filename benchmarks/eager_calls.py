@@ -12,12 +12,16 @@ method did before: its private body called eagerly; the map's placement
 loop compiles again on every call), and the user's own ``jax.jit`` of it
 (64-bit ids as ``gtx.Words``, as a jitted step must take them). Each call
 gets new ids; the first call of each system (its compiling) is timed
-apart.
+apart. Then the cost of ``lookup(..., bounds_check=True)`` in a jitted
+training step (plain tables, ``[--bounds-batch, --bag]`` bags, a linear
+head, ``gtx.lazy_adam``, donated), off and on, interleaved on the same
+batches.
 
-Writes ``benchmarks/results/eager_calls.{md,json}``.
+Writes ``benchmarks/results/eager_calls.{md,json}`` (``--only eager``) and
+``benchmarks/results/bounds_check.{md,json}`` (``--only bounds``).
 
   python -m benchmarks.eager_calls [--features 8] [--rows 10000]
-      [--batch 256] [--rounds 8]
+      [--batch 256] [--rounds 8] [--bounds-rounds 15] [--only eager bounds]
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
 from benchmarks._common import parse, parser
 from benchmarks._results import columns, write_results
-from benchmarks._timing import Counter, once, time_interleaved
+from benchmarks._timing import Counter, once, step_runner, time_interleaved
 from gradtx import _admission, _pooled
 from gradtx._plan import feature_combiners
 
@@ -76,13 +81,88 @@ def systems(stack: Any, params: Any, vocab: Any, form: str) -> dict:
   return out
 
 
+def bounds_step(stack, tx, bounds_check: bool):
+  def loss(params, ids):
+    emb = stack.lookup(
+      params["emb"], ids, output="concat", bounds_check=bounds_check
+    )
+    return jnp.mean((emb @ params["w"]) ** 2)
+
+  @jax.jit(donate_argnums=(0, 1))
+  def step(params, state, ids):
+    value, grads = gtx.sparse_value_and_grad(loss)(params, ids)
+    updates, state = tx.update(grads, state, params)
+    return gtx.apply_updates(params, updates), state, value
+
+  return step
+
+
+def write_bounds(args, names) -> None:
+  """results/bounds_check: the step with the bounds check off and on."""
+  stack = gtx.TableStack({n: gtx.TableSpec(args.rows, 16) for n in names})
+  tx = gtx.lazy_adam(1e-3)
+  rng = np.random.default_rng(0)
+  shape = (args.bounds_batch, args.bag)
+  batches = [
+    {n: jnp.asarray(rng.integers(0, args.rows, shape)) for n in names}
+    for _ in range(4)
+  ]
+  fns = {}
+  for checked in (False, True):
+    params = {
+      "emb": stack.init(jax.random.key(0)),
+      "w": jnp.ones((16 * args.features,), jnp.float32),
+    }
+    box = [params, tx.init(params)]
+    run = step_runner(
+      bounds_step(stack, tx, checked),
+      box,
+      lambda k: (batches[k % len(batches)],),
+    )
+    fns["bounds_check=True" if checked else "off (default)"] = Counter(run, 0)
+  t = time_interleaved(
+    fns, warmup=2, rounds=args.bounds_rounds, label="bounds check"
+  )
+  base = t["off (default)"]
+  write_results(
+    "bounds_check",
+    "TableStack.lookup's bounds check in a training step",
+    ["lookup", "step ms", "vs off"],
+    [[k, f"{v * 1e3:.2f}", f"{v / base:.2f}x"] for k, v in t.items()],
+    notes=(
+      f"{args.features} plain tables of {args.rows:,} rows, 16 wide, "
+      f"[{args.bounds_batch}, {args.bag}] bags a feature, a jitted and "
+      "donated step (lookup, linear head, sparse_value_and_grad, "
+      f"lazy_adam); median of {args.bounds_rounds} interleaved rounds. The "
+      "check is a host callback over every id read, before the gather."
+    ),
+  )
+
+
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__, rounds=8)
   p.add_argument("--features", type=int, default=8)
   p.add_argument("--rows", type=int, default=10_000)
   p.add_argument("--batch", type=int, default=256)
-  args = parse(p, argv, quick=dict(features=2, rows=500, batch=32, rounds=2))
+  p.add_argument("--bounds-batch", type=int, default=1024)
+  p.add_argument("--bag", type=int, default=4)
+  p.add_argument("--bounds-rounds", type=int, default=15)
+  p.add_argument(
+    "--only",
+    nargs="+",
+    choices=["eager", "bounds"],
+    default=["eager", "bounds"],
+  )
+  quick = dict(features=2, rows=500, batch=32, rounds=2)
+  args = parse(p, argv, quick=dict(quick, bounds_batch=64, bounds_rounds=2))
   names = [f"f{t}" for t in range(args.features)]
+  if "bounds" in args.only:
+    write_bounds(args, names)
+  if "eager" in args.only:
+    write_eager(args, names)
+
+
+def write_eager(args, names) -> None:
   stack = gtx.TableStack(
     {n: gtx.TableSpec(args.rows, 16, hashed=gtx.Hashed()) for n in names}
   )
