@@ -43,16 +43,8 @@ def _params(stack):
 def _batch(rng, short=False):
   """Raw ids drawn from more ids than rows (evictions), and a short batch
   padded to B (its mask marks the real examples)."""
-  n = 4 if short else B
-  batch = {
-    "user_id": rng.randint(0, 12, n).astype(np.int32) * 1_000_003,
-    "history": rng.randint(-1, 14, (n, L)).astype(np.int32) * 7_919,
-    "country": rng.randint(0, 3, n).astype(np.int32),
-    "weights": (rng.rand(n, L) > 0.2).astype(np.float32),
-    "labels": (rng.rand(n) > 0.5).astype(np.float32),
-  }
-  padded, mask = gtx.pad_batch(batch, B)
-  return padded, mask.astype(np.float32)
+  batch = _global_batch(rng, B, short=B - 4 if short else 0)
+  return batch, batch.pop("mask")
 
 
 def _loss(stack, p, ids, weights, labels, mask):
