@@ -47,27 +47,29 @@ EXAMPLE_TESTS := --ignore=tests/test_docs.py --ignore=tests/test_notebook.py \
   --ignore=tests/test_demo.py --ignore=tests/test_ray.py
 
 # The oldest environment runs the tests whose outcome can depend on the JAX
-# version: the jaxpr reader and the models it reads, the compatibility
-# layer (shard_map, pmap, multi-process, orbax, checkify, the flatten
-# guard), what the compiler makes of a step (HLO, fusion, exported
-# programs, determinism), and the conformance suite over every
-# transformation as the smoke set; the newest runs everything.
+# version: the jaxpr reader and what it reads (the rewrite, its fuzzer,
+# sparse_value_and_grad, the public models), the compatibility layer
+# (shard_map, pmap, multi-process, orbax, the flatten guard, interop), what
+# the compiler makes of a step (HLO, copies, exported programs, lowering
+# per platform, determinism), and the conformance suite's jit checks over
+# every transformation as the smoke set; the newest runs everything.
 # `make test-oldest-all` runs the whole suite on the oldest.
 VERSION_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
-  jaxpr fuzz sparse models interop batch_shapes \
-  mirrored sharded multihost checkpoint optax_errors bad_inputs \
-  input_traps engine no_table_copy platforms accelerator_branches memory \
-  determinism conformance lazy_adam layout))
+  jaxpr fuzz sparse models interop mirrored sharded multihost checkpoint \
+  input_traps no_table_copy platforms accelerator_branches determinism)) \
+  'tests/test_conformance.py::test_conformance[check_jit-transforms]' \
+  'tests/test_conformance.py::test_conformance[check_jit-optimizers]'
 
-# The two environments' suites side by side, one pytest process each: one
-# process traces a program or runs a shared reference once for its whole
-# suite, where two workers each did it again, and the two processes keep
-# both cores busy. The Ray trainer's tests run beside them in a process of
-# their own: most of their time is spent waiting on Ray's processes, which
-# would hold back the newest suite at its end while the oldest is done.
-# The output comes a line at a time, each line whole.
+# The two environments' suites side by side: the oldest's in one pytest
+# process, the newest's (the larger) in two workers that take whole files
+# (one traces a file's shared programs once; the compilation cache is
+# shared, so a program compiles once for all three). The Ray trainer's tests
+# run beside them in a process of their own: most of their time is spent
+# waiting on Ray's processes. The output comes a line at a time, each line
+# whole.
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=line WORKERS= \
+	  NEWEST_WORKERS='-n 2 --dist loadfile' \
 	  NEWEST_APART=--ignore=tests/test_ray.py lint test-oldest test-newest \
 	  test-ray
 
@@ -80,7 +82,7 @@ test-oldest-all: $(VENV)/.installed
 
 test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
-	$(PY_NEWEST) $(PYTEST) $(NEWEST_APART)
+	$(PY_NEWEST) $(PYTEST) $(NEWEST_WORKERS) $(NEWEST_APART)
 
 test-ray: $(VENV_NEWEST)/.installed
 	$(PY_NEWEST) -m pytest -q tests/test_ray.py
