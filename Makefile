@@ -64,14 +64,15 @@ VERSION_TESTS := $(addprefix tests/test_,$(addsuffix .py,\
 # process, the newest's (the larger) in two workers that take whole files
 # (one traces a file's shared programs once; the compilation cache is
 # shared, so a program compiles once for all three). The Ray trainer's tests
-# run beside them in a process of their own: most of their time is spent
-# waiting on Ray's processes. The output comes a line at a time, each line
-# whole.
+# run in a process of their own once the oldest's suite is done (most of
+# their time is spent waiting on Ray's processes, whose restarts time out
+# when three suites hold both cores). The output comes a line at a time,
+# each line whole.
 test:
 	$(MAKE) --no-print-directory -j4 --output-sync=line WORKERS= \
 	  NEWEST_WORKERS='-n 2 --dist loadfile' \
-	  NEWEST_APART=--ignore=tests/test_ray.py lint test-oldest test-newest \
-	  test-ray
+	  NEWEST_APART=--ignore=tests/test_ray.py RAY_AFTER=test-oldest lint \
+	  test-oldest test-newest test-ray
 
 test-oldest: $(VENV)/.installed
 	@$(PY) -c 'import sys, jax; print("== oldest: Python", sys.version.split()[0], "jax", jax.__version__)'
@@ -84,7 +85,7 @@ test-newest: $(VENV_NEWEST)/.installed
 	@$(PY_NEWEST) -c 'import sys, jax; print("== newest: Python", sys.version.split()[0], "jax", jax.__version__)'
 	$(PY_NEWEST) $(PYTEST) $(NEWEST_WORKERS) $(NEWEST_APART)
 
-test-ray: $(VENV_NEWEST)/.installed
+test-ray: $(VENV_NEWEST)/.installed | $(RAY_AFTER)
 	$(PY_NEWEST) -m pytest -q tests/test_ray.py
 
 # The differential fuzzer of the rewrite, long: N random losses (default

@@ -13,17 +13,8 @@ import gc
 import os
 import tempfile
 
-# --xla_backend_optimization_level=0: LLVM builds the CPU's machine code
-# without its optimization passes. The suite checks what programs compute
-# and what XLA's HLO passes make of them (fusion, copies, collectives),
-# which this flag leaves as they are; the machine code's speed is the
-# benchmarks' business, and LLVM's passes were most of the compile time
-# that is most of a cold run's CPU time. Set your own level in XLA_FLAGS to
-# override it (the last flag given wins).
 os.environ["XLA_FLAGS"] = (
-  "--xla_backend_optimization_level=0 "
-  + os.environ.get("XLA_FLAGS", "")
-  + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
