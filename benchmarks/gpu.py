@@ -5,7 +5,8 @@ The steps of :mod:`benchmarks.gpu_steps`, each the guides' whole step
 (forward with the loss returned, sparse backward, optimizer, updates
 applied, state donated; fresh ids every step, uniform), compiled once
 ahead of time and timed round-robin in one process
-(:func:`benchmarks._timing.time_interleaved`):
+(:func:`benchmarks._timing.time_interleaved`), beside the twins of
+:data:`TWINS`:
 
 * ``single table``: 1M x 64, 8,192 ids, ``gtx.lazy_adam``; torch
   ``nn.Embedding(sparse=True)`` + ``SparseAdam``.
@@ -40,103 +41,75 @@ import argparse
 import itertools
 import json
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 
 from benchmarks import gpu_model, gpu_steps, models, twins
-from benchmarks._common import available, compile_phases
+from benchmarks._common import available, compile_phases, hlo_op_counts
+from benchmarks._common import version as _version
 from benchmarks._results import RESULTS, commit, machine, markdown_table
 from benchmarks._timing import Clock, Counter, Schedule
 
 SEED = 0
-BATCHES = 8  # distinct batches a system cycles through
 LR = 1e-3
+TWINS = {"single table": ["torch"], "criteo": ["torch", "fbgemm"]}
+TWINS["bags"] = TWINS["criteo"]
+MEASURED = ["single table", "criteo", "bags", "hashed"]  # timed
+COMPILES = ["keyed 26", "keyed 500"]  # compiled only
 
 
-# ----------------------------------------------------------------------------
-# gtx
-
-
-def compiled_step(program: gpu_steps.Program) -> tuple[Any, dict]:
-  """The step compiled ahead of time for this backend, with its compile
-  seconds and op counts (``while``: loops left after XLA's passes)."""
+def gtx_runner(program: gpu_steps.Program, batches: list):
+  """The step compiled ahead of time on the next of ``batches`` a call,
+  and its compile seconds and op counts (``while``: loops left after
+  XLA's passes)."""
   clock = Clock()
   compiled = program.step.trace(*program.args).lower().compile()
-  seconds = clock.wall()
-  from benchmarks._common import hlo_op_counts
-
-  return compiled, {"compile_s": seconds, **hlo_op_counts(compiled.as_text())}
-
-
-def gtx_runner(program: gpu_steps.Program, compiled: Any, batches: list):
+  counts = {"compile_s": clock.wall(), **hlo_op_counts(compiled.as_text())}
   box = list(program.init(jax.random.key(SEED)))
-
-  batches_loop = itertools.cycle(batches)
+  cycle = itertools.cycle(batches)
 
   def run():
-    batch = next(batches_loop)
-    out = compiled(*box, *batch)
+    out = compiled(*box, *next(cycle))
     box[:] = out[: program.donated]
     out[-1].block_until_ready()
 
   run()
-  return run
+  return run, counts
 
 
-# ----------------------------------------------------------------------------
-# torch and FBGEMM, on the same ids
-
-
-def _torch_device(torch) -> Any:
-  return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def torch_single(torch, program, batches):
-  """``nn.Embedding(sparse=True)`` + ``SparseAdam`` on the same ids
-  (``twins.torch_table``, the loss ``sum(tanh(E[ids]) * 0.01)``)."""
-  rows, dim = program.info["rows"], program.info["dim"]
-  ids = [b[0] for b in batches]
-  rng = np.random.default_rng(SEED)
-  table = (0.05 * rng.standard_normal((rows, dim))).astype(np.float32)
-  ct = np.full((len(ids[0]), dim), 0.01, np.float32)
-  data = models.OneTable(table, ct, ids, [], None)
-  dev = _torch_device(torch)
-  return Counter(twins.torch_table("SparseAdam", data, lr=LR, device=dev)[0])
-
-
-def torch_tables(torch, program, batches, bags: bool, fbgemm: bool = False):
-  """One ``nn.Embedding`` / ``nn.EmbeddingBag`` per table, sparse, with
-  ``SparseAdam`` and the head on ``Adam`` (``twins.torch_runner``); or
-  (``fbgemm``) FBGEMM's table-batched module on the device, all tables in
-  one, its fused Adam in the backward, pooled by a sum
-  (``twins.fbgemm_runner``)."""
-  dim, features = program.info["dim"], program.info["features"]
-  rng = np.random.default_rng(SEED)
+def twin_runner(torch, system: str, program, batches):
+  """torch's (or FBGEMM's, on the device) twin of ``program`` on the same
+  ids: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` for the one table
+  (``twins.torch_table``); for the stacks one ``nn.Embedding`` /
+  ``nn.EmbeddingBag`` a table with the head on ``Adam``
+  (``twins.torch_runner``) or FBGEMM's table-batched module, its fused
+  Adam in the backward (``twins.fbgemm_runner``)."""
+  info, rng = program.info, np.random.default_rng(SEED)
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  if "rows" in info:  # the one table
+    ids = [b[0] for b in batches]
+    shape = (info["rows"], info["dim"])
+    table = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    ct = np.full((len(ids[0]), info["dim"]), 0.01, np.float32)
+    data = models.OneTable(table, ct, ids, [], None)
+    return Counter(twins.torch_table("SparseAdam", data, lr=LR, device=dev)[0])
+  dim, features = info["dim"], info["features"]
   tables = [
     (0.05 * rng.standard_normal((r, dim))).astype(np.float32)
-    for r in gpu_steps.criteo_rows(features, program.info["cap"])
+    for r in gpu_steps.criteo_rows(features, info["cap"])
   ]
   head = models.head_params(features, dim, "linear", 0, rng)
+  bags = isinstance(next(iter(batches[0][0].values())), tuple)
   feats = [
     {f: (*v, int(v[1].sum())) if bags else v for f, v in b[0].items()}
     for b in batches
   ]
   labels = [b[1] for b in batches]
   runner, optim = twins.torch_runner, "SparseAdam"
-  if fbgemm:
+  if system == "fbgemm":
     runner, optim = twins.fbgemm_runner, "ADAM"
-  dev = _torch_device(torch)
   return runner(torch, tables, head, optim, LR, feats, labels, bags, dev)[0]
-
-
-def fbgemm_tables(torch, program, batches, bags: bool):
-  return torch_tables(torch, program, batches, bags, fbgemm=True)
-
-
-# ----------------------------------------------------------------------------
-# the run
 
 
 def _model_ms(program: gpu_steps.Program) -> float:
@@ -160,82 +133,39 @@ def _guarded(args, notes: list[str], what: str, fn, *a):
 
 
 def one_step(args, name, program, torch, rng, notes) -> list[dict]:
-  sched = Schedule(args.rounds, args.burst, args.settle)
-  compiled, counts = compiled_step(program)
   batches = [jax.device_put(program.batch(rng)) for _ in range(args.batches)]
-  fns = {"gtx": gtx_runner(program, compiled, batches)}
+  run, counts = gtx_runner(program, batches)
+  fns = {"gtx": run}
   np_batches = [jax.tree.map(np.asarray, b) for b in batches]
-  others = {
-    "single table": [("torch", torch_single)],
-    "criteo": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
-    "bags": [("torch", torch_tables), ("fbgemm", fbgemm_tables)],
-  }.get(name, [])
-  for system, make in others:
-    if torch is None:
+  fbgemm = torch is not None and available("fbgemm_gpu")
+  for system in TWINS.get(name, []) if torch is not None else []:
+    if system == "fbgemm" and not (fbgemm and torch.cuda.is_available()):
       continue
-    if system == "fbgemm" and not (
-      available("fbgemm_gpu") and torch.cuda.is_available()
-    ):
-      continue
-    extra = () if name == "single table" else (name == "bags",)
-    run = _guarded(
-      args, notes, f"{name}: {system}", make, torch, program, np_batches,
-      *extra,
-    )  # fmt: skip
-    if run is not None:
-      fns[system] = run
-  times = sched.time(fns, label=name)
+    what = f"{name}: {system}"
+    twin = _guarded(
+      args, notes, what, twin_runner, torch, system, program, np_batches
+    )
+    if twin is not None:
+      fns[system] = twin
+  times = Schedule.from_args(args).time(fns, label=name)
   rows = []
   for system, s in times.items():
     row = {"step": name, "system": system, "ms": s * 1e3}
     if system == "gtx":
-      row.update(
-        model_ms=_model_ms(program),
-        compile_s=counts["compile_s"],
-        kernels=counts["kernels"],
-        whiles=counts["while"],
-      )
+      row.update(model_ms=_model_ms(program), compile_s=counts["compile_s"])
+      row.update(kernels=counts["kernels"], whiles=counts["while"])
     rows.append(row)
     print(row, flush=True)
   return rows
 
 
-def step_figures(args, steps, torch) -> tuple[list[dict], list[str]]:
-  rows, notes = [], []
-  rng = np.random.default_rng(SEED)
-  for name in ("single table", "criteo", "bags", "hashed"):
-
-    def run(name=name):
-      return one_step(args, name, steps[name](), torch, rng, notes)
-
-    rows += _guarded(args, notes, name, run) or []
-  return rows, notes
-
-
 def compile_point(name: str, program: gpu_steps.Program) -> dict:
   phases = compile_phases(program.step, *program.args)
-  row = {
-    "step": name,
-    "compile_s": phases["total_s"],
-    "kernels": phases["kernels"],
-    "whiles": phases["while"],
-    "model_ms": _model_ms(program),
-  }
+  row = {"step": name, "compile_s": phases["total_s"]}
+  row.update(kernels=phases["kernels"], whiles=phases["while"])
+  row["model_ms"] = _model_ms(program)
   print(row, flush=True)
   return row
-
-
-def compile_figures(args, steps, notes) -> list[dict]:
-  out = []
-  for name in ("keyed 26", "keyed 500"):
-
-    def run(name=name):
-      return compile_point(name, steps[name]())
-
-    row = _guarded(args, notes, f"compile {name}", run)
-    if row is not None:
-      out.append(row)
-  return out
 
 
 def write(args, rows, compiles, notes) -> str:
@@ -246,32 +176,30 @@ def write(args, rows, compiles, notes) -> str:
   table = []
   for step, systems in by_step.items():
     g = systems["gtx"]
-    cell = {s: f"{systems[s]['ms']:.3f}" if s in systems else "n/a"
-            for s in ("torch", "fbgemm")}  # fmt: skip
-    table.append([
-      step,
-      f"{g['ms']:.3f}",
-      f"{g['model_ms']:.3f}",
-      f"{g['ms'] / g['model_ms']:.2f}x",
-      cell["torch"],
-      cell["fbgemm"],
-      f"{g['compile_s']:.1f}",
-      g["kernels"],
-      g["whiles"],
-    ])  # fmt: skip
+    table.append(
+      [step, f"{g['ms']:.3f}", f"{g['model_ms']:.3f}"]
+      + [f"{g['ms'] / g['model_ms']:.2f}x"]
+      + [f"{systems[s]['ms']:.3f}" if s in systems else "n/a"
+         for s in ("torch", "fbgemm")]
+      + [f"{g['compile_s']:.1f}", g["kernels"], g["whiles"]]
+    )  # fmt: skip
   ctable = [
     [c["step"], f"{c['compile_s']:.1f}", c["kernels"], c["whiles"],
      f"{c['model_ms']:.3f}"]
     for c in compiles
   ]  # fmt: skip
   kind = "DRY RUN at toy sizes (not figures)" if args.dry_run else "measured"
+  versions = {
+    mod: _version(mod) if available(mod) else "not installed"
+    for mod in ("torch", "fbgemm_gpu")
+  }
   md = "\n".join([
     f"## The guides' whole steps on one GPU: {kind}",
     "",
     f"Device: {m['device']} (backend {m['backend']}), JAX {m['jax']}, "
-    f"torch {_version('torch')}, fbgemm_gpu {_version('fbgemm_gpu')}; "
+    f"torch {versions['torch']}, fbgemm_gpu {versions['fbgemm_gpu']}; "
     f"gradtx at {commit()}. Median ms of a whole step "
-    f"({Schedule(args.rounds, args.burst, args.settle).describe()}), "
+    f"({Schedule.from_args(args).describe()}), "
     "fresh uniform ids, state donated. `model ms`: the cost model's "
     "prediction for the same program (`benchmarks/gpu_model.py`: a model, "
     "not a measurement; H100 HBM at 3.35 TB/s plus launch and sync costs). "
@@ -302,19 +230,13 @@ def write(args, rows, compiles, notes) -> str:
   return md
 
 
-def _version(module: str) -> str:
-  if not available(module):
-    return "not installed"
-  return getattr(__import__(module), "__version__", "?")
-
-
 def main(argv: list[str] | None = None) -> str:
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--dry-run", action="store_true")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--burst", type=int, default=10)
   ap.add_argument("--settle", type=int, default=3)
-  ap.add_argument("--batches", type=int, default=BATCHES)
+  ap.add_argument("--batches", type=int, default=8, help="distinct batches")
   ap.add_argument("--out", type=Path, default=RESULTS)
   ap.add_argument("--no-torch", action="store_true")
   args = ap.parse_args(argv)
@@ -324,8 +246,22 @@ def main(argv: list[str] | None = None) -> str:
   torch = None
   if not args.no_torch and available("torch"):
     import torch
-  rows, notes = step_figures(args, steps, torch)
-  compiles = compile_figures(args, steps, notes)
+  rows, compiles, notes = [], [], []
+  rng = np.random.default_rng(SEED)
+  for name in MEASURED:
+
+    def run(name=name):
+      return one_step(args, name, steps[name](), torch, rng, notes)
+
+    rows += _guarded(args, notes, name, run) or []
+  for name in COMPILES:
+    row = _guarded(
+      args,
+      notes,
+      f"compile {name}",
+      lambda n=name: compile_point(n, steps[n]()),
+    )
+    compiles += [row] if row is not None else []
   return write(args, rows, compiles, notes)
 
 
