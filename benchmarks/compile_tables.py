@@ -70,15 +70,9 @@ STACKED_TWIN = {
 }
 
 
+# compile_phases' wall seconds of each phase, then their CPU seconds
 PHASES = ["trace_s", "lower_s", "compile_s"]
 PHASES += ["trace_cpu_s", "lower_cpu_s", "compile_cpu_s"]
-
-
-def timed(jitted, *args) -> tuple[float, ...]:
-  """Wall seconds to trace, lower and compile ``jitted(*args)``, then the
-  CPU seconds of each."""
-  r = compile_phases(jitted, *args)
-  return tuple(r[k] for k in PHASES)
 
 
 def programs(tables: int, cap: int, dim: int, batch: int) -> dict:
@@ -103,14 +97,14 @@ def programs(tables: int, cap: int, dim: int, batch: int) -> dict:
 
 
 def measure(tables: int, args: argparse.Namespace) -> dict:
-  """name -> median :func:`timed` over ``args.repeats``."""
+  """name -> the median :data:`PHASES` over ``args.repeats``."""
   samples: dict[str, list] = {}
   for _ in range(args.repeats):
     made = programs(tables, args.cap, args.dim, args.batch)
     for name, (fn, *xs) in made.items():
-      samples.setdefault(name, []).append(timed(fn, *xs))
+      samples.setdefault(name, []).append(compile_phases(fn, *xs))
   return {
-    name: tuple(statistics.median(s[k] for s in runs) for k in range(6))
+    name: tuple(statistics.median(r[k] for r in runs) for k in PHASES)
     for name, runs in samples.items()
   }
 
@@ -309,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     forms_main(args)
     return
   for fn, *xs in programs(2, 10, 4, 8).values():  # JAX's own first calls
-    timed(fn, *xs)
+    compile_phases(fn, *xs)
 
   results = {}
   for t in args.tables:
