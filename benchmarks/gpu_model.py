@@ -186,12 +186,11 @@ class _Model:
 
   def add(self, op, kind, read, written, times, launches=1.0) -> None:
     shapes = ", ".join(str(t) for t in op.operands[:3])
-    k = Kernel(kind, shapes, read, written, times * launches, self.origin(op))
+    k = Kernel(
+      kind, shapes, read, written, times * launches, self.prog.origin(op)
+    )
     k.in_loop = self.loop_depth > 0
     self.cost.kernels.append(k)
-
-  def origin(self, op: sh.Op) -> str:
-    return self.prog.origin(op)
 
   def ends_fusion(self, op: sh.Op) -> bool:
     """An elementwise op whose value no kernel reads: returned by the
@@ -286,7 +285,9 @@ class _Model:
     self.loop_depth -= 1
     self.cost.syncs += times * trips
     per_trip = (self.cost.launches - before) / max(times * trips, 1e-9)
-    self.cost.loops.append(Loop(self.origin(op), times * trips, why, per_trip))
+    self.cost.loops.append(
+      Loop(self.prog.origin(op), times * trips, why, per_trip)
+    )
 
   def trips(self, op: sh.Op) -> tuple[float, str]:
     inits = dict(
@@ -427,6 +428,7 @@ def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> str:
   from benchmarks import gpu_steps
+  from benchmarks._common import version
   from benchmarks._results import RESULTS, commit
 
   ap = argparse.ArgumentParser(description=__doc__)
@@ -443,12 +445,9 @@ def main(argv: list[str] | None = None) -> str:
   args = ap.parse_args(argv)
   steps = gpu_steps.TOY if args.toy else gpu_steps.STEPS
   costs = {name: predict(make(), args.platform) for name, make in steps.items()}
-  import jax
-
+  note = f"Exported with JAX {version('jax')}" + " (toy sizes)" * args.toy
   source = args.label or f"gradtx at {commit()}"
-  toy = " (toy sizes)" if args.toy else ""
-  note = f"Exported with JAX {jax.__version__}{toy}; {source}"
-  md = report(costs, args.platform, note)
+  md = report(costs, args.platform, f"{note}; {source}")
   print(md)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(md)
