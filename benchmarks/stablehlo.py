@@ -36,7 +36,7 @@ _REF = re.compile(r"%([\w.\-]+)(?:#\d+)?")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
 _DTYPE_BITS = {"i1": 8, "pred": 8}  # a bool is a byte in memory
-FLOATS = ("f16", "bf16", "f32", "f64", "f8")
+FLOATS = ("f", "bf")  # f16, f32, f64, f8E4M3..., bf16
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -64,14 +64,10 @@ class Tensor:
 
   @property
   def is_float(self) -> bool:
-    return self.dtype.startswith(FLOATS) or self.dtype.startswith("f")
+    return self.dtype.startswith(FLOATS)
 
   def __str__(self) -> str:
-    return (
-      "x".join(map(str, self.shape))
-      + ("x" if self.shape else "")
-      + (self.dtype)
-    )
+    return "x".join([*map(str, self.shape), self.dtype])
 
 
 def tensors(text: str) -> list[Tensor]:
@@ -124,20 +120,15 @@ class Op:
 
   @cached_property
   def operands(self) -> list[Tensor]:
-    sig = self.signature
-    if "->" in sig:
-      return tensors(sig.split("->", 1)[0])
-    return tensors(sig)
+    return tensors(self.signature.split("->", 1)[0])
 
   @cached_property
   def results(self) -> list[Tensor]:
     sig = self.signature
     if "->" in sig:
       return tensors(sig.split("->", 1)[1])
-    if self.name == "stablehlo.while":
-      return tensors(sig)
     ts = tensors(sig)
-    return ts[-1:]
+    return ts if self.name == "stablehlo.while" else ts[-1:]
 
   @property
   def callee(self) -> str | None:
