@@ -1,27 +1,11 @@
 """Table stacks: a recommender's whole training step, per-table leaves
-against ``gtx.TableStack``, beside torch and FBGEMM; then compile time and
-op counts against the number of features; then where a step's rows land on
-an 8-way row-sharded stack; then the criteo step as stacks of
-``--lanes`` lanes (``gtx.TableStack(..., lanes=L)``) beside per-table
-leaves, on the default path.
-
-Models (``benchmarks.models``; loss returned, fresh ids, params and state
-donated): ``criteo``, Criteo's 26 cardinalities capped at ``--cap``, one id
-per example and feature, a linear head (and ``--heads mlp`` for
-``--mlp-optimizers``), the stack made with ``batch_size`` as the
-recommenders guide makes it; ``bags``, ``--bag-tables`` tables of
-``--bag-rows``, bags of 1-20 weighted ids summed (``jax.ops.segment_sum``
-per table as users write it; ``gtx.Jagged`` features of one stack; torch
-``nn.EmbeddingBag``). Systems: ``gtx per-table``, ``gtx stack``, ``torch``
-(``sparse=True``, 2 threads) and ``fbgemm`` (TorchRec's table-batched
-kernels on the host, the optimizer fused in the backward; where
-``fbgemm_gpu`` imports), the stack's optimizer part alone and its
-random-rows floor, per optimizer of ``models.STACK_OPTIMIZERS``. Host
-memory is reused as gradtx sets it at import; ``--fresh-memory`` opts out.
-
-Writes ``benchmarks/results/stacks.{md,json,png}`` (``--only stacks``) and
-``benchmarks/results/stack_lanes.{md,json}`` (``--only lanes``; the
-committed table has ``--lanes 1 2`` and four ``--lane-optimizers``).
+against ``gtx.TableStack``, beside torch and FBGEMM, the stack's optimizer
+part alone and its random-rows floor, per optimizer of
+``models.STACK_OPTIMIZERS``; compile time and op counts against the number
+of features; where a step's rows land on an 8-way row-sharded stack; and
+the criteo step as stacks of ``--lanes`` lanes beside per-table leaves.
+Models: ``models.criteo_models`` and ``models.bag_models``; the notes of
+``results/stacks.md`` and ``results/stack_lanes.md`` say what each runs.
 
   python -m benchmarks.stacks [--quick] [--rounds 8] [--only stacks lanes]
 """
@@ -122,6 +106,28 @@ def _model(model, dist, args):
   return stack, names, ptl, stl, feeds, labels, raw, flat, [rows] * n
 
 
+def _random_tables(rng, rows, dim) -> list[np.ndarray]:
+  return [
+    (0.05 * rng.standard_normal((r, dim))).astype(np.float32) for r in rows
+  ]
+
+
+def _head(features, dim, head="linear"):
+  rng = np.random.default_rng(SEED + 4)
+  return models.head_params(features, dim, head, models.HIDDEN, rng)
+
+
+def _runners(make, systems, labels) -> dict[str, Callable[[], Any]]:
+  """Each system ``name: (loss, params, feeds)``'s whole step, its own
+  optimizer (its step donates params and state)."""
+  out = {}
+  for name, (loss, params, feeds) in systems.items():
+    tx = make()
+    step = models.whole_step(loss, tx)
+    out[name] = models.loop_runner(step, params, tx, feeds, labels)
+  return out
+
+
 def step_rows(args, torch) -> list[dict]:
   out = []
   rng = np.random.default_rng(SEED + 2)
@@ -130,10 +136,7 @@ def step_rows(args, torch) -> list[dict]:
       stack, names, ptl, stl, feeds, labels, twin_feed, flat, rows_np = _model(
         model, dist, args
       )
-      tables_np = [
-        (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
-        for r in rows_np
-      ]
+      tables_np = _random_tables(rng, rows_np, args.dim)
       unique = _unique_ids(flat, rows_np)
       uniq = float(np.mean([len(u) for u in unique]))
       configs = [("linear", o) for o in args.optimizers]
@@ -141,38 +144,31 @@ def step_rows(args, torch) -> list[dict]:
         configs += [("mlp", o) for o in args.mlp_optimizers]
       for head, opt in configs:
         make, torch_name, lr, fb_optim = models.STACK_OPTIMIZERS[opt]
-        hp_np = models.head_params(
-          len(names),
-          args.dim,
-          head,
-          models.HIDDEN,
-          np.random.default_rng(SEED + 4),
-        )
-        per_table = dict(zip(names, map(jnp.asarray, tables_np), strict=True))
-        per_table["head"] = jax.tree.map(jnp.asarray, hp_np)
-        stack_np = stack.stack(dict(zip(names, tables_np, strict=True)))
-        stack_np = {"emb": jax.tree.map(np.asarray, stack_np), "head": hp_np}
+        hp_np = _head(len(names), args.dim, head)
+        per_table = dict(zip(names, tables_np, strict=True))
+        emb = jax.tree.map(np.asarray, stack.stack(per_table))
+        stack_np = {"emb": emb, "head": hp_np}
 
         def stacked(stack_np=stack_np):
           return jax.tree.map(jnp.asarray, stack_np)
 
-        fns: dict[str, Callable[[], Any]] = {}
-        for name, loss, params, feed in [
-          ("gtx per-table", ptl, per_table, feeds["per-table"]),
-          ("gtx stack", stl, stacked(), feeds["stack"]),
-        ]:
-          tx = make()
-          fns[name] = models.loop_runner(
-            models.whole_step(loss, tx), params, tx, feed, labels
-          )
-        twin = (tables_np, hp_np), (lr, twin_feed, labels, model == "bags")
+        per_table = jax.tree.map(jnp.asarray, {**per_table, "head": hp_np})
+        fns = _runners(
+          make,
+          {
+            "gtx per-table": (ptl, per_table, feeds["per-table"]),
+            "gtx stack": (stl, stacked(), feeds["stack"]),
+          },
+          labels,
+        )
+        twin = (lr, twin_feed, labels, model == "bags")
         if torch is not None:
           fns["torch"], _ = twins.torch_runner(
-            torch, *twin[0], torch_name, *twin[1]
+            torch, tables_np, hp_np, torch_name, *twin
           )
         if torch is not None and fb_optim and fbgemm():
           fns["fbgemm"], _ = twins.fbgemm_runner(
-            torch, *twin[0], fb_optim, *twin[1]
+            torch, tables_np, hp_np, fb_optim, *twin
           )
         fns["gtx stack optimizer"] = optimizer_runner(
           stl, make(), stacked(), feeds["stack"], labels
@@ -386,38 +382,27 @@ def lane_rows(args, sched: Schedule) -> list[list]:
   per-table and as a stack of each of ``args.lanes`` lanes (ms), the speed
   over ``lanes=1`` and over per-table."""
   crows = [min(c, args.cap) for c in models.CRITEO_KAGGLE]
-  rng = np.random.default_rng(models.SEED + 2)
-  tables_np = [
-    (0.05 * rng.standard_normal((r, args.dim))).astype(np.float32)
-    for r in crows
-  ]
+  tables_np = _random_tables(
+    np.random.default_rng(models.SEED + 2), crows, args.dim
+  )
   rows = []
   for dist in args.dists:
     batches, labels = models.criteo_data(crows, args.batch, args.steps, dist)
     _, names, per_table_loss, _ = models.criteo_models(crows, args.dim)
     per_table_np = dict(zip(names, tables_np, strict=True))
     for opt in args.lane_optimizers:
-      make = models.STACK_OPTIMIZERS[opt][0]
-      hp = models.head_params(
-        len(names),
-        args.dim,
-        "linear",
-        models.HIDDEN,
-        np.random.default_rng(models.SEED + 4),
-      )
+      hp = _head(len(names), args.dim)
       systems = {"per-table": (per_table_loss, dict(per_table_np))}
       for lanes in args.lanes:
         stack, _, _, loss = models.criteo_models(
           crows, args.dim, args.batch, lanes
         )
         systems[f"lanes={lanes}"] = (loss, {"emb": stack.stack(per_table_np)})
-      fns = {}
-      for name, (loss, emb) in systems.items():
-        tx = make()  # each system its own params (its step donates them)
-        params = jax.tree.map(jnp.asarray, {**emb, "head": hp})
-        fns[name] = models.loop_runner(
-          models.whole_step(loss, tx), params, tx, batches, labels
-        )
+      systems = {
+        k: (loss, jax.tree.map(jnp.asarray, {**emb, "head": hp}), batches)
+        for k, (loss, emb) in systems.items()
+      }
+      fns = _runners(models.STACK_OPTIMIZERS[opt][0], systems, labels)
       t = sched.time(fns, label=f"{dist}, {opt}")
       base = t["lanes=1"]
       rows.append(
