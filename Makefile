@@ -15,7 +15,8 @@ VENV_NEWEST := .venv-newest
 PY := $(VENV)/bin/python
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 # pytest workers: two for one suite run alone; `make test` runs the two
-# environments' suites side by side, one process each (see there).
+# environments' suites side by side, the oldest's in one process and the
+# newest's in two (see there).
 WORKERS ?= -n 2 --dist worksteal
 PYTEST = -m pytest -q $(WORKERS)
 
