@@ -24,11 +24,14 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import memory, parse, parser
-from benchmarks._results import columns, headline, write_results
-from benchmarks._timing import time_interleaved
+from benchmarks._common import memory
+from benchmarks._results import headline
+from benchmarks._timing import step_runner
+from benchmarks.optimizer_steps import Scenario, System, run, update_step
 
 DIM = 64
+BASE = "optax.MultiSteps(adam)"
+LAZY = "gtx.accumulate(lazy_adam), SparseRows"
 
 
 def _params(num_rows: int, hidden: int) -> dict[str, jax.Array]:
@@ -53,45 +56,27 @@ def _grads(params, n: int, *, sparse: bool) -> dict:
   }
 
 
-def _step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return gtx.apply_updates(params, updates), state
-
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
 def _nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-class _Runner:
-  """Holds one variant's params and state; runs a step at a chosen phase."""
+def _variant(tx, params, grads, k: int, field: str) -> tuple[System, System]:
+  """The silent and the emitting step of ``tx`` on its own params and
+  state: its micro-step counter ``field`` set before each step."""
+  params = jax.tree.map(jnp.copy, params)
+  box = [params, tx.init(params)]
+  compiled = update_step(tx).lower(*box, grads).compile()
+  info = dict(compiled=compiled, state_bytes=_nbytes(box[1]))
 
-  def __init__(self, tx, params, grads, set_phase):
-    self.tx = tx
-    self.params = jax.tree.map(jnp.copy, params)
-    self.state = tx.init(self.params)
-    self.state_bytes = _nbytes(self.state)
-    self.grads = grads
-    self.set_phase = set_phase
-    self.step = _step(tx)
-    self.compiled = self.step.lower(self.params, self.state, grads).compile()
+  def phase(emit: bool) -> System:
+    def step(params, state, grads):
+      count = jnp.asarray(k - 1 if emit else 0, jnp.int32)
+      return compiled(params, state._replace(**{field: count}), grads)
 
-  def run(self, emit: bool) -> None:
-    state = self.set_phase(self.state, emit)
-    self.params, self.state = self.compiled(self.params, state, self.grads)
-    jax.block_until_ready((self.params, self.state))
+    run_ = step_runner(step, box, lambda i: (grads,))
+    return System(lambda: run_(0), (box, info))
 
-
-def _phase(k: int, field: str):
-  """Sets the state's micro-step counter ``field`` to emit or not."""
-
-  def set_phase(state, emit):
-    count = jnp.asarray(k - 1 if emit else 0, jnp.int32)
-    return state._replace(**{field: count})
-
-  return set_phase
+  return phase(False), phase(True)
 
 
 def _mib(m: dict) -> list[float]:
@@ -118,126 +103,124 @@ def _k1_memory(params, grads) -> dict:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
     )
     state = jax.eval_shape(tx.init, abstract)
-    compiled = _step(tx).lower(abstract, state, grads).compile()
+    compiled = update_step(tx).lower(abstract, state, grads).compile()
     small[name] = _memory_row(name, compiled)
   return small
 
 
-def main(argv=None) -> None:
-  p = parser(__doc__.split("\n")[0], rounds=7, fresh_memory=True)
-  p.add_argument("--k", type=int, default=4)
-  p.add_argument("--rows", type=int, default=1_000_000)
-  p.add_argument("--hidden", type=int, default=2048)
-  p.add_argument("--ids", type=int, default=4096)
-  quick = dict(rows=20_000, hidden=128, ids=256, rounds=3)
-  args = parse(p, argv, quick=quick)
-  num_rows, hidden, n = args.rows, args.hidden, args.ids
-  rounds, k = args.rounds, args.k
-
-  params = _params(num_rows, hidden)
+def _case(_, ctx):
+  k, n, a = ctx.args.k, ctx.args.ids, ctx.args
+  params = _params(a.rows, a.hidden)
   dense_grads = _grads(params, n, sparse=False)
   sparse_grads = _grads(params, n, sparse=True)
-  rows = {"table": n, "w1": None, "w2": None}
-  dense_count = params["w1"].size + params["w2"].size
+  ctx.found["dense_count"] = count = params["w1"].size + params["w2"].size
   print(
-    f"table {num_rows} x {DIM}, {dense_count / 1e6:.2f}M dense params, "
+    f"table {a.rows} x {DIM}, {count / 1e6:.2f}M dense params, "
     f"n={n} rows per micro-step, k={k}"
   )
-
+  rows = {"table": n, "w1": None, "w2": None}
   multi = optax.MultiSteps(optax.adam(1e-3), k).gradient_transformation()
   lazy = gtx.accumulate(gtx.lazy_adam(1e-3), k, rows_per_step=rows)
   variants = {
-    "optax.MultiSteps(adam)": (multi, dense_grads, "mini_step"),
+    BASE: (multi, dense_grads, "mini_step"),
     "gtx.accumulate(adam), dense grads": (
       gtx.accumulate(optax.adam(1e-3), k),
       dense_grads,
       "num_accumulated",
     ),
-    "gtx.accumulate(lazy_adam), SparseRows": (
-      lazy,
-      sparse_grads,
-      "num_accumulated",
-    ),
+    LAZY: (lazy, sparse_grads, "num_accumulated"),
   }
-  runners = {
-    name: _Runner(tx, params, grads, _phase(k, field))
-    for name, (tx, grads, field) in variants.items()
-  }
+  systems, kept = {}, {}
+  for name, (tx, grads, field) in variants.items():
+    silent, emit = _variant(tx, params, grads, k, field)
+    systems[(name, False)], systems[(name, True)] = silent, emit
+    kept[name] = silent.keep  # ([params, state], info)
   del params
-
-  fns = {}
-  for name, r in runners.items():
-    fns[(name, False)] = lambda r=r: r.run(False)
-    fns[(name, True)] = lambda r=r: r.run(True)
-  times = time_interleaved(fns, warmup=1, rounds=rounds)
-
-  base = "optax.MultiSteps(adam)"
-  mems = {name: _memory_row(name, r.compiled) for name, r in runners.items()}
-  rows_out = []
-  for name, r in runners.items():
-    silent, emit = times[(name, False)], times[(name, True)]
-    m = mems[name]
-    rows_out.append(
-      [name, silent * 1e3, times[(base, False)] / silent, emit * 1e3]
-      + [times[(base, True)] / emit]
-      + _mib(m)
-      + [r.state_bytes / 2**20]
+  ms = ctx.time(systems, warmup=1)
+  mems = {m: _memory_row(m, i["compiled"]) for m, (_, i) in kept.items()}
+  out = []
+  for name, (_, info) in kept.items():
+    silent, emit = ms[(name, False)], ms[(name, True)]
+    out.append(
+      [name, silent, ms[(BASE, False)] / silent, emit]
+      + [ms[(BASE, True)] / emit]
+      + _mib(mems[name])
+      + [info["state_bytes"] / 2**20]
     )
-  acc = runners["gtx.accumulate(lazy_adam), SparseRows"].state.accumulator
-  table_buffer = _nbytes(acc["table"])
-
+  acc = kept[LAZY][0][1].accumulator
   # k = 1: compiled memory only (optax#320, #472: MultiSteps at k = 1).
-  small = _k1_memory(runners[base].params, dense_grads)
+  small = _k1_memory(kept[BASE][0][0], dense_grads)
   for name, m in small.items():
-    rows_out.append([name, "-", "-", "-", "-", *_mib(m), "-"])
+    out.append([name, "-", "-", "-", "-", *_mib(m), "-"])
+  ctx.found.update(
+    ms=ms, memory={**mems, **small}, table_buffer=_nbytes(acc["table"])
+  )
+  return out
 
+
+def _finish(rows, ctx):
+  a, case = ctx.args, ctx.found
+  buffer = case["table_buffer"]
+  num_rows, n, k = a.rows, a.ids, a.k
   notes = (
-    f"Table {num_rows} x {DIM} float32, {dense_count / 1e6:.2f}M dense "
-    f"params, n = {n} rows per micro-step, k = {k}, inner Adam (lr 1e-3). "
-    "Steps are jitted with params and state donated and apply their "
+    f"Table {num_rows} x {DIM} float32, {case['dense_count'] / 1e6:.2f}M "
+    f"dense params, n = {n} rows per micro-step, k = {k}, inner Adam (lr "
+    "1e-3). Steps are jitted with params and state donated and apply their "
     "updates; times are medians over interleaved rounds. Memory is the "
     "compiled step's memory_analysis(): total = argument + output + temp; "
     "'- aliased' subtracts the donated bytes reused for outputs. The "
-    f"sparse table's accumulator is {table_buffer / 2**20:.2f} MiB "
+    f"sparse table's accumulator is {buffer / 2**20:.2f} MiB "
     f"(k * n = {k * n} rows of {DIM} float32 + an int32 index each) versus "
     f"{num_rows * DIM * 4 / 2**20:.0f} MiB for a dense one. MultiSteps runs "
     "in this process, which imported gradtx: its host-memory setting (last "
     "paragraph) applies to it too."
   )
-  write_results(
-    "accumulate",
-    "Gradient accumulation: gtx.accumulate vs optax.MultiSteps",
-    columns(
-      "variant | silent step (ms) | speedup | emitting step (ms) | speedup | "
-      "total (MiB) | - aliased (MiB) | temp (MiB) | state (MiB)"
-    ),
-    rows_out,
-    notes=notes,
-    extra={
-      "times_s": {
-        f"{a} | {'emit' if b else 'silent'}": t for (a, b), t in times.items()
-      },
-      "memory": {**mems, **small},
-      "sparse_accumulator_bytes": table_buffer,
-      "config": {"num_rows": num_rows, "dim": DIM, "n": n, "k": k},
-      "headline": [
-        headline(
-          f"silent micro-step speed-up vs MultiSteps: {r[0]}",
-          round(r[2], 1),
-          ">= 2x",
-        )
-        for r in rows_out
-        if r[0].startswith("gtx") and r[2] != "-"
-      ]
-      + [
-        headline(
-          f"compiled memory (total) vs MultiSteps(adam): {rows_out[1][0]}",
-          round(rows_out[1][5] / rows_out[0][5], 2),
-          "<= 1",
-        )
-      ],
-    },
+  times = {
+    f"{a} | {'emit' if b else 'silent'}": t / 1e3
+    for (a, b), t in case["ms"].items()
+  }
+  heads = [
+    headline(
+      f"silent micro-step speed-up vs MultiSteps: {r[0]}",
+      round(r[2], 1),
+      ">= 2x",
+    )
+    for r in rows
+    if r[0].startswith("gtx") and r[2] != "-"
+  ]
+  heads.append(
+    headline(
+      f"compiled memory (total) vs MultiSteps(adam): {rows[1][0]}",
+      round(rows[1][5] / rows[0][5], 2),
+      "<= 1",
+    )
   )
+  return notes, {
+    "times_s": times,
+    "memory": case["memory"],
+    "sparse_accumulator_bytes": buffer,
+    "config": {"num_rows": num_rows, "dim": DIM, "n": n, "k": k},
+    "headline": heads,
+  }
+
+
+SCENARIO = Scenario(
+  name="accumulate",
+  title="Gradient accumulation: gtx.accumulate vs optax.MultiSteps",
+  columns="variant | silent step (ms) | speedup | emitting step (ms) | "
+  "speedup | total (MiB) | - aliased (MiB) | temp (MiB) | state (MiB)",
+  doc=__doc__.split("\n")[0],
+  cases=lambda ctx: [None],
+  case=_case,
+  finish=_finish,
+  flags={"--k": 4, "--rows": 1_000_000, "--hidden": 2048, "--ids": 4096},
+  quick=dict(rows=20_000, hidden=128, ids=256, rounds=3),
+  options=dict(rounds=7, fresh_memory=True),
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+  run(SCENARIO, argv)
 
 
 if __name__ == "__main__":

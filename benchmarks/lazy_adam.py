@@ -2,7 +2,7 @@
 
 One optimizer step on a ``[rows, dim]`` table given a row-sparse gradient
 of ``ids`` fresh uniform rows (duplicates included), jitted with params and
-state donated, three ways (:func:`_variant`): ``gtx.lazy_adam`` on the
+state donated, three ways (:func:`_system`): ``gtx.lazy_adam`` on the
 SparseRows, ``optax.adam`` on the dense gradient, and a lazy step in plain
 ``jnp`` (:func:`reference_lazy_step`). Reported: ms/step, the speed-up over
 optax.adam, and the ratio to the bandwidth floor (the touched rows of
@@ -25,9 +25,15 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._common import add_memory_arg, memory_budget, parse, parser
-from benchmarks._results import columns, headline, write_results
-from benchmarks._timing import time_fn, time_interleaved, warm_copy_bandwidth
+from benchmarks._results import headline
+from benchmarks._timing import Counter, step_runner
+from benchmarks.optimizer_steps import (
+  Scenario,
+  System,
+  floor_ms,
+  run,
+  update_step,
+)
 
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 ROUNDS = 15
@@ -55,69 +61,48 @@ def reference_lazy_step(params, state, indices, values):
   return params, (m, v, count)
 
 
-def _variant(kind, rows, dim):
-  """``(jitted donated step, init)`` of one variant: ``gtx`` (lazy_adam on
-  a SparseRows gradient), ``optax`` (adam on the dense one) or ``ref``
-  (:func:`reference_lazy_step`)."""
-  tx = {"gtx": gtx.lazy_adam, "optax": optax.adam}.get(kind)
-  tx = tx and tx(LR, B1, B2, EPS)
-
-  def step(params, state, grad):
-    if kind == "ref":
-      return reference_lazy_step(params, state, grad.indices, grad.values)
-    if kind == "optax":
-      u, state = tx.update(grad, state, params)
-      return optax.apply_updates(params, u), state
-    u, state = tx.update({"emb": grad}, state, {"emb": params})
-    return gtx.apply_updates({"emb": params}, u)["emb"], state
-
-  def init():
-    params = jnp.zeros((rows, dim), jnp.float32)
-    if kind == "ref":
-      zeros = jnp.zeros((rows, dim), jnp.float32)
-      return params, (zeros, jnp.zeros((rows, dim)), jnp.zeros([], jnp.int32))
-    return params, tx.init({"emb": params} if kind == "gtx" else params)
-
-  return jax.jit(step, donate_argnums=(0, 1)), init
+def _ref_step(params, state, grad):
+  return reference_lazy_step(params, state, grad.indices, grad.values)
 
 
-class _Runner:
-  """Holds one variant's params and state; each call is one step."""
-
-  def __init__(self, step, init, grads):
-    self.step, self.grads = step, grads
-    self.params, self.state = init()
-    self.i = 0
-
-  def __call__(self):
-    g = self.grads[self.i % len(self.grads)]
-    self.i += 1
-    self.params, self.state = self.step(self.params, self.state, g)
-    jax.block_until_ready(self.params)
-
-  def close(self):
-    del self.params, self.state
+def _system(kind, rows, dim, grads) -> System:
+  """One variant on its own zero table, a step on the next of ``grads``:
+  ``gtx`` (lazy_adam on a SparseRows gradient), ``optax`` (adam on the
+  dense one) or ``ref`` (:func:`reference_lazy_step`)."""
+  params = jnp.zeros((rows, dim), jnp.float32)
+  if kind == "ref":
+    zeros = jnp.zeros((rows, dim), jnp.float32)
+    state = (zeros, jnp.zeros((rows, dim)), jnp.zeros([], jnp.int32))
+    step = jax.jit(_ref_step, donate_argnums=(0, 1))
+  elif kind == "optax":
+    tx = optax.adam(LR, B1, B2, EPS)
+    state, step = tx.init(params), update_step(tx, optax.apply_updates)
+  else:
+    tx = gtx.lazy_adam(LR, B1, B2, EPS)
+    params, grads = {"emb": params}, [{"emb": g} for g in grads]
+    state, step = tx.init(params), update_step(tx)
+  box = [params, state]
+  args_of = lambda i: (grads[i % len(grads)],)  # noqa: E731
+  return System(Counter(step_runner(step, box, args_of), 0), box)
 
 
 def _check_same_step(rows, dim, grad):
   """gtx and the jnp reference agree after one step (outside the timing)."""
   outs = []
   for kind in ("gtx", "ref"):
-    step, init = _variant(kind, rows, dim)
-    p, s = init()
-    p, s = step(p, s, grad)
+    system = _system(kind, rows, dim, [grad])
+    system.run()
+    p = system.keep[0]
+    p = p["emb"] if kind == "gtx" else p
     outs.append(np.asarray(p[: min(rows, 200_000)]))
-    del p, s
+    del system, p
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
 
 
-def run(
-  rows: int,
-  dim: int,
-  ids: int,
-  mem_bytes: float,
-  bandwidth: float,
-):
+def _case(rows, ctx):
+  """Round-robin where all variants fit in memory together, else one
+  after the other."""
+  dim, ids, mem = ctx.args.dim, ctx.args.ids, ctx.mem
   rng = np.random.RandomState(0)
   grads, uniques = [], []
   for _ in range(ROUNDS + WARMUP):
@@ -133,67 +118,36 @@ def run(
   table = rows * dim * 4
   _check_same_step(rows, dim, grads[0])
   gc.collect()
-
   variants = {"gtx": grads, "ref": grads}
-  dense_ok = 4 * table <= mem_bytes
+  dense_ok = 4 * table <= mem
   if dense_ok:
-    variants["optax"] = dense = [g.to_dense() for g in grads[:1]]
+    variants["optax"] = [g.to_dense() for g in grads[:1]]
   together = 3 * table * len(variants) + (table if dense_ok else 0)
-  interleaved = together <= mem_bytes
-  if interleaved:
-    runners = {
-      k: _Runner(*_variant(k, rows, dim), g) for k, g in variants.items()
-    }
-    times = time_interleaved(
-      runners, warmup=WARMUP, rounds=ROUNDS, label=f"{rows:,} x {dim}"
-    )
-    for r in runners.values():
-      r.close()
-    del runners
+  label = f"{rows:,} x {dim}"
+  if together <= mem:
+    systems = {k: _system(k, rows, dim, g) for k, g in variants.items()}
+    ms = ctx.time(systems, label, warmup=WARMUP, rounds=ROUNDS)
+    del systems
   else:
-    times = {}
+    ms = {}
     for k, g in variants.items():
-      runner = _Runner(*_variant(k, rows, dim), g)
-      times[k] = time_fn(
-        runner, warmup=WARMUP, repeats=ROUNDS, label=f"{k}, {rows:,} x {dim}"
-      )
-      runner.close()
-      del runner
-      gc.collect()
+      name = f"{k}, {label}"
+      system = {name: _system(k, rows, dim, g)}
+      ms[k] = ctx.time(system, name, rounds=ROUNDS)[name]
+      del system
   del grads, variants
-  if dense_ok:
-    del dense
-  gc.collect()
-
   unique = float(np.mean(uniques))
-  # Read + write the touched rows of params, m, v; read the gradient rows.
-  floor_bytes = unique * dim * 4 * 6 + ids * (dim + 1) * 4
-  floor = floor_bytes / bandwidth
-  ms = {k: t * 1e3 for k, t in times.items()}
+  floor = floor_ms(unique, dim, ids, ctx.bandwidth)
   speedup = ms["optax"] / ms["gtx"] if "optax" in ms else "-"
-  return [f"{rows:,} x {dim}", ids, round(unique), ms["gtx"], ms["ref"]] + [
-    ms.get("optax", "skipped (> mem)"),
-    speedup,
-    ms["ref"] / ms["gtx"],
-    floor * 1e3,
-    ms["gtx"] / (floor * 1e3),
-    "interleaved" if interleaved else "sequential",
+  return [
+    [label, ids, round(unique), ms["gtx"], ms["ref"]]
+    + [ms.get("optax", "skipped (> mem)"), speedup, ms["ref"] / ms["gtx"]]
+    + [floor, ms["gtx"] / floor]
+    + ["interleaved" if together <= mem else "sequential"]
   ]
 
 
-def main(argv: list[str] | None = None) -> None:
-  p = parser(__doc__, fresh_memory=True)
-  p.add_argument("--rows", type=int, nargs="+", default=[10**5, 10**6, 10**7])
-  p.add_argument("--dim", type=int, default=64)
-  p.add_argument("--ids", type=int, default=8192)
-  add_memory_arg(p, 8)
-  args = parse(p, argv, quick=dict(rows=[20_000, 200_000], ids=1024))
-  mem_bytes = memory_budget(args)
-  bandwidth = warm_copy_bandwidth()
-  rows = []
-  for r in args.rows:
-    rows.append(run(r, args.dim, args.ids, mem_bytes, bandwidth))
-    print(rows[-1], flush=True)
+def _finish(rows, ctx):
   heads = []
   for r in rows:
     if isinstance(r[6], float):
@@ -201,30 +155,42 @@ def main(argv: list[str] | None = None) -> None:
       heads.append(headline(metric, round(r[6], 1), ">= 15x at 1M rows"))
     metric = f"lazy_adam / bandwidth floor ({r[0]})"
     heads.append(headline(metric, round(r[9], 2), "<= 8x"))
-  write_results(
-    "lazy_adam",
-    "Lazy Adam step: gradtx vs optax.adam (dense) vs plain-jnp lazy step",
-    columns(
-      "table | ids/step | unique rows | gtx ms | jnp ref ms | optax.adam ms "
-      "| speed-up vs optax | jnp ref / gtx | floor ms | gtx / floor | timing"
-    ),
-    rows,
-    notes=(
-      f"All jitted with params and state donated; median of {ROUNDS} steps"
-      ", round-robin when all variants fit in memory together, else one "
-      "after the other. Every gtx / jnp-ref step gets a gradient on fresh "
-      "uniform ids (pre-generated, none reused). optax.adam gets one dense "
-      "[rows, dim] gradient (it touches every row anyway); "
-      "it is skipped where params, m, v and the gradient would exceed "
-      f"{mem_bytes / 2**30:.0f} GiB. floor = bytes a lazy step must move "
-      "(read+write the touched rows of params, m and v, read the gradient) "
-      f"/ warm copy bandwidth ({bandwidth / 1e9:.1f} GB/s, a copy into a "
-      "pre-faulted buffer, read + write counted). optax.adam runs in this "
-      "process, which imported gradtx: its host-memory setting (last "
-      "paragraph) applies to it too."
-    ),
-    extra={"headline": heads, "warm_copy_bandwidth": bandwidth},
+  notes = (
+    f"All jitted with params and state donated; median of {ROUNDS} steps"
+    ", round-robin when all variants fit in memory together, else one "
+    "after the other. Every gtx / jnp-ref step gets a gradient on fresh "
+    "uniform ids (pre-generated, none reused). optax.adam gets one dense "
+    "[rows, dim] gradient (it touches every row anyway); "
+    "it is skipped where params, m, v and the gradient would exceed "
+    f"{ctx.mem / 2**30:.0f} GiB. floor = bytes a lazy step must move "
+    "(read+write the touched rows of params, m and v, read the gradient) "
+    f"/ warm copy bandwidth ({ctx.bandwidth / 1e9:.1f} GB/s, a copy into a "
+    "pre-faulted buffer, read + write counted). optax.adam runs in this "
+    "process, which imported gradtx: its host-memory setting (last "
+    "paragraph) applies to it too."
   )
+  return notes, {"headline": heads, "warm_copy_bandwidth": ctx.bandwidth}
+
+
+SCENARIO = Scenario(
+  name="lazy_adam",
+  title="Lazy Adam step: gradtx vs optax.adam (dense) vs plain-jnp lazy step",
+  columns="table | ids/step | unique rows | gtx ms | jnp ref ms | optax.adam "
+  "ms | speed-up vs optax | jnp ref / gtx | floor ms | gtx / floor | timing",
+  doc=__doc__,
+  cases=lambda ctx: ctx.args.rows,
+  case=_case,
+  finish=_finish,
+  flags={"--rows": [10**5, 10**6, 10**7], "--dim": 64, "--ids": 8192},
+  quick=dict(rows=[20_000, 200_000], ids=1024),
+  options=dict(fresh_memory=True),
+  mem_gib=8,
+  floor=True,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+  run(SCENARIO, argv)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gradtx as gtx
-from benchmarks._common import (
-  add_table_args,
-  compile_phases,
-  memory,
-  parse,
-  parser,
-)
-from benchmarks._results import columns, headline, markdown_table, write_results
-from benchmarks._timing import Counter, time_interleaved
+from benchmarks._common import compile_phases, memory
+from benchmarks._results import columns, headline, markdown_table
+from benchmarks._timing import Counter
+from benchmarks.optimizer_steps import TABLE, Scenario, System, run
 
 SEQ = 16  # ids per example
 POOL = 16  # distinct id batches, cycled: fresh ids every step
@@ -62,7 +57,10 @@ READS = {
 }
 
 
-def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
+def _case(_, ctx):
+  """The gradient of each read, sparse and dense (no dense gtx.lookup),
+  checked against the dense ``table[ids]`` once, outside the timing."""
+  rows, dim, ids = ctx.args.rows, ctx.args.dim, ctx.args.ids
   rng = np.random.RandomState(0)
   params = {
     "emb": jnp.asarray(rng.normal(size=(rows, dim)) * 0.01, jnp.float32),
@@ -85,7 +83,6 @@ def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
       fns[f"dense {name}"] = jax.jit(jax.value_and_grad(bag_loss(read)))
   mem = {k: memory(f.lower(params, *pool[0]).compile()) for k, f in fns.items()}
 
-  # Same value, same gradient (checked once, outside the timing).
   ref_v, ref_g = fns["dense table[ids]"](params, *pool[0])
   for k, f in fns.items():
     v, g = f(params, *pool[0])
@@ -98,19 +95,16 @@ def step_times(rows: int, dim: int, ids: int, rounds: int) -> list:
   def caller(f):
     return Counter(lambda k: jax.block_until_ready(f(params, *pool[k % POOL])))
 
-  times = time_interleaved(
-    {k: caller(f) for k, f in fns.items()}, rounds=rounds, label="step"
-  )
-  lookup_ms = times["sparse gtx.lookup"] * 1e3
+  ms = ctx.time({k: System(caller(f)) for k, f in fns.items()}, "step")
   out = []
   for name in READS:
-    sparse_ms = times[f"sparse {name}"] * 1e3
+    sparse_ms = ms[f"sparse {name}"]
     dense_key = f"dense {name}" if name != "gtx.lookup" else "dense table[ids]"
-    dense_ms = times[dense_key] * 1e3
+    dense_ms = ms[dense_key]
     s_mem, d_mem = mem[f"sparse {name}"], mem[dense_key]
     out.append(
       [f"{rows:,} x {dim}", name, ids, dense_ms, sparse_ms]
-      + [dense_ms / sparse_ms, sparse_ms / lookup_ms]
+      + [dense_ms / sparse_ms, sparse_ms / ms["sparse gtx.lookup"]]
       + [(m["temp"] + m["output"]) / 2**20 for m in (d_mem, s_mem)]
       + [rows * dim * 4 / 2**20]
     )
@@ -167,16 +161,8 @@ def compile_times(blocks: int, repeats: int) -> list:
   ]
 
 
-def main(argv: list[str] | None = None) -> None:
-  p = parser(__doc__, rounds=15, fresh_memory=True)
-  add_table_args(p)
-  p.add_argument("--blocks", type=int, default=24)
-  p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--note", default="", help="a sentence on the machine's state")
-  quick = dict(rows=20_000, ids=512, rounds=3, blocks=4, repeats=1)
-  args = parse(p, argv, quick=quick)
-
-  rows = step_times(args.rows, args.dim, args.ids, args.rounds)
+def _finish(rows, ctx):
+  args = ctx.args
   comp = compile_times(args.blocks, args.repeats)
   comp_headers = columns(
     "gradient | blocks | trace+lower s | compile s | total s | vs jax"
@@ -198,43 +184,58 @@ def main(argv: list[str] | None = None) -> None:
   )
   if args.note:
     notes += f"\n\n{args.note}"
-  write_results(
-    "sparse_grad",
-    "Sparse vs dense gradient of unmodified embedding models",
-    columns(
-      "table | read | ids/step | dense ms | sparse ms | speed-up | vs lookup "
-      "| dense temp+out MiB | sparse temp+out MiB | one table MiB"
-    ),
-    rows,
-    notes=notes,
-    extra={
-      "compile": {"headers": comp_headers, "rows": comp},
-      "headline": [
-        headline(
-          f"sparse grad speed-up vs dense, {r[1]} ({r[0]})",
-          round(r[5], 1),
-          ">= 40x",
-        )
-        for r in rows
-      ]
-      + [
-        headline(
-          f"{r[1]} step time vs the gtx.lookup path",
-          round(r[6], 2),
-          "1.0 within noise",
-        )
-        for r in rows
-        if r[1] != "gtx.lookup"
-      ]
-      + [
-        headline(
-          f"trace+compile vs jax.value_and_grad ({args.blocks} blocks)",
-          round(comp[-1][5], 2),
-          "<= 1.5x",
-        )
-      ],
-    },
+  heads = [
+    headline(
+      f"sparse grad speed-up vs dense, {r[1]} ({r[0]})",
+      round(r[5], 1),
+      ">= 40x",
+    )
+    for r in rows
+  ]
+  heads += [
+    headline(
+      f"{r[1]} step time vs the gtx.lookup path",
+      round(r[6], 2),
+      "1.0 within noise",
+    )
+    for r in rows
+    if r[1] != "gtx.lookup"
+  ]
+  heads.append(
+    headline(
+      f"trace+compile vs jax.value_and_grad ({args.blocks} blocks)",
+      round(comp[-1][5], 2),
+      "<= 1.5x",
+    )
   )
+  return notes, {
+    "compile": {"headers": comp_headers, "rows": comp},
+    "headline": heads,
+  }
+
+
+SCENARIO = Scenario(
+  name="sparse_grad",
+  title="Sparse vs dense gradient of unmodified embedding models",
+  columns="table | read | ids/step | dense ms | sparse ms | speed-up | vs "
+  "lookup | dense temp+out MiB | sparse temp+out MiB | one table MiB",
+  doc=__doc__,
+  cases=lambda ctx: [None],
+  case=_case,
+  finish=_finish,
+  flags={
+    **TABLE,
+    "--blocks": 24,
+    "--repeats": 3,
+    "--note": dict(default="", help="a sentence on the machine's state"),
+  },
+  quick=dict(rows=20_000, ids=512, rounds=3, blocks=4, repeats=1),
+  options=dict(rounds=15, fresh_memory=True),
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+  run(SCENARIO, argv)
 
 
 if __name__ == "__main__":

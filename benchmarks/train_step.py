@@ -21,109 +21,146 @@ pre-faulted buffer.
 
 from __future__ import annotations
 
-import gc
+import itertools
 
 import jax
 import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks import models, twins
-from benchmarks._common import (
-  add_memory_arg,
-  available,
-  memory_budget,
-  parse,
-  parser,
-)
-from benchmarks._results import columns, headline, oversubscribed, write_results
-from benchmarks._timing import (
-  Counter,
-  Schedule,
-  step_runner,
-  warm_copy_bandwidth,
+from benchmarks import models
+from benchmarks._results import headline, oversubscribed
+from benchmarks._timing import Counter, Schedule, step_runner
+from benchmarks.optimizer_steps import (
+  Scenario,
+  System,
+  floor_ms,
+  jax_table,
+  parse_args,
+  run,
+  torch_table,
+  update_step,
 )
 
 LR = 1e-3
 
 
-def _gtx(data, linear, catch_up):
-  """The whole gtx step and its optimizer part alone (``update`` +
-  ``apply_updates`` on pre-built gradients of the step's ids), on the same
-  donated buffers."""
-  tx = gtx.lazy_adam(LR, catch_up=catch_up)
-  run, box, copies = models.one_table_step(tx, data, linear=linear, lookup=True)
+def _opt_only(tx, data, box):
+  """``update`` + ``apply_updates`` alone on pre-built gradients of the
+  step's ids, on the gtx step's donated buffers ``box``."""
   rows, dim = data.table.shape
   vals = np.random.default_rng(2).standard_normal((len(data.ct), dim))
-  grads = [gtx.SparseRows(i, vals.astype(np.float32), rows) for i in data.ids]
-
-  def opt_step(params, state, g):
-    u, state = tx.update({"emb": g}, state, params)
-    return gtx.apply_updates(params, u), state
-
-  jopt = jax.jit(opt_step, donate_argnums=(0, 1))
-  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
-  return run, run_opt, copies, box
-
-
-def run_config(rows, dim, n, dist, linear, sched, mem, bandwidth, torch):
-  data = models.one_table(rows, dim, n, dist, sched.steps)
-  fns, keep, copies = {}, [], {}
-  fns["gtx"], fns["gtx opt only"], copies["gtx"], b = _gtx(data, linear, False)
-  fns["gtx catch_up"], _, copies["gtx catch_up"], b2 = _gtx(data, linear, True)
-  keep += [b, b2]
-  used = 6 * rows * dim * 4
-  if torch:
-    fns["torch"], b, _ = twins.torch_table(
-      "SparseAdam", data, linear=linear, lr=LR
-    )
-    keep.append(b)
-    used += 3 * rows * dim * 4
-  if used + 4 * rows * dim * 4 <= mem:
-    tx = optax.adam(LR)
-    fns["optax"], b, copies["optax"] = models.one_table_step(
-      tx, data, linear=linear, dense=True
-    )
-    keep.append(b)
-  gc.collect()
-  times = sched.time(
-    {k: Counter(f, 0) for k, f in fns.items()},
-    label=f"{rows:,} x {dim}, {dist}, {'linear' if linear else 'tanh'}",
-  )
-  unique = data.unique()
-  floor_bytes = unique * dim * 4 * 6 + n * (dim + 1) * 4
-  del keep, fns, data
-  gc.collect()
-  return {
-    "ms": {k: t * 1e3 for k, t in times.items()},
-    "unique": unique,
-    "floor_ms": floor_bytes / bandwidth * 1e3,
-    "copies": copies,
-  }
-
-
-def _row(rows, dim, n, dist, linear, res):
-  ms, floor, copies = res["ms"], res["floor_ms"], res["copies"]
-  g, t, o = ms["gtx"], ms.get("torch", "-"), ms.get("optax", "-")
-  return [
-    f"{rows:,} x {dim}",
-    dist,
-    "linear" if linear else "tanh",
-    n,
-    round(res["unique"]),
-    g,
-    ms["gtx catch_up"],
-    t,
-    o,
-    t / g if t != "-" else "-",
-    o / g if o != "-" else "-",
-    ms["gtx opt only"],
-    floor,
-    ms["gtx opt only"] / floor,
-    g / floor,
-    f"{copies['gtx']}/{copies['gtx catch_up']}",
-    copies.get("optax", "-"),
+  grads = [
+    {"emb": gtx.SparseRows(i, vals.astype(np.float32), rows)} for i in data.ids
   ]
+  args_of = lambda i: (grads[i % len(grads)],)  # noqa: E731
+  return System(Counter(step_runner(update_step(tx), box, args_of), 0))
+
+
+def _case(case, ctx):
+  rows, dist, loss = case
+  dim, n, linear = ctx.args.dim, ctx.args.ids, loss == "linear"
+  loss = "linear" if linear else "tanh"
+  data = models.one_table(rows, dim, n, dist, ctx.sched.steps)
+  s = {}
+  for name, catch_up in (("gtx", False), ("gtx catch_up", True)):
+    tx = gtx.lazy_adam(LR, catch_up=catch_up)
+    s[name] = jax_table(tx, data, 0, linear=linear, lookup=True)
+    if not catch_up:
+      s["gtx opt only"] = _opt_only(tx, data, s[name].keep)
+  used = 6 * rows * dim * 4
+  if ctx.torch:
+    s["torch"] = torch_table("SparseAdam", data, 0, linear=linear, lr=LR)
+    used += 3 * rows * dim * 4
+  if used + 4 * rows * dim * 4 <= ctx.mem:
+    s["optax"] = jax_table(optax.adam(LR), data, 0, linear=linear, dense=True)
+  unique = data.unique()
+  del data
+  ms = ctx.time(s, f"{rows:,} x {dim}, {dist}, {loss}")
+  floor = floor_ms(unique, dim, n, ctx.bandwidth)
+  g, t, o, opt = (
+    ms["gtx"],
+    ms.get("torch", "-"),
+    ms.get("optax", "-"),
+    ms["gtx opt only"],
+  )
+  return [
+    [f"{rows:,} x {dim}", dist, loss, n, round(unique), g, ms["gtx catch_up"]]
+    + [t, o, t / g if t != "-" else "-", o / g if o != "-" else "-"]
+    + [opt, floor, opt / floor, g / floor]
+    + [f"{s['gtx'].copies}/{s['gtx catch_up'].copies}"]
+    + [s["optax"].copies if "optax" in s else "-"]
+  ]
+
+
+def _finish(rows, ctx):
+  caution = oversubscribed(
+    "so every figure is inflated (compare with a quiet run) and torch's "
+    "worker threads suffer more from it than XLA's: the torch / gtx ratio "
+    "here overstates the quiet-machine ratio."
+  )
+  heads = [
+    headline(
+      f"train step speed-up vs torch SparseAdam ({r[0]}, {r[1]}, {r[2]})",
+      round(r[9], 2),
+      ">= 2x at 1M x 64, uniform",
+    )
+    for r in rows
+    if isinstance(r[9], float)
+  ]
+  worst = round(max(r[13] for r in rows), 2)
+  heads.append(
+    headline("optimizer part / bandwidth floor (worst)", worst, "<= 8x")
+  )
+  notes = (
+    f"Forward (loss returned) + backward + optimizer + apply, "
+    f"{ctx.args.ids:,} fresh ids every step (pre-generated), "
+    f"{ctx.sched.describe()} (machine noise hits all "
+    "alike; consecutive steps are a training loop's steady state: torch's "
+    "OpenMP workers, spinning after torch's step, slow the next system's "
+    "first steps). gtx and optax jitted with params "
+    "and state donated; torch `nn.Embedding(sparse=True)` + `SparseAdam`, "
+    "2 threads. `gtx opt only` = `lazy_adam.update` + `apply_updates` on a"
+    " SparseRows of the same fresh ids. floor = (read + write the touched "
+    "rows of params, m, v; read the gradient rows) / warm copy bandwidth "
+    f"({ctx.bandwidth / 1e9:.1f} GB/s, `np.copyto` into a pre-faulted "
+    "buffer, read + write counted). Table copies = `copy` instructions "
+    f"producing a table-shaped value in the compiled step.{caution}"
+  )
+  return notes, {"headline": heads, "warm_copy_bandwidth": ctx.bandwidth}
+
+
+SCENARIO = Scenario(
+  name="train_step",
+  title="Whole training step: gradtx lazy_adam vs torch SparseAdam vs "
+  "optax.adam",
+  columns="table | ids | loss | ids/step | unique rows | gtx ms | gtx "
+  "catch_up ms | torch SparseAdam ms | optax.adam ms | torch / gtx | optax "
+  "/ gtx | gtx opt only ms | floor ms | opt only / floor | step / floor | "
+  "gtx table copies (lazy/catch_up) | optax table copies",
+  doc=__doc__,
+  cases=lambda ctx: itertools.product(
+    ctx.args.rows, ctx.args.dists, ctx.args.losses
+  ),
+  case=_case,
+  finish=_finish,
+  flags={
+    **{"--rows": [100_000, 10**6, 4 * 10**6], "--dim": 64, "--ids": 8192},
+    "--dists": ["uniform", "zipf"],
+    "--losses": ["linear", "tanh"],
+    "--no-torch": False,
+    "--profile": dict(
+      action="store_true",
+      help="print the per-thunk time of the gtx step (first --rows, uniform "
+      "ids, each --losses) instead of the comparison",
+    ),
+  },
+  quick=dict(rows=[5_000], ids=256, rounds=3),
+  options=dict(schedule=Schedule(), huge_pages=True),
+  mem_gib=10,
+  floor=True,
+  torch=True,
+)
 
 
 def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
@@ -137,13 +174,13 @@ def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
   from pathlib import Path
 
   data = models.one_table(rows, dim, n, "uniform", steps + 2)
-  run, _, _ = models.one_table_step(gtx.lazy_adam(LR), data, linear=linear)
-  run(0)
-  run(1)
+  run_, _, _ = models.one_table_step(gtx.lazy_adam(LR), data, linear=linear)
+  run_(0)
+  run_(1)
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for i in range(2, steps + 2):
-        run(i)
+        run_(i)
     events = json.load(gzip.open(next(Path(d).rglob("*.trace.json.gz"))))
   events = events["traceEvents"] if isinstance(events, dict) else events
   total = collections.defaultdict(list)
@@ -160,93 +197,17 @@ def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
   )
 
 
-HEADERS = columns(
-  "table | ids | loss | ids/step | unique rows | gtx ms | gtx catch_up ms | "
-  "torch SparseAdam ms | optax.adam ms | torch / gtx | optax / gtx | "
-  "gtx opt only ms | floor ms | opt only / floor | step / floor | "
-  "gtx table copies (lazy/catch_up) | optax table copies"
-)
-
-
 def main(argv: list[str] | None = None) -> None:
-  p = parser(__doc__, schedule=Schedule(), huge_pages=True)
-  p.add_argument(
-    "--rows", type=int, nargs="+", default=[100_000, 10**6, 4 * 10**6]
-  )
-  p.add_argument("--dim", type=int, default=64)
-  p.add_argument("--ids", type=int, default=8192)
-  p.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
-  p.add_argument("--losses", nargs="+", default=["linear", "tanh"])
-  add_memory_arg(p, 10)
-  p.add_argument("--no-torch", action="store_true")
-  p.add_argument(
-    "--profile",
-    action="store_true",
-    help="print the per-thunk time of the gtx step (first --rows, uniform "
-    "ids, each --losses) instead of the comparison",
-  )
-  args = parse(p, argv, quick=dict(rows=[5_000], ids=256, rounds=3))
-  if args.profile:
-    for loss in args.losses:
-      print(f"\n{args.rows[0]:,} x {args.dim}, {args.ids} ids, {loss} loss")
-      for ms, calls, name in profile(
-        args.rows[0], args.dim, args.ids, loss == "linear"
-      )[:30]:
-        print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
+  args = parse_args(SCENARIO, argv)
+  if not args.profile:
+    run(SCENARIO, args=args)
     return
-  torch = not args.no_torch and available("torch")
-  sched, mem = Schedule.from_args(args), memory_budget(args)
-  bandwidth = warm_copy_bandwidth()
-  results = []
-  for rows in args.rows:
-    for dist in args.dists:
-      for loss in args.losses:
-        linear = loss == "linear"
-        res = run_config(
-          rows, args.dim, args.ids, dist, linear, sched, mem, bandwidth, torch
-        )
-        results.append(_row(rows, args.dim, args.ids, dist, linear, res))
-        print(results[-1], flush=True)
-  caution = oversubscribed(
-    "so every figure is inflated (compare with a quiet run) and torch's "
-    "worker threads suffer more from it than XLA's: the torch / gtx ratio "
-    "here overstates the quiet-machine ratio."
-  )
-  heads = [
-    headline(
-      f"train step speed-up vs torch SparseAdam ({r[0]}, {r[1]}, {r[2]})",
-      round(r[9], 2),
-      ">= 2x at 1M x 64, uniform",
-    )
-    for r in results
-    if isinstance(r[9], float)
-  ]
-  worst = round(max(r[13] for r in results), 2)
-  heads.append(
-    headline("optimizer part / bandwidth floor (worst)", worst, "<= 8x")
-  )
-  write_results(
-    "train_step",
-    "Whole training step: gradtx lazy_adam vs torch SparseAdam vs optax.adam",
-    HEADERS,
-    results,
-    notes=(
-      f"Forward (loss returned) + backward + optimizer + apply, {args.ids:,}"
-      f" fresh ids every step (pre-generated), "
-      f"{sched.describe()} (machine noise hits all "
-      "alike; consecutive steps are a training loop's steady state: torch's "
-      "OpenMP workers, spinning after torch's step, slow the next system's "
-      "first steps). gtx and optax jitted with params "
-      "and state donated; torch `nn.Embedding(sparse=True)` + `SparseAdam`, "
-      "2 threads. `gtx opt only` = `lazy_adam.update` + `apply_updates` on a"
-      " SparseRows of the same fresh ids. floor = (read + write the touched "
-      "rows of params, m, v; read the gradient rows) / warm copy bandwidth "
-      f"({bandwidth / 1e9:.1f} GB/s, `np.copyto` into a pre-faulted buffer, "
-      "read + write counted). Table copies = `copy` instructions producing a"
-      f" table-shaped value in the compiled step.{caution}"
-    ),
-    extra={"headline": heads, "warm_copy_bandwidth": bandwidth},
-  )
+  for loss in args.losses:
+    print(f"\n{args.rows[0]:,} x {args.dim}, {args.ids} ids, {loss} loss")
+    for ms, calls, name in profile(
+      args.rows[0], args.dim, args.ids, loss == "linear"
+    )[:30]:
+      print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
 
 
 if __name__ == "__main__":
