@@ -93,47 +93,34 @@ OPTIMIZERS = {
 # ----------------------------------------------------------------------------
 # gtx
 
-
-def _opt_step_fn(tx: Any) -> Callable[..., Any]:
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s
-
-  return step
-
-
 # (variant, head, optimizer) -> (tx, jitted step, jitted opt-only step):
 # the runs on uniform and on Zipf ids share one compiled step
 _JITTED: dict[tuple, tuple] = {}
 
 
-def _jitted(key: tuple, loss: Callable[..., Any], make_tx: Callable) -> tuple:
+def _gtx_runs(key, loss, make_tx, params_np, ids, labels, grads):
+  """``(run, run_opt, first loss, buffers)``: the whole step and the
+  optimizer alone on pre-built ``grads`` (None without them), on the same
+  donated params and state."""
   if key not in _JITTED:
     tx = make_tx()
-    _JITTED[key] = (
-      tx,
-      models.whole_step(loss, tx),
-      jax.jit(_opt_step_fn(tx), donate_argnums=(0, 1)),
-    )
-  return _JITTED[key]
 
+    def opt_step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return gtx.apply_updates(p, u), s
 
-def _gtx_variant(jitted, params_np, ids, labels, grads):
-  """``(run, run_opt, first loss, buffers)``: the whole step and the
-  optimizer alone (None without ``grads``), on the same donated params
-  and state."""
-  tx, jstep, jopt = jitted
+    step = models.whole_step(loss, tx)
+    _JITTED[key] = tx, step, jax.jit(opt_step, donate_argnums=(0, 1))
+  tx, jstep, jopt = _JITTED[key]
   params = {k: jnp.array(v) for k, v in params_np.items()}
   box = [params, tx.init(params)]
   huge_pages(box)
-
-  run = step_runner(
-    jstep, box, lambda i: (ids[i % len(ids)], labels[i % len(ids)])
-  )
-  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
+  n = len(ids)
+  run = step_runner(jstep, box, lambda i: (ids[i % n], labels[i % n]))
   first = float(run(0))
   if grads is None:
     return run, None, first, box
+  run_opt = step_runner(jopt, box, lambda i: (grads[i % len(grads)],))
   run_opt(0)
   return run, run_opt, first, box
 
@@ -186,66 +173,57 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   """One optimizer on one model (``args``: its sizes, torch's threads):
   every system round-robin on the same fresh ids. Returns ``{"ms":
   {system: ms}, ...}``."""
-  dim, batch, hidden = args.dim, args.batch, args.hidden
-  threads = args.torch_threads
-  clock = Clock()
-  opt = OPTIMIZERS[opt_name]
-  tables = len(rows)
-  data = models.make_data(rows, batch, sched.steps, dist)
-  params = models.init_params(rows, dim, head, hidden)
+  dim, threads, clock = args.dim, args.torch_threads, Clock()
+  opt, tables = OPTIMIZERS[opt_name], len(rows)
+  data = models.make_data(rows, args.batch, sched.steps, dist)
+  params = models.init_params(rows, dim, head, args.hidden)
   ids = [jnp.asarray(s) for s in data.ids]
   labels = [jnp.asarray(y) for y in data.labels]
   fns, first, keep = {}, {}, []
   # the optimizer part barely depends on the head: timed with the linear one
   opt_only = "opt only" in systems and head == "linear"
+  stacked = models.stacked(params, tables)
   for name, loss, p, stacked_rows in [
     ("gtx", models.per_table_loss(tables), params, False),
-    (
-      "gtx stacked",
-      models.stacked_loss(rows),
-      models.stacked(params, tables),
-      True,
-    ),
+    ("gtx stacked", models.stacked_loss(rows), stacked, True),
   ]:
     grads = _opt_grads(loss, p, rows, data, stacked_rows) if opt_only else None
-    jitted = _jitted((name, head, opt_name), loss, opt.gtx)
-    run, run_opt, first[name], box = _gtx_variant(jitted, p, ids, labels, grads)
+    key = (name, head, opt_name)
+    run, run_opt, first[name], box = _gtx_runs(
+      key, loss, opt.gtx, p, ids, labels, grads
+    )
     fns[name] = run
     if opt_only:
       fns[f"{name} opt only"] = run_opt
     keep.append((box, grads))
   twin = f"torch {opt.torch}"
   fb = f"FBGEMM {opt.fbgemm}" if opt.fbgemm else None
+  competitors = [(twin, twins.dlrm_torch, opt.torch)]
+  if "fbgemm" in systems and fb:
+    competitors.append((fb, twins.dlrm_fbgemm, opt.fbgemm))
   for n in threads if "torch" in systems else []:
-    label = _threads_label(twin, n, threads)
-    run, first[label], objs = twins.dlrm_torch(params, rows, opt.torch, data)
-    fns[label] = with_threads(n, run)
-    keep.append(objs)
-    if "fbgemm" in systems and fb:
-      label = _threads_label(fb, n, threads)
-      run, first[label], objs = twins.dlrm_fbgemm(
-        params, rows, opt.fbgemm, data
-      )
+    for system, make, optim in competitors:
+      label = _threads_label(system, n, threads)
+      run, first[label], objs = make(params, rows, optim, data)
       fns[label] = with_threads(n, run)
       keep.append(objs)
   layout = twins.state_layout(opt.gtx(), dim)
+  offsets = models.row_offsets(rows)
   floor_run, floor_lib = twins.random_rows_floor(
-    layout, sum(rows), dim, data, models.row_offsets(rows)
+    layout, sum(rows), dim, data, offsets
   )
   fns["floor: random rows"] = with_threads(max(threads), floor_run)
   print(f"  set up in {clock.wall():.0f} s", flush=True)
-  del params
+  del params, stacked
   gc.collect()
   times = sched.time(
     {k: Counter(f) for k, f in fns.items()}, label=f"{opt_name}, {dist}, {head}"
   )
   spread = RUN.timings[-1]["ms"]
-  unique = float(
-    np.mean([len(np.unique(s + models.row_offsets(rows))) for s in data.ids])
-  )
+  unique = float(np.mean([len(np.unique(s + offsets)) for s in data.ids]))
   wide, narrow = layout
   floor_bytes = unique * (wide * dim + narrow) * 4 * 2
-  floor_bytes += batch * tables * (dim + 1) * 4  # the gradient rows read
+  floor_bytes += args.batch * tables * (dim + 1) * 4  # the gradient rows read
   del keep, fns
   gc.collect()
   return {
