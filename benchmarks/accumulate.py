@@ -1,17 +1,10 @@
 """k-step accumulation: gtx.accumulate against optax.MultiSteps.
 
-One model, a few million dense params plus a ``num_rows x 64`` embedding
-table, k micro-steps per update, Adam as the inner optimizer. Every step is
-``jit``-ed with params and state donated and applies its updates. Variants:
-
-- ``optax.MultiSteps(optax.adam)``: the table gradient is dense.
-- ``gtx.accumulate(optax.adam)``: the same dense gradients (like for like).
-- ``gtx.accumulate(gtx.lazy_adam)``: the table gradient is a SparseRows of
-  ``n`` rows per micro-step, accumulated in a ``k * n``-row buffer.
-
-Measured: median time of a silent micro-step and of an emitting step, and
-the compiled memory (``memory_analysis()``: argument + output + temp bytes)
-of the step, plus the compiled memory at k = 1.
+A few million dense params and a ``num_rows x 64`` table, k micro-steps
+per update, inner Adam: ``optax.MultiSteps(optax.adam)``,
+``gtx.accumulate(optax.adam)`` on the same dense gradients and
+``gtx.accumulate(gtx.lazy_adam)`` on SparseRows: the silent and the
+emitting step's time and compiled memory, and the compiled memory at k = 1.
 
 ``python -m benchmarks.accumulate [--quick]``
 """
@@ -24,10 +17,10 @@ import numpy as np
 import optax
 
 import gradtx as gtx
+from benchmarks import optimizer_steps as runner
 from benchmarks._common import memory
 from benchmarks._results import headline
 from benchmarks._timing import step_runner
-from benchmarks.optimizer_steps import Scenario, System, run, update_step
 
 DIM = 64
 BASE = "optax.MultiSteps(adam)"
@@ -60,21 +53,23 @@ def _nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def _variant(tx, params, grads, k: int, field: str) -> tuple[System, System]:
+def _variant(
+  tx, params, grads, k: int, field: str
+) -> tuple[runner.System, runner.System]:
   """The silent and the emitting step of ``tx`` on its own params and
   state: its micro-step counter ``field`` set before each step."""
   params = jax.tree.map(jnp.copy, params)
   box = [params, tx.init(params)]
-  compiled = update_step(tx).lower(*box, grads).compile()
+  compiled = runner.update_step(tx).lower(*box, grads).compile()
   info = dict(compiled=compiled, state_bytes=_nbytes(box[1]))
 
-  def phase(emit: bool) -> System:
+  def phase(emit: bool) -> runner.System:
     def step(params, state, grads):
       count = jnp.asarray(k - 1 if emit else 0, jnp.int32)
       return compiled(params, state._replace(**{field: count}), grads)
 
     run_ = step_runner(step, box, lambda i: (grads,))
-    return System(lambda: run_(0), (box, info))
+    return runner.System(lambda: run_(0), (box, info))
 
   return phase(False), phase(True)
 
@@ -92,6 +87,9 @@ def _memory_row(name, compiled) -> dict:
 
 def _k1_memory(params, grads) -> dict:
   """The compiled memory of the k = 1 steps and of adam alone."""
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+  )
   small = {}
   for name, tx in [
     ("optax.MultiSteps(adam), k=1", optax.MultiSteps(optax.adam(1e-3), 1)),
@@ -99,11 +97,8 @@ def _k1_memory(params, grads) -> dict:
     ("optax.adam alone", optax.adam(1e-3)),
   ]:
     tx = getattr(tx, "gradient_transformation", lambda tx=tx: tx)()
-    abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
-    )
     state = jax.eval_shape(tx.init, abstract)
-    compiled = update_step(tx).lower(abstract, state, grads).compile()
+    compiled = runner.update_step(tx).lower(abstract, state, grads).compile()
     small[name] = _memory_row(name, compiled)
   return small
 
@@ -179,15 +174,10 @@ def _finish(rows, ctx):
     f"{a} | {'emit' if b else 'silent'}": t / 1e3
     for (a, b), t in case["ms"].items()
   }
-  heads = [
-    headline(
-      f"silent micro-step speed-up vs MultiSteps: {r[0]}",
-      round(r[2], 1),
-      ">= 2x",
-    )
-    for r in rows
-    if r[0].startswith("gtx") and r[2] != "-"
-  ]
+  heads = runner.row_heads(
+    [r for r in rows if r[0].startswith("gtx")],
+    ("silent micro-step speed-up vs MultiSteps: {0}", 2, ">= 2x", 1),
+  )
   heads.append(
     headline(
       f"compiled memory (total) vs MultiSteps(adam): {rows[1][0]}",
@@ -204,7 +194,7 @@ def _finish(rows, ctx):
   }
 
 
-SCENARIO = Scenario(
+SCENARIO = runner.Scenario(
   name="accumulate",
   title="Gradient accumulation: gtx.accumulate vs optax.MultiSteps",
   columns="variant | silent step (ms) | speedup | emitting step (ms) | "
@@ -219,9 +209,7 @@ SCENARIO = Scenario(
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-  run(SCENARIO, argv)
-
+main = SCENARIO.main
 
 if __name__ == "__main__":
   main()

@@ -1,15 +1,8 @@
 """Lazy Adam step on an embedding table: gradtx vs optax.adam vs plain jnp.
 
-One optimizer step on a ``[rows, dim]`` table given a row-sparse gradient
-of ``ids`` fresh uniform rows (duplicates included), jitted with params and
-state donated, three ways (:func:`_system`): ``gtx.lazy_adam`` on the
-SparseRows, ``optax.adam`` on the dense gradient, and a lazy step in plain
-``jnp`` (:func:`reference_lazy_step`). Reported: ms/step, the speed-up over
-optax.adam, and the ratio to the bandwidth floor (the touched rows of
-params, m and v read and written, the gradient rows read, at the warm copy
-bandwidth). Round-robin where all fit in ``--mem-gib`` together, else one
-after the other; optax.adam skipped where its four tables would not fit.
-The whole training step is ``benchmarks/train_step.py``.
+One jitted, donated step on a ``[rows, dim]`` table given a row-sparse
+gradient of ``ids`` fresh rows: ``gtx.lazy_adam``, ``optax.adam`` on the
+dense gradient and :func:`reference_lazy_step`, beside the bandwidth floor.
 
   python -m benchmarks.lazy_adam [--rows 100000 1000000 10000000]
       [--dim 64] [--ids 8192] [--mem-gib 8] [--quick]
@@ -25,15 +18,8 @@ import numpy as np
 import optax
 
 import gradtx as gtx
-from benchmarks._results import headline
+from benchmarks import optimizer_steps as runner
 from benchmarks._timing import Counter, step_runner
-from benchmarks.optimizer_steps import (
-  Scenario,
-  System,
-  floor_ms,
-  run,
-  update_step,
-)
 
 LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-8
 ROUNDS = 15
@@ -65,10 +51,9 @@ def _ref_step(params, state, grad):
   return reference_lazy_step(params, state, grad.indices, grad.values)
 
 
-def _system(kind, rows, dim, grads) -> System:
-  """One variant on its own zero table, a step on the next of ``grads``:
-  ``gtx`` (lazy_adam on a SparseRows gradient), ``optax`` (adam on the
-  dense one) or ``ref`` (:func:`reference_lazy_step`)."""
+def _system(kind, rows, dim, grads) -> runner.System:
+  """``gtx``, ``optax`` or ``ref`` on its own zero table, a step on the
+  next of ``grads``."""
   params = jnp.zeros((rows, dim), jnp.float32)
   if kind == "ref":
     zeros = jnp.zeros((rows, dim), jnp.float32)
@@ -76,14 +61,14 @@ def _system(kind, rows, dim, grads) -> System:
     step = jax.jit(_ref_step, donate_argnums=(0, 1))
   elif kind == "optax":
     tx = optax.adam(LR, B1, B2, EPS)
-    state, step = tx.init(params), update_step(tx, optax.apply_updates)
+    state, step = tx.init(params), runner.update_step(tx, optax.apply_updates)
   else:
     tx = gtx.lazy_adam(LR, B1, B2, EPS)
     params, grads = {"emb": params}, [{"emb": g} for g in grads]
-    state, step = tx.init(params), update_step(tx)
+    state, step = tx.init(params), runner.update_step(tx)
   box = [params, state]
   args_of = lambda i: (grads[i % len(grads)],)  # noqa: E731
-  return System(Counter(step_runner(step, box, args_of), 0), box)
+  return runner.System(Counter(step_runner(step, box, args_of), 0), box)
 
 
 def _check_same_step(rows, dim, grad):
@@ -92,29 +77,21 @@ def _check_same_step(rows, dim, grad):
   for kind in ("gtx", "ref"):
     system = _system(kind, rows, dim, [grad])
     system.run()
-    p = system.keep[0]
-    p = p["emb"] if kind == "gtx" else p
+    p = jax.tree.leaves(system.keep[0])[0]
     outs.append(np.asarray(p[: min(rows, 200_000)]))
     del system, p
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)
 
 
 def _case(rows, ctx):
-  """Round-robin where all variants fit in memory together, else one
-  after the other."""
   dim, ids, mem = ctx.args.dim, ctx.args.ids, ctx.mem
   rng = np.random.RandomState(0)
   grads, uniques = [], []
   for _ in range(ROUNDS + WARMUP):
     idx = rng.randint(0, rows, size=ids)
     uniques.append(len(np.unique(idx)))
-    grads.append(
-      gtx.SparseRows(
-        jnp.asarray(idx, jnp.int32),
-        jnp.asarray(rng.normal(size=(ids, dim)), jnp.float32),
-        rows,
-      )
-    )
+    vals = jnp.asarray(rng.normal(size=(ids, dim)), jnp.float32)
+    grads.append(gtx.SparseRows(jnp.asarray(idx, jnp.int32), vals, rows))
   table = rows * dim * 4
   _check_same_step(rows, dim, grads[0])
   gc.collect()
@@ -137,7 +114,7 @@ def _case(rows, ctx):
       del system
   del grads, variants
   unique = float(np.mean(uniques))
-  floor = floor_ms(unique, dim, ids, ctx.bandwidth)
+  floor = runner.floor_ms(unique, dim, ids, ctx.bandwidth)
   speedup = ms["optax"] / ms["gtx"] if "optax" in ms else "-"
   return [
     [label, ids, round(unique), ms["gtx"], ms["ref"]]
@@ -148,13 +125,11 @@ def _case(rows, ctx):
 
 
 def _finish(rows, ctx):
-  heads = []
-  for r in rows:
-    if isinstance(r[6], float):
-      metric = f"lazy_adam speed-up vs optax.adam ({r[0]})"
-      heads.append(headline(metric, round(r[6], 1), ">= 15x at 1M rows"))
-    metric = f"lazy_adam / bandwidth floor ({r[0]})"
-    heads.append(headline(metric, round(r[9], 2), "<= 8x"))
+  heads = runner.row_heads(
+    rows,
+    ("lazy_adam speed-up vs optax.adam ({0})", 6, ">= 15x at 1M rows", 1),
+    ("lazy_adam / bandwidth floor ({0})", 9, "<= 8x", 2),
+  )
   notes = (
     f"All jitted with params and state donated; median of {ROUNDS} steps"
     ", round-robin when all variants fit in memory together, else one "
@@ -172,7 +147,7 @@ def _finish(rows, ctx):
   return notes, {"headline": heads, "warm_copy_bandwidth": ctx.bandwidth}
 
 
-SCENARIO = Scenario(
+SCENARIO = runner.Scenario(
   name="lazy_adam",
   title="Lazy Adam step: gradtx vs optax.adam (dense) vs plain-jnp lazy step",
   columns="table | ids/step | unique rows | gtx ms | jnp ref ms | optax.adam "
@@ -189,9 +164,7 @@ SCENARIO = Scenario(
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-  run(SCENARIO, argv)
-
+main = SCENARIO.main
 
 if __name__ == "__main__":
   main()

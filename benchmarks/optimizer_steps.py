@@ -1,19 +1,8 @@
 """The runner of the optimizer-step benchmarks (``sparse_grad``,
 ``lazy_adam``, ``accumulate``, ``train_step``, ``optimizers`` and
-``staleness``), each of them a :class:`Scenario`.
-
-A scenario is data: its results file, title and columns, its flags and
-``--quick`` sizes, the grid of cases it runs (:attr:`Scenario.cases`:
-sizes, ids distribution, loss or optimizer), the systems it compares in a
-case (:class:`System`: one step without arguments and what it reports),
-the table rows of a case, and the notes and headline figures of the
-table. :func:`run` parses the flags, builds each case's systems, times
-them side by side in one process (the ``Schedule`` or ``--rounds``
-round-robin rounds of ``benchmarks._timing``), frees them and writes
-``results/<name>``. The systems the scenarios share: :func:`jax_table`
-(``models.one_table_step`` and its state per row), :func:`update_step`
-(an optimizer's update alone, on pre-built gradients) and
-:func:`torch_table`; :func:`floor_ms` is the lazy step's floor.
+``staleness``): each a :class:`Scenario` (flags, cases, the systems of a
+case timed side by side, rows, notes) run by :func:`run`, with the
+systems they share.
 """
 
 from __future__ import annotations
@@ -27,21 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import gradtx as gtx
-from benchmarks import models, twins
-from benchmarks._common import (
-  add_memory_arg,
-  available,
-  memory_budget,
-  parse,
-  parser,
-)
-from benchmarks._results import columns, write_results
-from benchmarks._timing import (
-  Counter,
-  Schedule,
-  time_interleaved,
-  warm_copy_bandwidth,
-)
+from benchmarks import _common, _timing, models, twins
+from benchmarks._results import columns, headline, write_results
 
 # the flags of one [--rows, --dim] table with --ids fresh ids a step
 TABLE = {"--rows": 1_000_000, "--dim": 64, "--ids": 8192}
@@ -60,31 +36,23 @@ class Ctx(NamedTuple):
   """What a scenario's functions read besides the case, and its timer."""
 
   args: argparse.Namespace
-  sched: Schedule | None  # the scenario's options name a schedule
+  sched: _timing.Schedule | None  # the scenario's options name a schedule
   mem: float | None  # bytes the systems may hold at once (--mem-gib)
   bandwidth: float | None  # warm copy bandwidth (bytes/s) where needed
   torch: bool  # torch imports (and no --no-torch)
   found: dict[str, Any]  # what the cases leave for the notes
 
-  def time(
-    self,
-    systems: dict[Any, System],
-    label: str | None = None,
-    *,
-    warmup: int = 2,
-    rounds: int | None = None,
-  ) -> dict[Any, float]:
+  def time(self, systems: dict, label: str | None = None, **kw: Any) -> dict:
     """ms per step of each system, timed round-robin: the schedule, else
-    ``rounds`` (default ``--rounds``) rounds after ``warmup`` calls."""
+    ``time_interleaved`` (``warmup`` 2, ``rounds`` ``--rounds``)."""
     gc.collect()
     runs = {k: v.run for k, v in systems.items()}
     if self.sched is not None:
       seconds = self.sched.time(runs, label=label)
     else:
-      rounds = rounds or self.args.rounds
-      seconds = time_interleaved(
-        runs, warmup=warmup, rounds=rounds, label=label
-      )
+      kw = {"warmup": 2, **kw}
+      kw["rounds"] = kw.get("rounds") or self.args.rounds
+      seconds = _timing.time_interleaved(runs, label=label, **kw)
     return {k: t * 1e3 for k, t in seconds.items()}
 
 
@@ -92,10 +60,9 @@ Rows = list[list[Any]]
 
 
 class Scenario(NamedTuple):
-  """One benchmark as data, run by :func:`run`: ``case(c, ctx)`` builds
-  the systems of each ``c`` of ``cases(ctx)``, times them
-  (:meth:`Ctx.time`) and gives the case's table rows; ``finish(rows,
-  ctx)`` gives the notes and the json's extra (its headline figures)."""
+  """One benchmark as data: ``case(c, ctx)`` times each case of
+  ``cases(ctx)`` and gives its rows; ``finish(rows, ctx)`` the notes and
+  the json's extra."""
 
   name: str  # results/<name>.md|json
   title: str
@@ -110,6 +77,9 @@ class Scenario(NamedTuple):
   mem_gib: float | None = None  # --mem-gib's default on CPU
   floor: bool = False  # measures the warm copy bandwidth
   torch: bool = False  # compares torch's twins (where torch imports)
+
+  def main(self, argv: Sequence[str] | None = None) -> None:
+    run(self, argv)
 
 
 def _flag(p: argparse.ArgumentParser, flag: str, spec: Any) -> None:
@@ -127,12 +97,12 @@ def _flag(p: argparse.ArgumentParser, flag: str, spec: Any) -> None:
 
 def parse_args(s: Scenario, argv: Sequence[str] | None) -> argparse.Namespace:
   """``s``'s flags parsed, the shared ones applied (``_common.parse``)."""
-  p = parser(s.doc, **(s.options or {}))
+  p = _common.parser(s.doc, **(s.options or {}))
   for flag, spec in (s.flags or {}).items():
     _flag(p, flag, spec)
   if s.mem_gib is not None:
-    add_memory_arg(p, s.mem_gib)
-  return parse(p, argv, quick=s.quick)
+    _common.add_memory_arg(p, s.mem_gib)
+  return _common.parse(p, argv, quick=s.quick)
 
 
 def run(
@@ -142,12 +112,13 @@ def run(
 ) -> None:
   """Runs every case of ``s`` and writes ``results/<s.name>``."""
   args = args or parse_args(s, argv)
+  opts, torch = s.options or {}, s.torch and _common.available("torch")
   ctx = Ctx(
     args,
-    Schedule.from_args(args) if "schedule" in (s.options or {}) else None,
-    memory_budget(args) if s.mem_gib is not None else None,
-    warm_copy_bandwidth() if s.floor else None,
-    s.torch and available("torch") and not getattr(args, "no_torch", False),
+    _timing.Schedule.from_args(args) if "schedule" in opts else None,
+    _common.memory_budget(args) if s.mem_gib is not None else None,
+    _timing.warm_copy_bandwidth() if s.floor else None,
+    torch and not getattr(args, "no_torch", False),
     {},
   )
   rows = []
@@ -166,8 +137,8 @@ def run(
 
 
 def update_step(tx: Any, apply: Callable = gtx.apply_updates) -> Callable:
-  """``tx``'s update and ``apply`` alone, on pre-built gradients:
-  ``step(params, state, grads)``, jitted, params and state donated."""
+  """``step(params, state, grads)``: ``tx``'s update and ``apply`` alone,
+  jitted, params and state donated."""
 
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -177,24 +148,34 @@ def update_step(tx: Any, apply: Callable = gtx.apply_updates) -> Callable:
 
 
 def jax_table(tx: Any, data: Any, start: int = 1, **kw: Any) -> System:
-  """``models.one_table_step`` of ``tx`` on ``data`` (``kw``: its options),
-  counting steps from ``start``, and its optimizer state bytes per row."""
+  """``models.one_table_step`` of ``tx`` on ``data`` and its optimizer
+  state bytes per row."""
   run_, box, copies = models.one_table_step(tx, data, **kw)
   leaves = [x for x in jax.tree.leaves(box[1]) if jnp.ndim(x) >= 1]
   per_row = sum(x.size * x.dtype.itemsize for x in leaves)
   return System(
-    Counter(run_, start), box, per_row / data.table.shape[0], copies
+    _timing.Counter(run_, start), box, per_row / data.table.shape[0], copies
   )
 
 
 def torch_table(name: str, data: Any, start: int = 1, **kw: Any) -> System:
-  """``twins.torch_table``: ``nn.Embedding(sparse=True)`` and
-  ``torch.optim.<name>`` on ``data``."""
+  """``twins.torch_table``: ``torch.optim.<name>`` on ``data``."""
   run_, objs, per_row = twins.torch_table(name, data, **kw)
-  return System(Counter(run_, start), objs, per_row)
+  return System(_timing.Counter(run_, start), objs, per_row)
 
 
 def floor_ms(unique: float, dim: int, ids: int, bandwidth: float) -> float:
   """The ms a lazy Adam step must take: read + write the touched rows of
   params, m and v, read the gradient rows, at ``bandwidth``."""
   return (unique * dim * 4 * 6 + ids * (dim + 1) * 4) / bandwidth * 1e3
+
+
+def row_heads(rows: Rows, *heads: tuple) -> list[dict]:
+  """Each row's headlines, ``(metric, column, target, digits)`` each (the
+  metric formatted with the row), where that column holds a number."""
+  return [
+    headline(metric.format(*r), round(r[col], digits), target)
+    for r in rows
+    for metric, col, target, digits in heads
+    if isinstance(r[col], float)
+  ]

@@ -1,17 +1,9 @@
 """The whole training step per sparse optimizer: gradtx vs optax vs torch.
 
-For each optimizer of :data:`OPTIMIZERS`, the one-table step users run
-(``models.one_table_step``: forward with ``sum(tanh(E[ids]) * ct)``
-returned, a plain ``E[ids]`` read, backward, optimizer, apply; jitted,
-donated) on fresh ids (uniform or Zipf), round-robin in one process with
-its twins: the dense optax optimizer on ``jax.value_and_grad`` (optax has
-no FTRL and no row-wise Adagrad), torch's ``nn.Embedding(sparse=True)``
-with ``Adagrad``, ``SGD`` (no momentum for sparse gradients) or
-``SparseAdam`` (2 threads), FBGEMM's fused CPU kernels (:data:`FBGEMM`;
-only where ``fbgemm_gpu`` imports: run this module in that environment
-with gradtx importable, ``PYTHONPATH=. /tmp/fbvenv/bin/python -m
-benchmarks.optimizers``), and torch SparseAdam, the anchor, in every
-group's rounds.
+The one-table step of each optimizer of :data:`OPTIMIZERS` on fresh ids,
+round-robin with its twins (dense optax, torch, FBGEMM's fused CPU kernels
+where ``fbgemm_gpu`` imports: ``PYTHONPATH=. /tmp/fbvenv/bin/python -m
+benchmarks.optimizers``) and torch SparseAdam, the anchor of every group.
 
   python -m benchmarks.optimizers [--rows 1000000] [--dim 64] [--ids 8192]
       [--rounds 10] [--burst 10] [--settle 3] [--smoke]
@@ -26,17 +18,10 @@ import optax
 
 import gradtx as gtx
 from benchmarks import _common as bench
-from benchmarks._results import headline
+from benchmarks import optimizer_steps as runner
 from benchmarks._timing import RUN, Counter, Schedule
 from benchmarks.models import one_table
-from benchmarks.optimizer_steps import (
-  TABLE,
-  Scenario,
-  System,
-  jax_table,
-  run,
-  torch_table,
-)
+from benchmarks.optimizer_steps import TABLE, jax_table, torch_table
 
 LR = 1e-2
 MOMENTUM = 0.9
@@ -72,7 +57,7 @@ def _fbgemm(name, data):
     *data.table.shape, optim, pooling, LR, ids, ct
   )
   bench.torch_huge_pages([p for _, p in tbe.named_parameters()])
-  return System(Counter(run_), tbe, per_row)
+  return runner.System(Counter(run_), tbe, per_row)
 
 
 def _case(case, ctx):
@@ -105,18 +90,17 @@ def _case(case, ctx):
 
 
 def _finish(rows, ctx):
-  heads = []
-  ms = {(r[0], r[1], r[2]): r[3] for r in rows}
-  for r in rows:
-    if r[1] != "rowwise_adagrad" or r[2] != "gtx":
-      continue
-    if r[4] != "-":
-      metric = f"rowwise_adagrad step vs torch SparseAdam ({r[0]})"
-      heads.append(headline(metric, round(r[4], 2), ">= 3.5x"))
-    fb = ms.get((r[0], r[1], "FBGEMM EXACT_ROWWISE_ADAGRAD"))
-    if fb:
-      metric = f"rowwise_adagrad step vs FBGEMM EXACT_ROWWISE_ADAGRAD ({r[0]})"
-      heads.append(headline(metric, round(fb / r[3], 2), "> 1x"))
+  ms, fb = {tuple(r[:3]): r[3] for r in rows}, "FBGEMM EXACT_ROWWISE_ADAGRAD"
+  mine = [  # the gtx rows of rowwise_adagrad, FBGEMM's ms / gtx's last
+    [*r, ms[(*r[:2], fb)] / r[3] if ms.get((*r[:2], fb)) else "-"]
+    for r in rows
+    if r[1:3] == ["rowwise_adagrad", "gtx"]
+  ]
+  heads = runner.row_heads(
+    mine,
+    ("rowwise_adagrad step vs torch SparseAdam ({0})", 4, ">= 3.5x", 2),
+    (f"rowwise_adagrad step vs {fb} ({{0}})", 8, "> 1x", 2),
+  )
   fbgemm_note = (
     f"{bench.version('fbgemm_gpu')} (fused CPU kernels, the optimizer in "
     "the backward; bags of one id)"
@@ -140,7 +124,7 @@ def _finish(rows, ctx):
   return notes, {"headline": heads, "smoke": RUN.quick}
 
 
-SCENARIO = Scenario(
+SCENARIO = runner.Scenario(
   name="optimizers",
   title="Sparse optimizers, whole training step: gradtx vs optax (dense) vs "
   "torch",
@@ -164,9 +148,7 @@ SCENARIO = Scenario(
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-  run(SCENARIO, argv)
-
+main = SCENARIO.main
 
 if __name__ == "__main__":
   main()

@@ -1,23 +1,13 @@
-"""Sparse versus dense gradient of unmodified embedding models.
-
-Part 1, step time: an embedding-bag model (read, mean-pool, dense layer,
-logistic loss) on a ``[rows, dim]`` table with ``ids`` fresh ids per step,
-its table read three ways -- ``gtx.lookup``, plain ``table[ids]`` and a Flax
-``nn.Embed`` layer -- each differentiated by ``gtx.sparse_value_and_grad``,
-against ``jax.value_and_grad`` (dense) of ``table[ids]`` and of ``nn.Embed``.
-All jitted, timed round-robin in one process; the compiled memory of each.
-
-Part 2, trace + compile time of ``gtx.sparse_value_and_grad`` against
-``jax.value_and_grad`` on a Flax model of 24 unrolled residual MLP blocks
-over an ``nn.Embed`` table (the jaxpr analysis is a trace-time cost).
+"""Sparse versus dense gradient of unmodified embedding models: the step
+of an embedding-bag model, its table read three ways, differentiated by
+``gtx.sparse_value_and_grad`` and by ``jax.value_and_grad``; and both's
+trace + compile time on a deep Flax model over an ``nn.Embed`` table.
 
   python -m benchmarks.sparse_grad [--rows 1000000] [--dim 64] [--ids 8192]
       [--blocks 24] [--smoke]
 """
 
 from __future__ import annotations
-
-import statistics
 
 import flax.linen as nn
 import jax
@@ -28,7 +18,7 @@ import gradtx as gtx
 from benchmarks._common import compile_phases, memory
 from benchmarks._results import columns, headline, markdown_table
 from benchmarks._timing import Counter
-from benchmarks.optimizer_steps import TABLE, Scenario, System, run
+from benchmarks.optimizer_steps import TABLE, Scenario, System, row_heads
 
 SEQ = 16  # ids per example
 POOL = 16  # distinct id batches, cycled: fresh ids every step
@@ -98,14 +88,12 @@ def _case(_, ctx):
   ms = ctx.time({k: System(caller(f)) for k, f in fns.items()}, "step")
   out = []
   for name in READS:
-    sparse_ms = ms[f"sparse {name}"]
-    dense_key = f"dense {name}" if name != "gtx.lookup" else "dense table[ids]"
-    dense_ms = ms[dense_key]
-    s_mem, d_mem = mem[f"sparse {name}"], mem[dense_key]
+    dense = f"dense {name}" if name != "gtx.lookup" else "dense table[ids]"
+    d, sp = ms[dense], ms[f"sparse {name}"]
+    mib = [mem[k]["temp"] + mem[k]["output"] for k in (dense, f"sparse {name}")]
     out.append(
-      [f"{rows:,} x {dim}", name, ids, dense_ms, sparse_ms]
-      + [dense_ms / sparse_ms, sparse_ms / ms["sparse gtx.lookup"]]
-      + [(m["temp"] + m["output"]) / 2**20 for m in (d_mem, s_mem)]
+      [f"{rows:,} x {dim}", name, ids, d, sp, d / sp]
+      + [sp / ms["sparse gtx.lookup"], *(m / 2**20 for m in mib)]
       + [rows * dim * 4 / 2**20]
     )
   return out
@@ -143,17 +131,13 @@ def compile_times(blocks: int, repeats: int) -> list:
     "jax.value_and_grad": jax.value_and_grad,
     "gtx.sparse_value_and_grad": gtx.sparse_value_and_grad,
   }
-  samples = {k: ([], []) for k in grads}
+  samples = {k: [] for k in grads}
   for _ in range(repeats):
     for k, grad in grads.items():
       f = jax.jit(grad(loss))  # a new function: nothing cached
       r = compile_phases(f, params, ids, labels)
-      samples[k][0].append(r["trace_s"] + r["lower_s"])
-      samples[k][1].append(r["compile_s"])
-  med = {
-    k: (statistics.median(a), statistics.median(b))
-    for k, (a, b) in samples.items()
-  }
+      samples[k].append((r["trace_s"] + r["lower_s"], r["compile_s"]))
+  med = {k: np.median(v, axis=0).tolist() for k, v in samples.items()}
   base = sum(med["jax.value_and_grad"])
   return [
     [k, blocks, trace, comp, trace + comp, (trace + comp) / base]
@@ -184,30 +168,14 @@ def _finish(rows, ctx):
   )
   if args.note:
     notes += f"\n\n{args.note}"
-  heads = [
-    headline(
-      f"sparse grad speed-up vs dense, {r[1]} ({r[0]})",
-      round(r[5], 1),
-      ">= 40x",
-    )
-    for r in rows
-  ]
-  heads += [
-    headline(
-      f"{r[1]} step time vs the gtx.lookup path",
-      round(r[6], 2),
-      "1.0 within noise",
-    )
-    for r in rows
-    if r[1] != "gtx.lookup"
-  ]
-  heads.append(
-    headline(
-      f"trace+compile vs jax.value_and_grad ({args.blocks} blocks)",
-      round(comp[-1][5], 2),
-      "<= 1.5x",
-    )
+  heads = row_heads(
+    rows, ("sparse grad speed-up vs dense, {1} ({0})", 5, ">= 40x", 1)
+  ) + row_heads(
+    [r for r in rows if r[1] != "gtx.lookup"],
+    ("{1} step time vs the gtx.lookup path", 6, "1.0 within noise", 2),
   )
+  metric = f"trace+compile vs jax.value_and_grad ({args.blocks} blocks)"
+  heads.append(headline(metric, round(comp[-1][5], 2), "<= 1.5x"))
   return notes, {
     "compile": {"headers": comp_headers, "rows": comp},
     "headline": heads,
@@ -234,9 +202,7 @@ SCENARIO = Scenario(
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-  run(SCENARIO, argv)
-
+main = SCENARIO.main
 
 if __name__ == "__main__":
   main()

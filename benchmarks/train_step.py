@@ -1,60 +1,44 @@
 """The whole training step: gradtx lazy_adam vs torch SparseAdam vs optax.adam.
 
-What users run, side by side in one process on the same table and ids
-(``models.one_table``: fresh ids every step, uniform or Zipf s = 1.05):
-forward with the loss returned (``sum(E[ids] * ct)``, linear in the table,
-or ``sum(tanh(E[ids]) * ct)``), backward, optimizer, apply. ``gtx`` and
-``gtx catch_up``: ``gtx.lazy_adam`` on ``gtx.sparse_value_and_grad``;
-``gtx opt only``: its ``update`` + ``apply_updates`` alone on pre-built
-gradients of the same ids, same buffers; ``torch``:
-``nn.Embedding(sparse=True)`` + ``SparseAdam``, 2 threads; ``optax``:
-``optax.adam`` on ``jax.value_and_grad``, skipped where its four tables
-would not fit in ``--mem-gib`` beside the others. The floor: the bytes a
-lazy step must move (the touched rows of params, m and v read and
-written, the gradient rows read) at the bandwidth of a copy into a
-pre-faulted buffer.
+Forward (loss returned), backward, optimizer and apply on one table
+(``models.one_table``: fresh uniform or Zipf ids every step), each system
+side by side in one process, beside the optimizer alone and the bandwidth
+floor of a lazy step.
 
   python -m benchmarks.train_step [--rows 100000 1000000 4000000] [--dim 64]
       [--ids 8192] [--rounds 10] [--burst 10] [--settle 3] [--mem-gib 10]
-      [--smoke] [--profile]
+      [--smoke]
 """
 
 from __future__ import annotations
 
 import itertools
 
-import jax
 import numpy as np
 import optax
 
 import gradtx as gtx
 from benchmarks import models
+from benchmarks import optimizer_steps as runner
 from benchmarks._results import headline, oversubscribed
 from benchmarks._timing import Counter, Schedule, step_runner
-from benchmarks.optimizer_steps import (
-  Scenario,
-  System,
-  floor_ms,
-  jax_table,
-  parse_args,
-  run,
-  torch_table,
-  update_step,
-)
+from benchmarks.optimizer_steps import jax_table, torch_table
 
 LR = 1e-3
 
 
 def _opt_only(tx, data, box):
-  """``update`` + ``apply_updates`` alone on pre-built gradients of the
-  step's ids, on the gtx step's donated buffers ``box``."""
+  """``tx``'s update and apply alone on the step's ids, on the gtx step's
+  buffers ``box``."""
   rows, dim = data.table.shape
   vals = np.random.default_rng(2).standard_normal((len(data.ct), dim))
   grads = [
     {"emb": gtx.SparseRows(i, vals.astype(np.float32), rows)} for i in data.ids
   ]
   args_of = lambda i: (grads[i % len(grads)],)  # noqa: E731
-  return System(Counter(step_runner(update_step(tx), box, args_of), 0))
+  return runner.System(
+    Counter(step_runner(runner.update_step(tx), box, args_of), 0)
+  )
 
 
 def _case(case, ctx):
@@ -77,13 +61,9 @@ def _case(case, ctx):
   unique = data.unique()
   del data
   ms = ctx.time(s, f"{rows:,} x {dim}, {dist}, {loss}")
-  floor = floor_ms(unique, dim, n, ctx.bandwidth)
-  g, t, o, opt = (
-    ms["gtx"],
-    ms.get("torch", "-"),
-    ms.get("optax", "-"),
-    ms["gtx opt only"],
-  )
+  floor = runner.floor_ms(unique, dim, n, ctx.bandwidth)
+  g, opt = ms["gtx"], ms["gtx opt only"]
+  t, o = ms.get("torch", "-"), ms.get("optax", "-")
   return [
     [f"{rows:,} x {dim}", dist, loss, n, round(unique), g, ms["gtx catch_up"]]
     + [t, o, t / g if t != "-" else "-", o / g if o != "-" else "-"]
@@ -99,15 +79,8 @@ def _finish(rows, ctx):
     "worker threads suffer more from it than XLA's: the torch / gtx ratio "
     "here overstates the quiet-machine ratio."
   )
-  heads = [
-    headline(
-      f"train step speed-up vs torch SparseAdam ({r[0]}, {r[1]}, {r[2]})",
-      round(r[9], 2),
-      ">= 2x at 1M x 64, uniform",
-    )
-    for r in rows
-    if isinstance(r[9], float)
-  ]
+  metric = "train step speed-up vs torch SparseAdam ({0}, {1}, {2})"
+  heads = runner.row_heads(rows, (metric, 9, ">= 2x at 1M x 64, uniform", 2))
   worst = round(max(r[13] for r in rows), 2)
   heads.append(
     headline("optimizer part / bandwidth floor (worst)", worst, "<= 8x")
@@ -130,7 +103,7 @@ def _finish(rows, ctx):
   return notes, {"headline": heads, "warm_copy_bandwidth": ctx.bandwidth}
 
 
-SCENARIO = Scenario(
+SCENARIO = runner.Scenario(
   name="train_step",
   title="Whole training step: gradtx lazy_adam vs torch SparseAdam vs "
   "optax.adam",
@@ -149,11 +122,6 @@ SCENARIO = Scenario(
     "--dists": ["uniform", "zipf"],
     "--losses": ["linear", "tanh"],
     "--no-torch": False,
-    "--profile": dict(
-      action="store_true",
-      help="print the per-thunk time of the gtx step (first --rows, uniform "
-      "ids, each --losses) instead of the comparison",
-    ),
   },
   quick=dict(rows=[5_000], ids=256, rounds=3),
   options=dict(schedule=Schedule(), huge_pages=True),
@@ -163,52 +131,7 @@ SCENARIO = Scenario(
 )
 
 
-def profile(rows: int, dim: int, n: int, linear: bool, steps: int = 20):
-  """Per-thunk time of the compiled gtx step (XLA:CPU runs one thunk per
-  fusion, sort, scatter...): ``[(ms per step, calls per step, name)]``,
-  from a ``jax.profiler`` trace of ``steps`` steps on fresh ids."""
-  import collections
-  import gzip
-  import json
-  import tempfile
-  from pathlib import Path
-
-  data = models.one_table(rows, dim, n, "uniform", steps + 2)
-  run_, _, _ = models.one_table_step(gtx.lazy_adam(LR), data, linear=linear)
-  run_(0)
-  run_(1)
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for i in range(2, steps + 2):
-        run_(i)
-    events = json.load(gzip.open(next(Path(d).rglob("*.trace.json.gz"))))
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  total = collections.defaultdict(list)
-  for e in events:
-    name = e.get("name", "")
-    # Python frames and runtime wrappers are not thunks of the step.
-    if name.startswith("$") or "::" in name or "Pjit" in name:
-      continue
-    if e.get("ph") == "X" and "dur" in e:
-      total[name].append(e["dur"])
-  return sorted(
-    ((sum(v) / steps / 1e3, len(v) / steps, k) for k, v in total.items()),
-    reverse=True,
-  )
-
-
-def main(argv: list[str] | None = None) -> None:
-  args = parse_args(SCENARIO, argv)
-  if not args.profile:
-    run(SCENARIO, args=args)
-    return
-  for loss in args.losses:
-    print(f"\n{args.rows[0]:,} x {args.dim}, {args.ids} ids, {loss} loss")
-    for ms, calls, name in profile(
-      args.rows[0], args.dim, args.ids, loss == "linear"
-    )[:30]:
-      print(f"{ms:9.3f} ms/step  x{calls:5.1f}  {name[:70]}")
-
+main = SCENARIO.main
 
 if __name__ == "__main__":
   main()
