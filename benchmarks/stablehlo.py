@@ -1,18 +1,10 @@
 """Reading an exported program's StableHLO text, with no device.
 
-``jax.export.export(jitted, platforms=[p])(*abstract_args)`` lowers a step
-for ``p`` ("cuda", "rocm", "tpu", "cpu") on any host;
-``exported.mlir_module()`` is its StableHLO text, locations included.
-:func:`read` parses that text into :class:`Op` records (name, operand and
-result types, the region they sit in, the named scopes and source frames
-of their location), enough for the properties tests assert
-(:meth:`Program.whiles`, :meth:`Program.float_scatter_adds`,
-:meth:`Program.op_count`, :func:`strip_locations`) and for the cost model
-of :mod:`benchmarks.gpu_model`.
-
-The parser reads the text MLIR prints (generic ``"stablehlo.x"(...)`` and
-pretty ``stablehlo.x ...`` forms, one op a line, regions between braces);
-it is a reader of this one printer, not an MLIR parser.
+:func:`export_text` lowers a step for a platform on any host; :func:`read`
+parses the text MLIR prints (generic and pretty forms, one op a line,
+regions between braces) into :class:`Op` records, enough for the properties
+the tests assert and for :mod:`benchmarks.gpu_model`. It reads this one
+printer; it is not an MLIR parser.
 """
 
 from __future__ import annotations
@@ -35,14 +27,13 @@ _SHORT = {"call": "func.call", "return": "func.return"}
 _REF = re.compile(r"%([\w.\-]+)(?:#\d+)?")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
-_DTYPE_BITS = {"i1": 8, "pred": 8}  # a bool is a byte in memory
-FLOATS = ("f", "bf")  # f16, f32, f64, f8E4M3..., bf16
+_STRING = r'"((?:[^"\\]|\\.)*)"'
 
 
 def dtype_bytes(dtype: str) -> float:
-  """Bytes of one element of an MLIR element type (``f32``, ``ui8``...)."""
-  if dtype in _DTYPE_BITS:
-    return _DTYPE_BITS[dtype] / 8
+  """Bytes of one element of an MLIR element type (a bool is a byte)."""
+  if dtype in ("i1", "pred"):
+    return 1.0
   m = re.search(r"(\d+)", dtype)
   return int(m.group(1)) / 8 if m else 4.0
 
@@ -55,16 +46,12 @@ class Tensor:
   dtype: str
 
   @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
-  @property
   def nbytes(self) -> float:
-    return self.size * dtype_bytes(self.dtype)
+    return math.prod(self.shape) * dtype_bytes(self.dtype)
 
   @property
   def is_float(self) -> bool:
-    return self.dtype.startswith(FLOATS)
+    return self.dtype.startswith(("f", "bf"))  # f16, f32, f8E4M3.., bf16
 
   def __str__(self) -> str:
     return "x".join([*map(str, self.shape), self.dtype])
@@ -96,39 +83,34 @@ class Op:
 
   @cached_property
   def uses(self) -> list[str]:
-    """The SSA values it reads (names without ``%``): its operands, not
-    the values its regions read."""
+    """The SSA values it reads (without ``%``), not its regions'."""
     body = self.head.split(" = ", 1)[1] if self.result else self.head
     if self.name == "stablehlo.while":  # "%iterArg = %137": the inits
       return re.findall(r"= %([\w.\-]+)", body)
-    ends = [body.find(t) for t in (" : ", " <{", " ({", " loc(")]
-    cut = min([e for e in ends if e >= 0], default=len(body))
-    return _REF.findall(body[:cut])
+    return _REF.findall(re.split(r" : | <\{| \(\{| loc\(", body, maxsplit=1)[0])
 
   @cached_property
-  def signature(self) -> str:
-    """The types after the op's `` : `` (operands ``->`` results)."""
-    if self.name == "stablehlo.while":  # types written once, on its head
+  def types(self) -> tuple[list[Tensor], list[Tensor]]:
+    """Its operands' and results' types, read after its `` : ``."""
+    if self.name == "stablehlo.while":  # written once, on its head
       m = re.search(r"\) : (.*?)(?: loc\(|$)", self.head)
-      return m.group(1) if m else ""
-    line = self.tail
-    cut = line.rfind(" loc(")
-    if cut >= 0:
-      line = line[:cut]
-    at = line.rfind(" : ")
-    return line[at + 3 :] if at >= 0 else ""
+      sig = m.group(1) if m else ""
+    else:
+      _, sep, sig = self.tail.rsplit(" loc(", 1)[0].rpartition(" : ")
+      sig = sig if sep else ""
+    ins, arrow, outs = sig.partition("->")
+    if arrow:
+      return tensors(ins), tensors(outs)
+    ts = tensors(ins)
+    return ts, ts if self.name == "stablehlo.while" else ts[-1:]
 
-  @cached_property
+  @property
   def operands(self) -> list[Tensor]:
-    return tensors(self.signature.split("->", 1)[0])
+    return self.types[0]
 
-  @cached_property
+  @property
   def results(self) -> list[Tensor]:
-    sig = self.signature
-    if "->" in sig:
-      return tensors(sig.split("->", 1)[1])
-    ts = tensors(sig)
-    return ts if self.name == "stablehlo.while" else ts[-1:]
+    return self.types[1]
 
   @property
   def callee(self) -> str | None:
@@ -149,28 +131,25 @@ class Program:
   locs: dict[str, str]
   funcs: dict[str, int]  # function name -> index of its func.func op
 
-  # -- locations
-
-  def _resolve(self, ref: str, seen: set[str]) -> tuple[list, list]:
+  def where(self, op: Op) -> tuple[list[str], list[str]]:
+    """``(names, frames)`` of ``op``'s location: its name-stack paths and
+    names (``"jit(step)/gtx_dedup/while"``) and its source frames
+    (``"/path/gradtx/_rows.py:120"``), innermost first."""
     names: list[str] = []
     frames: list[str] = []
-    body = self.locs.get(ref, ref) if ref.startswith("#loc") else ref
-    for s in re.findall(r'"((?:[^"\\]|\\.)*)"(?::(\d+))?', body):
-      text, line = s
-      (frames if line else names).append(f"{text}:{line}" if line else text)
-    for r in re.findall(r"#loc\d*", body):
-      if r not in seen:
-        seen.add(r)
-        n, f = self._resolve(r, seen)
-        names += n
-        frames += f
-    return names, frames
+    seen: set[str] = set()
 
-  def where(self, op: Op) -> tuple[list[str], list[str]]:
-    """``(names, frames)`` of ``op``'s location: the name-stack paths and
-    names it carries (``"jit(step)/gtx_dedup/while"``) and its source
-    frames (``"/path/gradtx/_rows.py:120"``), innermost first."""
-    return self._resolve(op.loc, set())
+    def walk(ref: str) -> None:
+      body = self.locs.get(ref, ref) if ref.startswith("#loc") else ref
+      for text, line in re.findall(_STRING + r"(?::(\d+))?", body):
+        (frames if line else names).append(f"{text}:{line}" if line else text)
+      for r in re.findall(r"#loc\d*", body):
+        if r not in seen:
+          seen.add(r)
+          walk(r)
+
+    walk(op.loc)
+    return names, frames
 
   def scope(self, op: Op) -> str:
     """The name-stack path of ``op`` (its named scopes), or ``""``."""
@@ -180,12 +159,9 @@ class Program:
 
   def origin(self, op: Op, package: str = "gradtx") -> str:
     """``scope`` and the innermost source frame in ``package``."""
-    _, frames = self.where(op)
-    mine = [f for f in frames if f"/{package}/" in f]
+    mine = [f for f in self.where(op)[1] if f"/{package}/" in f]
     frame = mine[0].split(f"/{package}/", 1)[1] if mine else "?"
     return f"{self.scope(op)} ({package}/{frame})"
-
-  # -- what the properties read
 
   def by_name(self, name: str) -> list[Op]:
     return [o for o in self.ops if o.name == name]
@@ -194,8 +170,7 @@ class Program:
     """Every op inside ``op``'s regions, nested ones included."""
     out = []
     for c in op.children:
-      out.append(self.ops[c])
-      out += self.region_ops(self.ops[c])
+      out += [self.ops[c], *self.region_ops(self.ops[c])]
     return out
 
   def whiles(self) -> list[Op]:
@@ -207,13 +182,12 @@ class Program:
 
   def float_scatter_adds(self) -> list[Op]:
     """Every scatter whose update computation adds floats."""
-    out = []
-    for op in self.by_name("stablehlo.scatter"):
-      body = [o.name for o in self.region_ops(op)]
-      floats = any(t.is_float for t in op.results)
-      if "stablehlo.add" in body and floats:
-        out.append(op)
-    return out
+    return [
+      op
+      for op in self.by_name("stablehlo.scatter")
+      if any(o.name == "stablehlo.add" for o in self.region_ops(op))
+      and any(t.is_float for t in op.results)
+    ]
 
   def op_count(self) -> int:
     """StableHLO ops in the text (terminators not counted; a function's
@@ -230,8 +204,7 @@ def read(text: str) -> Program:
   locs: dict[str, str] = {}
   funcs: dict[str, int] = {}
   open_: list[tuple[int, int]] = []  # (op index, depth at its start)
-  depth = 0
-  func = ""
+  depth, func = 0, ""
   for line in text.splitlines():
     m = _LOC_DEF.match(line)
     if m:
@@ -239,8 +212,8 @@ def read(text: str) -> Program:
       continue
     start = None
     om = _OP.match(line)
-    stripped = line.lstrip()
-    if stripped.startswith("}") and stripped.rstrip().endswith("{") and open_:
+    stripped = line.strip()
+    if stripped.startswith("}") and stripped.endswith("{") and open_:
       ops[open_[-1][0]].regions += 1  # "} do {", "}, {": the next region
     if om and not stripped.startswith(("}", "^")):
       op = Op(len(ops), _SHORT.get(om.group(3), om.group(3)), line)
@@ -256,23 +229,18 @@ def read(text: str) -> Program:
       op.func = func
       ops.append(op)
       start = (op.index, depth)
-    depth += _braces(line)
+    # strings (locations' names) may hold braces: not counted
+    bare = re.sub(_STRING, '""', line)
+    depth += bare.count("{") - bare.count("}")
     if start is not None:
       # a pretty-printed while opens its regions on the next line
-      pretty_while = ops[start[0]].name == "stablehlo.while"
-      if depth == start[1] and not pretty_while:
+      if depth == start[1] and ops[start[0]].name != "stablehlo.while":
         _close(ops[start[0]], line)
       else:
         open_.append(start)
-    elif open_ and line.lstrip().startswith("}") and depth == open_[-1][1]:
+    elif open_ and stripped.startswith("}") and depth == open_[-1][1]:
       _close(ops[open_.pop()[0]], line)
   return Program(text, ops, locs, funcs)
-
-
-def _braces(line: str) -> int:
-  # strings (locations' names) may hold braces: not counted
-  line = re.sub(r'"(?:[^"\\]|\\.)*"', '""', line)
-  return line.count("{") - line.count("}")
 
 
 def _close(op: Op, line: str) -> None:
@@ -284,13 +252,11 @@ def _close(op: Op, line: str) -> None:
 def strip_locations(text: str) -> str:
   """``text`` without its locations (``loc(...)`` and ``#loc`` lines): two
   programs traced from different lines or names compare equal."""
-  lines = [x for x in text.splitlines() if not x.startswith("#loc")]
   out = []
-  for line in lines:
-    while True:
-      at = line.find(" loc(")
-      if at < 0:
-        break
+  for line in text.splitlines():
+    if line.startswith("#loc"):
+      continue
+    while (at := line.find(" loc(")) >= 0:
       depth, end = 0, at + 4
       for end in range(at + 4, len(line)):
         depth += (line[end] == "(") - (line[end] == ")")
