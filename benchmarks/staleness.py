@@ -1,19 +1,10 @@
 """Asynchronous training with and without gtx.drop_stale.
 
-Runs the real threaded trainer of ``examples/async_trainer.py`` for
-max_staleness in {no limit, 4, 1} x workers in {1, 2, 4} (plus
-``rescale=True`` with no limit), each repeated with several seeds, and
-records the final eval loss, the dropped fraction, the staleness histogram
-and the wall time. Writes ``results/async_staleness.{md,json}`` and a plot
-of eval loss versus applied steps, ``results/async_staleness.png``.
-
-With ``--ray`` it runs instead the trainer across processes of
-``examples/ray_trainer.py`` (needs the ``ray`` extra) side by side with the
-threaded one, on the same task, initial parameters, shards and batches:
-1, 2, 4 and 8 workers x max_staleness in {no limit, N - 1, 1} x rescale
-off and on, and records the held-out loss against wall time and the
-gradients applied per second of both. Writes
-``results/async_staleness_ray.{md,json,png}``.
+The threaded trainer of ``examples/async_trainer.py`` over workers x
+max_staleness, several seeds each (``results/async_staleness``, with a
+plot); with ``--ray``, the trainer across processes of
+``examples/ray_trainer.py`` (the ``ray`` extra) side by side with it on the
+same task, shards and batches (``results/async_staleness_ray``).
 
 ``python -m benchmarks.staleness [--ray] [--quick]``
 """
@@ -21,24 +12,23 @@ gradients applied per second of both. Writes
 from __future__ import annotations
 
 import collections
+import itertools
 import statistics
 
 import numpy as np
 
-from benchmarks._common import parse, parser
-from benchmarks._results import (
-  columns,
-  figure,
-  headline,
-  result_path,
-  save_figure,
-  write_results,
-)
+from benchmarks import optimizer_steps as runner
+from benchmarks._common import version
+from benchmarks._results import figure, headline, result_path, save_figure
 from examples import async_trainer as at
 
 
 def _finite(x: float) -> float | None:
   return float(x) if np.isfinite(x) else None
+
+
+def _safe(curve: list) -> list:
+  return [(x, _finite(y)) for x, y in curve]
 
 
 def _fmt_losses(losses: list[float], initial: float) -> tuple[str, str]:
@@ -60,56 +50,47 @@ def _summary(runs: list, initial: float, received: bool = True) -> dict:
   hist: collections.Counter = collections.Counter()
   for r in runs:
     hist.update(r.staleness_hist)
+  seen = sum(hist.values())
   total = sum(r.received if received else r.applied + r.dropped for r in runs)
-  pct = {k: v / max(sum(hist.values()), 1) for k, v in sorted(hist.items())}
+  pct = {k: v / max(seen, 1) for k, v in sorted(hist.items())}
   loss, spread = _fmt_losses([r.final_loss for r in runs], initial)
+  rate = sum(r.received if received else r.applied for r in runs)
+  staleness = sum(k * v for k, v in hist.items())
   return {
     "loss": loss,
     "range": spread,
     "dropped": f"{sum(r.dropped for r in runs) / max(total, 1):.1%}",
-    "mean_staleness": round(
-      sum(k * v for k, v in hist.items())
-      / max(total if received else sum(hist.values()), 1),
-      2,
-    ),
+    "staleness": round(staleness / max(total if received else seen, 1), 2),
     "hist": " ".join(
       f"{k}:{'<1%' if v < 0.01 else f'{v:.0%}'}" for k, v in pct.items()
     ),
-    "rate": sum(r.applied if not received else r.received for r in runs)
-    / sum(r.wall_time for r in runs),
     "wall": statistics.median(r.wall_time for r in runs),
+    "rate": rate / sum(r.wall_time for r in runs),
   }
 
 
 def _run_json(seed: int, r, threads: bool = True) -> dict:
+  keys = ("applied", "received", "dropped", "dropped_fraction")
   out = {"seed": seed, "final_loss": _finite(r.final_loss)}
-  out.update(applied=r.applied)
-  if threads:
-    out.update(received=r.received)
-  out.update(dropped=r.dropped)
-  if threads:
-    out.update(dropped_fraction=r.dropped_fraction)
-  hist = {str(k): v for k, v in r.staleness_hist.items()}
-  return {
-    **out,
-    "staleness_hist": hist,
-    "wall_time": r.wall_time,
-    "stopped_by": r.stopped_by,
-  }
+  out.update((k, getattr(r, k)) for k in (keys if threads else keys[::2]))
+  out["staleness_hist"] = {str(k): v for k, v in r.staleness_hist.items()}
+  return {**out, "wall_time": r.wall_time, "stopped_by": r.stopped_by}
 
 
 def _setting(workers: int, limit: int | None, rescale: bool) -> list:
   """A row's first cells: workers, max_staleness, rescale."""
-  return [
-    workers,
-    "none" if limit is None else limit,
-    "yes" if rescale else "no",
-  ]
+  return [workers, "none" if limit is None else limit, "yes" * rescale or "no"]
 
 
 def _label(workers: int, limit: int | None, rescale: bool) -> str:
   s = "none" if limit is None else str(limit)
   return f"N={workers} s={s}" + (" rescale" if rescale else "")
+
+
+def _raw(setting: tuple, **runs: list) -> dict:
+  """A setting's entry of the json's settings."""
+  workers, limit, rescale = setting
+  return dict(workers=workers, max_staleness=limit, rescale=rescale, **runs)
 
 
 def _role(workers: int, limit: int | None, rescale: bool) -> str:
@@ -136,19 +117,37 @@ def _median_curve(curves: list[list[tuple[int, float]]]):
   ]
 
 
-def _plot(curves, initial, path, panels, ray=False) -> None:
-  """One panel a (engine, workers) of ``panels``; ``curves`` maps
-  (engine, workers, limit, rescale) to (x, loss) points."""
+WORKERS = {False: (1, 2, 4), True: (1, 2, 4, 8)}  # threads alone, with Ray
+# the headlines: metric, the rows' column, the settings at 4 workers whose
+# cells it joins (AT4: their rows' first cells, their names)
+HEADS = {
+  False: [("dropped fraction", 5, [1]), ("final eval loss", 3, [None, 1, "r"])],
+  True: [
+    ("grads applied/s, Ray / threads", 11, [None]),
+    ("held-out loss on Ray", 4, [None, 3, 1, "r"]),
+  ],
+}
+AT4 = {
+  None: ((4, "none", "no"), "no limit"),
+  1: ((4, 1, "no"), "max_staleness=1"),
+  3: ((4, 3, "no"), "max_staleness=3"),
+  "r": ((4, "none", "yes"), "no limit + rescale"),
+}
+
+
+def _plot(curves, initial, path, ray: bool) -> None:
+  """One panel an (engine, workers); ``curves`` maps (engine, workers,
+  limit, rescale) to (x, loss) points."""
+  engines, counts = ("threads", "ray") if ray else ("threads",), WORKERS[ray]
   finite = [y for c in curves.values() for _, y in c if np.isfinite(y)]
-  engines = sorted({p[0] for p in panels}, key=[e for e, _ in panels].index)
-  width = len(panels) // len(engines)
   fig, axes = figure(
     len(engines),
-    width,
-    figsize=(5 * width, 4.5 if len(engines) == 1 else 8.5),
+    len(counts),
+    figsize=(5 * len(counts), 8.5 if ray else 4.5),
     sharey=True,
     squeeze=False,
   )
+  panels = itertools.product(engines, counts)
   for ax, (engine, workers) in zip(axes.flat, panels, strict=True):
     for (e, w, limit, rescale), curve in curves.items():
       if (e, w) != (engine, workers) or not curve:
@@ -180,8 +179,8 @@ def _plot(curves, initial, path, panels, ray=False) -> None:
     ax.set_xlabel("wall seconds" if ray else "applied steps")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(title="max_staleness", fontsize=8 if ray else None)
-  for row, _ in enumerate(engines):
-    axes[row][0].set_ylabel(
+  for row in axes:
+    row[0].set_ylabel(
       "held-out loss (first seed)" if ray else "eval loss (median over seeds)"
     )
   fig.suptitle(
@@ -193,232 +192,138 @@ def _plot(curves, initial, path, panels, ray=False) -> None:
   save_figure(fig, path, dpi=90 if ray else 110)
 
 
-def _threads(task, workers, limit, rescale, seed, steps, time_limit, lr):
+def _threads(task, setting: tuple, seed: int, a):
   """One run of the threaded trainer."""
   return at.run_async(
     task,
-    workers=workers,
-    max_staleness=limit,
-    num_steps=steps,
-    time_limit=time_limit,
-    learning_rate=lr,
-    rescale=rescale,
+    **_raw(setting),
+    num_steps=a.steps,
+    time_limit=a.time_limit,
+    learning_rate=a.learning_rate,
     seed=seed,
   )
 
 
-def _write(name, title, headers, rows, notes, *, curves, **extra) -> None:
-  """The result files, with every curve's losses JSON-safe."""
-  safe = {k: [(x, _finite(y)) for x, y in c] for k, c in curves.items()}
-  write_results(
-    name, title, headers, rows, notes=notes, extra={**extra, "curves": safe}
-  )
+def _cases(ctx) -> list:
+  """max_staleness in {no limit, 4, 1} x workers, then no limit + rescale."""
+  ctx.found.update(task=at.make_task(seed=0), curves={}, raw=[])
+  settings = [(w, s, False) for w in WORKERS[False] for s in (None, 4, 1)]
+  return settings + [(w, None, True) for w in WORKERS[False]]
 
 
-def main(argv: list[str] | None = None) -> None:
-  p = parser(__doc__.splitlines()[0], steps=600)
-  p.add_argument("--repeats", type=int, default=None)
-  p.add_argument("--learning-rate", type=float, default=0.5)
-  p.add_argument("--ray", action="store_true", help="Ray processes vs threads")
-  args = parse(p, argv, quick=dict(steps=60))
-  args.time_limit = 10.0 if args.quick else 30.0
-  if args.ray:
-    ray_main(args)
-    return
-  steps, lr, time_limit = args.steps, args.learning_rate, args.time_limit
-  repeats = args.repeats or (1 if args.quick else 3)
-  task = at.make_task(seed=0)
-  settings = [(w, s, False) for w in (1, 2, 4) for s in (None, 4, 1)]
-  settings += [(w, None, True) for w in (1, 2, 4)]
-  rows, curves, raw = [], {}, []
-  for workers, limit, rescale in settings:
-    runs = [
-      _threads(task, workers, limit, rescale, seed, steps, time_limit, lr)
-      for seed in range(repeats)
-    ]
-    initial = runs[0].curve[0][1]
-    a = _summary(runs, initial)
-    key = ("threads", workers, limit, rescale)
-    curves[key] = _median_curve([r.curve for r in runs])
-    rows.append(
-      _setting(workers, limit, rescale)
-      + [
-        a["loss"],
-        a["range"],
-        a["dropped"],
-        a["mean_staleness"],
-        a["hist"],
-        a["wall"],
-        round(a["rate"]),
-        ",".join(sorted({r.stopped_by for r in runs})),
-      ]
-    )
-    raw.append(
-      {
-        "workers": workers,
-        "max_staleness": limit,
-        "rescale": rescale,
-        "runs": [
-          {**_run_json(seed, r), "curve": [(x, _finite(y)) for x, y in r.curve]}
-          for seed, r in enumerate(runs)
-        ],
-      }
-    )
-    print(_label(workers, limit, rescale), rows[-1], flush=True)
-  png = result_path("async_staleness", ".png")
-  _plot(curves, initial, png, [("threads", w) for w in (1, 2, 4)])
-  notes = (
-    f"Real threads (examples/async_trainer.py): each run trains until "
-    f"{steps} gradients have been applied (or {time_limit:.0f} s pass), "
-    f"{repeats} seed(s) per setting. Sparse SGD, learning rate {lr}, batch "
-    "32, bag-of-embeddings classifier over a 2000-row table (SparseRows "
-    "gradients); eval loss on 2048 held-out examples (initial loss "
-    f"{initial:.3f}). Staleness = global step at arrival - step at read; "
-    "the histogram counts every received gradient, dropped ones included. "
-    "A run is 'diverged' when its final eval loss is above the initial one "
-    "(or not finite). Wall time excludes compilation. Thread timing on a "
-    "shared machine is not deterministic: rerunning changes the numbers "
-    f"somewhat. Plot: {png.name}."
-  )
-  cells = {(r[0], r[1], r[2]): r for r in rows}
-  n = max(w for w, _, _ in settings)
-  keys = [(n, "none", "no"), (n, 1, "no"), (n, "none", "yes")]
-  heads = [
-    headline(
-      f"dropped fraction, {n} workers, max_staleness=1", cells[(n, 1, "no")][5]
-    ),
-    headline(
-      f"final eval loss, {n} workers: no limit / max_staleness=1 / no limit"
-      " + rescale",
-      " / ".join(str(cells[k][3]) for k in keys),
-    ),
+def _case(setting, ctx):
+  """One setting's seeds on threads."""
+  f, a = ctx.found, ctx.args
+  runs = [_threads(f["task"], setting, seed, a) for seed in range(a.repeats)]
+  f["initial"] = runs[0].curve[0][1]
+  s = _summary(runs, f["initial"])
+  f["curves"][("threads", *setting)] = _median_curve([r.curve for r in runs])
+  json_runs = [
+    {**_run_json(i, r), "curve": _safe(r.curve)} for i, r in enumerate(runs)
   ]
-  _write(
-    "async_staleness",
-    "Asynchronous training: drop_stale vs workers",
-    columns(
-      "workers | max_staleness | rescale | final eval loss (median of "
-      "converged) | min - max | dropped | mean staleness | staleness "
-      "histogram (received) | wall s (median) | grads/s | stopped by"
-    ),
-    rows,
-    notes,
-    headline=heads,
-    steps=steps,
-    repeats=repeats,
-    curves={_label(*k[1:]): c for k, c in curves.items()},
-    settings=raw,
-  )
+  f["raw"].append(_raw(setting, runs=json_runs))
+  cells = [s[k] for k in ("loss", "range", "dropped", "staleness", "hist")]
+  stopped = ",".join(sorted({r.stopped_by for r in runs}))
+  return [_setting(*setting) + cells + [s["wall"], round(s["rate"]), stopped]]
 
 
-# ----------------------------------------------------------------------------
-# Ray processes side by side with threads
-
-
-def _ray_runs(rt, ps, ws, task, workers, limit, rescale, args, repeats):
-  """Both engines' runs of one setting, seed by seed."""
-  import ray
-
-  runs: dict[str, list] = {"threads": [], "ray": []}
-  lr = args.learning_rate
-  for seed in range(repeats):
-    config = rt.ServerConfig(
-      max_staleness=limit, rescale=rescale, learning_rate=lr, seed=seed
-    )
-    ray.get(ps.reset.remote(config))
-    ray.get([w.reset.remote(seed) for w in ws])
-    runs["ray"].append(
-      rt.train(ps, ws, num_steps=args.steps, time_limit=args.time_limit)
-    )
-    runs["threads"].append(
-      _threads(
-        task, workers, limit, rescale, seed, args.steps, args.time_limit, lr
-      )
-    )
-  return runs
-
-
-def ray_main(args) -> None:
+def _ray_cases(ctx):
+  """Ray's actors for each worker count: max_staleness in {none, N - 1, 1}
+  (once each) x rescale off and on."""
   import ray
 
   from examples import ray_trainer as rt
 
-  steps, lr = args.steps, args.learning_rate
-  repeats = args.repeats or (1 if args.quick else 2)
-  task_args = {"seed": 0}
-  task = at.make_task(**task_args)
-  rows, curves, raw = [], {}, []
+  _cases(ctx)
   rt.init_ray()
   try:
-    for workers in (1, 2, 4, 8):
-      ps, ws = rt.start_actors(
-        task_args, rt.ServerConfig(max_staleness=None), workers
+    for workers in WORKERS[True]:
+      config = rt.ServerConfig(max_staleness=None)
+      ps, ws = ctx.found["actors"] = rt.start_actors(
+        {"seed": 0}, config, workers
       )
       try:
-        # max_staleness in {none, N - 1, 1} (without repeats) x rescale
-        limits = list(dict.fromkeys([None, workers - 1, 1]))
         for rescale in (False, True):
-          for limit in limits:
-            runs = _ray_runs(
-              rt, ps, ws, task, workers, limit, rescale, args, repeats
-            )
-            initial = runs["threads"][0].curve[0][1]
-            t, r = runs["threads"][0], runs["ray"][0]
-            curves[("threads", workers, limit, rescale)] = [
-              (sec, loss)
-              for sec, (_, loss) in zip(t.curve_seconds, t.curve, strict=True)
-            ]
-            curves[("ray", workers, limit, rescale)] = [
-              (sec, loss) for _, loss, sec in r.curve
-            ]
-            a = _summary(runs["threads"], initial, received=False)
-            b = _summary(runs["ray"], initial, received=False)
-            rows.append(
-              _setting(workers, limit, rescale)
-              + [
-                a["loss"],
-                b["loss"],
-                a["dropped"],
-                b["dropped"],
-                a["mean_staleness"],
-                b["mean_staleness"],
-                round(a["rate"]),
-                round(b["rate"]),
-                f"{b['rate'] / a['rate']:.3f}",
-                a["wall"],
-                b["wall"],
-              ]
-            )
-            raw.append(
-              {
-                "workers": workers,
-                "max_staleness": limit,
-                "rescale": rescale,
-                **{
-                  engine: [
-                    _run_json(seed, x, threads=False)
-                    for seed, x in enumerate(xs)
-                  ]
-                  for engine, xs in runs.items()
-                },
-              }
-            )
-            print(_label(workers, limit, rescale), rows[-1], flush=True)
+          for limit in dict.fromkeys([None, workers - 1, 1]):
+            yield workers, limit, rescale
       finally:
         rt.stop_actors([ps, *ws])
   finally:
     ray.shutdown()
-  png = result_path("async_staleness_ray", ".png")
-  panels = [(e, w) for e in ("threads", "ray") for w in (1, 2, 4, 8)]
-  _plot(curves, initial, png, panels, ray=True)
-  notes = (
+
+
+def _ray_case(setting, ctx):
+  """Both engines' runs of one setting, seed by seed."""
+  import ray
+
+  from examples import ray_trainer as rt
+
+  (_, limit, rescale), a, f = setting, ctx.args, ctx.found
+  ps, ws = f["actors"]
+  runs: dict[str, list] = {"threads": [], "ray": []}
+  for seed in range(a.repeats):
+    config = rt.ServerConfig(
+      max_staleness=limit,
+      rescale=rescale,
+      learning_rate=a.learning_rate,
+      seed=seed,
+    )
+    ray.get(ps.reset.remote(config))
+    ray.get([w.reset.remote(seed) for w in ws])
+    runs["ray"].append(
+      rt.train(ps, ws, num_steps=a.steps, time_limit=a.time_limit)
+    )
+    runs["threads"].append(_threads(f["task"], setting, seed, a))
+  f["initial"] = initial = runs["threads"][0].curve[0][1]
+  t, r = runs["threads"][0], runs["ray"][0]
+  f["curves"][("threads", *setting)] = [
+    (sec, loss) for sec, (_, loss) in zip(t.curve_seconds, t.curve, strict=True)
+  ]
+  f["curves"][("ray", *setting)] = [(sec, loss) for _, loss, sec in r.curve]
+  th, ry = (_summary(runs[e], initial, received=False) for e in runs)
+  f["raw"].append(
+    _raw(
+      setting,
+      **{
+        e: [_run_json(i, x, False) for i, x in enumerate(xs)]
+        for e, xs in runs.items()
+      },
+    )
+  )
+  cells = [s[k] for k in ("loss", "dropped", "staleness") for s in (th, ry)]
+  rates = [
+    round(th["rate"]),
+    round(ry["rate"]),
+    f"{ry['rate'] / th['rate']:.3f}",
+  ]
+  return [_setting(*setting) + cells + rates + [th["wall"], ry["wall"]]]
+
+
+def _notes(a, initial: float, png: str) -> str:
+  if not a.ray:
+    return (
+      f"Real threads (examples/async_trainer.py): each run trains until "
+      f"{a.steps} gradients have been applied (or {a.time_limit:.0f} s pass), "
+      f"{a.repeats} seed(s) per setting. Sparse SGD, learning rate "
+      f"{a.learning_rate}, batch "
+      "32, bag-of-embeddings classifier over a 2000-row table (SparseRows "
+      "gradients); eval loss on 2048 held-out examples (initial loss "
+      f"{initial:.3f}). Staleness = global step at arrival - step at read; "
+      "the histogram counts every received gradient, dropped ones included. "
+      "A run is 'diverged' when its final eval loss is above the initial one "
+      "(or not finite). Wall time excludes compilation. Thread timing on a "
+      "shared machine is not deterministic: rerunning changes the numbers "
+      f"somewhat. Plot: {png}."
+    )
+  return (
     "The same task, initial parameters, data shards and batch sequences "
     "on two engines, run back to back for each setting: threads in one "
     "process (examples/async_trainer.py) and one process per worker plus "
     "a parameter-server process on a local Ray cluster "
-    f"(examples/ray_trainer.py, Ray {ray.__version__}). Each run trains "
-    f"until {steps} gradients have been applied (or {args.time_limit:.0f} s "
-    f"pass), {repeats} seed(s) per setting; sparse SGD, learning rate {lr}, "
+    f"(examples/ray_trainer.py, Ray {version('ray')}). Each run trains "
+    f"until {a.steps} gradients have been applied (or {a.time_limit:.0f} s "
+    f"pass), {a.repeats} seed(s) per setting; sparse SGD, learning rate "
+    f"{a.learning_rate}, "
     "batch 32, a 2000-row table (SparseRows gradients); held-out loss on "
     f"2048 examples (initial {initial:.3f}); 'diverged' when it ends above "
     "the initial loss. Grads applied/s = accepted gradients / wall time "
@@ -428,38 +333,68 @@ def ray_main(args) -> None:
     "step pays a pull, an object-store read and a push between processes, "
     "where a thread reads a Python reference. Staleness is the global step "
     "at arrival - the step read; timing on a shared machine is not "
-    f"deterministic. Plot: {png.name} (first seed)."
+    f"deterministic. Plot: {png} (first seed)."
   )
-  cells = {(r[0], r[1], r[2]): r for r in rows}
-  keys = [(4, "none", "no"), (4, 3, "no"), (4, 1, "no"), (4, "none", "yes")]
-  heads = [
-    headline(
-      "grads applied/s, Ray / threads, 4 workers, no limit",
-      cells[(4, "none", "no")][11],
-    ),
-    headline(
-      "held-out loss on Ray, 4 workers: no limit / max_staleness=3 / "
-      "max_staleness=1 / no limit + rescale",
-      " / ".join(str(cells[k][4]) for k in keys),
-    ),
-  ]
-  _write(
-    "async_staleness_ray",
-    "Asynchronous training: Ray processes vs threads",
-    columns(
-      "workers | max_staleness | rescale | held-out loss, threads | "
-      "held-out loss, Ray | dropped, threads | dropped, Ray | mean "
-      "staleness, threads | mean staleness, Ray | grads applied/s, threads "
-      "| grads applied/s, Ray | Ray / threads | wall s, threads | wall s, Ray"
-    ),
-    rows,
-    notes,
+
+
+def _finish(rows, ctx):
+  a, f = ctx.args, ctx.found
+  png = result_path("async_staleness" + "_ray" * a.ray, ".png")
+  _plot(f["curves"], f["initial"], png, a.ray)
+  cells, heads = {tuple(r[:3]): r for r in rows}, []
+  for metric, col, limits in HEADS[a.ray]:
+    keys, names = zip(*(AT4[s] for s in limits), strict=True)
+    metric += ", 4 workers" + (", " if len(keys) == 1 else ": ")
+    value = " / ".join(str(cells[k][col]) for k in keys)
+    heads.append(headline(metric + " / ".join(names), value))
+  tag = "{} " if a.ray else ""
+  curves = {
+    tag.format(e) + _label(*k): _safe(c) for (e, *k), c in f["curves"].items()
+  }
+  return _notes(a, f["initial"], png.name), dict(
     headline=heads,
-    steps=steps,
-    repeats=repeats,
-    curves={f"{e} {_label(*k)}": c for (e, *k), c in curves.items()},
-    settings=raw,
+    steps=a.steps,
+    repeats=a.repeats,
+    settings=f["raw"],
+    curves=curves,
   )
+
+
+THREADS = runner.Scenario(
+  name="async_staleness",
+  title="Asynchronous training: drop_stale vs workers",
+  columns="workers | max_staleness | rescale | final eval loss (median of "
+  "converged) | min - max | dropped | mean staleness | staleness "
+  "histogram (received) | wall s (median) | grads/s | stopped by",
+  doc=__doc__.splitlines()[0],
+  cases=_cases,
+  case=_case,
+  finish=_finish,
+  flags={
+    "--repeats": dict(type=int, default=None),
+    "--learning-rate": 0.5,
+    "--ray": dict(action="store_true", help="Ray processes vs threads"),
+  },
+  quick=dict(steps=60),
+  options=dict(steps=600),
+)
+RAY = THREADS._replace(
+  name="async_staleness_ray",
+  title="Asynchronous training: Ray processes vs threads",
+  columns="workers | max_staleness | rescale | held-out loss, threads | "
+  "held-out loss, Ray | dropped, threads | dropped, Ray | mean "
+  "staleness, threads | mean staleness, Ray | grads applied/s, threads "
+  "| grads applied/s, Ray | Ray / threads | wall s, threads | wall s, Ray",
+  cases=_ray_cases,
+  case=_ray_case,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = runner.parse_args(THREADS, argv)
+  args.time_limit = 10.0 if args.quick else 30.0
+  args.repeats = args.repeats or (1 if args.quick else 2 if args.ray else 3)
+  runner.run(RAY if args.ray else THREADS, args=args)
 
 
 if __name__ == "__main__":
