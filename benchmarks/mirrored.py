@@ -1,16 +1,10 @@
 """Mirrored step overhead and the bytes of the cross-replica reduction.
 
-On 8 fake CPU devices (this module sets ``XLA_FLAGS`` before JAX is first
-imported; run it as its own process):
-
-1. Step time of ``Mirrored.step`` (``optax.chain(gtx.all_reduce, sgd)`` on
-   ``gtx.sparse_value_and_grad`` gradients, params donated) against a
-   hand-written ``jax.jit`` + ``jax.shard_map`` step doing the same work
-   with ``lax.all_gather`` / ``lax.pmean`` written out, timed round-robin.
-2. Bytes the cross-replica reduction of the table's gradient moves: the
-   sparse all-gather (``replicas * n * (dim + 1)`` numbers) against a dense
-   all-reduce of the ``[rows, dim]`` gradient, computed from shapes and
-   checked against the collectives in the compiled HLO.
+On 8 fake CPU devices (``XLA_FLAGS`` set before JAX is imported: run it as
+its own process): ``Mirrored.step`` (``all_reduce`` + SGD on sparse
+gradients, donated) against the same step written with ``jax.shard_map``,
+timed round-robin; and the bytes of the table gradient's reduction, sparse
+all-gather against dense all-reduce, from shapes and from the compiled HLO.
 
   python -m benchmarks.mirrored [--rows 1000000] [--dim 64] [--ids 8192]
 """
@@ -33,83 +27,50 @@ import gradtx as gtx  # noqa: E402
 from benchmarks._common import hlo_collectives, memory, parse, parser  # noqa: E402
 from benchmarks._results import columns, headline, write_results  # noqa: E402
 from benchmarks._timing import time_interleaved  # noqa: E402
+from benchmarks.sharded import data, loss_fn, make_step  # noqa: E402
 
 LR = 0.01
 SEQ = 16  # ids per example
-
-
-def loss_fn(params, batch):
-  pooled = jnp.mean(gtx.lookup(params["emb"], batch["ids"]), axis=1)
-  logits = pooled @ params["w"]
-  return jnp.mean(jnp.logaddexp(0.0, -batch["labels"] * logits))
+KINDS = ("all-gather", "all-reduce")
 
 
 def _reduction_bytes(compiled: dict, rows: int, dim: int, n: int, r: int):
-  """The table gradient's collective bytes of the sparse and the dense
-  step: from the shapes, as the compiled HLO moves them (checked against
-  each other), and what each device receives with ring algorithms."""
+  """The table gradient's bytes in the sparse and the dense step: from the
+  shapes, checked against the compiled HLO's (all-gather, all-reduce), and
+  what each device receives with ring algorithms."""
   w_bytes = dim * 4  # the dense leaf w: a small all-reduce in both steps
-  from_shapes = {
-    "sparse": r * n * 4 + r * n * dim * 4,  # gathered int32 ids + f32 rows
-    "dense": rows * dim * 4,  # the f32 table gradient, all-reduced
+  shapes = {"sparse": r * n * (dim + 1) * 4, "dense": rows * dim * 4}
+  want = {  # (all-gather, all-reduce) bytes
+    "sparse": (shapes["sparse"], w_bytes),
+    "dense": (0, shapes["dense"] + w_bytes),
   }
-  want = {  # (all-gather, all-reduce) bytes of each compiled step
-    "sparse": (from_shapes["sparse"], w_bytes),
-    "dense": (0, from_shapes["dense"] + w_bytes),
+  hlo = {k: hlo_collectives(c.as_text(), KINDS) for k, c in compiled.items()}
+  got = {
+    k: tuple(sum(b for op, b in ops if op == kind) for kind in KINDS)
+    for k, ops in hlo.items()
   }
-  hlo, got = {}, {}
-  for name, c in compiled.items():
-    hlo[name] = hlo_collectives(c.as_text(), ("all-gather", "all-reduce"))
-    got[name] = tuple(
-      sum(b for op, b in hlo[name] if op == kind)
-      for kind in ("all-gather", "all-reduce")
-    )
-    if got[name] != want[name]:
-      raise AssertionError(
-        f"{name} step: HLO collectives {hlo[name]} move {got[name]} bytes "
-        f"(all-gather, all-reduce); the shapes say {want[name]}."
-      )
-  sparse_hlo = got["sparse"][0]
-  dense_hlo = got["dense"][1] - w_bytes
-  # Bytes each device receives with ring algorithms: an all-gather brings
-  # in the other replicas' (r-1)/r of the result, an all-reduce moves
-  # 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
+  if got != want:
+    raise AssertionError(f"HLO collectives {hlo} move {got}, not {want}")
+  # Ring algorithms: an all-gather brings in (r-1)/r of the result, an
+  # all-reduce moves 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
   ring = {
-    "sparse": from_shapes["sparse"] * (r - 1) / r,
-    "dense": from_shapes["dense"] * 2 * (r - 1) / r,
+    "sparse": shapes["sparse"] * (r - 1) / r,
+    "dense": shapes["dense"] * 2 * (r - 1) / r,
   }
-  return from_shapes, sparse_hlo, dense_hlo, ring, hlo
+  return shapes, got["sparse"][0], got["dense"][1] - w_bytes, ring, hlo
 
 
 def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   m = gtx.Mirrored()
-  r = m.num_replicas
-  axis = m.axis_name
-  per_replica = ids // SEQ  # examples per replica
-  rng = np.random.RandomState(0)
-  host_params = {
-    "emb": rng.normal(0.0, 0.01, size=(rows, dim)).astype(np.float32),
-    "w": rng.normal(size=(dim,)).astype(np.float32),
-  }
-  n = r * per_replica
-  ids_ = rng.randint(0, rows, size=(n, SEQ)).astype(np.int32)
-  labels = rng.choice([-1.0, 1.0], size=n).astype(np.float32)
-  batch = m.shard_batch({"ids": ids_, "labels": labels})
-
-  # -- the Mirrored step -----------------------------------------------------
+  r, axis = m.num_replicas, m.axis_name
+  host_params, (batch,) = data(rows, dim, r * (ids // SEQ), SEQ, 1)
+  batch = m.shard_batch(batch)
   tx = optax.chain(gtx.all_reduce(axis), gtx.scale_by_learning_rate(LR))
-
-  def train_step(params, opt_state, batch):
-    loss, grads = gtx.sparse_value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return gtx.apply_updates(params, updates), opt_state, loss
-
-  # loss is returned per replica, so both steps do the same work.
-  mirrored = m.step(train_step, donate_argnums=(0, 1), per_replica_outputs=2)
+  # The loss per replica, so that both steps do the same work.
+  mirrored = m.step(make_step(tx), donate_argnums=(0, 1), per_replica_outputs=2)
   opt_state = tx.init(host_params)  # stateless: no leaves
 
-  # -- the same step, written by hand ---------------------------------------
-  def hand_body(params, batch):
+  def hand_body(params, batch):  # the same step, written by hand
     loss, g = gtx.sparse_value_and_grad(loss_fn)(params, batch)
     emb = g["emb"]
     idx = lax.all_gather(emb.indices, axis, tiled=True)
@@ -122,20 +83,14 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     )
     return {"emb": table, "w": params["w"] - LR * w}, loss[None]
 
+  specs = dict(in_specs=(P(), P(axis)), out_specs=(P(), P(axis)))
   hand = jax.jit(
-    jax.shard_map(
-      hand_body,
-      mesh=m.mesh,
-      in_specs=(P(), P(axis)),
-      out_specs=(P(), P(axis)),
-      check_vma=False,
-    ),
+    jax.shard_map(hand_body, mesh=m.mesh, check_vma=False, **specs),
     donate_argnums=0,
   )
 
-  # Same result (checked once, outside the timing). Each step donates its
-  # params, so each gets its own replicated copy, placed one at a time: a
-  # copy of the table is replicas x its size.
+  # Same result, checked once. Each step donates its params, so each gets
+  # its own replicated copy (replicas x the table), placed one at a time.
   def host(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
@@ -165,27 +120,25 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     {"mirrored": call_mirrored, "hand": call_hand}, rounds=rounds, label="step"
   )
 
-  # -- bytes of the cross-replica reduction ---------------------------------
-  compiled_sparse = mirrored.lower(box["p"], opt_state, batch).compile()
-  mem = memory(compiled_sparse)
-  dense_tx = optax.chain(gtx.all_reduce(axis), gtx.scale_by_learning_rate(LR))
-
-  def dense_step(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(params, batch)  # a dense [rows, dim] gradient
-    updates, opt_state = dense_tx.update(grads, opt_state, params)
+  def dense_step(params, opt_state, batch):  # a dense [rows, dim] gradient
+    updates, opt_state = tx.update(
+      jax.grad(loss_fn)(params, batch), opt_state, params
+    )
     return gtx.apply_updates(params, updates), opt_state
 
-  dense = m.step(dense_step, donate_argnums=(0, 1))
-  compiled_dense = dense.lower(box["p"], opt_state, batch).compile()  # not run
-
-  compiled = {"sparse": compiled_sparse, "dense": compiled_dense}
-  from_shapes, sparse_hlo, dense_hlo, ring, hlo = _reduction_bytes(
+  compiled = {  # the dense step compiled, not run
+    "sparse": mirrored.lower(box["p"], opt_state, batch).compile(),
+    "dense": m.step(dense_step, donate_argnums=(0, 1))
+    .lower(box["p"], opt_state, batch)
+    .compile(),
+  }
+  shapes, sparse_hlo, dense_hlo, ring, hlo = _reduction_bytes(
     compiled, rows, dim, ids, r
   )
   row = [f"{rows:,} x {dim}", ids, r, times["hand"] * 1e3]
   row += [times["mirrored"] * 1e3, times["mirrored"] / times["hand"]]
-  row += [from_shapes["sparse"] / 2**20, sparse_hlo / 2**20]
-  row += [from_shapes["dense"] / 2**20, dense_hlo / 2**20]
+  row += [shapes["sparse"] / 2**20, sparse_hlo / 2**20]
+  row += [shapes["dense"] / 2**20, dense_hlo / 2**20]
   row += [ring["dense"] / ring["sparse"]]
   extra = {
     "headline": [
@@ -202,7 +155,7 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     ],
     "hlo_collectives": {k: [list(x) for x in v] for k, v in hlo.items()},
     "ring_bytes_per_device": ring,
-    "mirrored_step_memory": mem,
+    "mirrored_step_memory": memory(compiled["sparse"]),
   }
   return row, extra
 
