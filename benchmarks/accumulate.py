@@ -1,10 +1,7 @@
 """k-step accumulation: gtx.accumulate against optax.MultiSteps.
 
-A few million dense params and a ``num_rows x 64`` table, k micro-steps
-per update, inner Adam: ``optax.MultiSteps(optax.adam)``,
-``gtx.accumulate(optax.adam)`` on the same dense gradients and
-``gtx.accumulate(gtx.lazy_adam)`` on SparseRows: the silent and the
-emitting step's time and compiled memory, and the compiled memory at k = 1.
+Dense params and a ``num_rows x 64`` table, Adam inside, k micro-steps per
+update: the silent and the emitting step's time and compiled memory.
 
 ``python -m benchmarks.accumulate [--quick]``
 """
@@ -53,13 +50,13 @@ def _nbytes(tree) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def _variant(
-  tx, params, grads, k: int, field: str
-) -> tuple[runner.System, runner.System]:
+def _variant(tx, params, grads, k: int) -> tuple[runner.System, ...]:
   """The silent and the emitting step of ``tx`` on its own params and
-  state: its micro-step counter ``field`` set before each step."""
+  state, its micro-step counter set before each step."""
+  tx = getattr(tx, "gradient_transformation", lambda: tx)()
   params = jax.tree.map(jnp.copy, params)
   box = [params, tx.init(params)]
+  field = "mini_step" if hasattr(box[1], "mini_step") else "num_accumulated"
   compiled = runner.update_step(tx).lower(*box, grads).compile()
   info = dict(compiled=compiled, state_bytes=_nbytes(box[1]))
 
@@ -108,26 +105,22 @@ def _case(_, ctx):
   params = _params(a.rows, a.hidden)
   dense_grads = _grads(params, n, sparse=False)
   sparse_grads = _grads(params, n, sparse=True)
-  ctx.found["dense_count"] = count = params["w1"].size + params["w2"].size
-  print(
-    f"table {a.rows} x {DIM}, {count / 1e6:.2f}M dense params, "
-    f"n={n} rows per micro-step, k={k}"
-  )
+  ctx.found["dense_count"] = params["w1"].size + params["w2"].size
   rows = {"table": n, "w1": None, "w2": None}
-  multi = optax.MultiSteps(optax.adam(1e-3), k).gradient_transformation()
-  lazy = gtx.accumulate(gtx.lazy_adam(1e-3), k, rows_per_step=rows)
   variants = {
-    BASE: (multi, dense_grads, "mini_step"),
+    BASE: (optax.MultiSteps(optax.adam(1e-3), k), dense_grads),
     "gtx.accumulate(adam), dense grads": (
       gtx.accumulate(optax.adam(1e-3), k),
       dense_grads,
-      "num_accumulated",
     ),
-    LAZY: (lazy, sparse_grads, "num_accumulated"),
+    LAZY: (
+      gtx.accumulate(gtx.lazy_adam(1e-3), k, rows_per_step=rows),
+      sparse_grads,
+    ),
   }
   systems, kept = {}, {}
-  for name, (tx, grads, field) in variants.items():
-    silent, emit = _variant(tx, params, grads, k, field)
+  for name, (tx, grads) in variants.items():
+    silent, emit = _variant(tx, params, grads, k)
     systems[(name, False)], systems[(name, True)] = silent, emit
     kept[name] = silent.keep  # ([params, state], info)
   del params

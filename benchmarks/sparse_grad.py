@@ -1,7 +1,7 @@
 """Sparse versus dense gradient of unmodified embedding models: the step
-of an embedding-bag model, its table read three ways, differentiated by
-``gtx.sparse_value_and_grad`` and by ``jax.value_and_grad``; and both's
-trace + compile time on a deep Flax model over an ``nn.Embed`` table.
+of an embedding-bag model with its table read three ways, and a deep Flax
+model's trace + compile time, by ``gtx.sparse_value_and_grad`` and by
+``jax.value_and_grad``.
 
   python -m benchmarks.sparse_grad [--rows 1000000] [--dim 64] [--ids 8192]
       [--blocks 24] [--smoke]
@@ -24,13 +24,22 @@ SEQ = 16  # ids per example
 POOL = 16  # distinct id batches, cycled: fresh ids every step
 
 
+def _logistic(logits, labels):
+  return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+
+
+def _batch(rng, rows: int, batch: int) -> tuple:
+  """``batch`` examples of ``SEQ`` ids and their labels."""
+  ids = jnp.asarray(rng.randint(0, rows, size=(batch, SEQ)), jnp.int32)
+  return ids, jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32)
+
+
 def bag_loss(read):
   """The embedding-bag loss with the table read by ``read(table, ids)``."""
 
   def loss(params, ids, labels):
     pooled = jnp.mean(read(params["emb"], ids), axis=1)
-    logits = pooled @ params["w"] + params["b"]
-    return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+    return _logistic(pooled @ params["w"] + params["b"], labels)
 
   return loss
 
@@ -48,8 +57,8 @@ READS = {
 
 
 def _case(_, ctx):
-  """The gradient of each read, sparse and dense (no dense gtx.lookup),
-  checked against the dense ``table[ids]`` once, outside the timing."""
+  """Each read's gradient, sparse and dense (no dense gtx.lookup), checked
+  against the dense ``table[ids]``'s outside the timing."""
   rows, dim, ids = ctx.args.rows, ctx.args.dim, ctx.args.ids
   rng = np.random.RandomState(0)
   params = {
@@ -57,15 +66,7 @@ def _case(_, ctx):
     "w": jnp.asarray(rng.normal(size=(dim,)), jnp.float32),
     "b": jnp.zeros([], jnp.float32),
   }
-  batch = ids // SEQ
-  pool = [
-    (
-      jnp.asarray(rng.randint(0, rows, size=(batch, SEQ)), jnp.int32),
-      jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32),
-    )
-    for _ in range(POOL)
-  ]
-
+  pool = [_batch(rng, rows, ids // SEQ) for _ in range(POOL)]
   fns = {}
   for name, read in READS.items():
     fns[f"sparse {name}"] = jax.jit(gtx.sparse_value_and_grad(bag_loss(read)))
@@ -119,13 +120,11 @@ def compile_times(blocks: int, repeats: int) -> list:
   rows, dim, batch = 10_000, 64, 32
   model = Deep(rows, dim, blocks)
   rng = np.random.RandomState(1)
-  ids = jnp.asarray(rng.randint(0, rows, size=(batch, SEQ)), jnp.int32)
-  labels = jnp.asarray(rng.choice([-1.0, 1.0], size=batch), jnp.float32)
+  ids, labels = _batch(rng, rows, batch)
   params = jax.jit(model.init)(jax.random.key(0), ids)
 
   def loss(params, ids, labels):
-    logits = model.apply(params, ids)
-    return jnp.mean(jnp.logaddexp(0.0, -labels * logits))
+    return _logistic(model.apply(params, ids), labels)
 
   grads = {
     "jax.value_and_grad": jax.value_and_grad,
