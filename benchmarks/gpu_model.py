@@ -2,45 +2,12 @@
 exported for cuda: a model, not a measurement.
 
 Each step of :mod:`benchmarks.gpu_steps` is exported for ``cuda`` on this
-host (``jax.export``, no device) and its StableHLO read
-(:mod:`benchmarks.stablehlo`). The model:
+host (no device) and its StableHLO read (:mod:`benchmarks.stablehlo`):
+kernels, the bytes they move, host syncs and loop trips, as the table's
+note says (:func:`report`), beside FBGEMM's published rates. Writes
+``benchmarks/results/gpu_model.md``.
 
-* **Kernels.** Every op that is not elementwise is a kernel: gather,
-  scatter, sort, reduce, reduce_window, dot, dynamic slice and update,
-  custom call, a composite the compiler implements (``chlo.scan``, jax
-  0.12's cumulative sum on GPU). Elementwise ops (arithmetic, compare,
-  select, convert, broadcast, reshape, slice, concatenate, pad, iota,
-  transpose) fuse into the kernel that reads them; one whose value no
-  kernel reads (a value returned, or carried by a loop) ends a fusion of
-  its own, one more kernel.
-* **Bytes** from the shapes: a gather reads its rows and indices and
-  writes its rows; a scatter reads its updates and indices and reads and
-  writes the rows it updates (in place); a dynamic slice reads and writes
-  its slice, a dynamic update its update; a sort is a radix sort of
-  ``bits / 8`` passes, each reading and writing every operand; the others
-  read their operands and write their results. A scatter into a value no
-  kernel made (zeros, a broadcast) first writes it whole.
-* **Control.** One stream: every kernel is on the critical path, one after
-  another (XLA:GPU's default). A ``case`` on a value costs a host sync
-  (the branch index read back) and its costliest branch; a ``case`` of
-  one branch or on a constant (what ``lax.platform_dependent`` lowers to)
-  is folded by XLA: its branch alone. A ``while`` costs, per
-  trip, its condition and body and a host sync (XLA:GPU's ``WhileThunk``
-  reads the condition back each trip unless the loop is captured in a
-  CUDA graph); its trips are the constant bound where the program has
-  one, the worst case where the body walks a buffer by dynamic slices
-  (every id slot a unique row), else :data:`ASSUMED_TRIPS`.
-* **Time** = kernels x :data:`LAUNCH_US` + syncs x :data:`SYNC_US` +
-  bytes / :data:`HBM_BYTES_PER_S` (an H100 SXM's HBM3, 3.35 TB/s).
-
-Beside it, FBGEMM's published figures (shared/ANCHORS.md): its TBE
-backward at about 1.04 TB/s in TorchRec's reports (meta-pytorch/torchrec
-#4757), its scatter-add ceiling about 2.5 TB/s on an H100
-(pytorch/FBGEMM#3993): the same bytes at those rates.
-
-Writes ``benchmarks/results/gpu_model.md``.
-
-  python -m benchmarks.gpu_model [--platform cuda] [--out PATH]
+  python -m benchmarks.gpu_model [--platform cuda] [--out PATH] [--toy]
 """
 
 from __future__ import annotations
@@ -62,13 +29,12 @@ FBGEMM_BACKWARD_BYTES_PER_S = 1.04e12  # TorchRec's reported TBE backward
 FBGEMM_SCATTER_BYTES_PER_S = 2.5e12  # FBGEMM's H100 scatter-add ceiling
 LABEL = "a model, not a measurement"
 
-KERNELS = {
-  "gather", "scatter", "sort", "reduce", "reduce_window", "dot_general",
-  "dot", "convolution", "custom_call", "dynamic_slice",
-  "dynamic_update_slice", "select_and_scatter", "rng_bit_generator",
-  "fft", "all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-  "collective_permute", "cholesky", "triangular_solve",
-}  # fmt: skip
+KERNELS = set(
+  "gather scatter sort reduce reduce_window dot_general dot convolution "
+  "custom_call dynamic_slice dynamic_update_slice select_and_scatter "
+  "rng_bit_generator fft all_reduce all_gather reduce_scatter all_to_all "
+  "collective_permute cholesky triangular_solve".split()
+)
 FREE = {"constant", "optimization_barrier", "get_dimension_size", "return"}
 CONTROL = {"while", "case", "if", "composite"}
 
@@ -83,7 +49,7 @@ class Kernel:
   written: float  # bytes a launch writes
   launches: float  # per step (a loop's trips included)
   origin: str
-  in_loop: bool = False  # launched by a while loop's trips
+  in_loop: bool  # launched by a while loop's trips
 
   @property
   def bytes(self) -> float:
@@ -136,21 +102,19 @@ def _kind(name: str) -> str:
   return name.split(".", 1)[1] if name.startswith("stablehlo.") else name
 
 
+def _out(op: sh.Op) -> float:
+  return sum(t.nbytes for t in op.results)
+
+
 class _Model:
   def __init__(self, prog: sh.Program) -> None:
-    self.prog = prog
-    self.cost = Cost()
-    self.loop_depth = 0
-    # (function, value) -> the op that defines it
-    self.defs: dict[tuple[str, str], sh.Op] = {}
+    self.prog, self.cost, self.loop_depth = prog, Cost(), 0
+    # (function, value) -> the op that defines it, the ops that read it
+    self.defs = {(op.func, op.result): op for op in prog.ops if op.result}
     self.users: dict[tuple[str, str], list[sh.Op]] = {}
     for op in prog.ops:
-      if op.result:
-        self.defs[(op.func, op.result)] = op
       for u in op.uses:
         self.users.setdefault((op.func, u), []).append(op)
-
-  # -- walking
 
   def body(self, op: sh.Op, region: int | None = None) -> list[sh.Op]:
     return [
@@ -163,96 +127,82 @@ class _Model:
     for op in ops:
       self.op(op, times)
 
+  def call(self, name: str | None, times: float) -> None:
+    callee = self.prog.funcs.get(name or "")
+    if callee is not None:
+      self.run(self.body(self.prog.ops[callee]), times)
+
   def op(self, op: sh.Op, times: float) -> None:
     kind = _kind(op.name)
     if op.name == "func.call":
-      callee = self.prog.funcs.get(op.callee or "")
-      if callee is not None:
-        self.run(self.body(self.prog.ops[callee]), times)
+      self.call(op.callee, times)
+    elif op.name.startswith("func.") or kind in FREE:
       return
-    if op.name.startswith("func.") or kind in FREE:
-      return
-    if kind == "while":
+    elif kind == "while":
       self.loop(op, times)
     elif kind in ("case", "if"):
       self.case(op, times)
     elif kind == "composite":
-      self.composite(op, times)
+      text = op.head + op.tail
+      if '"chlo.' in text:  # a scan the compiler implements
+        self.add(
+          op, "scan", sum(t.nbytes for t in op.operands), _out(op), times
+        )
+      else:
+        m = re.search(r"decomposition = @([\w.\-$]+)", text)
+        self.call(m.group(1) if m else None, times)
     elif kind in KERNELS:
-      self.kernel(op, times)
+      self.kernel(op, kind, times)
     elif self.ends_fusion(op):
-      read = sum(t.nbytes for t in op.operands)
-      self.add(op, "fusion", read, _out(op), times)
+      self.add(
+        op, "fusion", sum(t.nbytes for t in op.operands), _out(op), times
+      )
 
   def add(self, op, kind, read, written, times, launches=1.0) -> None:
     shapes = ", ".join(str(t) for t in op.operands[:3])
-    k = Kernel(
-      kind, shapes, read, written, times * launches, self.prog.origin(op)
-    )
-    k.in_loop = self.loop_depth > 0
+    origin, in_loop = self.prog.origin(op), self.loop_depth > 0
+    k = Kernel(kind, shapes, read, written, times * launches, origin, in_loop)
     self.cost.kernels.append(k)
 
   def ends_fusion(self, op: sh.Op) -> bool:
     """An elementwise op whose value no kernel reads: returned by the
     step, carried by a loop, or read by a loop or a case as an operand.
     (A value a private function returns flows on to its caller's ops.)"""
-    for user in self.users.get((op.func, op.result), []):
-      kind = _kind(user.name)
-      if user.name == "func.return":
-        if op.func == "main":
-          return True
-      elif kind == "return":
-        parent = self.prog.ops[user.parent] if user.parent is not None else None
-        if parent is not None and _kind(parent.name) == "while":
-          return True
-      elif kind in ("while", "case"):
-        return True
-    return False
+    ops = self.prog.ops
+    return any(
+      (user.name == "func.return" and op.func == "main")
+      or _kind(user.name) in ("while", "case")
+      or (
+        _kind(user.name) == "return"
+        and user.parent is not None
+        and _kind(ops[user.parent].name) == "while"
+      )
+      for user in self.users.get((op.func, op.result), [])
+    )
 
-  def made_by_fusion(self, op: sh.Op, value: str) -> bool:
-    d = self.defs.get((op.func, value))
-    if d is None:  # an argument or a loop's carried value
-      return False
-    return _kind(d.name) not in KERNELS | CONTROL and d.name != "func.call"
-
-  # -- kernels
-
-  def kernel(self, op: sh.Op, times: float) -> None:
-    kind = _kind(op.name)
+  def kernel(self, op: sh.Op, kind: str, times: float) -> None:
     ins, out = op.operands, _out(op)
-    if kind == "gather":
-      read, written = out + ins[1].nbytes, out
-    elif kind == "scatter":
-      n = len(ins) // 2  # operands..., indices, updates...
-      updates = sum(t.nbytes for t in ins[n + 1 :]) or ins[-1].nbytes
-      read = updates * 2 + ins[n].nbytes
-      written = updates
-      if op.uses and self.made_by_fusion(op, op.uses[0]):
-        written += ins[0].nbytes  # the operand materialized first
+    read, written = sum(t.nbytes for t in ins), out
+    if kind == "gather":  # its rows and indices read, its rows written
+      read = out + ins[1].nbytes
+    elif kind == "scatter":  # operands..., indices, updates...: in place
+      n = len(ins) // 2
+      written = sum(t.nbytes for t in ins[n + 1 :]) or ins[-1].nbytes
+      read = written * 2 + ins[n].nbytes
+      made = self.defs.get((op.func, op.uses[0])) if op.uses else None
+      if made is not None and _kind(made.name) not in KERNELS | CONTROL:
+        if made.name != "func.call":  # a value no kernel made: written first
+          written += ins[0].nbytes
     elif kind == "dynamic_slice":
-      read, written = out, out
+      read = out
     elif kind == "dynamic_update_slice":
       read = written = ins[1].nbytes
-    elif kind == "sort":
+    elif kind == "sort":  # a radix sort: bits / 8 passes over every operand
       passes = math.ceil(sh.dtype_bytes(ins[0].dtype))
-      total = sum(t.nbytes for t in ins)
-      self.add(op, "sort", total * passes, total * passes, times, passes)
+      read = written = read * passes
+      self.add(op, "sort", read, written, times, passes)
       return
-    else:
-      read, written = sum(t.nbytes for t in ins), out
     self.add(op, kind, read, written, times)
-
-  def composite(self, op: sh.Op, times: float) -> None:
-    text = op.head + op.tail
-    if '"chlo.scan"' in text or '"chlo.' in text:
-      self.add(op, "scan", sum(t.nbytes for t in op.operands), _out(op), times)
-      return
-    m = re.search(r"decomposition = @([\w.\-$]+)", text)
-    callee = self.prog.funcs.get(m.group(1)) if m else None
-    if callee is not None:
-      self.run(self.body(self.prog.ops[callee]), times)
-
-  # -- control
 
   def case(self, op: sh.Op, times: float) -> None:
     branches = op.regions + 1
@@ -262,45 +212,43 @@ class _Model:
       chosen = 0 if branches == 1 else min(max(index, 0), branches - 1)
       self.run(self.body(op, chosen), times)
       return
-    self.cost.syncs += times
-    best, best_s = None, -1.0
-    for r in range(op.regions + 1):
+    self.cost.syncs += times  # the branch index read back
+    best = None
+    for r in range(branches):  # the costliest branch
       sub = _Model.__new__(_Model)
-      sub.__dict__.update(self.__dict__)
-      sub.cost = Cost()
+      sub.__dict__.update(self.__dict__, cost=Cost())
       sub.run(self.body(op, r), times)
-      if sub.cost.seconds > best_s:
-        best, best_s = sub.cost, sub.cost.seconds
-    if best is not None:
-      self.cost.kernels += best.kernels
-      self.cost.syncs += best.syncs
-      self.cost.loops += best.loops
+      if best is None or sub.cost.seconds > best.seconds:
+        best = sub.cost
+    self.cost.kernels += best.kernels
+    self.cost.syncs += best.syncs
+    self.cost.loops += best.loops
 
   def loop(self, op: sh.Op, times: float) -> None:
+    """Per trip its condition, its body and a host sync (XLA:GPU's
+    ``WhileThunk`` reads the condition back)."""
     trips, why = self.trips(op)
-    before = self.cost.launches
+    n, before = times * trips, self.cost.launches
     self.loop_depth += 1
-    self.run(self.body(op, 0), times * trips)  # the condition
-    self.run(self.body(op, 1), times * trips)
+    self.run(self.body(op, 0), n)  # the condition
+    self.run(self.body(op, 1), n)
     self.loop_depth -= 1
-    self.cost.syncs += times * trips
-    per_trip = (self.cost.launches - before) / max(times * trips, 1e-9)
-    self.cost.loops.append(
-      Loop(self.prog.origin(op), times * trips, why, per_trip)
-    )
+    self.cost.syncs += n
+    per_trip = (self.cost.launches - before) / max(n, 1e-9)
+    self.cost.loops.append(Loop(self.prog.origin(op), n, why, per_trip))
 
   def trips(self, op: sh.Op) -> tuple[float, str]:
-    inits = dict(
-      re.findall(r"(%[\w.\-]+) = %([\w.\-]+)", op.head.split(") :")[0])
-    )
+    """A constant bound, else the worst case where the body walks a buffer
+    by dynamic slices (every id slot a unique row), else assumed."""
+    head = op.head.split(") :")[0]
+    inits = dict(re.findall(r"(%[\w.\-]+) = %([\w.\-]+)", head))
     for c in self.body(op, 0):
       m = re.search(r"compare\s+LT, %([\w.\-]+), %([\w.\-]+)", c.head)
-      if not m:
-        continue
-      start = self.constant(op, inits.get("%" + m.group(1), ""))
-      stop = self.constant(op, m.group(2))
-      if start is not None and stop is not None:
-        return float(max(stop - start, 0)), "constant"
+      if m:
+        start = self.constant(op, inits.get("%" + m.group(1), ""))
+        stop = self.constant(op, m.group(2))
+        if start is not None and stop is not None:
+          return float(max(stop - start, 0)), "constant"
     for c in self.prog.region_ops(op):
       if _kind(c.name) == "dynamic_slice" and c.operands and c.results:
         whole, part = c.operands[0].shape, c.results[0].shape
@@ -311,61 +259,26 @@ class _Model:
 
   def constant(self, op: sh.Op, value: str) -> int | None:
     d = self.defs.get((op.func, value.lstrip("%")))
-    if d is None or _kind(d.name) != "constant":
-      return None
-    m = re.search(r"dense<(-?\d+)>", d.head)
-    return int(m.group(1)) if m else None
-
-
-def _out(op: sh.Op) -> float:
-  return sum(t.nbytes for t in op.results)
+    m = re.search(r"dense<(-?\d+)>", d.head) if d else None
+    return int(m.group(1)) if m and _kind(d.name) == "constant" else None
 
 
 def model(prog: sh.Program) -> Cost:
   """The predicted cost of ``prog`` (its ``main``) on one GPU."""
-  m = _Model(prog)
-  main = prog.funcs.get("main")
-  if main is None:
+  if "main" not in prog.funcs:
     raise ValueError("model: the program has no main function")
-  m.run(m.body(prog.ops[main]), 1.0)
+  m = _Model(prog)
+  m.call("main", 1.0)
   return m.cost
 
 
 def predict(program: Any, platform: str = "cuda") -> Cost:
   """The cost of a :class:`benchmarks.gpu_steps.Program`'s step."""
-  text = sh.export_text(program.step, program.args, platform)
-  return model(sh.read(text))
-
-
-# ----------------------------------------------------------------------------
-# the table
+  return model(sh.read(sh.export_text(program.step, program.args, platform)))
 
 
 def _ms(s: float) -> str:
   return f"{s * 1e3:.3f}"
-
-
-def summary_rows(costs: dict[str, Cost]) -> list[list[str]]:
-  rows = []
-  for name, c in costs.items():
-    loops = "; ".join(
-      f"{lp.trips:g} trips ({lp.why}) x {lp.kernels:.0f} kernels"
-      for lp in c.loops
-    )
-    rows.append([
-      name,
-      f"{len(c.kernels)}",
-      f"{c.launches:,.0f}",
-      f"{c.syncs:,.0f}",
-      f"{c.bytes / 1e6:,.1f}",
-      _ms(c.seconds),
-      _ms(c.launch_s),
-      _ms(c.loop_seconds()),
-      _ms(c.bytes / FBGEMM_SCATTER_BYTES_PER_S),
-      _ms(c.bytes / FBGEMM_BACKWARD_BYTES_PER_S),
-      loops or "none",
-    ])  # fmt: skip
-  return rows
 
 
 HEADERS = (
@@ -376,13 +289,17 @@ HEADERS = (
 ).split(" | ")
 
 
-def top_kernels(c: Cost, n: int = 8) -> list[list[str]]:
-  ks = sorted(c.kernels, key=lambda k: -k.seconds)[:n]
+def summary_row(name: str, c: Cost) -> list[str]:
+  loops = "; ".join(
+    f"{lp.trips:g} trips ({lp.why}) x {lp.kernels:.0f} kernels"
+    for lp in c.loops
+  )
   return [
-    [k.op, k.shapes, f"{k.launches:g}", f"{(k.read + k.written) / 1e6:.3f}"]
-    + [f"{k.seconds * 1e3:.3f}", k.origin]
-    for k in ks
-  ]
+    name, f"{len(c.kernels)}", f"{c.launches:,.0f}", f"{c.syncs:,.0f}",
+    f"{c.bytes / 1e6:,.1f}", _ms(c.seconds), _ms(c.launch_s),
+    _ms(c.loop_seconds()), _ms(c.bytes / FBGEMM_SCATTER_BYTES_PER_S),
+    _ms(c.bytes / FBGEMM_BACKWARD_BYTES_PER_S), loops or "none",
+  ]  # fmt: skip
 
 
 def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
@@ -409,19 +326,21 @@ def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
     "(pytorch/FBGEMM#3993); TBE fp32 forward + backward, 32 tables of "
     "100k x 128, bags of 20, B=512: 515 us, 978 GB/s.",
     "",
-    markdown_table(HEADERS, summary_rows(costs)),
+    markdown_table(HEADERS, [summary_row(n, c) for n, c in costs.items()]),
   ]
-  if note:
-    md += ["", note]
+  md += ["", note] if note else []
   for name, c in costs.items():
+    top = sorted(c.kernels, key=lambda k: -k.seconds)[:8]
+    rows = [
+      [k.op, k.shapes, f"{k.launches:g}", f"{(k.read + k.written) / 1e6:.3f}"]
+      + [f"{k.seconds * 1e3:.3f}", k.origin]
+      for k in top
+    ]
+    md += ["", f"### {name}: the costliest kernels ({LABEL})", ""]
     md += [
-      "",
-      f"### {name}: the costliest kernels ({LABEL})",
-      "",
       markdown_table(
-        ["op", "operands", "launches", "MB a launch", "model ms", "from"],
-        top_kernels(c),
-      ),
+        ["op", "operands", "launches", "MB a launch", "model ms", "from"], rows
+      )
     ]
   return "\n".join(md) + "\n"
 
@@ -434,20 +353,12 @@ def main(argv: list[str] | None = None) -> str:
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--platform", default="cuda")
   ap.add_argument("--out", type=Path, default=RESULTS / "gpu_model.md")
-  ap.add_argument(
-    "--toy", action="store_true", help="the steps at toy sizes (dry runs)"
-  )
-  ap.add_argument(
-    "--label",
-    default="",
-    help="the library read, in words (default: its commit)",
-  )
+  ap.add_argument("--toy", action="store_true", help="toy sizes (dry runs)")
   args = ap.parse_args(argv)
   steps = gpu_steps.TOY if args.toy else gpu_steps.STEPS
   costs = {name: predict(make(), args.platform) for name, make in steps.items()}
   note = f"Exported with JAX {version('jax')}" + " (toy sizes)" * args.toy
-  source = args.label or f"gradtx at {commit()}"
-  md = report(costs, args.platform, f"{note}; {source}")
+  md = report(costs, args.platform, f"{note}; gradtx at {commit()}")
   print(md)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(md)
