@@ -281,21 +281,14 @@ def _ray_case(setting, ctx):
   ]
   f["curves"][("ray", *setting)] = [(sec, loss) for _, loss, sec in r.curve]
   th, ry = (_summary(runs[e], initial, received=False) for e in runs)
-  f["raw"].append(
-    _raw(
-      setting,
-      **{
-        e: [_run_json(i, x, False) for i, x in enumerate(xs)]
-        for e, xs in runs.items()
-      },
-    )
-  )
+  json_runs = {
+    e: [_run_json(i, x, False) for i, x in enumerate(xs)]
+    for e, xs in runs.items()
+  }
+  f["raw"].append(_raw(setting, **json_runs))
   cells = [s[k] for k in ("loss", "dropped", "staleness") for s in (th, ry)]
-  rates = [
-    round(th["rate"]),
-    round(ry["rate"]),
-    f"{ry['rate'] / th['rate']:.3f}",
-  ]
+  rates = [round(th["rate"]), round(ry["rate"])]
+  rates.append(f"{ry['rate'] / th['rate']:.3f}")
   return [_setting(*setting) + cells + rates + [th["wall"], ry["wall"]]]
 
 
