@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
-# The GPU figures in one command, for a lent GPU machine as it is: its
-# python3 (CUDA jax, CUDA torch, flax, optax, orbax; nothing installed),
-# gradtx from this working tree. At most 9 minutes on one GPU:
+# The GPU figures in one command, on a lent GPU machine's python3 (PY), with
+# gradtx from this working tree, in at most 9 minutes; results also copied to
+# $OUT when it is set:
 #
-#   bash benchmarks/gpu.sh            # writes benchmarks/results/gpu.md
+#   bash benchmarks/gpu.sh            # benchmarks/results/gpu.md, gpu_model.md
 #   bash benchmarks/gpu.sh --dry-run  # every part at toy sizes on the CPU
-#
-# The one harness is benchmarks/gpu.py (gtx and torch, FBGEMM where it
-# imports, on the same card; the cost model's prediction beside each gtx
-# figure); then the model's table of the full-size programs
-# (benchmarks/gpu_model.py, tested in tests/test_platforms.py). Results are
-# also copied to $OUT when it is set. PY picks the python (default
-# python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -24,14 +17,12 @@ if [ "${1:-}" = "--dry-run" ]; then
   exit 0
 fi
 unset XLA_FLAGS JAX_PLATFORMS
-# JAX must not take most of the card: torch runs in the same process.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_PYTHON_CLIENT_PREALLOCATE=false # torch runs in the same process
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 $PY -c "import jax; print(jax.__version__, jax.devices()); \
 assert jax.default_backend() == 'gpu'"
 timeout 480 $PY -m benchmarks.gpu
 timeout 60 $PY -m benchmarks.gpu_model
 if [ -n "${OUT:-}" ]; then
-  cp benchmarks/results/gpu.md benchmarks/results/gpu.json \
-    benchmarks/results/gpu_model.md "$OUT"/
+  cp benchmarks/results/gpu.{md,json} benchmarks/results/gpu_model.md "$OUT"/
 fi

@@ -1,30 +1,11 @@
 """The guides' training steps as programs to export, run and model.
 
 :func:`build` makes each step of :data:`SCENARIOS` a :class:`Program`: the
-jitted whole step (forward with the loss returned, sparse backward,
-``gtx.lazy_adam``, updates applied; params, optimizer state and id map
-donated), its arguments as ``jax.ShapeDtypeStruct`` trees (so
-``jax.export`` reads a program of any size with no memory), and how to
-make concrete arguments of those shapes for a run on a device. The forms:
-
-* ``table``: one ``[rows, dim]`` table, ``ids`` uniform ids a step
-  (docs/guides/lazy_adam.md).
-* ``ids``: Criteo Kaggle's 26 cardinalities capped at 100k rows, 64 wide,
-  one ``gtx.TableStack`` made with ``batch_size`` (the tables read at
-  least 4 times a row in its dense stack), one id per example and feature,
-  a linear logit per feature (docs/guides/recommenders.md).
-* ``bags``: the same tables, every feature a ``gtx.Jagged`` bag of 1-20
-  weighted ids (capacity :func:`bag_capacity`).
-* ``hashed``: the same tables declared ``hashed=gtx.Hashed()``;
-  ``stack.admit`` + ``gtx.reset_rows`` + the step, the id map donated too
-  (docs/guides/open_vocabularies.md).
-* ``keyed``: ``features`` features (Criteo's cardinalities repeated) as
-  one ``gtx.Keyed`` ``[B, F]`` matrix, the pooled rows read by one einsum
-  (``output="keyed"``): the form that keeps the program flat from 26 to
-  500 features.
-
-:data:`STEPS` holds them at the guides' sizes, :data:`TOY` at toy sizes
-(dry runs and tests).
+jitted whole step (forward with the loss, sparse backward,
+``gtx.lazy_adam``, updates applied, the state donated), its arguments as
+``jax.ShapeDtypeStruct`` trees (``jax.export`` reads any size with no
+memory) and makers of concrete arguments for a run. :data:`STEPS` holds
+them at the guides' sizes, :data:`TOY` at toy sizes (dry runs and tests).
 """
 
 from __future__ import annotations
@@ -55,21 +36,11 @@ class Program(NamedTuple):
   info: dict  # sizes, for tables and the cost model's notes
 
 
-def criteo_rows(features: int = 26, cap: int = CAP) -> list[int]:
-  """Criteo Kaggle's cardinalities (repeated past 26), capped at ``cap``."""
-  return table_rows(features, cap)
-
-
-def bag_capacity(batch: int) -> int:
-  """A feature's static id capacity: the expected ids of ``batch`` bags of
-  1..MAX_BAG, rounded up to 64 (as ``benchmarks.stacks``)."""
-  return int(np.ceil(batch * (MAX_BAG + 1) / 2 / 64) * 64)
-
-
 def jagged_batch(rng, rows: list[int], batch: int) -> list[tuple]:
-  """Per feature: ``(ids, lengths, weights)``, the ids padded to
-  :func:`bag_capacity` (zeros past the bags' ids, with weight 0)."""
-  cap = bag_capacity(batch)
+  """Per feature: ``(ids, lengths, weights)`` of ``batch`` bags of
+  1..MAX_BAG ids, padded with zeros of weight 0 to a static capacity (the
+  expected ids rounded up to 64, as ``benchmarks.stacks``)."""
+  cap = int(np.ceil(batch * (MAX_BAG + 1) / 2 / 64) * 64)
   out = []
   for r in rows:
     lengths = rng.integers(1, MAX_BAG + 1, batch).astype(np.int32)
@@ -85,17 +56,6 @@ def jagged_batch(rng, rows: list[int], batch: int) -> list[tuple]:
   return out
 
 
-def _update(tx: Any, loss: Callable[..., jax.Array]) -> Callable[..., Any]:
-  """The sparse backward, ``tx`` and the updates applied."""
-
-  def run(params, state, *batch):
-    value, g = gtx.sparse_value_and_grad(loss)(params, *batch)
-    u, state = tx.update(g, state, params)
-    return gtx.apply_updates(params, u), state, value
-
-  return run
-
-
 def build(
   form: str,
   *,
@@ -106,8 +66,12 @@ def build(
   cap: int = CAP,
   features: int = 26,
 ) -> Program:
-  """The step of ``form`` (see the module docstring) at these sizes:
-  ``rows`` and ``ids`` size the one table, the others the stacks."""
+  """The step of ``form``: ``table``, one ``[rows, dim]`` table read by
+  ``ids`` uniform ids; else Criteo's ``features`` cardinalities capped at
+  ``cap`` in one ``gtx.TableStack``, a linear logit per feature, read by
+  one id an example (``ids``), weighted ``gtx.Jagged`` bags (``bags``),
+  hashed tables behind ``stack.admit`` + ``gtx.reset_rows`` (``hashed``)
+  or one ``gtx.Keyed`` ``[B, F]`` matrix (``keyed``)."""
   tx = gtx.lazy_adam(1e-3)
   if form == "table":
 
@@ -120,10 +84,9 @@ def build(
     def batch_fn(rng):
       return (rng.integers(0, rows, ids).astype(np.int32),)
 
-    info = {"rows": rows, "dim": dim, "ids": ids, "id slots": ids}
-    return _assemble(tx, _update(tx, loss), params_fn, batch_fn, info)
+    return _assemble(tx, loss, params_fn, batch_fn, {"rows": rows, "dim": dim})
 
-  sizes = criteo_rows(features, cap)
+  sizes = table_rows(features, cap)
   names = [f"f{t}" for t in range(features)]
   hashed = gtx.Hashed() if form == "hashed" else None
   stack = gtx.TableStack(
@@ -170,27 +133,33 @@ def build(
       x = {n: v.astype(np.int32) for n, v in x.items()}
     return x, (rng.random(batch) < 0.25).astype(np.float32)
 
-  slots = bag_capacity(batch) if form == "bags" else batch
-  info = {"features": features, "batch": batch, "dim": dim, "cap": cap}
-  info["id slots"] = features * slots
-  update = _update(tx, loss)
-  if not hashed:
-    return _assemble(tx, update, params_fn, batch_fn, info)
+  info = {"features": features, "dim": dim, "cap": cap}
+  return _assemble(
+    tx, loss, params_fn, batch_fn, info, stack if hashed else None
+  )
 
-  def run(params, state, vocab, raw, y):
+
+def _assemble(tx, loss, params_fn, batch_fn, info, stack=None) -> Program:
+  """The whole step over ``(params, opt state[, id map], *batch)`` jitted,
+  the state donated: with a hashed ``stack``, ``stack.admit`` maps the raw
+  ids and ``gtx.reset_rows`` makes the rows it gave out fresh first.
+  ``params_fn(key)`` makes the params, ``batch_fn(rng)`` a batch."""
+
+  def update(params, state, *batch):
+    value, g = gtx.sparse_value_and_grad(loss)(params, *batch)
+    u, state = tx.update(g, state, params)
+    return gtx.apply_updates(params, u), state, value
+
+  def run(params, state, *batch):
+    if stack is None:
+      return update(params, state, *batch)
+    vocab, raw, y = batch
     ids, vocab, fresh = stack.admit(vocab, raw)
     params, state = gtx.reset_rows(tx, state, params, {"emb": fresh})
     params, state, value = update(params, state, ids, y)
     return params, state, vocab, value
 
-  return _assemble(tx, run, params_fn, batch_fn, info, stack.init_vocab)
-
-
-def _assemble(tx, run, params_fn, batch_fn, info, vocab_fn=None) -> Program:
-  """``run`` over ``(params, opt state[, id map], *batch)`` jitted, the
-  state donated; ``params_fn(key)`` makes the params, ``vocab_fn(key)``
-  the id map, ``batch_fn(rng)`` a batch."""
-  extra = (vocab_fn,) if vocab_fn else ()
+  extra = () if stack is None else (stack.init_vocab,)
 
   def init(key):
     k1, k2 = jax.random.split(key) if extra else (key, None)
