@@ -1,11 +1,9 @@
 """The two models of ``benchmarks.convergence``, on real data.
 
-The Python standard library's source on this machine, tokenized as
-``examples/demo.py`` does it and split by file (:func:`load_corpus`: every
-10th file in sorted order held out), and the two tasks trained on it
-(:class:`Task`): :func:`skipgram_task` (word2vec with negative sampling,
-two tables) and :func:`lm_task` (a next-token model over the 4 previous
-tokens' rows).
+The Python standard library's source, tokenized as ``examples/demo.py``
+does it, split by file (:func:`load_corpus`), and the tasks trained on it:
+:func:`skipgram_task` (word2vec with negative sampling, two tables) and
+:func:`lm_task` (a next-token model over the 4 previous tokens' rows).
 """
 
 from __future__ import annotations
@@ -29,12 +27,9 @@ HELD_OUT_EVERY = 10  # every 10th file (sorted order) is held out
 
 
 def stdlib_files(max_tokens: int) -> list[list[str]]:
-  """The standard library's tokens, one list per file, in sorted file order.
-
-  Tokenized as ``examples.demo.stdlib_tokens`` does (names, operators,
-  numbers kept; strings become ``<str>``; comments and layout dropped), but
-  kept per file for the held-out split. Stops after ``max_tokens``.
-  """
+  """The standard library's tokens as ``examples.demo.stdlib_tokens`` has
+  them (strings as ``<str>``), one list per file in sorted order, up to
+  ``max_tokens`` in all."""
   root = Path(sysconfig.get_paths()["stdlib"])
   files = sorted(
     p
@@ -100,9 +95,19 @@ class Task(NamedTuple):
   tokens: tuple[int, int]  # training, held-out tokens
 
 
-def skipgram_task(
-  corpus: Corpus, vocab: int, batch: int, eval_pairs: int
-) -> Task:
+def _task(name, tables, params, loss, sample, streams, batch) -> Task:
+  """A :class:`Task`, its params as float32; ``streams``: the vocabulary's
+  size, the token streams, and the seed, examples and batch size of the
+  held-out batches."""
+  vocab, train, held, seed, examples, size = streams
+  params = {k: v.astype(np.float32) for k, v in params.items()}
+  rng = np.random.RandomState(seed)
+  evals = [sample(rng, held, size) for _ in range(max(1, examples // size))]
+  tokens = len(train), len(held)
+  return Task(name, params, tables, loss, sample, evals, vocab, batch, tokens)
+
+
+def skipgram_task(corpus: Corpus, vocab: int, batch: int, eval_pairs: int):
   negatives, window = 5, 4
   vocab, freq, train, held = encoded(corpus, vocab)
   noise = np.cumsum(np.asarray(freq, np.float64) ** 0.75)
@@ -117,11 +122,6 @@ def skipgram_task(
     others = np.concatenate([ctx[:, None], negs], axis=1)
     return {"center": stream[pos], "others": others.astype(np.int32)}
 
-  rng = np.random.RandomState(SEED + 1)
-  eval_batches = [
-    sample(rng, held, 4096) for _ in range(max(1, eval_pairs // 4096))
-  ]
-
   def loss(p, b):
     center = p["center"][b["center"]].astype(jnp.float32)  # [b, d]
     others = p["context"][b["others"]].astype(jnp.float32)  # [b, 1+neg, d]
@@ -131,25 +131,15 @@ def skipgram_task(
 
   init = np.random.RandomState(SEED)
   params = {
-    "center": (init.uniform(-0.5, 0.5, (vocab, DIM)) / DIM).astype(np.float32),
-    "context": np.zeros((vocab, DIM), np.float32),
+    "center": init.uniform(-0.5, 0.5, (vocab, DIM)) / DIM,
+    "context": np.zeros((vocab, DIM)),
   }
-  return Task(
-    "skip-gram",
-    params,
-    ("center", "context"),
-    loss,
-    sample,
-    eval_batches,
-    vocab,
-    batch,
-    (len(train), len(held)),
-  )
+  streams = vocab, train, held, SEED + 1, eval_pairs, 4096
+  tables = ("center", "context")
+  return _task("skip-gram", tables, params, loss, sample, streams, batch)
 
 
-def lm_task(
-  corpus: Corpus, vocab: int, batch: int, eval_positions: int
-) -> Task:
+def lm_task(corpus: Corpus, vocab: int, batch: int, eval_positions: int):
   context, hidden = 4, 64
   vocab, _, train, held = encoded(corpus, vocab)
   window = np.arange(-context, 0)
@@ -157,11 +147,6 @@ def lm_task(
   def sample(rng, stream=train, n=batch):
     pos = rng.randint(context, len(stream), n)
     return {"context": stream[pos[:, None] + window], "target": stream[pos]}
-
-  rng = np.random.RandomState(SEED + 2)
-  eval_batches = [
-    sample(rng, held, 2048) for _ in range(max(1, eval_positions // 2048))
-  ]
 
   def loss(p, b):
     x = p["emb"][b["context"]].astype(jnp.float32)  # [b, context, d]
@@ -172,22 +157,11 @@ def lm_task(
 
   init = np.random.RandomState(SEED)
   params = {
-    "emb": init.normal(0, 0.1, (vocab, DIM)).astype(np.float32),
-    "w": (
-      init.normal(0, 1, (context * DIM, hidden)) / np.sqrt(context * DIM)
-    ).astype(np.float32),
-    "b": np.zeros(hidden, np.float32),
-    "w_out": (init.normal(0, 1, (hidden, vocab)) * 0.01).astype(np.float32),
-    "b_out": np.zeros(vocab, np.float32),
+    "emb": init.normal(0, 0.1, (vocab, DIM)),
+    "w": init.normal(0, 1, (context * DIM, hidden)) / np.sqrt(context * DIM),
+    "b": np.zeros(hidden),
+    "w_out": init.normal(0, 1, (hidden, vocab)) * 0.01,
+    "b_out": np.zeros(vocab),
   }
-  return Task(
-    "next-token LM",
-    params,
-    ("emb",),
-    loss,
-    sample,
-    eval_batches,
-    vocab,
-    batch,
-    (len(train), len(held)),
-  )
+  streams = vocab, train, held, SEED + 2, eval_positions, 2048
+  return _task("next-token LM", ("emb",), params, loss, sample, streams, batch)
