@@ -34,32 +34,6 @@ SEQ = 16  # ids per example
 KINDS = ("all-gather", "all-reduce")
 
 
-def _reduction_bytes(compiled: dict, rows: int, dim: int, n: int, r: int):
-  """The table gradient's bytes in the sparse and the dense step: from the
-  shapes, checked against the compiled HLO's (all-gather, all-reduce), and
-  what each device receives with ring algorithms."""
-  w_bytes = dim * 4  # the dense leaf w: a small all-reduce in both steps
-  shapes = {"sparse": r * n * (dim + 1) * 4, "dense": rows * dim * 4}
-  want = {  # (all-gather, all-reduce) bytes
-    "sparse": (shapes["sparse"], w_bytes),
-    "dense": (0, shapes["dense"] + w_bytes),
-  }
-  hlo = {k: hlo_collectives(c.as_text(), KINDS) for k, c in compiled.items()}
-  got = {
-    k: tuple(sum(b for op, b in ops if op == kind) for kind in KINDS)
-    for k, ops in hlo.items()
-  }
-  if got != want:
-    raise AssertionError(f"HLO collectives {hlo} move {got}, not {want}")
-  # Ring algorithms: an all-gather brings in (r-1)/r of the result, an
-  # all-reduce moves 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
-  ring = {
-    "sparse": shapes["sparse"] * (r - 1) / r,
-    "dense": shapes["dense"] * 2 * (r - 1) / r,
-  }
-  return shapes, got["sparse"][0], got["dense"][1] - w_bytes, ring, hlo
-
-
 def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
   m = gtx.Mirrored()
   r, axis = m.num_replicas, m.axis_name
@@ -132,13 +106,29 @@ def run(rows: int, dim: int, ids: int, rounds: int) -> tuple[list, dict]:
     .lower(box["p"], opt_state, batch)
     .compile(),
   }
-  shapes, sparse_hlo, dense_hlo, ring, hlo = _reduction_bytes(
-    compiled, rows, dim, ids, r
-  )
+  # The table gradient's bytes from the shapes (int32 ids and float32 rows
+  # gathered, or the float32 table all-reduced), checked against the HLO's
+  # (all-gather, all-reduce); the dense leaf w is all-reduced in both steps.
+  w = dim * 4
+  shapes = {"sparse": r * ids * (dim + 1) * 4, "dense": rows * dim * 4}
+  want = {"sparse": (shapes["sparse"], w), "dense": (0, shapes["dense"] + w)}
+  hlo = {k: hlo_collectives(c.as_text(), KINDS) for k, c in compiled.items()}
+  got = {
+    k: tuple(sum(b for op, b in ops if op == kind) for kind in KINDS)
+    for k, ops in hlo.items()
+  }
+  if got != want:
+    raise AssertionError(f"HLO collectives {hlo} move {got}, not {want}")
+  # Ring algorithms: an all-gather brings in (r-1)/r of the result, an
+  # all-reduce moves 2 (r-1)/r of the buffer (reduce-scatter + all-gather).
+  ring = {
+    "sparse": shapes["sparse"] * (r - 1) / r,
+    "dense": shapes["dense"] * 2 * (r - 1) / r,
+  }
   row = [f"{rows:,} x {dim}", ids, r, times["hand"] * 1e3]
   row += [times["mirrored"] * 1e3, times["mirrored"] / times["hand"]]
-  row += [shapes["sparse"] / 2**20, sparse_hlo / 2**20]
-  row += [shapes["dense"] / 2**20, dense_hlo / 2**20]
+  row += [shapes["sparse"] / 2**20, got["sparse"][0] / 2**20]
+  row += [shapes["dense"] / 2**20, (got["dense"][1] - w) / 2**20]
   row += [ring["dense"] / ring["sparse"]]
   extra = {
     "headline": [

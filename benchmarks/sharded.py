@@ -41,9 +41,9 @@ SHARDED = ("row-sharded", "Mirrored(shard_rows)")  # one copy of the table
 READS = {"masked": "masked + reduce-scatter", "a2a": "all-to-all"}
 
 
-def collective_bytes(hlo: str) -> int:
-  """Result bytes of every collective in HLO text (per device)."""
-  return sum(b for _, b in hlo_collectives(hlo))
+def collective_bytes(compiled) -> int:
+  """Result bytes of every collective in a compiled step (per device)."""
+  return sum(b for _, b in hlo_collectives(compiled.as_text()))
 
 
 def loss_fn(params, batch):
@@ -189,9 +189,9 @@ def read_methods(rows, dim, n, rounds):
       k: lambda f=f: f(table, ids).block_until_ready() for k, f in fns.items()
     }
     times = time_interleaved(calls, rounds=rounds)
-    hlo = {k: f.lower(table, ids).compile().as_text() for k, f in fns.items()}
+    compiled = {k: f.lower(table, ids).compile() for k, f in fns.items()}
   return [
-    [name, rows, n, collective_bytes(hlo[k]), times[k] * 1e3]
+    [name, rows, n, collective_bytes(compiled[k]), times[k] * 1e3]
     for k, name in READS.items()
   ]
 
@@ -201,28 +201,40 @@ def _row(kind, rows, args) -> list:
   where table + m + v on all their devices fit ``--max-state-gib``."""
   compiled, run = system(kind, rows, args.dim, args.ids)
   mem = memory(compiled)
+  mib = (mem["argument"] + mem["temp"]) / 2**20, mem["temp"] / 2**20
   copies = 1 if kind in SHARDED else DEVICES
   fits = 3 * rows * args.dim * 4 * copies / 2**30 <= args.max_state_gib
-  return [
-    kind,
-    rows,
-    args.ids,
-    collective_bytes(compiled.as_text()),
-    round((mem["argument"] + mem["temp"]) / 2**20, 1),
-    round(mem["temp"] / 2**20, 2),
-    round(run(args.rounds) * 1e3, 2) if fits else "not run (memory)",
-  ]
+  ms = round(run(args.rounds) * 1e3, 2) if fits else "not run (memory)"
+  row = [kind, rows, args.ids, collective_bytes(compiled)]
+  return row + [round(mib[0], 1), round(mib[1], 2), ms]
 
 
-def _notes(args, tx, over, layout=""):
-  return (
-    f"table [rows, {args.dim}] float32, {tx}, {args.ids} ids per step split "
-    f"over the {over}, params and state donated. {layout}Collective bytes: "
-    "result bytes of every collective in the compiled step, per device. "
-    "Memory: arguments + temporaries per device from memory_analysis. Step "
-    f"time only where table + m + v on all devices fit {args.max_state_gib} "
-    "GiB"
-  )
+# --mirrored: results file, title, first column, systems, the notes' parts
+SCENARIOS = {
+  False: (
+    "sharded",
+    "Row-sharded vs replicated tables (8 devices)",
+    "table",
+    ("replicated", "row-sharded"),
+    f"Explicit mesh of {DEVICES} fake CPU devices; ",
+    ("lazy_adam", "devices", "", "."),
+  ),
+  True: (
+    "sharded_mirrored",
+    "Mirrored: replicated vs row-sharded tables (8 devices)",
+    "step",
+    ("Mirrored", "Mirrored(shard_rows)"),
+    f"gtx.Mirrored over {DEVICES} fake CPU devices; ",
+    (
+      "all_reduce + lazy_adam",
+      "replicas",
+      "Mirrored replicates the table and its m, v on every device; "
+      "Mirrored(shard_rows) splits them by rows (the dense params stay "
+      "mirrored). ",
+      "; the machine was shared, so compare the step times of one run only.",
+    ),
+  ),
+}
 
 
 def main(argv=None):
@@ -234,62 +246,49 @@ def main(argv=None):
   p.add_argument("--mirrored", action="store_true")
   quick = dict(rows=[65_536, 262_144], ids=1024, rounds=3)
   args = parse(p, argv, quick=quick)
-  kinds = (
-    ("Mirrored", SHARDED[1]) if args.mirrored else ("replicated", SHARDED[0])
-  )
-  rows_out = [_row(kind, rows, args) for rows in args.rows for kind in kinds]
-  headers = columns(
-    f"{'step' if args.mirrored else 'table'} | rows | ids/step | collective "
-    "bytes/step | memory MiB/device | temp MiB/device | step ms"
-  )
-  if args.mirrored:
-    notes = f"gtx.Mirrored over {DEVICES} fake CPU devices; " + _notes(
-      args,
-      "all_reduce + lazy_adam",
-      "replicas",
-      "Mirrored replicates the table and its m, v on every device; "
-      "Mirrored(shard_rows) splits them by rows (the dense params stay "
-      "mirrored). ",
-    )
-    notes += (
-      "; the machine was shared, so compare the step times of one run only."
-    )
-    title = "Mirrored: replicated vs row-sharded tables (8 devices)"
-    write_results("sharded_mirrored", title, headers, rows_out, notes=notes)
-    return
-  reads = read_methods(args.rows[0], args.dim, args.ids, args.rounds)
-  by = {(r[0], r[1]): r for r in rows_out}
-  big, small = args.rows[-1], args.rows[0]
-  heads = [
-    headline(
-      f"row-sharded collective bytes/step, {big} vs {small} rows",
-      f"{by['row-sharded', big][3]} vs {by['row-sharded', small][3]}",
-      "equal (does not grow with the table)",
-    ),
-    headline(
-      f"per-device memory row-sharded / replicated at {big} rows",
-      round(by["row-sharded", big][4] / by["replicated", big][4], 3),
-      "about 1/8",
-    ),
+  name, title, first, kinds, where, (tx, over, layout, end) = SCENARIOS[
+    args.mirrored
   ]
+  out = [_row(kind, rows, args) for rows in args.rows for kind in kinds]
   notes = (
-    f"Explicit mesh of {DEVICES} fake CPU devices; "
-    + _notes(args, "lazy_adam", "devices")
-    + ".\n\nReading rows of a sharded table (forward only, first table "
-    "size):\n\n| method | rows | ids | collective bytes | ms |\n"
-    "|---|---|---|---|---|\n"
-    + "\n".join(
-      f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3g} |" for r in reads
+    f"{where}table [rows, {args.dim}] float32, {tx}, {args.ids} ids per step "
+    f"split over the {over}, params and state donated. {layout}Collective "
+    "bytes: result bytes of every collective in the compiled step, per "
+    "device. Memory: arguments + temporaries per device from "
+    "memory_analysis. Step time only where table + m + v on all devices fit "
+    f"{args.max_state_gib} GiB{end}"
+  )
+  extra = None
+  if not args.mirrored:
+    reads = read_methods(args.rows[0], args.dim, args.ids, args.rounds)
+    notes += (
+      "\n\nReading rows of a sharded table (forward only, first table size):"
+      "\n\n| method | rows | ids | collective bytes | ms |\n"
+      "|---|---|---|---|---|\n"
+      + "\n".join(
+        f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3g} |" for r in reads
+      )
     )
+    by = {(r[0], r[1]): r for r in out}
+    big, small = args.rows[-1], args.rows[0]
+    heads = [
+      headline(
+        f"row-sharded collective bytes/step, {big} vs {small} rows",
+        f"{by['row-sharded', big][3]} vs {by['row-sharded', small][3]}",
+        "equal (does not grow with the table)",
+      ),
+      headline(
+        f"per-device memory row-sharded / replicated at {big} rows",
+        round(by["row-sharded", big][4] / by["replicated", big][4], 3),
+        "about 1/8",
+      ),
+    ]
+    extra = {"headline": heads, "reads": reads}
+  headers = columns(
+    f"{first} | rows | ids/step | collective bytes/step | memory MiB/device "
+    "| temp MiB/device | step ms"
   )
-  write_results(
-    "sharded",
-    "Row-sharded vs replicated tables (8 devices)",
-    headers,
-    rows_out,
-    notes=notes,
-    extra={"headline": heads, "reads": reads},
-  )
+  write_results(name, title, headers, out, notes=notes, extra=extra)
 
 
 if __name__ == "__main__":
