@@ -1,31 +1,18 @@
 """Whole-step speed of this checkout against earlier commits, in separate
 processes.
 
-Each version's ``gradtx`` package is exported from git into a folder of its
-own, and every measurement is a fresh process that imports one version,
-builds one step, runs it and exits: no version inherits another's
-allocator state, compiled programs or warm caches (one process holding
-both versions once showed a change 10% faster that fresh processes showed
-slower). The processes alternate, version after version, over
-``--rounds`` rounds, the order reversed every other round so that drift in
-the machine's load falls on every version alike; a version's figure is the
-median of its rounds' medians, and the table gives their spread (lowest
-to highest round) and the spread of the round-by-round ratio to the
-baseline (the first ``--before``), which pairs runs made at the same
-time.
-
-The step is the whole one users run (forward with the loss returned,
-sparse backward, optimizer, apply; jitted, params and state donated; fresh
-uniform ids every step, pre-generated), on the default path (no opt-in
-call). Every built-in optimizer runs, and a user-written one: the guide's
-lazy Lion (docs/guides/custom_optimizer.md) through
-``gtx.row_transformation``; then the DLRM-shaped step of
-``benchmarks.recsys`` on ``--tables`` tables, with ``--bags`` the
-weighted bags of ``benchmarks.stacks`` in one table stack, and with
-``--hashed`` the hashed Criteo step of ``benchmarks.vocab`` (the id map).
-torch's ``nn.Embedding(sparse=True)`` + ``SparseAdam`` runs beside lazy Adam, in
-processes of its own, with ``--torch-python`` (default: ``.venv-bench``'s
-python where it exists, else this one where torch imports).
+Each version's ``gradtx`` is exported from git into a folder of its own,
+and every measurement is a fresh process that imports one version, builds
+one step, runs it and exits: no version inherits another's allocator,
+compiled programs or caches. The processes alternate over ``--rounds``
+rounds, the order reversed every other round; the table's notes say what
+each figure is. The steps (the whole one users run, on the default path):
+every built-in optimizer and the guide's lazy Lion on one table, torch's
+``SparseAdam`` beside lazy Adam (``--torch-python``, default
+``.venv-bench``'s python where it exists); the step of
+``benchmarks.recsys`` on ``--tables`` tables; with ``--bags`` the weighted
+bags of ``benchmarks.stacks``, with ``--hashed`` the hashed Criteo step of
+``benchmarks.vocab``.
 
   python -m benchmarks.ab_versions --before REV [REV ...] [--after REV]
       [--rows 1000000] [--dim 64] [--ids 8192] [--rounds 5] [--steps 30]
@@ -55,9 +42,7 @@ TORCH = "torch SparseAdam"
 WARMUP = 5
 
 
-def lazy_lion(
-  gtx: Any, learning_rate: float, b1=0.9, b2=0.99, weight_decay=0.0
-) -> Any:
+def lazy_lion(gtx: Any, lr: float, b1=0.9, b2=0.99, weight_decay=0.0) -> Any:
   """The guide's lazy Lion, a user's rule on ``gtx.row_transformation``."""
   import jax.numpy as jnp
 
@@ -66,7 +51,7 @@ def lazy_lion(
 
   def rule(g, p, m):
     c = b1 * m + (1 - b1) * g
-    update = -learning_rate * (jnp.sign(c) + weight_decay * p)
+    update = -lr * (jnp.sign(c) + weight_decay * p)
     return update, (1 - b2) * g + b2 * m
 
   return gtx.row_transformation(rule, init, needs_params=True)
@@ -85,26 +70,25 @@ SINGLE = {
     g, 1e-4, weight_decay=1e-4
   ),
 }
-# the recsys steps on --tables tables
+# the recsys steps on --tables tables; the hashed Criteo steps (--hashed)
 MANY = {
   "lazy_adam": lambda g: g.lazy_adam(1e-3),
   "rowwise_adagrad": lambda g: g.rowwise_adagrad(1e-2),
 }
-# the bags stack steps (--bags): benchmarks.stacks' optimizers by name
-BAGS = ("lazy_adam", "sgd")
-# the hashed Criteo steps (--hashed): benchmarks.vocab's at capacity 100%
-HASHED = MANY
+# kind -> its cases and its rows' label; the bags stack steps (--bags):
+# benchmarks.stacks' optimizers by name
+KINDS = {
+  "single": (SINGLE, "{case}"),
+  "many": (MANY, "{case}, {tables} tables"),
+  "bags": (dict.fromkeys(["lazy_adam", "sgd"]), "{case}, bags stack"),
+  "hashed": (MANY, "{case}, 26 hashed tables"),
+}
 HASHED_FILL = 20  # untimed steps first, so the maps are full and evicting
 SIZES = ("rows", "dim", "ids", "tables", "steps")  # a step's process gets
 
 
-# ----------------------------------------------------------------------------
-# one process: one version, one step
-
-
 def _single_data(spec: dict) -> tuple[np.ndarray, list[np.ndarray]]:
-  """The table and every step's fresh uniform ids, alike in every
-  process (jax's and torch's)."""
+  """The table and every step's fresh ids, alike in every process."""
   rng = np.random.default_rng(0)
   table = rng.standard_normal((spec["rows"], spec["dim"]), dtype=np.float32)
   batches = [
@@ -114,124 +98,66 @@ def _single_data(spec: dict) -> tuple[np.ndarray, list[np.ndarray]]:
   return table, batches
 
 
-def _gtx_single(spec: dict) -> tuple[Any, dict]:
+def _gtx_step(spec: dict) -> tuple:
+  """``(jitted step, donated state, batches, untimed steps)`` of the
+  step ``spec`` names, from the gradtx on ``sys.path``."""
+  import jax
   import jax.numpy as jnp
 
   import gradtx as gtx
+  from benchmarks import models
   from benchmarks._common import table_step
 
-  table, batches = _single_data(spec)
-  tx = SINGLE[spec["case"]](gtx)
-  params = {"emb": jnp.asarray(table)}
-  del table
-  ids = [jnp.asarray(b) for b in batches]
-  return _compiled_runner(
-    table_step(gtx, tx), params, tx.init(params), ids, lambda b: (b,)
-  )
+  kind, steps, dim = spec["kind"], WARMUP + spec["steps"], spec["dim"]
+  tx = KINDS[kind][0][spec["case"]]
+  tx = tx(gtx) if tx else models.STACK_OPTIMIZERS[spec["case"]][0]()
+  if kind == "single":
+    table, ids = _single_data(spec)
+    params = {"emb": jnp.asarray(table)}
+    del table
+    step, batches = table_step(gtx, tx), [(jnp.asarray(b),) for b in ids]
+  elif kind == "many":  # benchmarks.recsys: a linear head, Zipf ids
+    rows = models.table_rows(spec["tables"], 100_000)
+    data = models.make_data(rows, 2048, steps, "zipf")
+    params = models.init_params(rows, 64, "linear", 0)
+    params = jax.tree.map(jnp.asarray, params)
+    step = models.whole_step(models.per_table_loss(spec["tables"]), tx)
+    batches = list(zip(data.ids, data.labels, strict=True))
+  elif kind == "bags":  # benchmarks.stacks: 8 tables of 200k, 1-20 Zipf ids
+    tables, rows, batch = 8, 200_000, 1024
+    raw, labels, _ = models.bag_data(tables, rows, batch, steps, "zipf")
+    stack, names, _, loss = models.bag_models(tables, rows, dim, batch)
+    rng = np.random.default_rng(0)
+    per_table = {
+      n: (0.05 * rng.standard_normal((rows, dim))).astype(np.float32)
+      for n in names
+    }
+    head = models.head_params(tables, dim, "linear", models.HIDDEN, rng)
+    params = {"emb": stack.stack(per_table), "head": head}
+    params = jax.tree.map(jnp.asarray, params)
+    del per_table
+    step, batches = (
+      models.whole_step(loss, tx),
+      [
+        ({n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names}, y)
+        for b, y in zip(raw, labels, strict=True)
+      ],
+    )
+  else:  # hashed, benchmarks.vocab's: 26 Criteo features, batch 2,048,
+    # each table as many rows as its distinct ids over the 16 batches
+    names, raw, labels, distinct = models.criteo_raw(2048, 16, 1.2, 0)
+    rows = {n: max(64, distinct[n]) for n in names}
+    stack, params, step = models.hashed_criteo(names, rows, dim, tx, True)
+    vocab = stack.init_vocab(jax.random.key(1))
+    batches = [
+      ({n: jnp.asarray(b[n]) for n in names}, jnp.asarray(y))
+      for b, y in zip(raw, labels, strict=True)
+    ]
+    return step, [params, tx.init(params), vocab], batches, HASHED_FILL
+  return step, [params, tx.init(params)], batches, 0
 
 
-def _gtx_many(spec: dict) -> tuple[Any, dict]:
-  import jax
-  import jax.numpy as jnp
-
-  import gradtx as gtx
-  from benchmarks import models
-
-  rows = models.table_rows(spec["tables"], 100_000)
-  data = models.make_data(rows, 2048, WARMUP + spec["steps"], "zipf")
-  params = jax.tree.map(jnp.asarray, models.init_params(rows, 64, "linear", 0))
-  loss = models.per_table_loss(spec["tables"])
-  tx = MANY[spec["case"]](gtx)
-  batches = list(zip(data.ids, data.labels, strict=True))
-  return _compiled_runner(
-    models.whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
-  )
-
-
-def _gtx_bags(spec: dict) -> tuple[Any, dict]:
-  """The bags step of ``benchmarks.stacks``: 8 tables of 200k x 64 in one
-  ``gtx.TableStack`` made with the batch size, 1,024 examples of 1-20
-  weighted Zipf ids per table as ``gtx.Jagged``, a linear head."""
-  import jax
-  import jax.numpy as jnp
-
-  import gradtx as gtx
-  from benchmarks import models
-
-  tables, rows, batch = 8, 200_000, 1024
-  raw, labels, _ = models.bag_data(
-    tables, rows, batch, WARMUP + spec["steps"], "zipf"
-  )
-  stack, names, _, loss = models.bag_models(tables, rows, spec["dim"], batch)
-  rng = np.random.default_rng(0)
-  per_table = {
-    n: (0.05 * rng.standard_normal((rows, spec["dim"]))).astype(np.float32)
-    for n in names
-  }
-  head = models.head_params(tables, spec["dim"], "linear", models.HIDDEN, rng)
-  params = jax.tree.map(
-    jnp.asarray, {"emb": stack.stack(per_table), "head": head}
-  )
-  del per_table
-  tx = models.STACK_OPTIMIZERS[spec["case"]][0]()
-  batches = [
-    ({n: gtx.Jagged(b[n][0], b[n][1], b[n][2]) for n in names}, y)
-    for b, y in zip(raw, labels, strict=True)
-  ]
-  return _compiled_runner(
-    models.whole_step(loss, tx), params, tx.init(params), batches, lambda b: b
-  )
-
-
-def _gtx_hashed(spec: dict) -> tuple[Any, dict]:
-  """The hashed step of ``benchmarks.vocab``: 26 hashed Criteo features,
-  batch 2,048, Zipf raw ids, each table as many rows as its distinct ids
-  over the 16 batches the steps cycle through; ``stack.admit`` +
-  ``gtx.reset_rows`` + loss, gradient and update, params, state and map
-  donated, after ``HASHED_FILL`` untimed steps."""
-  import jax
-  import jax.numpy as jnp
-
-  import gradtx as gtx
-  from benchmarks import models
-  from benchmarks._common import hlo_op_counts
-
-  names, raw, labels, distinct = models.criteo_raw(2048, 16, 1.2, 0)
-  rows = {n: max(64, distinct[n]) for n in names}
-  tx = HASHED[spec["case"]](gtx)
-  stack, params, step = models.hashed_criteo(names, rows, spec["dim"], tx, True)
-  box = [params, tx.init(params), stack.init_vocab(jax.random.key(1))]
-  batches = [
-    ({n: jnp.asarray(b[n]) for n in names}, jnp.asarray(y))
-    for b, y in zip(raw, labels, strict=True)
-  ]
-  compiled = step.lower(*box, *batches[0]).compile()
-
-  def run(k: int) -> None:
-    *box[:], loss = compiled(*box, *batches[k % len(batches)])
-    loss.block_until_ready()
-
-  for k in range(HASHED_FILL):
-    run(k)
-  return run, hlo_op_counts(compiled.as_text())
-
-
-def _compiled_runner(jitted, params, state, batches, args) -> tuple[Any, dict]:
-  """``(run(k), op counts)``: the step compiled once, run on batch ``k``
-  with its donated params and state, waiting for the loss."""
-  from benchmarks._common import hlo_op_counts
-
-  compiled = jitted.lower(params, state, *args(batches[0])).compile()
-  box = [params, state]
-
-  def run(k: int) -> None:
-    box[0], box[1], loss = compiled(box[0], box[1], *args(batches[k]))
-    loss.block_until_ready()
-
-  return run, hlo_op_counts(compiled.as_text())
-
-
-def _torch_single(spec: dict) -> tuple[Any, dict]:
+def _torch_single(spec: dict) -> Any:
   """torch's twin of the lazy Adam step: ``nn.Embedding(sparse=True)``,
   the same loss, ``SparseAdam``, two threads, ``loss.item()`` returned."""
   torch = import_torch()
@@ -250,20 +176,30 @@ def _torch_single(spec: dict) -> tuple[Any, dict]:
     opt.step()
     loss.item()
 
-  return run, {}
+  return run
 
 
 def worker(spec: dict) -> dict:
-  """Runs one step ``WARMUP`` times, then ``spec["steps"]`` timed times on
-  fresh ids: wall and process CPU ms of each, and the op counts."""
+  """Runs one step ``WARMUP`` times (after its untimed fill), then
+  ``spec["steps"]`` timed times on fresh ids: wall and process CPU ms of
+  each, and the compiled step's op counts."""
+  ops: dict = {}
   if spec["path"] is None:
-    run, ops = _torch_single(spec)
+    run = _torch_single(spec)
   else:
+    from benchmarks._common import hlo_op_counts
+
     sys.path.insert(0, spec["path"])
-    make = {"many": _gtx_many, "bags": _gtx_bags, "hashed": _gtx_hashed}.get(
-      spec["kind"], _gtx_single
-    )
-    run, ops = make(spec)
+    jitted, box, batches, fill = _gtx_step(spec)
+    compiled = jitted.lower(*box, *batches[0]).compile()
+    ops = hlo_op_counts(compiled.as_text())
+
+    def run(k: int) -> None:
+      *box[:], loss = compiled(*box, *batches[k % len(batches)])
+      loss.block_until_ready()
+
+    for k in range(fill):
+      run(k)
   for k in range(WARMUP):
     run(k)
   wall, cpu = [], []
@@ -275,40 +211,22 @@ def worker(spec: dict) -> dict:
   return {"wall": wall, "cpu": cpu, "ops": ops}
 
 
-# ----------------------------------------------------------------------------
-# the parent: alternating processes
-
-
 def _spawn(python: str, spec: dict) -> dict:
   env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
-  out = subprocess.run(
-    [python, "-m", "benchmarks.ab_versions", "--worker", json.dumps(spec)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-  )
+  cmd = [python, "-m", "benchmarks.ab_versions", "--worker", json.dumps(spec)]
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   if out.returncode:
     raise RuntimeError(f"the step's process failed:\n{out.stderr}")
   return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _p10(xs: list[float]) -> float:
-  """The 10th percentile: the steps that ran while the process had the
-  cores, less exposed to other programs on a shared machine."""
-  return float(np.percentile(xs, 10))
 
 
 def _spread(xs: list[float]) -> str:
   return f"{min(xs):.2f}-{max(xs):.2f}"
 
 
-def measure(
-  label: str, kind: str, case: str, systems: dict, args: Any
-) -> list[list]:
-  """Rows for one step: every system in ``systems`` (label -> (python,
-  gradtx folder or None for torch)) alternating over ``args.rounds``
-  rounds of fresh processes."""
+def measure(label: str, kind: str, case: str, systems: dict, args) -> list:
+  """Rows for one step: every system of ``systems`` (label -> (python,
+  gradtx folder or None for torch)) over ``args.rounds`` rounds."""
   names = list(systems)
   per: dict[str, list[dict]] = {n: [] for n in names}
   for r in range(args.rounds):
@@ -319,27 +237,26 @@ def measure(
       per[n].append(_spawn(python, spec))
       got = statistics.median(per[n][-1]["wall"])
       print(f"{label} | {n} | round {r + 1}: {got:.2f} ms", file=sys.stderr)
+  seconds = {n: [w / 1e3 for x in per[n] for w in x["wall"]] for n in names}
   record(
     label,
-    {n: [w / 1e3 for x in per[n] for w in x["wall"]] for n in names},
+    seconds,
     args.steps,
     rounds=args.rounds,
     processes="one per version and round",
   )
-  wall = {n: [statistics.median(x["wall"]) for x in per[n]] for n in names}
-  cpu = {n: [statistics.median(x["cpu"]) for x in per[n]] for n in names}
-  p10 = {n: [_p10(x["wall"]) for x in per[n]] for n in names}
-  base = names[0]
-  rows = []
+  median = statistics.median
+  wall = {n: [median(x["wall"]) for x in per[n]] for n in names}
+  base, rows = wall[names[0]], []
   for n in names:
-    ratios = [a / b for a, b in zip(wall[n], wall[base], strict=True)]
+    ratios = [a / b for a, b in zip(wall[n], base, strict=True)]
+    p10 = median([float(np.percentile(x["wall"], 10)) for x in per[n]])
+    cpu = median([median(x["cpu"]) for x in per[n]])
     ops = per[n][0]["ops"]
-    med = statistics.median(wall[n])
     rows.append(
-      [label, n, f"{med:.2f}", _spread(wall[n])]
-      + [f"{med / statistics.median(wall[base]):.3f}"]
-      + [f"{min(ratios):.2f}-{max(ratios):.2f}"]
-      + [f"{statistics.median(x[n]):.2f}" for x in (p10, cpu)]
+      [label, n, f"{median(wall[n]):.2f}", _spread(wall[n])]
+      + [f"{median(wall[n]) / median(base):.3f}", _spread(ratios)]
+      + [f"{p10:.2f}", f"{cpu:.2f}"]
       + [ops.get("kernels", "-"), ops.get("scatter", "-")]
     )
   return rows
@@ -371,45 +288,14 @@ def _with_previous(payload_path: pathlib.Path) -> tuple[str, dict | None]:
 
 def main(argv: list[str] | None = None) -> None:
   p = parser(__doc__.split("\n\n")[0], rounds=5, steps=30)
-  p.add_argument(
-    "--before",
-    nargs="+",
-    default=[],
-    help="earlier git revisions; the first is the baseline of the ratios",
-  )
-  p.add_argument(
-    "--after",
-    default=None,
-    help="the later version, a git revision (default: this checkout, "
-    "uncommitted work included)",
-  )
-  p.add_argument("--rows", type=int, default=1_000_000)
-  p.add_argument("--dim", type=int, default=64)
-  p.add_argument("--ids", type=int, default=8192)
-  p.add_argument(
-    "--only",
-    nargs="+",
-    default=None,
-    help="run only these steps (names as in the table's first column, "
-    "'lazy_adam, 26 tables' for a recsys step)",
-  )
-  p.add_argument(
-    "--tables",
-    type=int,
-    default=26,
-    help="also the DLRM-shaped step of benchmarks.recsys on this many "
-    "tables (linear head, Zipf ids); 0 to skip",
-  )
-  p.add_argument(
-    "--bags",
-    action="store_true",
-    help="also the bags stack step of benchmarks.stacks (Zipf, gtx.Jagged)",
-  )
-  p.add_argument(
-    "--hashed",
-    action="store_true",
-    help="also the hashed Criteo step of benchmarks.vocab (the id map)",
-  )
+  p.add_argument("--before", nargs="+", default=[], help="the first: baseline")
+  p.add_argument("--after", help="a git revision (default: this checkout)")
+  for flag, default in (("rows", 1_000_000), ("dim", 64), ("ids", 8192)):
+    p.add_argument(f"--{flag}", type=int, default=default)
+  p.add_argument("--only", nargs="+", help="steps, as the table's first column")
+  p.add_argument("--tables", type=int, default=26, help="0: no recsys step")
+  p.add_argument("--bags", action="store_true", help="the bags stack step")
+  p.add_argument("--hashed", action="store_true", help="the hashed step")
   p.add_argument("--torch-python", default=None)
   p.add_argument("--no-torch", action="store_true")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -420,36 +306,25 @@ def main(argv: list[str] | None = None) -> None:
     return
   if not args.before:
     p.error("--before: give at least one earlier git revision")
-  python = sys.executable
+  revs = {f"before ({rev})": rev for rev in args.before}
+  revs[f"after ({args.after})" if args.after else CHECKOUT] = args.after
   systems = {
-    f"before ({rev})": (python, export_version(rev)) for rev in args.before
+    n: (sys.executable, export_version(rev) if rev else str(ROOT))
+    for n, rev in revs.items()
   }
-  if args.after is None:
-    systems[CHECKOUT] = (python, str(ROOT))
-  else:
-    systems[f"after ({args.after})"] = (python, export_version(args.after))
   torch_python = _torch_python(args)
-  rows = []
-  for case in SINGLE:
-    if args.only and case not in args.only:
-      continue
-    with_torch = dict(systems)
-    if case == "lazy_adam" and torch_python:
-      with_torch[TORCH] = (torch_python, None)
-    rows += measure(case, "single", case, with_torch, args)
-  single = bool(rows)  # the title names the single table's size
-  for case in MANY if args.tables else ():
-    label = f"{case}, {args.tables} tables"
-    if not args.only or label in args.only:
-      rows += measure(label, "many", case, systems, args)
-  for case in BAGS if args.bags else ():
-    label = f"{case}, bags stack"
-    if not args.only or label in args.only:
-      rows += measure(label, "bags", case, systems, args)
-  for case in HASHED if args.hashed else ():
-    label = f"{case}, 26 hashed tables"
-    if not args.only or label in args.only:
-      rows += measure(label, "hashed", case, systems, args)
+  rows, runs = [], dict(many=args.tables, bags=args.bags, hashed=args.hashed)
+  for kind, (cases, label) in KINDS.items():
+    for case in cases if runs.get(kind, True) else ():
+      name = label.format(case=case, tables=args.tables)
+      if args.only and name not in args.only:
+        continue
+      these = dict(systems)
+      if (kind, case) == ("single", "lazy_adam") and torch_python:
+        these[TORCH] = (torch_python, None)
+      rows += measure(name, kind, case, these, args)
+    if kind == "single":
+      single = bool(rows)  # the title names the single table's size
   versions = " vs ".join(
     reversed([n.split("(")[-1].rstrip(")") for n in systems])
   )
@@ -472,15 +347,13 @@ def main(argv: list[str] | None = None) -> None:
   )
   if not torch_python:
     notes += " torch did not import: no torch row."
+  title = f"Whole step, {versions}"
+  if single:
+    title += f": {args.rows:,} x {args.dim} table, {args.ids:,} fresh "
+    title += "uniform ids per step"
   md = write_results(
     "ab_versions",
-    f"Whole step, {versions}"
-    + (
-      f": {args.rows:,} x {args.dim} table, {args.ids:,} fresh uniform ids "
-      "per step"
-      if single
-      else ""
-    ),
+    title,
     columns(
       "step | version | step ms | spread ms | vs before | spread | p10 ms | "
       "cpu ms | kernels | scatters"
