@@ -23,11 +23,12 @@ from benchmarks._timing import warm_copy_bandwidth as copy_bandwidth
 
 
 class Probe(NamedTuple):
-  """The texts are formatted with the args and the ``facts`` measure adds
-  (``extra``: json). No flags: measure() gives table_variants its cases."""
+  """``measure(args, sched, facts)`` times the systems, returns the rows
+  (None: skipped); the texts are formatted with the args and the ``facts``
+  it adds (``extra``: json). No flags: ``measure()``: table_variants' cases."""
 
   doc: str  # --help: what it measures; what it decides
-  measure: Any  # (args, sched, facts) -> rows (None: skipped)
+  measure: Any
   title: str
   columns: str
   notes: str = ""
@@ -137,9 +138,8 @@ def _dense_threshold(args, sched, facts):
   _, jnp, np, gtx = _jax()
   rng, rows = np.random.RandomState(0), []
   for ratio in (0.05, 0.1, 0.25, 0.35, 0.5, 1.0, 2.0, 4.0, 8.0, 64.0, 2048.0):
-    v, n = max(1, int(round(args.reads / ratio))), args.reads
+    v, n, fns = max(1, int(round(args.reads / ratio))), args.reads, {}
     batches = [jnp.asarray(rng.randint(0, v, n), jnp.int32) for _ in range(8)]
-    fns = {}
     for kind, opt in (("sparse", "require_sparse"), ("dense", "dense")):
       emb = jnp.asarray(rng.normal(size=(v, args.dim)), jnp.float32)
       p = {"emb": emb, "w": jnp.ones(args.dim, jnp.float32)}
@@ -214,8 +214,8 @@ def _row_gather(args, sched, facts):
     return {k: Counter(lambda i, f=f: f(i % 16), 0) for k, f in calls.items()}
 
   bandwidth = copy_bandwidth()
-  calls = facts["schedule"].replace("steps", "calls")
-  facts.update(gbs=bandwidth / 1e9, schedule=calls)
+  per_call = facts["schedule"].replace("steps", "calls")
+  facts.update(gbs=bandwidth / 1e9, schedule=per_call)
   rng, rows, n = np.random.default_rng(0), [], args.ids
   ids_np = [rng.integers(0, args.rows, n).astype(np.int32) for _ in range(16)]
   ids = [jax.device_put(i) for i in ids_np]
