@@ -163,9 +163,6 @@ class Program:
     frame = mine[0].split(f"/{package}/", 1)[1] if mine else "?"
     return f"{self.scope(op)} ({package}/{frame})"
 
-  def by_name(self, name: str) -> list[Op]:
-    return [o for o in self.ops if o.name == name]
-
   def region_ops(self, op: Op) -> list[Op]:
     """Every op inside ``op``'s regions, nested ones included."""
     out = []
@@ -174,7 +171,7 @@ class Program:
     return out
 
   def whiles(self) -> list[Op]:
-    return self.by_name("stablehlo.while")
+    return [o for o in self.ops if o.name == "stablehlo.while"]
 
   def is_placement(self, op: Op) -> bool:
     """Whether ``op`` is (or is inside) the id map's placement loop."""
@@ -184,8 +181,9 @@ class Program:
     """Every scatter whose update computation adds floats."""
     return [
       op
-      for op in self.by_name("stablehlo.scatter")
-      if any(o.name == "stablehlo.add" for o in self.region_ops(op))
+      for op in self.ops
+      if op.name == "stablehlo.scatter"
+      and any(o.name == "stablehlo.add" for o in self.region_ops(op))
       and any(t.is_float for t in op.results)
     ]
 
