@@ -19,7 +19,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_steps
 from benchmarks import stablehlo as sh
+from benchmarks._common import version
+from benchmarks._results import RESULTS, commit, markdown_table
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM, HBM3
 LAUNCH_US = 5.0  # a kernel launch and its gap to the next kernel
@@ -102,6 +105,10 @@ def _kind(name: str) -> str:
   return name.split(".", 1)[1] if name.startswith("stablehlo.") else name
 
 
+def _in(op: sh.Op) -> float:
+  return sum(t.nbytes for t in op.operands)
+
+
 def _out(op: sh.Op) -> float:
   return sum(t.nbytes for t in op.results)
 
@@ -145,18 +152,14 @@ class _Model:
     elif kind == "composite":
       text = op.head + op.tail
       if '"chlo.' in text:  # a scan the compiler implements
-        self.add(
-          op, "scan", sum(t.nbytes for t in op.operands), _out(op), times
-        )
+        self.add(op, "scan", _in(op), _out(op), times)
       else:
         m = re.search(r"decomposition = @([\w.\-$]+)", text)
         self.call(m.group(1) if m else None, times)
     elif kind in KERNELS:
       self.kernel(op, kind, times)
     elif self.ends_fusion(op):
-      self.add(
-        op, "fusion", sum(t.nbytes for t in op.operands), _out(op), times
-      )
+      self.add(op, "fusion", _in(op), _out(op), times)
 
   def add(self, op, kind, read, written, times, launches=1.0) -> None:
     shapes = ", ".join(str(t) for t in op.operands[:3])
@@ -181,8 +184,8 @@ class _Model:
     )
 
   def kernel(self, op: sh.Op, kind: str, times: float) -> None:
-    ins, out = op.operands, _out(op)
-    read, written = sum(t.nbytes for t in ins), out
+    ins, read, out = op.operands, _in(op), _out(op)
+    written = out
     if kind == "gather":  # its rows and indices read, its rows written
       read = out + ins[1].nbytes
     elif kind == "scatter":  # operands..., indices, updates...: in place
@@ -303,8 +306,6 @@ def summary_row(name: str, c: Cost) -> list[str]:
 
 
 def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
-  from benchmarks._results import markdown_table
-
   md = [
     f"## The guides' steps on one H100: {LABEL}",
     "",
@@ -336,20 +337,13 @@ def report(costs: dict[str, Cost], platform: str, note: str = "") -> str:
       + [f"{k.seconds * 1e3:.3f}", k.origin]
       for k in top
     ]
+    heads = ["op", "operands", "launches", "MB a launch", "model ms", "from"]
     md += ["", f"### {name}: the costliest kernels ({LABEL})", ""]
-    md += [
-      markdown_table(
-        ["op", "operands", "launches", "MB a launch", "model ms", "from"], rows
-      )
-    ]
+    md += [markdown_table(heads, rows)]
   return "\n".join(md) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:
-  from benchmarks import gpu_steps
-  from benchmarks._common import version
-  from benchmarks._results import RESULTS, commit
-
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--platform", default="cuda")
   ap.add_argument("--out", type=Path, default=RESULTS / "gpu_model.md")
