@@ -33,7 +33,7 @@ class Program(NamedTuple):
   donated: int  # the first ``donated`` arguments are donated (the state)
   init: Callable[[Any], tuple]  # key -> the donated arguments, concrete
   batch: Callable[[np.random.Generator], tuple]  # rng -> the other ones
-  info: dict  # sizes, for tables and the cost model's notes
+  info: dict  # sizes, for the twins' tables
 
 
 def jagged_batch(rng, rows: list[int], batch: int) -> list[tuple]:
