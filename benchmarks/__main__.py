@@ -16,11 +16,12 @@ import sys
 from benchmarks._common import parse, parser
 from benchmarks._results import RESULTS, machine, markdown_table
 from benchmarks._timing import Clock
+from benchmarks.probes import PROBES
 
 BENCHMARKS = """sparse_grad lazy_adam accumulate staleness mirrored train_step
 optimizers dense_threshold lr_pass row_reader row_gather cpu_overlap
 convergence low_precision recsys compile_tables stacks vocab
-eager_calls publish""".split()
+eager_calls bounds_check publish""".split()
 RESULT_NAME = {"staleness": "async_staleness"}  # module -> results/<name>
 
 
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
   failed = []
   for name in args.only or BENCHMARKS:
     cmd = [sys.executable, "-m", f"benchmarks.{name}"]
+    if name in PROBES:  # python -m benchmarks.probes NAME
+      cmd = [sys.executable, "-m", "benchmarks.probes", name]
     cmd += ["--quick"] if args.quick else []
     print(f"\n=== {' '.join(cmd[1:])}", flush=True)
     clock = Clock()

@@ -105,7 +105,7 @@ def _finish(rows, ctx):
     f"{bench.version('fbgemm_gpu')} (fused CPU kernels, the optimizer in "
     "the backward; bags of one id)"
     if bench.fbgemm()
-    else "not installed (see benchmarks/fbgemm_anchor.py for its own run)"
+    else "not installed (see benchmarks.probes fbgemm_anchor: its own run)"
   )
   a = ctx.args
   notes = (

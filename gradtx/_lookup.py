@@ -25,8 +25,8 @@ from gradtx._sparse_rows import narrow_ids
 # gradient row per table row (every row) instead of a row per read. At 4
 # reads per row a step touches all but e**-4 (1.8%) of the rows for uniform
 # ids, so a lazy optimizer updating every row behaves almost as it would on
-# the touched ones (benchmarks/dense_threshold.py measures the sparse and
-# dense forms).
+# the touched ones (benchmarks/probes.py's dense_threshold measures the
+# sparse and dense forms).
 DENSE_READS_PER_ROW = 4.0
 
 
