@@ -331,19 +331,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
   p.add_argument("--evals", type=int, default=10, help="held-out evaluations")
   p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-  p.add_argument(
-    "--schedule",
-    choices=["cosine", "constant"],
-    default="cosine",
-    help="learning rate: cosine decay from the peak to 0, or the peak",
-  )
-  p.add_argument(
-    "--lr",
-    nargs="+",
-    default=[],
-    metavar="FAMILY=VALUE",
-    help=f"override a peak rate in both tasks (of {', '.join(FAMILIES)})",
-  )
+  p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine")
+  p.add_argument("--lr", nargs="+", default=[], metavar="FAMILY=VALUE")
   args = parse(p, argv, quick=dict(steps=200, evals=4, max_tokens=200_000))
   steps, evals = args.steps, args.evals
   overrides = {}

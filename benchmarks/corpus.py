@@ -31,15 +31,12 @@ def stdlib_files(max_tokens: int) -> list[list[str]]:
   them (strings as ``<str>``), one list per file in sorted order, up to
   ``max_tokens`` in all."""
   root = Path(sysconfig.get_paths()["stdlib"])
-  files = sorted(
-    p
-    for p in root.rglob("*.py")
-    if "site-packages" not in p.relative_to(root).parts
-  )
   keep = {tokenize.NAME, tokenize.OP, tokenize.NUMBER}
   out: list[list[str]] = []
   total = 0
-  for path in files:
+  for path in sorted(root.rglob("*.py")):
+    if "site-packages" in path.relative_to(root).parts:
+      continue
     toks: list[str] = []
     try:
       src = path.read_text(encoding="utf-8")
