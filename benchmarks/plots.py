@@ -3,9 +3,8 @@
   python -m benchmarks.plots
 
 Writes PNGs to ``docs/assets/bench/`` and regenerates ``docs/benchmarks.md``
-from the result tables, so the docs always show the latest measured run;
-and the plots that ``benchmarks.recsys`` and ``benchmarks.convergence``
-write beside their results.
+from the result tables; and the plots that ``benchmarks.recsys`` and
+``benchmarks.convergence`` write beside their results.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,30 +23,27 @@ ASSETS = ROOT / "docs" / "assets" / "bench"
 PAGE = ROOT / "docs" / "benchmarks.md"
 
 
-def _load(name: str) -> dict | None:
-  path = RESULTS / f"{name}.json"
-  return json.loads(path.read_text()) if path.exists() else None
-
-
-def _col(data: dict, header: str) -> list:
-  i = data["headers"].index(header)
-  return [row[i] for row in data["rows"]]
-
-
 def _num(x) -> float | None:
   return x if isinstance(x, (int, float)) else None
 
 
-def plot_lazy_adam(data: dict) -> str:
-  rows = [int(t.split(" x ")[0].replace(",", "")) for t in _col(data, "table")]
+def _groups(ax, vals: dict[str, list], width: float) -> None:
+  """A bar per series (label -> values) side by side in each group."""
+  for j, (label, v) in enumerate(vals.items()):
+    at = [i + (j - len(vals) / 2 + 0.5) * width for i in range(len(v))]
+    ax.bar(at, v, width, label=label)
+
+
+def plot_lazy_adam(data: dict, h: list) -> Any:
+  rows = [int(r[0].split(" x ")[0].replace(",", "")) for r in data["rows"]]
   fig, ax = figure(figsize=(6, 3.6))
   for header, label in [
     ("gtx ms", "gtx.lazy_adam"),
     ("jnp ref ms", "plain-jnp lazy step"),
     ("optax.adam ms", "optax.adam (dense)"),
   ]:
-    pts = [(r, _num(v)) for r, v in zip(rows, _col(data, header), strict=True)]
-    pts = [(r, v) for r, v in pts if v is not None]
+    col = [_num(r[h.index(header)]) for r in data["rows"]]
+    pts = [(x, v) for x, v in zip(rows, col, strict=True) if v is not None]
     ax.plot(*zip(*pts, strict=True), marker="o", label=label)
   ax.set_xscale("log")
   ax.set_yscale("log")
@@ -54,29 +51,26 @@ def plot_lazy_adam(data: dict) -> str:
   ax.set_ylabel("ms per step")
   ax.set_title("Lazy vs dense Adam step time")
   ax.legend()
-  save_figure(fig, ASSETS / "lazy_adam.png")
-  return "lazy_adam.png"
+  return fig
 
 
-def plot_sparse_grad(data: dict) -> str:
+def plot_sparse_grad(data: dict, h: list) -> Any:
   fig, axes = figure(1, 2, figsize=(7, 3.2))
   row = data["rows"][0]
-  h = data["headers"]
-  axes[0].bar(
-    ["dense", "sparse"], [row[h.index("dense ms")], row[h.index("sparse ms")]]
-  )
-  axes[0].set_ylabel("ms per gradient")
-  axes[1].bar(
-    ["dense", "sparse"],
-    [row[h.index("dense temp+out MiB")], row[h.index("sparse temp+out MiB")]],
-  )
-  axes[1].set_ylabel("compiled temp + output MiB")
+  for ax, unit, label in [
+    (axes[0], "ms", "ms per gradient"),
+    (axes[1], "temp+out MiB", "compiled temp + output MiB"),
+  ]:
+    ax.bar(
+      ["dense", "sparse"],
+      [row[h.index(f"dense {unit}")], row[h.index(f"sparse {unit}")]],
+    )
+    ax.set_ylabel(label)
   fig.suptitle(f"Gradient of an embedding model, {row[0]} table")
-  save_figure(fig, ASSETS / "sparse_grad.png")
-  return "sparse_grad.png"
+  return fig
 
 
-def plot_accumulate(data: dict) -> str:
+def plot_accumulate(data: dict, h: list) -> Any:
   rows = [r for r in data["rows"] if _num(r[1]) is not None]
   names = [r[0].replace(", ", ",\n") for r in rows]
   fig, axes = figure(1, 2, figsize=(9, 3.6))
@@ -86,55 +80,46 @@ def plot_accumulate(data: dict) -> str:
   axes[1].set_xlabel("compiled memory (arg + out + temp), MiB")
   axes[1].set_yticklabels([])
   fig.suptitle("Gradient accumulation, k = 4")
-  save_figure(fig, ASSETS / "accumulate.png")
-  return "accumulate.png"
+  return fig
 
 
-def plot_mirrored(data: dict) -> str:
+def plot_mirrored(data: dict, h: list) -> Any:
   row = data["rows"][0]
-  h = data["headers"]
   sparse = row[h.index("sparse all-gather MiB (shapes)")]
   dense = row[h.index("dense all-reduce MiB (shapes)")]
   fig, ax = figure(figsize=(5, 3))
   ax.bar(["sparse all-gather", "dense all-reduce"], [sparse, dense])
   ax.set_ylabel("MiB moved per step")
   ax.set_title(f"Cross-replica reduction, {row[0]}, {row[2]} replicas")
-  save_figure(fig, ASSETS / "mirrored.png")
-  return "mirrored.png"
+  return fig
 
 
-def plot_train_step(data: dict) -> str:
-  h = data["headers"]
+def plot_train_step(data: dict, h: list) -> Any:
   rows = [r for r in data["rows"] if r[h.index("ids")] == "uniform"]
   labels = [f"{r[0].split(' x ')[0]}\n{r[h.index('loss')]}" for r in rows]
   fig, ax = figure(figsize=(7, 3.6))
-  width = 0.27
-  for k, (header, label) in enumerate(
-    [
-      ("gtx ms", "gtx.lazy_adam"),
-      ("torch SparseAdam ms", "torch SparseAdam"),
-      ("optax.adam ms", "optax.adam (dense)"),
-    ]
-  ):
-    vals = [_num(r[h.index(header)]) or 0.0 for r in rows]
-    ax.bar(
-      [i + (k - 1) * width for i in range(len(rows))], vals, width, label=label
-    )
+  series = {
+    "gtx ms": "gtx.lazy_adam",
+    "torch SparseAdam ms": "torch SparseAdam",
+    "optax.adam ms": "optax.adam (dense)",
+  }
+  vals = {
+    v: [_num(r[h.index(k)]) or 0.0 for r in rows] for k, v in series.items()
+  }
+  _groups(ax, vals, 0.27)
   ax.set_xticks(range(len(rows)), labels)
   ax.set_yscale("log")
   ax.set_ylabel("ms per training step")
   ax.set_title("Whole training step, uniform ids (rows, loss)")
   ax.legend(fontsize=8)
-  save_figure(fig, ASSETS / "train_step.png")
-  return "train_step.png"
+  return fig
 
 
 def plot_recsys(
   groups: list[dict], points: list[dict], tables: int, path
 ) -> None:
-  """Step times per group (``run_group`` results with their ids, head and
-  optimizer) and compile time against tables (``compile_point`` results)."""
-
+  """Step times per group (``run_group``'s results) and compile time
+  against tables (``compile_point``'s)."""
   panels = (1 if groups else 0) + (1 if points else 0)
   if not panels:
     return
@@ -142,7 +127,6 @@ def plot_recsys(
   axes = list(axes[0])
   if groups:
     ax = axes.pop(0)
-    # every system's name: the twins by thread count, as run_group names them
     names = list(dict.fromkeys(k for g in groups for k in g["ms"]))
     twins = {g["twin"] for g in groups} | {g["fbgemm"] for g in groups}
 
@@ -151,27 +135,17 @@ def plot_recsys(
         return k
       for t in twins:
         if t and k.startswith(t):
-          return ("torch twin" if t.startswith("torch") else "FBGEMM") + k[
-            len(t) :
-          ]
+          kind = "torch twin" if t.startswith("torch") else "FBGEMM"
+          return kind + k[len(t) :]
       return None  # the opt-only parts: in the table
 
-    series = list(dict.fromkeys(x for x in map(series_of, names) if x))
-    width = 0.8 / len(series)
-    for j, label in enumerate(series):
-      vals = [
-        next(
-          (v for k, v in g["ms"].items() if series_of(k) == label),
-          float("nan"),
-        )
-        for g in groups
-      ]
-      ax.bar(
-        [i + (j - len(series) / 2 + 0.5) * width for i in range(len(groups))],
-        vals,
-        width,
-        label=label,
-      )
+    def ms(g, s):
+      return next((v for k, v in g["ms"].items() if series_of(k) == s), nan)
+
+    nan = float("nan")
+    series = dict.fromkeys(x for x in map(series_of, names) if x)
+    vals = {s: [ms(g, s) for g in groups] for s in series}
+    _groups(ax, vals, 0.8 / len(vals))
     ax.set_xticks(
       range(len(groups)),
       [f"{g['optimizer']}\n{g['ids']}, {g['head']}" for g in groups],
@@ -202,9 +176,8 @@ def plot_recsys(
 def plot_convergence(
   curves: dict[str, dict[str, list]], twin_of: dict[str, str], path: Path
 ) -> None:
-  """Held-out loss by step (top); the low-precision variants' as a ratio to
-  their float32 twin's (``twin_of``; bottom): ``benchmarks.convergence``'s
-  plot."""
+  """Held-out loss by step (top) and the low-precision variants' ratio to
+  their float32 twin's (``twin_of``; bottom)."""
   import matplotlib
 
   n = len(curves)
@@ -227,8 +200,7 @@ def plot_convergence(
       top.plot(x, y, style, **kw)
       if twin:
         bottom.plot(x, [v / twin[s] for s, v in curve[1:]], style, **kw)
-    # Zoom on where the configs differ: from the best loss to the median
-    # loss after the first interval (worse curves leave through the top).
+    # from the best loss to the median after the first interval
     lo = min(finite)
     hi = float(np.median([c[1][1] for c in by_config.values()]))
     top.set_ylim(lo - 0.05 * (hi - lo), hi)
@@ -246,8 +218,7 @@ def plot_convergence(
   save_figure(fig, path, dpi=110)
 
 
-# Which malloc a dense baseline ran with: since f5ce7a7 (2026-12-03),
-# importing gradtx on a CPU makes the whole process reuse freed host memory.
+# Which malloc a dense baseline ran with, in the page's words.
 DENSE_NOTE = (
   "Dense baselines (`jax.value_and_grad`, `optax.adam`, `MultiSteps`) run "
   "in the process that imports gradtx. Since gradtx 2026-12-03 (f5ce7a7) "
@@ -298,44 +269,40 @@ NOTES = {
   ),
 }
 
-SECTIONS = [
-  ("train_step", "Whole training step vs torch and optax", plot_train_step),
-  ("optimizers", "Sparse optimizers vs torch and FBGEMM", None),
-  ("fbgemm_anchor", "FBGEMM anchor (optional)", None),
-  ("sparse_grad", "Sparse vs dense gradient", plot_sparse_grad),
-  ("lazy_adam", "Lazy Adam vs dense Adam", plot_lazy_adam),
-  (
-    "convergence",
-    "Convergence with cheaper optimizers and lower precision",
-    None,
-  ),
-  ("low_precision", "Low precision: the whole step's time", None),
-  ("recsys", "Recommender scale: many tables", None),
-  ("stacks", "Table stacks: per-table vs stack vs torch and FBGEMM", None),
-  ("vocab", "Open vocabularies: the id map's cost in the step", None),
-  ("vocab_parts", "Open vocabularies: where the id map's time goes", None),
-  ("vocab_quality", "Open vocabularies: held-out loss", None),
-  ("eager_calls", "A table stack's methods called outside jax.jit", None),
-  ("publish", "Publishing deltas to serving", None),
-  ("accumulate", "Gradient accumulation", plot_accumulate),
-  ("async_staleness", "Stale gradients in asynchronous training", None),
-  (
-    "async_staleness_ray",
-    "Asynchronous training: Ray processes vs threads",
-    None,
-  ),
-  ("mirrored", "Mirrored replication", plot_mirrored),
-  (
-    "dense_threshold",
-    "Where dense beats sparse (the reads-per-row rule)",
-    None,
-  ),
-  ("ab_versions", "Whole step before and after this round of changes", None),
-  ("lr_pass", "The learning rate's separate pass", None),
-  ("row_reader", "One row reader", None),
-  ("row_gather", "A row read alone: the gather against numpy", None),
-  ("cpu_overlap", "Independent row updates: does XLA:CPU overlap them", None),
-]
+# The page's sections: the results table, its title, the plot drawn of it.
+PLOTS = {
+  "train_step": plot_train_step,
+  "sparse_grad": plot_sparse_grad,
+  "lazy_adam": plot_lazy_adam,
+  "accumulate": plot_accumulate,
+  "mirrored": plot_mirrored,
+}
+SECTIONS = {
+  "train_step": "Whole training step vs torch and optax",
+  "optimizers": "Sparse optimizers vs torch and FBGEMM",
+  "fbgemm_anchor": "FBGEMM anchor (optional)",
+  "sparse_grad": "Sparse vs dense gradient",
+  "lazy_adam": "Lazy Adam vs dense Adam",
+  "convergence": "Convergence with cheaper optimizers and lower precision",
+  "low_precision": "Low precision: the whole step's time",
+  "recsys": "Recommender scale: many tables",
+  "stacks": "Table stacks: per-table vs stack vs torch and FBGEMM",
+  "vocab": "Open vocabularies: the id map's cost in the step",
+  "vocab_parts": "Open vocabularies: where the id map's time goes",
+  "vocab_quality": "Open vocabularies: held-out loss",
+  "eager_calls": "A table stack's methods called outside jax.jit",
+  "publish": "Publishing deltas to serving",
+  "accumulate": "Gradient accumulation",
+  "async_staleness": "Stale gradients in asynchronous training",
+  "async_staleness_ray": "Asynchronous training: Ray processes vs threads",
+  "mirrored": "Mirrored replication",
+  "dense_threshold": "Where dense beats sparse (the reads-per-row rule)",
+  "ab_versions": "Whole step before and after this round of changes",
+  "lr_pass": "The learning rate's separate pass",
+  "row_reader": "One row reader",
+  "row_gather": "A row read alone: the gather against numpy",
+  "cpu_overlap": "Independent row updates: does XLA:CPU overlap them",
+}
 
 
 def main() -> None:
@@ -351,14 +318,16 @@ def main() -> None:
   ]
   summary = RESULTS / "summary.md"
   if summary.exists():
-    parts.append(summary.read_text().replace("## Headline", "## Headline", 1))
-  for name, title, plot in SECTIONS:
-    data = _load(name)
-    if data is None:
+    parts.append(summary.read_text())
+  for name, title in SECTIONS.items():
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
       continue
     image = None
-    if plot is not None:
-      image = plot(data)
+    if name in PLOTS:
+      data = json.loads(path.read_text())
+      image = f"{name}.png"
+      save_figure(PLOTS[name](data, data["headers"]), ASSETS / image)
     elif (RESULTS / f"{name}.png").exists():
       image = f"{name}.png"
       shutil.copy(RESULTS / image, ASSETS / image)
