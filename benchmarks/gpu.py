@@ -33,6 +33,12 @@ TWINS = {"single table": ["torch"], "criteo": ["torch", "fbgemm"]}
 TWINS["bags"] = TWINS["criteo"]
 MEASURED = ["single table", "criteo", "bags", "hashed"]  # timed
 COMPILES = ["keyed 26", "keyed 500"]  # compiled only
+HEADERS = (
+  "step | gtx ms | model ms (a model) | measured / model | torch ms | "
+  "fbgemm ms | gtx compile s | kernels | device whiles"
+).split(" | ")
+CHEADERS = "step | compile s | kernels | device whiles | model ms (a model)"
+CHEADERS = CHEADERS.split(" | ")
 
 
 def twin_runner(torch, system: str, program, batches):
@@ -165,20 +171,11 @@ def write(args, rows, compiles, notes) -> str:
     "`device whiles`: while loops left in the program XLA compiled for "
     "this device.",
     "",
-    markdown_table(
-      "step | gtx ms | model ms (a model) | measured / model | torch ms | "
-      "fbgemm ms | gtx compile s | kernels | device whiles".split(" | "),
-      table,
-    ),
+    markdown_table(HEADERS, table),
     "",
     "Compile (trace + lower + compile) of the `gtx.Keyed` step:",
     "",
-    markdown_table(
-      "step | compile s | kernels | device whiles | model ms (a model)".split(
-        " | "
-      ),
-      ctable,
-    ),
+    markdown_table(CHEADERS, ctable),
   ]
   md = "\n".join(md + ([""] + [f"- {n}" for n in notes] if notes else []))
   args.out.mkdir(parents=True, exist_ok=True)
@@ -207,23 +204,12 @@ def main(argv: list[str] | None = None) -> str:
     import torch
   out = {"rows": [], "compiles": [], "notes": []}
   rng = np.random.default_rng(SEED)
+  notes = out["notes"]
   for name in MEASURED + COMPILES:
-    what, to = (
-      (name, "rows") if name in MEASURED else (f"compile {name}", "compiles")
-    )
-    got = _guarded(
-      args,
-      out["notes"],
-      what,
-      one_step,
-      args,
-      name,
-      steps[name],
-      torch,
-      rng,
-      out["notes"],
-    )
-    out[to] += got or []
+    to = "rows" if name in MEASURED else "compiles"
+    what = name if name in MEASURED else f"compile {name}"
+    part = (one_step, args, name, steps[name], torch, rng, notes)
+    out[to] += _guarded(args, notes, what, *part) or []
   return write(args, **out)
 
 
