@@ -116,97 +116,134 @@ def _transforms(stack, sparse, where):
   return tx, ov, wired
 
 
-@pytest.mark.parametrize(
-  "opt,where",
-  [(name, "inside") for name in OPTIMIZERS] + [("lazy_adam", "around")],
-)
-def test_the_step_and_publish_equal_the_hand_wired_calls(opt, where):
+CASES = [(name, "inside") for name in OPTIMIZERS] + [("lazy_adam", "around")]
+
+
+class _Case:
+  """One case's object and hand-wired runs: their params, states and map,
+  serving's copy and store, and the last published step."""
+
+  def __init__(self, stack, opt, where):
+    self.label = f"{opt}-{where}"
+    self.tx, self.ov, self.wired = _transforms(stack, OPTIMIZERS[opt](), where)
+    self.params = _params(stack)
+    self.state = self.tx.init(self.params)
+    self.h_params = jax.tree.map(jnp.copy, self.params)
+    self.h_state = self.wired.init(self.h_params)
+    self.h_vocab = stack.init_vocab(jax.random.key(1))
+    self.serving = jax.tree.map(np.asarray, self.params)
+    self.kv = {}  # serving's store of the hashed rows: (table, raw id) -> row
+    self.last, self.last_vocab = None, None
+    self.evicted = 0
+
+  def carry(self):
+    return self.params, self.state, self.h_params, self.h_state, self.h_vocab
+
+
+def test_the_step_and_publish_equal_the_hand_wired_calls():
+  """Every case (an optimizer inside optax.multi_transform, or lazy_adam
+  around it) against its hand-wired calls, bit for bit. The cases' steps
+  run in one jitted program (XLA compiles the kernels they share once);
+  each case's two runs read their own params, states and map."""
   stack = _stack()
   (name,) = stack.stacks
-  tx, ov, wired = _transforms(stack, OPTIMIZERS[opt](), where)
-  params = _params(stack)
-  state = tx.init(params)
-  h_params = params
-  h_state, h_vocab = wired.init(params), stack.init_vocab(jax.random.key(1))
+  cases = [_Case(stack, opt, where) for opt, where in CASES]
 
-  @jax.jit(donate_argnums=(0, 1))
-  def step(params, state, batch, mask):
+  def step(case, params, state, batch, mask):
     raw, weights, labels = _split(batch)
-    ids, params, state = ov.admit(state, params, raw, weights=weights)
+    ids, params, state = case.ov.admit(state, params, raw, weights=weights)
     value, grads = gtx.sparse_value_and_grad(_loss, argnums=1)(
       stack, params, ids, weights, labels, mask
     )
-    updates, state = tx.update(grads, state, params)
+    updates, state = case.tx.update(grads, state, params)
     return gtx.apply_updates(params, updates), state, value
 
-  @jax.jit
-  def wired_step(params, state, vocab, batch, mask):
+  def wired_step(case, params, state, vocab, batch, mask):
     raw, weights, labels = _split(batch)
     ids, vocab, fresh = stack.admit(vocab, raw, weights=weights)
-    params, state = gtx.reset_rows(wired, state, params, {"emb": fresh})
+    params, state = gtx.reset_rows(case.wired, state, params, {"emb": fresh})
     value, grads = gtx.sparse_value_and_grad(_loss, argnums=1)(
       stack, params, ids, weights, labels, mask
     )
-    updates, state = wired.update(grads, state, params)
+    updates, state = case.wired.update(grads, state, params)
     return gtx.apply_updates(params, updates), state, vocab, value
 
-  serving = jax.tree.map(np.asarray, params)
-  kv = {}  # serving's store of the hashed rows: (table, raw id) -> row
-  last, last_vocab = None, None
+  @jax.jit(donate_argnums=0)
+  def steps(carries, batch, mask):
+    out = []
+    for case, (p, s, hp, hs, hv) in zip(cases, carries, strict=True):
+      out.append(
+        (
+          step(case, p, s, batch, mask),
+          wired_step(case, hp, hs, hv, batch, mask),
+        )
+      )
+    return out
+
   rng = np.random.RandomState(3)
-  evicted = 0
   for i in range(STEPS):
     batch, mask = _batch(rng, short=i == STEPS - 1)
-    params, state, value = step(params, state, batch, mask)
-    h_params, h_state, h_vocab, h_value = wired_step(
-      h_params, h_state, h_vocab, batch, mask
-    )
-    np.testing.assert_array_equal(value, h_value)
-    _equal(params, h_params)
-    _equal(_inner_states(state), h_state)
-    _equal(ov.vocab(state), h_vocab)
-    evicted += sum(
-      int(s["evicted"]) for s in stack.vocab_stats(h_vocab).values()
-    )
-    if i % 3 == 2 or i == STEPS - 1:
-      d, state = ov.publish(params, state)
-      want = gtx.delta(
-        h_params,
-        h_state,
-        since=last,
-        stack=stack,
-        vocab={"emb": h_vocab},
-        since_vocab=None if last_vocab is None else {"emb": last_vocab},
+    out = steps([c.carry() for c in cases], batch, mask)
+    for c, ((p, s, value), (hp, hs, hv, h_value)) in zip(
+      cases, out, strict=True
+    ):
+      c.params, c.state, c.h_params, c.h_state, c.h_vocab = p, s, hp, hs, hv
+      np.testing.assert_array_equal(value, h_value, err_msg=c.label)
+      _equal(p, hp)
+      _equal(_inner_states(s), hs)
+      _equal(c.ov.vocab(s), hv)
+      c.evicted += sum(
+        int(v["evicted"]) for v in stack.vocab_stats(hv).values()
       )
-      last, last_vocab = want.step, jax.tree.map(jnp.copy, h_vocab)
-      _equal(d, want)
-      serving = gtx.apply_delta(serving, d)
-      _equal(serving, jax.tree.map(np.asarray, params))
-      m, rows = d.maps[name], d.params["emb"][name]
-      if m is not None:
-        if m["tombstones"] is not None:
-          for t, raw_id in zip(*m["tombstones"].values(), strict=True):
-            del kv[int(t), int(raw_id)]
-        for t, raw_id, r in zip(
-          m["tables"], m["owners"], rows["values"], strict=True
-        ):
-          if raw_id >= 0:
-            kv[int(t), int(raw_id)] = r
-  assert evicted > 0
-  # the store holds exactly the live ids, with their rows
-  v = ov.vocab(state)[name]
-  table = np.asarray(params["emb"][name])
+      if i % 3 == 2 or i == STEPS - 1:
+        _publish(stack, name, c)
+  for c in cases:
+    assert c.evicted > 0, c.label
+    _store_holds_the_live_ids(stack, name, c)
+
+
+def _publish(stack, name, c):
+  """The object's publish against gtx.delta of the hand-wired run, applied
+  to serving's copy and its store of the hashed rows."""
+  d, c.state = c.ov.publish(c.params, c.state)
+  want = gtx.delta(
+    c.h_params,
+    c.h_state,
+    since=c.last,
+    stack=stack,
+    vocab={"emb": c.h_vocab},
+    since_vocab=None if c.last_vocab is None else {"emb": c.last_vocab},
+  )
+  c.last, c.last_vocab = want.step, jax.tree.map(jnp.copy, c.h_vocab)
+  _equal(d, want)
+  c.serving = gtx.apply_delta(c.serving, d)
+  _equal(c.serving, jax.tree.map(np.asarray, c.params))
+  m, rows = d.maps[name], d.params["emb"][name]
+  if m is not None:
+    if m["tombstones"] is not None:
+      for t, raw_id in zip(*m["tombstones"].values(), strict=True):
+        del c.kv[int(t), int(raw_id)]
+    for t, raw_id, r in zip(
+      m["tables"], m["owners"], rows["values"], strict=True
+    ):
+      if raw_id >= 0:
+        c.kv[int(t), int(raw_id)] = r
+
+
+def _store_holds_the_live_ids(stack, name, c):
+  """Serving's store holds exactly the live ids, with their rows."""
+  v = c.ov.vocab(c.state)[name]
+  table = np.asarray(c.params["emb"][name])
   tables = list(stack.tables)
   live = {}
   for t in ("user", "item"):
-    lo, hi = stack.stacks[name].offsets[tables.index(t)], None
-    hi = lo + TABLES[t].rows
-    for r in range(lo, hi):
+    lo = stack.stacks[name].offsets[tables.index(t)]
+    for r in range(lo, lo + TABLES[t].rows):
       if int(v.last_seen[r]) >= 0:
         live[tables.index(t), int(v.key_lo[r])] = table[r]
-  assert set(kv) == set(live)
+  assert set(c.kv) == set(live), c.label
   for k, r in live.items():
-    np.testing.assert_array_equal(kv[k], r)
+    np.testing.assert_array_equal(c.kv[k], r, err_msg=c.label)
 
 
 @pytest.mark.parametrize("wrap", ["drop_stale", "drop_stale_accumulate"])
