@@ -215,14 +215,13 @@ class _Model:
       chosen = 0 if branches == 1 else min(max(index, 0), branches - 1)
       self.run(self.body(op, chosen), times)
       return
-    self.cost.syncs += times  # the branch index read back
-    best = None
+    outer, costs = self.cost, []
     for r in range(branches):  # the costliest branch
-      sub = _Model.__new__(_Model)
-      sub.__dict__.update(self.__dict__, cost=Cost())
-      sub.run(self.body(op, r), times)
-      if best is None or sub.cost.seconds > best.seconds:
-        best = sub.cost
+      self.cost = Cost()
+      self.run(self.body(op, r), times)
+      costs.append(self.cost)
+    self.cost, best = outer, max(costs, key=lambda c: c.seconds)
+    self.cost.syncs += times  # the branch index read back
     self.cost.kernels += best.kernels
     self.cost.syncs += best.syncs
     self.cost.loops += best.loops
