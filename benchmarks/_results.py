@@ -1,11 +1,7 @@
-"""The benchmarks' writer: ``benchmarks/results/<name>.md`` and ``.json``.
-
-:func:`write_results` prints a markdown table (headers from
-:func:`columns`, headline figures from :func:`headline`) and writes it with the
-machine (:func:`machine`), the code measured (:func:`commit`), the run's
-settings and load, and the spread of every timing since the previous
-file; :func:`result_path` names any other output (plots) with the run's
-suffix (``_quick`` under ``--quick``).
+"""The benchmarks' writer: ``benchmarks/results/<name>.md`` and ``.json``
+(:func:`write_results`), with the machine, the code measured, the run's
+settings and load, and the spread of every timing; :func:`result_path`
+names other outputs (plots) with the run's suffix (``_quick``).
 """
 
 from __future__ import annotations
@@ -26,22 +22,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUFFIX_ENV = "GRADTX_BENCH_SUFFIX"
 
 
-def cpu_name() -> str:
-  """The CPU model (from /proc/cpuinfo where there is one)."""
+def machine() -> dict[str, Any]:
+  """What the numbers were measured on."""
+  cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
+      cpu = next(
+        (x.split(":", 1)[1].strip() for x in f if x.startswith("model name")),
+        cpu,
+      )
   except OSError:
     pass
-  return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-  """What the numbers were measured on (jax's devices where jax is
-  installed)."""
-  out = {"cpu": cpu_name(), "cores": os.cpu_count()}
+  out = {"cpu": cpu, "cores": os.cpu_count()}
   out.update(backend="cpu", device="cpu", devices=1, jax="not installed")
   try:
     import jax
@@ -58,9 +50,7 @@ def machine() -> dict[str, Any]:
 
 
 def oversubscribed(consequence: str) -> str:
-  """A caution for a results note, empty unless the load average exceeded
-  the core count (the machine is shared): ``consequence`` says what that
-  does to the figures."""
+  """A caution for a note where the load average exceeded the cores."""
   if max(os.getloadavg()) <= (os.cpu_count() or 1):
     return ""
   return (
@@ -70,13 +60,14 @@ def oversubscribed(consequence: str) -> str:
 
 
 def commit() -> str:
-  """The last commit that changed ``gradtx/`` (and whether it has
-  uncommitted changes): the code the numbers measure."""
-  root = Path(__file__).resolve().parent.parent
+  """The last commit that changed ``gradtx/``, and whether it is dirty."""
 
   def git(*cmd: str) -> str:
     return subprocess.run(
-      ["git", "-C", str(root), *cmd], capture_output=True, text=True, check=True
+      ["git", "-C", str(RESULTS.parent.parent), *cmd],
+      capture_output=True,
+      text=True,
+      check=True,
     ).stdout.strip()
 
   try:
@@ -87,15 +78,9 @@ def commit() -> str:
   return last + (" with uncommitted changes" if dirty else "")
 
 
-def markdown_table(
-  headers: Sequence[str], rows: Sequence[Sequence[Any]]
-) -> str:
-  """A GitHub markdown table."""
-
+def markdown_table(headers: Sequence[str], rows: Sequence) -> str:
   def cell(x: Any) -> str:
-    if isinstance(x, float):
-      return f"{x:.4g}"
-    return str(x)
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
   lines = ["| " + " | ".join(headers) + " |"]
   lines.append("|" + "|".join("---" for _ in headers) + "|")
@@ -109,21 +94,18 @@ def columns(spec: str) -> list[str]:
 
 
 def headline(metric: str, value: Any, target: str | None = None) -> dict:
-  """One headline figure of a results file (``python -m benchmarks``
-  gathers them into ``summary.md``)."""
+  """One headline figure (``python -m benchmarks`` gathers them)."""
   out = {"metric": metric, "value": value}
   return out if target is None else {**out, "target": target}
 
 
 def result_path(name: str, ext: str) -> Path:
-  """``results/<name><suffix><ext>`` (the suffix: see
-  :func:`write_results`), its folder made."""
+  """``results/<name><suffix><ext>``, its folder made."""
   RESULTS.mkdir(exist_ok=True)
   return RESULTS / f"{name}{os.environ.get(SUFFIX_ENV, '')}{ext}"
 
 
-def settings_note() -> str:
-  """The run's shared settings in words: pages, host memory, load."""
+def _settings_note() -> str:
   out, run = [], _timing.RUN
   if run.huge_pages is not None:
     out.append(
@@ -149,25 +131,10 @@ def settings_note() -> str:
   return " ".join(out)
 
 
-def write_results(
-  name: str,
-  title: str,
-  headers: Sequence[str],
-  rows: Sequence[Sequence[Any]],
-  *,
-  notes: str = "",
-  extra: dict[str, Any] | None = None,
-) -> str:
-  """Prints and saves ``results/<name>.md`` and ``results/<name>.json``.
-
-  The markdown: the title, the machine, the table, ``notes``, then the
-  run's settings and load (:func:`settings_note`). The json also holds
-  ``extra``, the load, and the spread of every :func:`time_interleaved`
-  call since the previous results file (``timing``).
-  ``GRADTX_BENCH_SUFFIX`` (set by ``--quick`` and by ``gpu.sh``) is
-  appended to ``name``, so smoke runs and other machines never overwrite
-  the reference results.
-  """
+def write_results(name, title, headers, rows, *, notes="", extra=None) -> str:
+  """Prints and saves ``results/<name><suffix>.md`` (title, machine, table,
+  ``notes``, the run's settings) and ``.json`` (also ``extra``, the load
+  and the timings' spreads since the previous results file)."""
   m, run = machine(), _timing.RUN
   table = markdown_table(headers, rows)
   md = (
@@ -177,7 +144,7 @@ def write_results(
   )
   if notes:
     md += f"\n{notes}\n"
-  md += f"\n{settings_note()}\n"
+  md += f"\n{_settings_note()}\n"
   print(md)
   result_path(name, ".md").write_text(md)
   payload = {

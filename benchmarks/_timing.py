@@ -1,18 +1,14 @@
-"""The benchmarks' timer: systems alternated in one process.
+"""The benchmarks' timer: systems alternated round-robin in one process.
 
-:func:`time_interleaved` (and :class:`Schedule`, its rounds, burst and
-settle) runs every system round-robin, so that the noise of a shared
-machine hits each alike, and returns medians; :func:`record` keeps each
-system's :func:`spread` for the results' json (``RUN.timings``).
-:func:`step_runner` and :class:`Counter` turn a donated jitted step into a
-call without arguments on fresh ids; :class:`Clock` (wall and CPU
-seconds) and :func:`once` time what runs once (a compile, a save);
-:func:`warm_copy_bandwidth` gives the floor of a copy. Why a burst and a
-settle: ``results/harness_notes.md``.
+:func:`time_interleaved` (on a :class:`Schedule`) returns medians and keeps
+each system's :func:`spread` in ``RUN.timings``; :func:`step_runner` and
+:class:`Counter` make a donated jitted step a call on fresh ids. Why a
+burst and a settle: ``results/harness_notes.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -21,7 +17,7 @@ from typing import Any, NamedTuple
 
 
 def load_note() -> str:
-  """The 1/5/15-minute load averages (the machine may be shared)."""
+  """The 1/5/15-minute load averages."""
   try:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
   except OSError:
@@ -29,8 +25,7 @@ def load_note() -> str:
 
 
 class _Run:
-  """What the harness records of this process's run: one benchmark per
-  process (``python -m benchmarks`` starts one for each)."""
+  """What the harness records of this process's run (one benchmark)."""
 
   def __init__(self) -> None:
     self.quick = False
@@ -42,17 +37,14 @@ class _Run:
 
 RUN = _Run()
 
-
 # The whole-step benchmarks' defaults: SETTLE untimed steps of a system,
-# then BURST timed ones, each round (a training loop's steady state; the
-# measurements behind them: results/harness_notes.md).
+# then BURST timed ones, each round.
 BURST = 10
 SETTLE = 3
 
 
 class Clock:
-  """Wall and CPU seconds (this process's threads together) since it was
-  made: ``c = Clock(); ...; c.wall(), c.cpu()``."""
+  """Wall and CPU seconds since it was made: ``c.wall(), c.cpu()``."""
 
   def __init__(self) -> None:
     self.start = time.perf_counter(), time.process_time()
@@ -72,7 +64,7 @@ def once(fn: Callable[[], Any]) -> float:
 
 
 class Schedule(NamedTuple):
-  """How :func:`time_interleaved` alternates systems (see there)."""
+  """How :func:`time_interleaved` alternates systems."""
 
   rounds: int = 10
   burst: int = BURST
@@ -84,14 +76,12 @@ class Schedule(NamedTuple):
 
   @property
   def steps(self) -> int:
-    """Steps each system runs (warmup 2, one HLO check, the rounds), so
-    that every step can get fresh ids."""
+    """Steps each system runs (warmup 2, one HLO check, the rounds)."""
     return self.rounds * (self.burst + self.settle) + 3
 
   def time(
     self, fns: dict[str, Callable[[], Any]], *, warmup: int = 2, **kw: Any
   ) -> dict[str, float]:
-    """:func:`time_interleaved` of ``fns`` on this schedule."""
     return time_interleaved(fns, warmup=warmup, **self._asdict(), **kw)
 
   def describe(self) -> str:
@@ -108,9 +98,8 @@ class Schedule(NamedTuple):
 
 
 def spread(seconds: Sequence[float], burst: int = 1) -> dict[str, float]:
-  """Milliseconds of one system's timed calls (``burst`` consecutive ones
-  per round, in order): the median, the 10th percentile, the quartiles,
-  and the lowest and highest of the rounds' medians."""
+  """Milliseconds of one system's timed calls (``burst`` a round): median,
+  10th percentile, quartiles, lowest and highest round median."""
   ms = [1e3 * s for s in seconds]
   rounds = [
     statistics.median(ms[i : i + burst]) for i in range(0, len(ms), burst)
@@ -140,21 +129,10 @@ def time_interleaved(
   samples: dict[str, list[float]] | None = None,
   label: str | None = None,
 ) -> dict[str, float]:
-  """Median seconds per call of each function, measured round-robin so that
-  machine noise hits every variant alike.
-
-  Each round runs every function ``settle`` times untimed, then ``burst``
-  times timed; the median is over all ``rounds * burst`` timed calls.
-  ``burst > 1`` with ``settle > 0`` measures a training loop's steady
-  state, the state a user's loop (one system alone) is in: a system's
-  first steps after another system's turn pay for that system's leftovers
-  (torch's OpenMP workers spin on the cores for tens of milliseconds after
-  each step), and ``settle`` keeps those out of the sample, for every
-  system alike. ``samples``, when given, receives every timed call's
-  seconds per function. Every call records each function's
-  :func:`spread` under ``label`` (default: the functions' names) for the
-  json that :func:`write_results` writes.
-  """
+  """Median seconds per call of each function, round-robin: each round runs
+  each ``settle`` times untimed, then ``burst`` times timed. ``samples``
+  gets every timed call's seconds; the spreads are recorded under
+  ``label`` (default: the functions' names)."""
   for fn in fns.values():
     for _ in range(warmup):
       fn()
@@ -175,8 +153,6 @@ def time_interleaved(
 
 
 def _name(system: Any) -> str:
-  """A system's name in the json: a tuple key (the variant of a variant)
-  as its parts joined by " / "."""
   if isinstance(system, tuple):
     return " / ".join(map(str, system))
   return str(system)
@@ -185,10 +161,7 @@ def _name(system: Any) -> str:
 def record(
   label: str, times: dict[str, Sequence[float]], burst: int = 1, **how: Any
 ) -> None:
-  """Keeps each system's :func:`spread` of ``times`` (seconds of its timed
-  calls in order, ``burst`` a round) for the json of :func:`write_results`,
-  under ``label``, with ``how`` they were timed: for a benchmark that
-  times its systems in a loop of its own (a training run)."""
+  """Keeps each system's :func:`spread` of ``times`` for the json."""
   RUN.timings.append(
     {
       "label": label,
@@ -199,27 +172,10 @@ def record(
   )
 
 
-def time_fn(
-  fn: Callable[[], Any],
-  *,
-  warmup: int = 2,
-  repeats: int = 20,
-  label: str | None = None,
-) -> float:
-  """Median seconds per call of ``fn`` (which must block on its result)."""
-  name = label or getattr(fn, "__name__", "fn")
-  return time_interleaved(
-    {name: fn}, warmup=warmup, rounds=repeats, label=label
-  )[name]
-
-
-def step_runner(
-  step: Callable[..., Any], box: list, args_of: Callable[[int], tuple]
-) -> Callable[[int], Any]:
-  """``run(i)``: the jitted ``step(params, state, *args_of(i))`` on the
-  params and state in ``box`` (donated: the step returns them new, and
-  maybe a loss), the new ones kept in ``box``; waits for them and returns
-  the step's third output, its loss, where it has one."""
+def step_runner(step, box: list, args_of) -> Callable[[int], Any]:
+  """``run(i)``: ``step(params, state, *args_of(i))`` on ``box``'s (donated)
+  params and state, the new ones kept in ``box``; returns the loss (the
+  step's third output) where there is one."""
   import jax
 
   def run(i: int) -> Any:
@@ -232,8 +188,7 @@ def step_runner(
 
 
 class Counter:
-  """``fn(i)`` as a call without arguments, ``i`` counting up from
-  ``start``: each call a step on the next fresh batch."""
+  """``fn(i)`` as a call without arguments, ``i`` counting from ``start``."""
 
   def __init__(self, fn: Callable[[int], Any], start: int = 1):
     self.fn, self.i = fn, start  # 1: step 0 may have run (torch state init)
@@ -244,27 +199,19 @@ class Counter:
     return out
 
 
-def warm_copy_bandwidth(
-  num_bytes: int = 256 * 2**20, repeats: int = 10
-) -> float:
-  """Bytes/s (read + write counted) of a copy into an already-faulted buffer.
-
-  On CPU, ``np.copyto`` into a destination written once before timing: an
-  in-place optimizer step never pays page faults, and a fresh output buffer
-  would (2-3x slower). On accelerators, a jitted ``a + 1`` updated in
-  place (donated). The best of ``repeats``: a floor should be optimistic.
-  """
+def warm_copy_bandwidth() -> float:
+  """Bytes/s (read + write) of the best of 10 copies of 256 MiB into an
+  already-faulted buffer: ``np.copyto`` on CPU, a donated jitted ``a + 1``
+  on accelerators."""
   import jax
   import numpy as np
 
+  num_bytes = 256 * 2**20
   if jax.default_backend() == "cpu":
     src = np.ones(num_bytes // 4, np.float32)
     dst = np.zeros_like(src)
     np.copyto(dst, src)  # fault the pages in
-
-    def call():
-      np.copyto(dst, src)
-
+    call = functools.partial(np.copyto, dst, src)
   else:
     f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
     box = [jax.numpy.ones(num_bytes // 4, jax.numpy.float32)]
@@ -275,7 +222,7 @@ def warm_copy_bandwidth(
 
   call()
   best = float("inf")
-  for _ in range(repeats):
+  for _ in range(10):
     t0 = time.perf_counter()
     call()
     best = min(best, time.perf_counter() - t0)
