@@ -1,15 +1,9 @@
-"""The benchmark harness's shared pieces besides the timer (``_timing``)
-and the writer (``_results``): the arguments every benchmark shares
-(:func:`parser` / :func:`parse`: ``--quick``, ``--rounds`` or the
-:class:`~benchmarks._timing.Schedule`, ``--steps``, ``--huge-pages``,
-``--fresh-memory``, ``--mem-gib``), the ids of a step (:func:`make_ids`),
-the competitors' plumbing (:func:`import_torch` with its threads set,
-:func:`torch_huge_pages`, :func:`fbgemm`, :func:`tbe` and
-:func:`tbe_step`), the one-table step of the A/B runs and the versions of
-gradtx they load from git (:func:`load_version`, :func:`export_version`),
-and the compiled-program readers (:func:`hlo_op_counts`,
-:func:`compile_phases`). It imports jax only inside functions:
-``benchmarks.fbgemm_anchor`` runs where jax is not installed.
+"""The benchmark harness's shared pieces besides the timer (``_timing``) and
+the writer (``_results``): the shared arguments (:func:`parser`,
+:func:`parse`), a step's ids (:func:`make_ids`), torch's and FBGEMM's
+plumbing, the one-table step of the A/B runs and gradtx's versions from git,
+and the compiled-program readers. It imports jax only inside functions
+(``benchmarks.fbgemm_anchor`` runs without jax).
 """
 
 from __future__ import annotations
@@ -32,30 +26,13 @@ from benchmarks._timing import Clock, Schedule, load_note
 
 
 def fake_cpu_devices(n: int) -> None:
-  """``n`` fake CPU devices for the benchmarks of several devices: call it
-  before anything imports jax (a no-op after)."""
+  """``n`` fake CPU devices (a no-op once jax is imported)."""
   if "jax" not in sys.modules:
     os.environ["XLA_FLAGS"] = (
       os.environ.get("XLA_FLAGS", "")
       + f" --xla_force_host_platform_device_count={n}"
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-# ----------------------------------------------------------------------------
-# one run: the arguments every benchmark shares
-
-
-HUGE_PAGES_HELP = (
-  "back every system's tables and state by huge pages (gtx.use_huge_pages, "
-  "the same madvise for torch; default: the OS's 4 KiB pages, as a user's "
-  "step runs)"
-)
-FRESH_MEMORY_HELP = (
-  "give malloc glibc's behaviour back (gtx.reuse_host_memory(False); "
-  "default: gradtx's, for every system of the process: each step's "
-  "temporaries reuse freed pages)"
-)
 
 
 def parser(
@@ -67,16 +44,9 @@ def parser(
   huge_pages: bool = False,
   fresh_memory: bool = False,
 ) -> argparse.ArgumentParser:
-  """A benchmark's argument parser with the shared flags; the benchmark
-  adds its own and reads them with :func:`parse`.
-
-  Always ``--quick`` (alias ``--smoke``: small sizes, results written with
-  the suffix ``_quick``). ``schedule``: ``--rounds``, ``--burst`` and
-  ``--settle`` of :func:`time_interleaved` with its values as defaults;
-  ``rounds`` (without ``schedule``): ``--rounds`` alone; ``steps``:
-  ``--steps``; ``huge_pages``: ``--huge-pages``; ``fresh_memory``:
-  ``--fresh-memory``.
-  """
+  """A parser with ``--quick`` and the shared flags asked for: ``schedule``
+  (``--rounds``, ``--burst``, ``--settle``, its values the defaults) or
+  ``rounds``, ``steps``, ``--huge-pages``, ``--fresh-memory``."""
   if schedule is not None and rounds is not None:
     raise ValueError("parser: give schedule (its rounds) or rounds, not both")
   p = argparse.ArgumentParser(description=doc)
@@ -87,32 +57,49 @@ def parser(
     help="small sizes; results written with the suffix _quick",
   )
   if schedule is not None:
-    add_schedule_args(p, schedule)
+    rounds = schedule.rounds
   if rounds is not None:
     p.add_argument("--rounds", type=int, default=rounds)
+  if schedule is not None:
+    p.add_argument(
+      "--burst",
+      type=int,
+      default=schedule.burst,
+      help="timed consecutive steps per system per round (1: strict "
+      "round-robin)",
+    )
+    p.add_argument(
+      "--settle",
+      type=int,
+      default=schedule.settle,
+      help="untimed steps of a system before its timed ones, each round (0: "
+      "time the steps right after another system's turn too)",
+    )
   if steps is not None:
     p.add_argument("--steps", type=int, default=steps)
   if huge_pages:
-    p.add_argument("--huge-pages", action="store_true", help=HUGE_PAGES_HELP)
+    p.add_argument(
+      "--huge-pages",
+      action="store_true",
+      help="back every system's tables and state by huge pages "
+      "(gtx.use_huge_pages, the same madvise for torch; default: the OS's "
+      "4 KiB pages, as a user's step runs)",
+    )
   if fresh_memory:
     p.add_argument(
-      "--fresh-memory", action="store_true", help=FRESH_MEMORY_HELP
+      "--fresh-memory",
+      action="store_true",
+      help="give malloc glibc's behaviour back (gtx.reuse_host_memory(False);"
+      " default: gradtx's, for every system of the process: each step's "
+      "temporaries reuse freed pages)",
     )
   return p
 
 
-def parse(
-  p: argparse.ArgumentParser,
-  argv: Sequence[str] | None = None,
-  *,
-  quick: dict[str, Any] | None = None,
-) -> argparse.Namespace:
-  """``p``'s arguments, with the shared flags applied: ``--quick`` sets
-  the arguments in ``quick`` that the command line left at their defaults,
-  and the results suffix ``_quick``;
-  ``--huge-pages`` turns on :func:`huge_pages` and
-  :func:`torch_huge_pages`; ``--fresh-memory`` calls
-  ``gtx.reuse_host_memory(False)``. :func:`write_results` notes them."""
+def parse(p, argv=None, *, quick=None) -> argparse.Namespace:
+  """``p``'s arguments: ``--quick`` sets the suffix ``_quick`` and those in
+  ``quick`` left at their defaults; ``--fresh-memory`` calls
+  ``gtx.reuse_host_memory(False)``."""
   args = p.parse_args(argv)
   _timing.RUN.quick = args.quick
   if args.quick:
@@ -132,22 +119,8 @@ def parse(
   return args
 
 
-def add_table_args(
-  p: argparse.ArgumentParser,
-  rows: int = 1_000_000,
-  dim: int = 64,
-  ids: int = 8192,
-) -> None:
-  """``--rows``, ``--dim``, ``--ids``: one ``[rows, dim]`` table, ``ids``
-  fresh ids a step."""
-  p.add_argument("--rows", type=int, default=rows)
-  p.add_argument("--dim", type=int, default=dim)
-  p.add_argument("--ids", type=int, default=ids)
-
-
 def add_memory_arg(p: argparse.ArgumentParser, cpu_gib: float) -> None:
-  """``--mem-gib``: what the systems may hold at once (read it with
-  :func:`memory_budget`)."""
+  """``--mem-gib`` (read by :func:`memory_budget`)."""
   p.add_argument(
     "--mem-gib",
     type=float,
@@ -170,14 +143,12 @@ def memory_budget(args: argparse.Namespace) -> float:
   return 0.5 * limit if limit else args.cpu_gib * 2**30
 
 
-# --quick's sizes of a one-table step (add_table_args, the Schedule)
+# --quick's sizes of a one-table step (--rows, --ids, the Schedule)
 QUICK_TABLE = dict(rows=20_000, ids=512, rounds=2, burst=2, settle=1)
 
 
 def add_head_args(p: argparse.ArgumentParser, optimizers: Any) -> None:
-  """``--heads`` (linear, mlp) and ``--mlp-optimizers``: the recommender
-  benchmarks' heads, and which of ``optimizers`` also run with the mlp
-  one."""
+  """``--heads`` and ``--mlp-optimizers`` (the recommenders')."""
   p.add_argument("--heads", nargs="+", default=["linear", "mlp"])
   p.add_argument(
     "--mlp-optimizers",
@@ -187,31 +158,6 @@ def add_head_args(p: argparse.ArgumentParser, optimizers: Any) -> None:
     help="the optimizers that also run with the mlp head",
   )
 
-
-def add_schedule_args(
-  p: argparse.ArgumentParser, default: Schedule | None = None
-) -> None:
-  """``--rounds``, ``--burst`` and ``--settle`` of :func:`time_interleaved`,
-  ``default``'s values (a :class:`Schedule`) as the defaults."""
-  default = default or Schedule()
-  p.add_argument("--rounds", type=int, default=default.rounds)
-  p.add_argument(
-    "--burst",
-    type=int,
-    default=default.burst,
-    help="timed consecutive steps per system per round (1: strict round-robin)",
-  )
-  p.add_argument(
-    "--settle",
-    type=int,
-    default=default.settle,
-    help="untimed steps of a system before its timed ones, each round (0: "
-    "time the steps right after another system's turn too)",
-  )
-
-
-# ----------------------------------------------------------------------------
-# data: the ids of a step
 
 ZIPF_S = 1.05
 
@@ -223,8 +169,7 @@ def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = 0) -> list:
   rng = np.random.default_rng(seed)
   if dist == "uniform":
     return [rng.integers(0, rows, n).astype(np.int32) for _ in range(steps)]
-  # Bounded Zipf: P(rank k) ~ k^-s over the rows; ranks land on a fixed
-  # random permutation so the hot rows are spread over the table.
+  # P(rank k) ~ k^-s, the ranks on a fixed permutation of the rows
   cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -ZIPF_S)
   cdf /= cdf[-1]
   perm = rng.permutation(rows).astype(np.int32)
@@ -235,14 +180,7 @@ def make_ids(rows: int, n: int, steps: int, dist: str, seed: int = 0) -> list:
   return out
 
 
-# ----------------------------------------------------------------------------
-# competitors: torch, FBGEMM, huge pages
-
-TORCH_THREADS = 2
-
-
 def available(module: str) -> bool:
-  """Whether ``module`` imports here."""
   try:
     __import__(module)
   except ImportError:
@@ -254,9 +192,8 @@ def version(module: str) -> str:
   return __import__(module).__version__
 
 
-def import_torch(threads: int = TORCH_THREADS) -> Any:
-  """torch with ``threads`` intra-op threads, or None where it does not
-  import."""
+def import_torch(threads: int = 2) -> Any:
+  """torch with ``threads`` intra-op threads, or None."""
   if not available("torch"):
     return None
   import torch
@@ -266,8 +203,7 @@ def import_torch(threads: int = TORCH_THREADS) -> Any:
 
 
 def with_threads(n: int, run: Callable[..., Any]) -> Callable[..., Any]:
-  """``run`` with torch's intra-op threads set to ``n`` for each call (a
-  process-wide setting; systems of other thread counts run between)."""
+  """``run`` with torch's intra-op threads set to ``n`` for each call."""
   if not available("torch"):
     return run
   import torch
@@ -288,8 +224,7 @@ def huge_pages(tree: Any) -> None:
 
 
 def torch_huge_pages(tensors: Sequence[Any]) -> None:
-  """Under ``--huge-pages``, torch's tables and state on huge pages too, as
-  ``gtx.use_huge_pages`` does for JAX's arrays."""
+  """Under ``--huge-pages``, torch's tensors on huge pages too."""
   if not _timing.RUN.huge_pages:
     return
   from gradtx._memory import _advise, _madvise
@@ -302,7 +237,7 @@ def torch_huge_pages(tensors: Sequence[Any]) -> None:
 
 
 def torch_state(opts: Sequence[Any]) -> list[Any]:
-  """The tensors of torch optimizers' state (made on their first step)."""
+  """The tensors of torch optimizers' state."""
   import torch
 
   return [
@@ -315,50 +250,32 @@ def torch_state(opts: Sequence[Any]) -> list[Any]:
 
 
 def fbgemm() -> bool:
-  """Whether FBGEMM's table-batched embeddings import (``fbgemm_gpu``, with
-  torch)."""
+  """Whether ``fbgemm_gpu`` (with torch) imports."""
   return available("torch") and available("fbgemm_gpu")
 
 
-def tbe(
-  rows: int | list[int],
-  dim: int,
-  optim: str,
-  pooling: str,
-  lr: float,
-  device: str = "cpu",
-):
-  """FBGEMM's table-batched module on the host (``device`` "cpu") or on
-  the GPU: one table of ``rows`` rows, or one table per entry of a list
-  (every table ``dim`` wide)."""
-  from fbgemm_gpu.split_embedding_configs import EmbOptimType
-  from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-    EmbeddingLocation,
-    PoolingMode,
-  )
-  from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-  )
+def tbe(rows, dim, optim, pooling, lr, device="cpu"):
+  """FBGEMM's table-batched module on ``device``: one table, or one per
+  entry of ``rows``."""
+  from fbgemm_gpu import split_embedding_configs as configs
+  from fbgemm_gpu import split_table_batched_embeddings_ops_common as common
+  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
 
   tables = rows if isinstance(rows, list) else [rows]
-  where = (EmbeddingLocation.HOST, ComputeDevice.CPU)
+  where = common.EmbeddingLocation.HOST, train.ComputeDevice.CPU
   if str(device) != "cpu":
-    where = (EmbeddingLocation.DEVICE, ComputeDevice.CUDA)
-  return SplitTableBatchedEmbeddingBagsCodegen(
+    where = common.EmbeddingLocation.DEVICE, train.ComputeDevice.CUDA
+  return train.SplitTableBatchedEmbeddingBagsCodegen(
     [(r, dim, *where) for r in tables],
-    optimizer=getattr(EmbOptimType, optim),
-    pooling_mode=getattr(PoolingMode, pooling),
+    optimizer=getattr(configs.EmbOptimType, optim),
+    pooling_mode=getattr(common.PoolingMode, pooling),
     learning_rate=lr,
   ).to(device)
 
 
 def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
-  """FBGEMM's fused training step on ``[rows, dim]``: ``run(i)`` reads
-  ``ids[i % len(ids)]`` (int64 tensors) as bags of one id, returns the loss
-  ``sum(tanh(E[ids]) * ct)`` as a float after the backward, which runs the
-  optimizer fused. Also the optimizer state's bytes per row and the
-  module."""
+  """FBGEMM's fused step on ``[rows, dim]``, bags of one id, the loss
+  ``sum(tanh(E[ids]) * ct)``: ``(run(i), state bytes per row, module)``."""
   import torch
 
   module = tbe(rows, dim, optim, pooling, lr)
@@ -379,19 +296,12 @@ def tbe_step(rows, dim, optim, pooling, lr, ids, ct):
 def memory(compiled: Any) -> dict[str, int]:
   """Bytes from ``compiled.memory_analysis()``."""
   m = compiled.memory_analysis()
-  return {
-    "argument": int(m.argument_size_in_bytes),
-    "output": int(m.output_size_in_bytes),
-    "temp": int(m.temp_size_in_bytes),
-    "alias": int(m.alias_size_in_bytes),
-  }
+  kinds = "argument", "output", "temp", "alias"
+  return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in kinds}
 
 
-def hlo_table_copies(
-  jitted: Callable[..., Any], shape: Sequence[int], *args: Any
-) -> int:
-  """``copy`` instructions producing a value of ``shape`` in the compiled
-  ``jitted(*args)`` (a table-sized copy defeats an in-place update)."""
+def hlo_table_copies(jitted, shape: Sequence[int], *args: Any) -> int:
+  """``copy`` instructions of a ``shape`` value in compiled ``jitted``."""
   text = jitted.lower(*args).compile().as_text()
   dims = ",".join(str(d) for d in shape)
   return sum(
@@ -401,14 +311,9 @@ def hlo_table_copies(
   )
 
 
-# ----------------------------------------------------------------------------
-# the whole step of one table, for side-by-side A/B runs
-
-
 def table_step(gtx: Any, tx: Any) -> Callable[..., Any]:
-  """The whole step users run on one ``[V, D]`` table: forward with the loss
-  returned, sparse backward, ``tx``, apply; jitted, params and state
-  donated. ``gtx`` is the gradtx module to run (A/B of two versions)."""
+  """One table's whole step on ``gtx`` (a version of gradtx), jitted,
+  params and state donated, the loss returned."""
   import jax
   import jax.numpy as jnp
 
@@ -423,31 +328,19 @@ def table_step(gtx: Any, tx: Any) -> Callable[..., Any]:
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def table_variants(
-  doc: str | None,
-  argv: Sequence[str] | None,
-  name: str,
-  title: str,
-  headers: Sequence[str],
-  cases: dict[str, dict[str, Callable[[], tuple[Any, Any]]]],
-) -> None:
-  """A benchmark of one table's whole step in variants, side by side.
-
-  ``cases`` maps an optimizer to its variants, each a call that makes
-  ``(tx, jitted step)`` (a step of :func:`table_step`'s form). Every
-  variant runs on its own ``[--rows, --dim]`` table and donated state, the
-  next of 8 batches of ``--ids`` uniform ids each call, all of an
-  optimizer's variants alternated on the :class:`Schedule`. One row per
-  variant: the optimizer, the variant, ms per step and the ratio to its
-  optimizer's first variant; written as ``results/<name>``, ``title``
-  formatted with ``rows``, ``dim`` and ``ids``."""
+def table_variants(doc, argv, name, title, headers, cases) -> None:
+  """One table's step in variants: ``cases`` maps an optimizer to makers
+  of ``(tx, jitted step)``, alternated; a row each (ms, ratio to the
+  first), ``title`` formatted with ``rows``, ``dim`` and ``ids``."""
   import jax.numpy as jnp
   import numpy as np
 
   from benchmarks._results import write_results
 
   p = parser(doc, schedule=Schedule())
-  add_table_args(p)
+  p.add_argument("--rows", type=int, default=1_000_000)
+  p.add_argument("--dim", type=int, default=64)
+  p.add_argument("--ids", type=int, default=8192)
   args = parse(p, argv, quick=QUICK_TABLE)
   sched = Schedule.from_args(args)
   rng = np.random.RandomState(0)
@@ -456,7 +349,7 @@ def table_variants(
     for _ in range(8)
   ]
 
-  def runner(tx: Any, step: Any) -> Callable[[], None]:
+  def runner(tx, step):
     table = jnp.asarray(rng.normal(size=(args.rows, args.dim)), jnp.float32)
     box = [{"emb": table}, None]
     box[1] = tx.init(box[0])
@@ -481,63 +374,42 @@ def table_variants(
   )
 
 
-# ----------------------------------------------------------------------------
-# versions of gradtx from git, for the A/B runs
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load_version(rev: str, name: str = "gradtx_before") -> Any:
   """``gradtx`` as of ``rev``, imported as ``name`` in this process."""
-  out = pathlib.Path(tempfile.mkdtemp()) / name
-  out.mkdir()
-  for path, text in _version_files(rev):
-    text = re.sub(r"\bgradtx\b(?=[._ ])", out.name, text)
-    (out / path.name).write_text(text)
-  sys.path.insert(0, str(out.parent))
-  return importlib.import_module(out.name)
+  sys.path.insert(0, _write_version(rev, name))
+  return importlib.import_module(name)
 
 
 def export_version(rev: str) -> str:
-  """A folder holding ``gradtx`` as of ``rev``, for a process to import;
-  ``rev`` may be such a folder itself (another checkout)."""
+  """A folder holding ``gradtx`` as of ``rev`` (or ``rev``, a checkout)."""
   if (pathlib.Path(rev) / "gradtx" / "__init__.py").exists():
     return str(pathlib.Path(rev).resolve())
-  out = pathlib.Path(tempfile.mkdtemp()) / "gradtx"
-  out.mkdir()
-  for path, text in _version_files(rev):
-    (out / path.name).write_text(text)
-  return str(out.parent)
+  return _write_version(rev, "gradtx")
 
 
-def _version_files(rev: str) -> list[tuple[pathlib.PurePath, str]]:
+def _write_version(rev: str, name: str) -> str:
   def git(*args: str) -> str:
     return subprocess.run(
       ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
 
-  names = git("ls-tree", "--name-only", rev, "gradtx/").split()
-  return [
-    (pathlib.PurePath(n), git("show", f"{rev}:{n}"))
-    for n in names
-    if n.endswith(".py")
-  ]
+  out = pathlib.Path(tempfile.mkdtemp()) / name
+  out.mkdir()
+  for n in git("ls-tree", "--name-only", rev, "gradtx/").split():
+    if n.endswith(".py"):
+      text = re.sub(r"\bgradtx\b(?=[._ ])", name, git("show", f"{rev}:{n}"))
+      (out / pathlib.PurePath(n).name).write_text(text)
+  return str(out.parent)
 
 
-# ----------------------------------------------------------------------------
-# what a compiled program launches
-
-# Opcodes that launch no kernel: values, views and bookkeeping.
-_NO_KERNEL = {
-  "parameter",
-  "constant",
-  "tuple",
-  "get-tuple-element",
-  "bitcast",
-  "after-all",
-  "partition-id",
-  "replica-id",
-}
+# Opcodes that launch no kernel: values, views, bookkeeping, control flow.
+_NO_KERNEL = set(
+  "parameter constant tuple get-tuple-element bitcast after-all "
+  "partition-id replica-id while conditional call".split()
+)
 _CONTROL = {"while", "conditional", "call"}
 
 
@@ -573,39 +445,24 @@ def _hlo_computations(text: str) -> tuple[str, dict[str, list[tuple]]]:
 
 
 def hlo_op_counts(text: str) -> dict[str, int]:
-  """Static op counts of a compiled program (``compiled.as_text()``): what
-  it launches, not how often (a while body counts once).
-
-  ``kernels`` counts the ops of the entry computation and of the bodies it
-  runs through control flow (while, conditional, call), except values and
-  views (parameters, constants, tuples, bitcasts) and the control-flow ops
-  themselves: one launch each (a fusion is one kernel). ``while``,
-  ``conditional``, ``sort`` and ``fusion`` count those ops; ``scatter`` and
-  ``gather`` count them also inside fusions.
-  """
+  """Static op counts of compiled HLO text (a while body counts once):
+  ``kernels``, the launching ops of the entry and the bodies it runs
+  (a fusion one); ``while``, ``conditional``, ``sort``, ``fusion``;
+  ``scatter`` and ``gather`` also inside fusions."""
   entry, comps = _hlo_computations(text)
-  counts = dict.fromkeys(
-    ["kernels", "while", "conditional", "sort", "scatter", "gather", "fusion"],
-    0,
-  )
+  ops = "kernels while conditional sort scatter gather fusion"
+  counts = dict.fromkeys(ops.split(), 0)
 
-  def fused(name: str) -> None:
+  def walk(name: str, fused: bool) -> None:
     for op, line in comps.get(name, []):
-      if op in ("scatter", "gather"):
+      if op in counts and (not fused or op in ("scatter", "gather")):
         counts[op] += 1
-      for sub in re.findall(r"calls=%([\w.\-]+)", line):
-        fused(sub)
-
-  def launch(name: str) -> None:
-    for op, line in comps.get(name, []):
-      if op in counts and op != "kernels":
-        counts[op] += 1
-      if op not in _NO_KERNEL and op not in _CONTROL:
+      if not fused and op not in _NO_KERNEL:
         counts["kernels"] += 1
-      if op == "fusion":
+      if fused or op == "fusion":
         for sub in re.findall(r"calls=%([\w.\-]+)", line):
-          fused(sub)
-      if op in _CONTROL:
+          walk(sub, True)
+      elif op in _CONTROL:
         refs = re.findall(
           r"(?:condition|body|to_apply|true_computation|false_computation)"
           r"=%([\w.\-]+)",
@@ -615,28 +472,21 @@ def hlo_op_counts(text: str) -> dict[str, int]:
         if branches:
           refs += re.findall(r"%([\w.\-]+)", branches.group(1))
         for sub in refs:
-          launch(sub)
+          walk(sub, False)
 
-  launch(entry)
+  walk(entry, False)
   return counts
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-COLLECTIVES = (
-  "all-gather",
-  "all-reduce",
-  "reduce-scatter",
-  "all-to-all",
-  "collective-permute",
+COLLECTIVES = tuple(
+  "all-gather all-reduce reduce-scatter all-to-all collective-permute".split()
 )
 
 
-def hlo_collectives(
-  text: str, ops: Sequence[str] = COLLECTIVES
-) -> list[tuple[str, int]]:
-  """``(op, result bytes)`` of every collective among ``ops`` in HLO text,
-  per device."""
+def hlo_collectives(text: str, ops=COLLECTIVES) -> list[tuple[str, int]]:
+  """``(op, result bytes per device)`` of each collective among ``ops``."""
   pattern = re.compile(
     r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
     rf"({'|'.join(ops)})(?:-start)?\("
@@ -655,9 +505,8 @@ def hlo_collectives(
 
 
 def compile_phases(jitted: Any, *args: Any) -> dict[str, Any]:
-  """Wall and CPU (this process's) seconds to trace, lower and compile
-  ``jitted`` on ``args`` (abstract values are fine), and the compiled
-  program's op counts (:func:`hlo_op_counts`) and HLO lines."""
+  """Wall and CPU seconds to trace, lower and compile ``jitted`` on
+  ``args`` (abstract values are fine), its op counts and HLO lines."""
   out: dict[str, Any] = {}
   total, program = Clock(), jitted
   for phase, call in (
@@ -670,8 +519,4 @@ def compile_phases(jitted: Any, *args: Any) -> dict[str, Any]:
     out[f"{phase}_s"], out[f"{phase}_cpu_s"] = clock.wall(), clock.cpu()
   out.update(total_s=total.wall(), cpu_s=total.cpu())
   text = program.as_text()
-  return {
-    **out,
-    "hlo_lines": text.count("\n"),
-    **hlo_op_counts(text),
-  }
+  return {**out, "hlo_lines": text.count("\n"), **hlo_op_counts(text)}
