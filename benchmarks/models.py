@@ -1,19 +1,8 @@
-"""The models the benchmarks share, written as users write them.
-
-Criteo Kaggle's 26 cardinalities (:data:`CRITEO_KAGGLE`,
-:func:`table_rows`), the DLRM-shaped model of ``benchmarks.recsys`` (its
-data :func:`make_data`, params :func:`init_params` / :func:`stacked`, head
-:func:`head_params` / :func:`logit`, binary cross-entropy :func:`bce`, and
-losses :func:`per_table_loss` / :func:`stacked_loss`), the whole training
-step (:func:`whole_step`: sparse gradient, ``tx.update``,
-``apply_updates``, jitted, params and state donated), and the table-stack
-models of ``benchmarks.stacks`` (:func:`criteo_data`,
-:func:`criteo_models`, :func:`bag_data`, :func:`bag_models`,
-:func:`loop_runner`, :data:`STACK_OPTIMIZERS`); and one table's step, the
-scenario of ``benchmarks.train_step``, ``optimizers`` and
-``low_precision`` (:func:`one_table`: the table and fresh ids;
-:func:`one_table_step`: the step, sparse or dense, in any dtype). torch's
-and FBGEMM's twins: ``benchmarks.twins``.
+"""The models the benchmarks share, written as users write them: one
+table's step (:func:`one_table`, :func:`one_table_step`), the DLRM-shaped
+model of ``benchmarks.recsys``, the table-stack models of
+``benchmarks.stacks`` and the hashed Criteo step of ``benchmarks.vocab``.
+torch's and FBGEMM's twins: ``benchmarks.twins``.
 """
 
 from __future__ import annotations
@@ -34,8 +23,7 @@ SEED = 0
 HIDDEN = 256  # the mlp head's width
 
 
-# benchmarks.stacks' optimizers: name -> (gtx optimizer, torch's, learning
-# rate, FBGEMM's EmbOptimType or None: FBGEMM has no Adam on CPU)
+# name -> (gtx optimizer, torch's, learning rate, FBGEMM's EmbOptimType)
 STACK_OPTIMIZERS = {
   "lazy_adam": (lambda: gtx.lazy_adam(1e-3), "SparseAdam", 1e-3, None),
   "rowwise_adagrad": (
@@ -65,8 +53,7 @@ CRITEO_KAGGLE = [
 
 
 def table_rows(tables: int, cap: int) -> list[int]:
-  """Rows of ``tables`` tables: Criteo's cardinalities, repeated past 26,
-  capped at ``cap``."""
+  """Criteo's cardinalities for ``tables`` tables, capped at ``cap``."""
   return [min(CRITEO_KAGGLE[i % 26], cap) for i in range(tables)]
 
 
@@ -75,23 +62,17 @@ def row_offsets(rows: list[int]) -> np.ndarray:
 
 
 def head_params(tables: int, dim: int, head: str, hidden: int, rng) -> dict:
-  """The head's dense leaves (numpy): ``linear``, a logit weight vector per
-  table and a bias; ``mlp``, a tanh layer of ``hidden`` over the
-  concatenated embeddings, then a logit."""
+  """The head's leaves (numpy): ``linear`` (a logit weight vector per table,
+  a bias) or ``mlp`` (a tanh layer of ``hidden``, then a logit)."""
+  f32, zero = np.float32, np.zeros((), np.float32)
   if head == "linear":
-    return {
-      "w": (0.1 * rng.standard_normal((tables, dim))).astype(np.float32),
-      "b": np.zeros((), np.float32),
-    }
+    w = 0.1 * rng.standard_normal((tables, dim))
+    return {"w": w.astype(f32), "b": zero}
   fan_in = tables * dim
-  return {
-    "w1": (rng.standard_normal((fan_in, hidden)) / fan_in**0.5).astype(
-      np.float32
-    ),
-    "b1": np.zeros(hidden, np.float32),
-    "w2": (rng.standard_normal(hidden) / hidden**0.5).astype(np.float32),
-    "b2": np.zeros((), np.float32),
-  }
+  w1 = rng.standard_normal((fan_in, hidden)) / fan_in**0.5
+  w2 = rng.standard_normal(hidden) / hidden**0.5
+  b1 = np.zeros(hidden, f32)
+  return {"w1": w1.astype(f32), "b1": b1, "w2": w2.astype(f32), "b2": zero}
 
 
 def logit(p: Any, x: jax.Array) -> jax.Array:
@@ -107,18 +88,15 @@ def bce(logit: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def concat_rows(stack: Any, table: Any, ids: Any) -> jax.Array:
-  """``stack.lookup(table, ids, output="concat")``, in the spelling of the
-  gradtx at hand (``benchmarks.ab_versions`` runs versions from before
-  ``output=``, whose spelling was ``concat=True``)."""
+  """``stack.lookup(..., output="concat")``, or ``concat=True`` before."""
   if "output" in inspect.signature(stack.lookup).parameters:
     return stack.lookup(table, ids, output="concat")
   return stack.lookup(table, ids, concat=True)
 
 
 class OneTable(NamedTuple):
-  """One ``[rows, dim]`` table's steps: the table, the cotangent ``ct`` of
-  the loss ``sum(f(E[ids]) * ct)`` and fresh ids a step (numpy and on the
-  device)."""
+  """A table, the ``ct`` of its loss ``sum(f(E[ids]) * ct)``, fresh ids a
+  step (numpy and on the device)."""
 
   table: np.ndarray
   ct_np: np.ndarray
@@ -151,14 +129,10 @@ def one_table_step(
   dtype: Any = jnp.float32,
   stochastic: bool = False,
 ) -> tuple[Callable[[int], Any], list, int]:
-  """The step users run on :class:`OneTable` (forward with the loss
-  ``sum(f(E[ids]) * ct)`` returned, ``f`` the identity if ``linear`` else
-  ``tanh``; backward; ``tx``; apply), jitted, params ``{"emb": table}``
-  (as ``dtype``) and state donated: ``(run(i), [params, state], table
-  copies in the compiled step)``. ``lookup``: read by ``gtx.lookup``, else
-  ``E[ids]``; ``dense``: ``jax.value_and_grad`` and
-  ``optax.apply_updates``; ``stochastic``: ``apply_updates(..., key=)``,
-  a new key a step."""
+  """:class:`OneTable`'s whole step, jitted, params and state donated:
+  ``(run(i), [params, state], table copies)``. ``f`` is tanh unless
+  ``linear``; ``lookup``: read by ``gtx.lookup``; ``dense``: jax's gradient
+  and optax's apply; ``stochastic``: a new ``key=`` to apply a step."""
   import optax
 
   def loss(p, ids, ct):
@@ -198,17 +172,22 @@ def whole_step(loss, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def criteo_data(rows, batch, steps, dist):
+def _columns(rows, batch, steps, dist):
+  """Each table's ids a step, and a label vector a step."""
   cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
-  ids = [{f"f{t}": c[s] for t, c in enumerate(cols)} for s in range(steps)]
   rng = np.random.default_rng(SEED + 1)
-  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
+  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in range(steps)]
+  return cols, labels
+
+
+def criteo_data(rows, batch, steps, dist):
+  cols, labels = _columns(rows, batch, steps, dist)
+  ids = [{f"f{t}": c[s] for t, c in enumerate(cols)} for s in range(steps)]
   return ids, labels
 
 
 def bag_data(tables, rows, batch, steps, dist, max_len=20):
-  """Per step and table: flat ids padded to the static capacity ``batch *
-  10.5`` rounded up (the expected total), lengths and weights."""
+  """Per step and table: padded ids, lengths, weights; the capacity."""
   rng = np.random.default_rng(SEED + 5)
   cap = int(np.ceil(batch * (max_len + 1) / 2 / 64) * 64)
   out = []
@@ -233,20 +212,16 @@ def bag_data(tables, rows, batch, steps, dist, max_len=20):
 def criteo_models(rows, dim, batch=None, lanes=None):
   names = [f"f{t}" for t in range(len(rows))]
   specs = {n: gtx.TableSpec(r, dim) for n, r in zip(names, rows, strict=True)}
-  # as the recommenders guide builds it: with the step's batch size, the
-  # tables a step reads at least 4 times a row stay outside the stack
   lanes = {} if lanes is None else {"lanes": lanes}
   stack = gtx.TableStack(specs, batch_size=batch, **lanes)
 
-  # both read the features in the stack's concat order (its declared
-  # order), so the head's params mean the same in both
+  # both in the stack's concat order: the head means the same in both
   def per_table_loss(p, ids, y):
     order = stack.concat_order(ids)
     x = jnp.stack([p[n][ids[n]] for n in order], axis=1)
     return bce(logit(p["head"], x), y)
 
   def stack_loss(p, ids, y):
-    # the pooled features as one array (FBGEMM's output)
     x = concat_rows(stack, p["emb"], ids)
     return bce(logit(p["head"], x.reshape(x.shape[0], len(names), dim)), y)
 
@@ -277,8 +252,7 @@ def bag_models(tables, rows, dim, batch):
 
 
 def loop_runner(step, params, tx, batches, labels):
-  """A call without arguments: ``step`` on the next batch and its labels,
-  params and state donated (the first step run)."""
+  """``step`` on the next batch a call, donated, its first step run."""
   box = [params, tx.init(params)]
   huge_pages(box)
   feed = list(zip(batches, labels, strict=True))
@@ -293,17 +267,12 @@ class Data(NamedTuple):
 
 
 def make_data(rows: list[int], batch: int, steps: int, dist: str) -> Data:
-  cols = [make_ids(v, batch, steps, dist, SEED + t) for t, v in enumerate(rows)]
-  ids = [np.stack([c[s] for c in cols], axis=1) for s in range(steps)]
-  rng = np.random.default_rng(SEED + 1)
-  labels = [(rng.random(batch) < 0.25).astype(np.float32) for _ in ids]
-  return Data(ids, labels)
+  cols, labels = _columns(rows, batch, steps, dist)
+  return Data([np.stack([c[s] for c in cols], 1) for s in range(steps)], labels)
 
 
-def init_params(
-  rows: list[int], dim: int, head: str, hidden: int
-) -> dict[str, np.ndarray]:
-  """Tables ``t0 ... t{T-1}`` and the head's dense leaves (numpy)."""
+def init_params(rows: list[int], dim: int, head: str, hidden: int) -> dict:
+  """Tables ``t0 ...`` and the head's leaves (numpy)."""
   rng = np.random.default_rng(SEED + 2)
   p = {
     f"t{i}": (0.05 * rng.standard_normal((v, dim))).astype(np.float32)
@@ -314,7 +283,7 @@ def init_params(
 
 
 def stacked(params: dict[str, np.ndarray], tables: int) -> dict:
-  """The same params with the tables stacked into one leaf ``emb``."""
+  """The same params, the tables stacked into one leaf ``emb``."""
   out = {"emb": np.concatenate([params[f"t{i}"] for i in range(tables)])}
   out.update({k: v for k, v in params.items() if not k.startswith("t")})
   return out
@@ -338,37 +307,27 @@ def stacked_loss(rows: list[int]) -> Callable[..., jax.Array]:
 
 
 def abstract_params(rows: list[int], dim: int, stacked: bool) -> dict:
-  """The linear-head model's params as shapes: the tables one leaf each
-  (``t0`` ...) or ``stacked`` into ``emb``."""
-  f32 = jnp.float32
-  p = {
-    "w": jax.ShapeDtypeStruct((len(rows), dim), f32),
-    "b": jax.ShapeDtypeStruct((), f32),
-  }
+  """The linear-head model's params as shapes, ``t0`` ... or ``emb``."""
+  shapes = {"w": (len(rows), dim), "b": ()}
   if stacked:
-    p["emb"] = jax.ShapeDtypeStruct((sum(rows), dim), f32)
+    shapes["emb"] = (sum(rows), dim)
   else:
-    p.update(
-      {f"t{i}": jax.ShapeDtypeStruct((v, dim), f32) for i, v in enumerate(rows)}
-    )
-  return p
+    shapes.update({f"t{i}": (v, dim) for i, v in enumerate(rows)})
+  return {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
 
 
 # ----------------------------------------------------------------------------
 # hashed tables: benchmarks.vocab's Criteo step (and ab_versions' --hashed)
-RAW_SPACE = 10**9
 
 
 def zipf_raw(rng, n, a, salt):
-  """``n`` raw ids: Zipf ranks (exponent ``a``) below 10^9, scrambled by a
-  multiplicative hash (odd multiplier, so distinct ranks stay distinct)."""
-  rank = np.minimum(rng.zipf(a, n), RAW_SPACE).astype(np.int64)
+  """``n`` raw ids: Zipf ranks below 10^9, scrambled (one-to-one)."""
+  rank = np.minimum(rng.zipf(a, n), 10**9).astype(np.int64)
   return ((rank * 2654435761 + salt * 97) % (2**31 - 1)).astype(np.int32)
 
 
 def criteo_raw(batch: int, batches: int, zipf: float, seed: int):
-  """26 features' names, ``batches`` batches of Zipf raw ids and labels,
-  and each feature's distinct ids over them."""
+  """26 features' names, batches of raw ids, labels, distinct ids."""
   names = [f"f{t}" for t in range(26)]
   rng = np.random.default_rng(seed)
   raw = [
@@ -383,12 +342,8 @@ def criteo_raw(batch: int, batches: int, zipf: float, seed: int):
 
 
 def hashed_criteo(names, rows, dim, tx, hashed: bool):
-  """``(stack, params, step)``: one table a feature of ``rows[name]`` rows,
-  hashed or not, a logit per feature, and the whole step jitted with
-  params, state (and the map) donated, the loss returned last. Hashed:
-  ``step(params, state, vocab, raw, y)``, ``stack.admit`` mapping the raw
-  ids and ``gtx.reset_rows`` making the rows it gave out fresh first;
-  else ``step(params, state, ids, y)``."""
+  """``(stack, params, jitted step)``: a table a feature, hashed or not, a
+  logit per feature; :func:`hashed_step` donated."""
   specs = {
     n: gtx.TableSpec(rows[n], dim, hashed=gtx.Hashed() if hashed else None)
     for n in names
@@ -410,9 +365,8 @@ def hashed_criteo(names, rows, dim, tx, hashed: bool):
 
 
 def hashed_step(stack, tx, loss, hashed: bool):
-  """The whole step on ``stack`` (not jitted), the loss returned last: with
-  ``hashed``, ``stack.admit`` maps the raw ids and ``gtx.reset_rows`` resets
-  the rows it gave out first, the map carried after the state."""
+  """The whole step (not jitted), the loss last; ``hashed``: ``stack.admit``
+  and ``gtx.reset_rows`` first, ``vocab`` carried after the state."""
 
   def plain(params, state, ids, y):
     v, g = gtx.sparse_value_and_grad(loss)(params, ids, y)

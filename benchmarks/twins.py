@@ -1,16 +1,6 @@
 """torch's and FBGEMM's twins of the shared models (``benchmarks.models``),
-and the random-rows floors beside them.
-
-:func:`torch_table`, the one-table step of ``benchmarks.train_step``,
-``optimizers``, ``low_precision`` and ``gpu``; :func:`torch_runner` (one
-``nn.Embedding`` / ``nn.EmbeddingBag`` a table) and :func:`fbgemm_runner`
-(one table-batched module for all tables), on one-hot features or weighted
-bags, for ``benchmarks.stacks`` and ``gpu`` and, on the DLRM model's
-tables, ``benchmarks.recsys`` (:func:`dlrm_torch`, :func:`dlrm_fbgemm`);
-the random-rows floors :func:`random_rows_floor` (recsys) and
-:func:`floor_runner` (stacks). :func:`torch_table`, :func:`torch_runner` and
-:func:`fbgemm_runner` take a ``device``. torch is imported inside functions:
-this module imports where torch does not.
+and the random-rows floors beside them. torch is imported inside
+functions: this module imports where torch does not.
 """
 
 from __future__ import annotations
@@ -24,12 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._common import (
-  import_torch,
-  tbe,
-  torch_huge_pages,
-  torch_state,
-)
+from benchmarks._common import import_torch, tbe, torch_huge_pages, torch_state
 from benchmarks._timing import Counter
 
 # torch's optimizers' learning rates, as the gtx twins' in benchmarks.recsys
@@ -56,10 +41,8 @@ def torch_logit(d: dict[str, Any], x: Any) -> Any:
 
 
 def torch_table(name, data, *, linear=False, lr=1e-3, device="cpu"):
-  """torch's twin of ``models.one_table_step``: ``nn.Embedding(sparse=True)``
-  with ``torch.optim.<name>`` (``SparseAdam``, ``Adagrad`` or ``SGD``) on
-  ``data`` (a ``models.OneTable``): ``(run(i), objects, state bytes per
-  row)``, its first step run (torch makes its state on it)."""
+  """``models.one_table_step``'s twin: ``(run(i), objects, state bytes per
+  row)``, its first step run."""
   torch = import_torch()
   emb = torch.nn.Embedding(*data.table.shape, sparse=True, device=device)
   with torch.no_grad():
@@ -94,36 +77,28 @@ def _torch_optimizers(name: str, tables: list, dense: list, lr=None) -> list:
 
 
 def _dlrm_twin(runner, params_np, rows, optimizer, lr, data):
-  """``runner`` (:func:`torch_runner` or :func:`fbgemm_runner`) on
-  ``benchmarks.recsys``' model: its tables ``t0`` ..., its head and its
-  ``models.Data`` as per-feature batches: ``(run(i), first loss,
-  run)``."""
+  """``runner`` on ``benchmarks.recsys``' model: ``(run(i), loss, run)``."""
   import torch
 
   tables = [params_np[f"t{i}"] for i in range(len(rows))]
-  head = {k: v for k, v in params_np.items() if not k.startswith("t")}
   feats = [{f"f{i}": s[:, i] for i in range(len(rows))} for s in data.ids]
   run, first = runner(
-    torch, tables, head, optimizer, lr, feats, data.labels, False
+    torch, tables, params_np, optimizer, lr, feats, data.labels, False
   )
   return (lambda i: run()), first, run
 
 
 def dlrm_torch(params_np, rows, opt_name, data):
-  """One ``nn.Embedding(sparse=True)`` a table and the head."""
   return _dlrm_twin(torch_runner, params_np, rows, opt_name, LR[opt_name], data)
 
 
 def dlrm_fbgemm(params_np, rows, optim, data):
-  """FBGEMM's one module for all tables (SUM bags of one id), the head on
-  torch's twin of ``optim``."""
   lr = LR["SGD" if optim == "EXACT_SGD" else "Adagrad"]
   return _dlrm_twin(fbgemm_runner, params_np, rows, optim, lr, data)
 
 
 def state_layout(tx: Any, dim: int) -> tuple[int, int]:
-  """``(row buffers, per-row scalars)`` that ``tx`` keeps for a ``[V, dim]``
-  float32 table, the param included."""
+  """``(row buffers, per-row scalars)`` of ``tx``, the table included."""
   v = 1009  # any row count that is no other dimension
   state = jax.eval_shape(tx.init, {"t": jax.ShapeDtypeStruct((v, dim), "f4")})
   shapes = [x.shape for x in jax.tree.leaves(state)]
@@ -131,8 +106,7 @@ def state_layout(tx: Any, dim: int) -> tuple[int, int]:
 
 
 def random_rows_floor(layout, total: int, dim: int, data, offsets):
-  """Gather + scatter of each step's unique rows in ``layout``'s buffers
-  (``total`` rows each): ``(run(i), name of the library)``."""
+  """Each step's unique rows gathered and scattered: ``(run(i), how)``."""
   uniq = [np.unique(s + offsets) for s in data.ids]
   if jax.default_backend() != "cpu":
     run = _device_rows_floor(layout, total, dim, uniq)
@@ -141,8 +115,7 @@ def random_rows_floor(layout, total: int, dim: int, data, offsets):
 
 
 def _host_rows_floor(layout, total: int, dim: int, uniq: list, torch):
-  """The rows read and written back in place with nothing computed: torch
-  ``index_select`` + ``index_copy_`` (2 threads), numpy without torch."""
+  """The rows read and written back in place, by torch (or numpy)."""
   wide, narrow = layout
   shapes = [(total, dim)] * wide + [(total,)] * narrow
   if torch is not None:
@@ -167,9 +140,7 @@ def _host_rows_floor(layout, total: int, dim: int, uniq: list, torch):
 
 
 def _device_rows_floor(layout, total: int, dim: int, uniq: list) -> Callable:
-  """On an accelerator: the same rows gathered, moved by one and scattered
-  back in place (donated), in one jitted call; ids padded to one length
-  with an out-of-range id that the scatter drops."""
+  """The same, jitted and donated (padded with an id the scatter drops)."""
   wide, narrow = layout
   n = max(len(u) for u in uniq)
   idx = [
@@ -197,6 +168,28 @@ def _on(torch, device):
   return lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
 
+def _runner(torch, hp, opts, feed, forward, buffers):
+  """``run()``: ``forward`` on the next of ``feed`` (its inputs, then the
+  labels), the head, the loss's backward and ``opts``' steps: ``(run,
+  first loss)``, then ``buffers()`` (after the first step) on huge pages."""
+  loop = itertools.cycle(feed)
+
+  def run():
+    *x, y = next(loop)
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    logit = torch_logit(hp, forward(*x))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
+    loss.backward()  # FBGEMM's tables' optimizer runs fused in here
+    for o in opts:
+      o.step()
+    return loss.item()
+
+  first = run()
+  torch_huge_pages(buffers())
+  return run, first
+
+
 def torch_runner(
   torch, tables_np, hp_np, opt_name, lr, batches, labels, bags, device="cpu"
 ):
@@ -215,55 +208,43 @@ def torch_runner(
   hp = torch_head(hp_np, device)
   weights = [e.weight for e in tables]
   opts = _torch_optimizers(opt_name, weights, list(hp.values()), lr)
-  tb = []
+  feed = []
   for b, y in zip(batches, labels, strict=True):
-    if bags:
-      step = []
-      for k in range(len(tables)):
+    step = []
+    for k in range(len(tables)):
+      if bags:
         ids, lengths, wt, n = b[f"f{k}"]
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         step.append(
           (on(ids[:n].astype(np.int64)), on(offsets.astype(np.int64)))
           + (on(wt[:n]),)
         )
-    else:
-      step = [on(b[f"f{k}"].astype(np.int64)) for k in range(len(tables))]
-    tb.append((step, on(y)))
-
-  tb_loop = itertools.cycle(tb)
-
-  def run():
-    step, y = next(tb_loop)
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    xs = []
-    for k, e in enumerate(tables):
-      if bags:
-        ids, off, wt = step[k]
-        xs.append(e(ids, off, per_sample_weights=wt))
       else:
-        xs.append(e(step[k]))
-    logit = torch_logit(hp, torch.stack(xs, dim=1))
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()
-    for o in opts:
-      o.step()
-    return loss.item()
+        step.append(on(b[f"f{k}"].astype(np.int64)))
+    feed.append((step, on(y)))
 
-  first = run()  # the optimizers' state exists after a first step
-  torch_huge_pages([e.weight for e in tables] + torch_state(opts))
-  return run, first
+  def forward(step):
+    if bags:
+      xs = [
+        e(*x[:2], per_sample_weights=x[2])
+        for e, x in zip(tables, step, strict=True)
+      ]
+    else:
+      xs = [e(ids) for e, ids in zip(tables, step, strict=True)]
+    return torch.stack(xs, dim=1)
+
+  return _runner(
+    torch, hp, opts, feed, forward, lambda: weights + torch_state(opts)
+  )
 
 
 def fbgemm_runner(
   torch, tables_np, hp_np, optim, lr, batches, labels, bags, device="cpu"
 ):
-  """FBGEMM's table-batched module (``SplitTableBatchedEmbeddingBagsCodegen``
-  on the host, the kernels TorchRec's ``EmbeddingBagCollection`` runs): all
-  tables in one module, looked up in one call on its own jagged input (flat
-  ids table-major, offsets, per-id weights), pooled by a sum (one-hot
-  features: bags of one id), the optimizer fused into the backward; the
-  head by torch's dense optimizer of the same kind."""
+  """FBGEMM's table-batched module (the kernels TorchRec's
+  ``EmbeddingBagCollection`` runs): all tables in one module, one call on
+  its jagged input pooled by a sum, the optimizer fused into the backward;
+  the head by torch's dense optimizer of the same kind."""
   on = _on(torch, device)
   rows, dim = [t.shape[0] for t in tables_np], tables_np[0].shape[1]
   module = tbe(rows, dim, optim, "SUM", lr, device)
@@ -272,10 +253,9 @@ def fbgemm_runner(
       dst.copy_(torch.from_numpy(t))
   hp = torch_head(hp_np, device)
   head = {"EXACT_SGD": torch.optim.SGD, "ADAM": torch.optim.Adam}
-  head = head.get(optim, torch.optim.Adagrad)
-  head = head(list(hp.values()), lr=lr)
-  num, dim = len(tables_np), tables_np[0].shape[1]
-  tb = []
+  head = head.get(optim, torch.optim.Adagrad)(list(hp.values()), lr=lr)
+  num = len(tables_np)
+  feed = []
   for b, y in zip(batches, labels, strict=True):
     if bags:
       parts = [b[f"f{k}"] for k in range(num)]
@@ -287,32 +267,19 @@ def fbgemm_runner(
       lengths = np.ones(ids.shape[0], np.int64)
       wt = None
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    tb.append((on(ids.astype(np.int64)), on(offsets.astype(np.int64)), wt))
-    tb[-1] += (on(y),)
+    feed.append((on(ids.astype(np.int64)), on(offsets.astype(np.int64)), wt))
+    feed[-1] += (on(y),)
 
-  tb_loop = itertools.cycle(tb)
+  def forward(ids, offsets, wt):
+    return module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
 
-  def run():
-    ids, offsets, wt, y = next(tb_loop)
-    head.zero_grad(set_to_none=True)
-    x = module(ids, offsets, per_sample_weights=wt).view(-1, num, dim)
-    logit = torch_logit(hp, x)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, y)
-    loss.backward()  # the tables' optimizer runs fused in here
-    head.step()
-    return loss.item()
-
-  first = run()
-  torch_huge_pages(list(module.buffers()))
-  return run, first
+  return _runner(
+    torch, hp, [head], feed, forward, lambda: list(module.buffers())
+  )
 
 
 def floor_runner(torch, rows, dim, optimizer, unique_ids):
-  """The random-rows floor of the optimizer part (shared/ANCHORS.md) of
-  ``benchmarks.stacks``: the step's unique rows of the parameter and of
-  each state array (lazy_adam: the parameter, m and v; adagrad: the
-  parameter and its accumulator; rowwise_adagrad: the parameter and one
-  accumulator per row; sgd: the parameter), as :func:`_host_rows_floor`."""
+  """The optimizer part's floor: the unique rows of param and state."""
   layout = {"lazy_adam": 3, "adagrad": 2}.get(optimizer, 1), 0
   if optimizer == "rowwise_adagrad":
     layout = 1, 1
