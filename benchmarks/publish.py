@@ -1,24 +1,11 @@
 """Publishing to serving: what a delta costs and saves against the whole
-params.
-
-A ``--tables`` x ``--rows`` x ``--dim`` stack (default 4 x 500K x 64: 2M
-rows) trained with ``gtx.lazy_adam``, one feature per table, ``--batch``
-ids per feature and step, Zipf ids (exponent ``--zipf``, ranks scrambled
-over the table's rows) fresh every step. Two measurements:
-
-* ``step``: the whole jitted step (lookup, sparse gradient, lazy_adam,
-  apply; params and state donated, on huge pages, host memory reused, as
-  in the other whole-step benchmarks) with and without ``gtx.track_changes``
-  in the chain, alternated in one process (``time_interleaved``), with
-  each run's own params and state; the ratio is what tracking adds.
-* ``publish``: the tracked run, publishing every 10 and every 100 steps:
-  the delta's bytes (arrays, and the orbax checkpoint on disk), the time
-  to build it (``gtx.delta``, which copies the changed rows to the host)
-  and to write it with orbax, against writing the whole params with orbax
-  (alternated with the delta writes). Every delta is replayed into a
-  serving copy, which must equal the params at the end.
-
-Writes ``benchmarks/results/publish.{md,json}``.
+params, on a ``--tables`` x ``--rows`` x ``--dim`` stack trained with
+``gtx.lazy_adam`` on fresh Zipf ids (exponent ``--zipf``). ``step``: the
+whole step with and without ``gtx.track_changes``, alternated in one
+process; ``publish``: publishing every 10 and 100 steps, the delta's bytes,
+build and orbax write against writing the whole params, every delta
+replayed into a serving copy that must equal the params at the end. The
+results' notes say what each measures.
 
   python -m benchmarks.publish [--quick]
 """
@@ -45,7 +32,14 @@ from benchmarks._results import (
   oversubscribed,
   write_results,
 )
-from benchmarks._timing import Clock, Schedule, time_interleaved
+from benchmarks._timing import (
+  Clock,
+  Counter,
+  Schedule,
+  step_runner,
+  time_interleaved,
+)
+from benchmarks.models import whole_step
 
 SEED = 0
 
@@ -72,12 +66,7 @@ def make_step(stack, tx):
     logit = sum(e.sum(-1) for e in emb.values()) * 0.01
     return jnp.mean(jax.nn.softplus(logit) - y * logit)
 
-  def step(p, s, ids, y):
-    value, g = gtx.sparse_value_and_grad(loss)(p, ids, y)
-    u, s = tx.update(g, s, p)
-    return gtx.apply_updates(p, u), s, value
-
-  return jax.jit(step, donate_argnums=(0, 1))
+  return whole_step(loss, tx)
 
 
 def batches(args):
@@ -93,59 +82,47 @@ def batches(args):
   return out
 
 
-class Run:
-  """One training run on its own donated params and state."""
-
-  def __init__(self, stack, tx, data):
-    self.params = stack.init(jax.random.key(SEED))
-    self.state = tx.init(self.params)
-    gtx.use_huge_pages((self.params, self.state))
-    self.step_fn = make_step(stack, tx)
-    self.data = data
-    self.k = 0
-
-  def step(self):
-    ids, y = self.data[self.k % len(self.data)]
-    self.k += 1
-    self.params, self.state, v = self.step_fn(self.params, self.state, ids, y)
-    v.block_until_ready()
+def train(stack, tx, data):
+  """One run on its own donated params and state, on huge pages: ``(step,
+  [params, state], the jitted step)``."""
+  box = [stack.init(jax.random.key(SEED))]
+  box.append(tx.init(box[0]))
+  gtx.use_huge_pages(tuple(box))
+  jitted = make_step(stack, tx)
+  feed = lambda i: data[i % len(data)]  # noqa: E731
+  return Counter(step_runner(jitted, box, feed), 0), box, jitted
 
 
 def nbytes(tree) -> int:
   return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
-def disk_bytes(path: Path) -> int:
-  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def timed_save(ckptr, path, tree) -> tuple[float, int]:
+  """Seconds to save ``tree`` with orbax until finished, and its bytes on
+  disk (the checkpoint directory's files, removed after)."""
   clock = Clock()
   ckptr.save(path, tree)
   ckptr.wait_until_finished()
   sec = clock.wall()
-  size = disk_bytes(path)
+  size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
   shutil.rmtree(path)
   return sec, size
 
 
 def measure_step(args, stack, data):
   """Per round, the median of each system's timed steps; the ratio of the
-  two in each round (paired, so the machine's load drifts cancel), then
-  their median and quartiles. Also what each compiled step launches."""
-  plain = Run(stack, gtx.lazy_adam(1e-3), data)
-  tracked = Run(
-    stack, optax.chain(gtx.lazy_adam(1e-3), gtx.track_changes()), data
-  )
+  two in each round (paired, so the machine's load drifts cancel). Also
+  what each compiled step launches."""
+  tracked = optax.chain(gtx.lazy_adam(1e-3), gtx.track_changes())
+  runs = {"lazy_adam": gtx.lazy_adam(1e-3), "+ track_changes": tracked}
+  runs = {k: train(stack, tx, data) for k, tx in runs.items()}
   ids, y = data[0]
   ops = {
-    name: hlo_op_counts(
-      r.step_fn.lower(r.params, r.state, ids, y).compile().as_text()
-    )
-    for name, r in (("lazy_adam", plain), ("+ track_changes", tracked))
+    k: hlo_op_counts(jitted.lower(*box, ids, y).compile().as_text())
+    for k, (_, box, jitted) in runs.items()
   }
   # Half the rounds in each order, so neither step always runs first.
-  fns = {"lazy_adam": plain.step, "+ track_changes": tracked.step}
+  fns = {k: run for k, (run, _, _) in runs.items()}
   samples, ratios = {k: [] for k in fns}, []
   b, half = args.burst, max(1, args.rounds // 2)
   for order in (list(fns), list(fns)[::-1]):
@@ -165,107 +142,90 @@ def measure_step(args, stack, data):
     ratios += [t / p for p, t in pairs]
     for k, v in got.items():
       samples[k] += v
-  del plain, tracked
+  del runs, fns
   return samples, ratios, ops
 
 
 def measure_publish(args, stack, data, every, tmp: Path):
   tx = optax.chain(gtx.lazy_adam(1e-3), gtx.track_changes())
-  run = Run(stack, tx, data)
-  serving = jax.tree.map(np.asarray, run.params)
-  full_bytes = nbytes(run.params)
+  step, box, _ = train(stack, tx, data)
+  serving = jax.tree.map(np.asarray, box[0])
   keys = "rows bytes disk build write full_write full_disk"
   rows = {k: [] for k in keys.split()}
   last = None
   with ocp.StandardCheckpointer() as ckptr:
     for n in range(args.publishes):
       for _ in range(every):
-        run.step()
+        step()
       clock = Clock()
-      d = gtx.delta(run.params, run.state, since=last)
+      d = gtx.delta(box[0], box[1], since=last)
       rows["build"].append(clock.wall())
       last = d.step
       ((name, change),) = d.params.items()
       rows["rows"].append(0 if change is None else len(change["ids"]))
       rows["bytes"].append(nbytes(d))
-      sec, size = timed_save(ckptr, tmp / f"delta{every}_{n}", d)
-      rows["write"].append(sec)
-      rows["disk"].append(size)
-      if n < args.full_saves:
-        sec, size = timed_save(ckptr, tmp / f"full{every}_{n}", run.params)
-        rows["full_write"].append(sec)
-        rows["full_disk"].append(size)
+      saves = [("", d)] + [("full_", box[0])] * (n < args.full_saves)
+      for kind, tree in saves:
+        sec, size = timed_save(ckptr, tmp / f"{kind}{every}_{n}", tree)
+        rows[f"{kind}write"].append(sec)
+        rows[f"{kind}disk"].append(size)
       serving = gtx.apply_delta(serving, d)
-      print(
-        f"every {every}: publish {n}: {rows['rows'][-1]} rows, "
-        f"{rows['bytes'][-1] / 2**20:.1f} MiB, build "
-        f"{rows['build'][-1] * 1e3:.0f} ms, write "
-        f"{rows['write'][-1] * 1e3:.0f} ms",
-        flush=True,
-      )
-  for k, p in run.params.items():
+      last_ = {k: v[-1] for k, v in rows.items() if len(v) > n}
+      print(f"every {every}: publish {n}:", last_, flush=True)
+  for k, p in box[0].items():
     assert np.array_equal(serving[k], np.asarray(p)), "serving != params"
-  rows["full_bytes"] = full_bytes
-  rows["name"] = name
-  return rows
+  return {**rows, "full_bytes": nbytes(box[0]), "name": name}
+
+
+def publish_row(every, r, total_rows):
+  med = statistics.median
+  # the first build compiles gtx.delta's small programs
+  build, write, full = (
+    med(r["build"][1:]),
+    med(r["write"]),
+    med(r["full_write"]),
+  )
+  return (
+    [f"{every} steps", int(med(r["rows"]))]
+    + [f"{med(r['rows']) / total_rows:.2%}"]
+    + [f"{med(r[k]) / 2**20:.1f}" for k in ("bytes", "disk", "full_disk")]
+    + [f"{med(r['disk']) / med(r['full_disk']):.3f}"]
+    + [f"{x * 1e3:.0f}" for x in (build, write, full)]
+    + [f"{(build + write) / full:.3f}"]
+  )
 
 
 def main(argv=None):
   p = parser(__doc__.splitlines()[0], schedule=Schedule(300, 1, 1))
-  p.add_argument("--tables", type=int, default=4)
-  p.add_argument("--rows", type=int, default=500_000)
-  p.add_argument("--dim", type=int, default=64)
-  p.add_argument("--batch", type=int, default=2048)
+  sizes = dict(tables=4, rows=500_000, dim=64, batch=2048, batches=200)
+  for k, v in dict(sizes, publishes=6, full_saves=3).items():
+    p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
   p.add_argument("--zipf", type=float, default=1.1)
-  p.add_argument("--batches", type=int, default=200)
-  p.add_argument("--publishes", type=int, default=6)
-  p.add_argument("--full-saves", type=int, default=3)
   quick = dict(rows=20_000, batches=20, rounds=8, publishes=2, full_saves=1)
   args = parse(p, argv, quick=quick)
   gtx.reuse_host_memory()
   stack = make_stack(args)
   data = batches(args)
-
   samples, ratios, ops = measure_step(args, stack, data)
   tmp = Path(tempfile.mkdtemp(prefix="gtx_publish_"))
   try:
     pubs = {e: measure_publish(args, stack, data, e, tmp) for e in (10, 100)}
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-
   total_rows = args.tables * args.rows
-  headers = columns(
-    "publish every | changed rows (median) | of the rows | delta MiB "
-    "(arrays) | delta MiB (orbax) | whole params MiB (orbax) | delta / "
-    "whole bytes | build ms | delta write ms | whole write ms | (build + "
-    "write) / whole write"
-  )
-  table = []
-  for every, r in pubs.items():
-    med = statistics.median
-    # the first build compiles gtx.delta's small programs
-    build, write = med(r["build"][1:]), med(r["write"])
-    full = med(r["full_write"])
-    table.append(
-      [f"{every} steps", int(med(r["rows"]))]
-      + [f"{med(r['rows']) / total_rows:.2%}"]
-      + [f"{med(r[k]) / 2**20:.1f}" for k in ("bytes", "disk", "full_disk")]
-      + [f"{med(r['disk']) / med(r['full_disk']):.3f}"]
-      + [f"{x * 1e3:.0f}" for x in (build, write, full)]
-      + [f"{(build + write) / full:.3f}"]
-    )
+  table = [publish_row(every, r, total_rows) for every, r in pubs.items()]
   step_ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
   q1, q2, q3 = statistics.quantiles(ratios, n=4)
-  step_headers = columns(
-    "step | ms (median) | / lazy_adam (median of paired rounds) | "
-    "quartiles | kernels | scatters | fusions"
-  )
   step_table = [
     [k, f"{step_ms[k]:.2f}"]
     + (["1", ""] if k == "lazy_adam" else [f"{q2:.3f}", f"{q1:.3f} - {q3:.3f}"])
     + [ops[k][op] for op in ("kernels", "scatter", "fusion")]
     for k in step_ms
   ]
+  step_headers = columns(
+    "step | ms (median) | / lazy_adam (median of paired rounds) | "
+    "quartiles | kernels | scatters | fusions"
+  )
   notes = (
     "The training step with and without gtx.track_changes:\n\n"
     + markdown_table(step_headers, step_table)
@@ -296,7 +256,12 @@ def main(argv=None):
   write_results(
     "publish",
     "Publishing deltas: bytes and time against the whole params",
-    headers,
+    columns(
+      "publish every | changed rows (median) | of the rows | delta MiB "
+      "(arrays) | delta MiB (orbax) | whole params MiB (orbax) | delta / "
+      "whole bytes | build ms | delta write ms | whole write ms | (build + "
+      "write) / whole write"
+    ),
     table,
     notes=notes,
     extra={
