@@ -3,7 +3,7 @@ the writer (``_results``): the shared arguments (:func:`parser`,
 :func:`parse`), a step's ids (:func:`make_ids`), torch's and FBGEMM's
 plumbing, the one-table step of the A/B runs and gradtx's versions from git,
 and the compiled-program readers. It imports jax only inside functions
-(``benchmarks.fbgemm_anchor`` runs without jax).
+(``benchmarks.probes fbgemm_anchor`` runs without jax).
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ def _notes(args, rows, sched, systems, raw, bandwidth, points, code) -> str:
   versions += (
     f", fbgemm_gpu {_common.version('fbgemm_gpu')}"
     if "fbgemm" in systems
-    else ", FBGEMM not installed (see benchmarks/fbgemm_anchor.py)"
+    else ", FBGEMM not installed (see benchmarks.probes fbgemm_anchor)"
   )
   caution = _results.oversubscribed(
     "so every figure is inflated and torch's and FBGEMM's worker threads "
