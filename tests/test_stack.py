@@ -187,16 +187,44 @@ def _scatters(fn, *args):
 def test_combiners_per_table_and_feature_pool_each_feature_in_one_read():
   stack = _mixed_stack()
   params = stack.init(jax.random.key(3))
-  per_table = stack.unstack(params)
   ids, weights = _batch(3)
+  one_hot = ["user_id", "item_id", "country"]
 
   def lookup(p, ids, combiner=PER_CALL):
     return stack.lookup(p, ids, weights=weights, combiner=combiner)
 
-  want = _reference_lookup(per_table, ids, weights, MIXED)
+  def loss(p, ids):
+    return _head(lookup(p, ids))
+
+  # the jitted calls in one program, the references in another (op by op
+  # each would compile for its shapes); the eager call below stays eager
+  @jax.jit
+  def jitted_calls(p, ids):
+    value, grads = gtx.sparse_value_and_grad(loss)(p, ids)
+    dense = stack.unstack({k: g.to_dense() for k, g in grads.items()})
+    return (
+      lookup(p, ids),
+      {c: lookup(p, ids, c) for c in gtx_combiners()},
+      # one-hot features alone: pooled with no segment sum
+      stack.lookup(p, {f: ids[f] for f in one_hot}, combiner=PER_CALL),
+      (value, grads, dense),
+    )
+
+  @jax.jit
+  def reference(p):  # the ids are numpy: built into the program
+    per_table = stack.unstack(p)
+    return (
+      _reference_lookup(per_table, ids, weights, MIXED),
+      _reference_lookup(per_table, ids, {}, MIXED, one_hot),
+      # the gradient, against jax.value_and_grad of the per-table reference
+      jax.value_and_grad(
+        lambda t: _head(_reference_lookup(t, ids, weights, MIXED))
+      )(per_table),
+    )
+
+  want, want_one_hot, (want_v, want_g) = reference(params)
   eager = lookup(params, ids)
-  jitted = jax.jit(lookup)(params, ids)
-  each_alone = {c: lookup(params, ids, c) for c in gtx_combiners()}
+  jitted, each_alone, got, (value, grads, dense) = jitted_calls(params, ids)
   for f in ORDER:
     np.testing.assert_allclose(eager[f], want[f], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(jitted[f], eager[f], rtol=1e-6, atol=1e-7)
@@ -204,27 +232,10 @@ def test_combiners_per_table_and_feature_pool_each_feature_in_one_read():
     np.testing.assert_allclose(
       eager[f], each_alone[MIXED[f]][f], rtol=1e-6, atol=1e-7, err_msg=f
     )
-  # one-hot features alone: pooled with no segment sum
-  one_hot = ["user_id", "item_id", "country"]
-  got = stack.lookup(params, {f: ids[f] for f in one_hot}, combiner=PER_CALL)
-  want_one_hot = _reference_lookup(per_table, ids, {}, MIXED, one_hot)
   for f in one_hot:
     np.testing.assert_allclose(got[f], want_one_hot[f], rtol=1e-6, atol=1e-7)
 
-  # the gradient, against jax.value_and_grad of the per-table reference
-  def loss(p, ids):
-    return _head(lookup(p, ids))
-
-  @jax.jit
-  def reference(per_table):  # the ids are numpy: built into the program
-    return jax.value_and_grad(
-      lambda t: _head(_reference_lookup(t, ids, weights, MIXED))
-    )(per_table)
-
-  value, grads = jax.jit(gtx.sparse_value_and_grad(loss))(params, ids)
   assert all(isinstance(g, gtx.SparseRows) for g in grads.values())
-  dense = stack.unstack({k: g.to_dense() for k, g in grads.items()})
-  want_v, want_g = reference(per_table)
   np.testing.assert_allclose(value, want_v, rtol=1e-5, atol=1e-5)
   for t in TABLES:
     np.testing.assert_allclose(dense[t], want_g[t], rtol=1e-5, atol=1e-6)
