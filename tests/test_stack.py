@@ -1135,16 +1135,13 @@ def _short_batches():
   }
 
 
-@pytest.mark.parametrize("form", ["dict", "keyed", "keyed jagged"])
-def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates(form):
+def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates():
+  # every form's short and padded steps in one program (the optimizer's
+  # kernels, on the same stack, compile once)
+  forms = ["dict", "keyed", "keyed jagged"]
   stack = _stack()
-  ids, weights = _short_batches()[form]
-  width = 4 * len(ids)
-  params = {
-    "emb": stack.init(jax.random.key(1)),
-    "w": 0.3 * jax.random.normal(jax.random.key(2), (width,)),
-    "b": jnp.asarray(0.1),
-  }
+  batches = _short_batches()
+  emb = stack.init(jax.random.key(1))
   labels = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
   tx = gtx.lazy_adam(0.1)  # Adam on the dense leaves
 
@@ -1154,20 +1151,37 @@ def test_a_padded_short_batch_gives_the_short_batchs_loss_and_updates(form):
     per_example = jax.nn.softplus(logit) - labels * logit
     return jnp.sum(mask * per_example) / jnp.sum(mask)
 
-  @jax.jit
   def step(p, s, ids, weights, labels, mask):
     value, g = gtx.sparse_value_and_grad(loss)(p, ids, weights, labels, mask)
     u, s = tx.update(g, s, p)
     return gtx.apply_updates(p, u), s, value
 
-  state = tx.init(params)
-  want = step(params, state, ids, weights, labels, np.ones(4, bool))
-  padded, mask = gtx.pad_batch((ids, weights, labels), B)
-  np.testing.assert_array_equal(mask, [True] * 4 + [False] * 2)
-  got = step(params, state, *padded, mask)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+  carries, feeds, masks = [], [], []
+  for form in forms:
+    ids, weights = batches[form]
+    width = 4 * len(ids)
+    params = {
+      "emb": emb,
+      "w": 0.3 * jax.random.normal(jax.random.key(2), (width,)),
+      "b": jnp.asarray(0.1),
+    }
+    state = tx.init(params)
+    padded, mask = gtx.pad_batch((ids, weights, labels), B)
+    masks.append(mask)
+    # the short batch, then the padded one, from the same params and state
+    carries += [(params, state)] * 2
+    feeds += [(ids, weights, labels, np.ones(4, bool)), (*padded, mask)]
+  names = [f"{form} {batch}" for form in forms for batch in ("short", "padded")]
+  out = jax.jit(together(names, [step] * len(names)))(carries, feeds)
+
+  def check(k, form):
+    np.testing.assert_array_equal(masks[k], [True] * 4 + [False] * 2)
+    want, got = out[2 * k], out[2 * k + 1]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+  each(forms, check)
 
 
 def test_pad_batch_refuses_what_it_cannot_pad():
