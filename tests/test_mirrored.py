@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import procs
 import pytest
+from conformance import each, together
 from jax.sharding import PartitionSpec as P
 
 import gradtx as gtx
@@ -408,18 +409,20 @@ def _loss(p, batch, lookup=gtx.lookup):
   return jnp.mean(jnp.square(jnp.tanh(h) @ p["w"] - batch["y"]))
 
 
-def _mirrored_run(m, tx, batches, grad_fn, extra=lambda i: ()):
+def _train_step(tx, grad_fn, m=None):
   def train_step(params, opt_state, batch, *args):
     loss, grads = grad_fn(_loss)(params, batch)
     kwargs = dict(zip(("grad_step",), args, strict=False))
     updates, opt_state = tx.update(grads, opt_state, params, **kwargs)
-    return (
-      gtx.apply_updates(params, updates),
-      opt_state,
-      m.reduce_in_step(loss, "mean"),
-    )
+    if m is not None:
+      loss = m.reduce_in_step(loss, "mean")
+    return gtx.apply_updates(params, updates), opt_state, loss
 
-  step = m.step(train_step, donate_argnums=(0, 1))
+  return train_step
+
+
+def _mirrored_run(m, tx, batches, grad_fn, extra=lambda i: ()):
+  step = m.step(_train_step(tx, grad_fn, m), donate_argnums=(0, 1))
   params = m.replicate(_params())
   state = m.replicate(tx.init(_params()))
   losses = []
@@ -428,6 +431,44 @@ def _mirrored_run(m, tx, batches, grad_fn, extra=lambda i: ()):
     losses.append(float(loss))
   assert step._cache_size() == 1
   return params, state, losses
+
+
+def _runs_together(names, txs, grad_fns, batches, extras, m=None):
+  """Each case's run (``names[k]``: ``txs[k]``, ``grad_fns[k]``, the
+  ``batches[k]`` and ``extras[k](i)`` of call ``i``), every case's step in
+  one program (compiled once: the kernels they share compile once): the
+  Mirrored step with ``m`` (donating), else plain jit.
+  ``[(params, state, losses)]``."""
+  steps = [_train_step(tx, g, m) for tx, g in zip(txs, grad_fns, strict=True)]
+  each_step = together(names, steps)
+
+  def step(params, states, batch, args):
+    carries = zip(params, states, batch, strict=True)
+    return tuple(map(list, zip(*each_step(list(carries), args), strict=True)))
+
+  if m is None:
+    step = jax.jit(step)
+    params = [jax.tree.map(jnp.asarray, _params()) for _ in names]
+    states = [tx.init(p) for tx, p in zip(txs, params, strict=True)]
+    place = lambda b: b  # noqa: E731
+  else:
+    step = m.step(step, donate_argnums=(0, 1))
+    params = [m.replicate(_params()) for _ in names]
+    states = [m.replicate(tx.init(_params())) for tx in txs]
+    place = m.shard_batch
+  (num_calls,) = {len(b) for b in batches}
+  losses = [[] for _ in names]
+  for i in range(num_calls):
+    params, states, loss = step(
+      params,
+      states,
+      [place(b[i]) for b in batches],
+      [extra(i) for extra in extras],
+    )
+    for k, x in enumerate(loss):
+      losses[k].append(float(x))
+  assert step._cache_size() == 1
+  return list(zip(params, states, losses, strict=True))
 
 
 def _single_run(tx, batches, grad_fn, extra=lambda i: {}):
@@ -461,31 +502,72 @@ def _assert_tree_close(a, b, rtol=2e-5):
   )
 
 
-def test_mirrored_dense_adam_equals_single_device():
+def test_mirrored_runs_equal_single_device():
+  # Each case's Mirrored run (all_reduce in front) against the same chain
+  # on one device on the whole batch; every case's Mirrored step in one
+  # program, every single-device step in another.
   m = gtx.Mirrored()
-  batches = _batches(4)
-  tx_m = optax.chain(gtx.all_reduce(m.axis_name), optax.adam(0.05))
-  got, _, losses = _mirrored_run(m, tx_m, batches, _dense_grad)
-  want, _, want_losses = _single_run(optax.adam(0.05), batches, _dense_grad)
-  _assert_tree_close(got, want)
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  # the run moved the params: the comparison is not vacuous
-  assert np.max(np.abs(np.asarray(got["emb"]) - _params()["emb"])) > 0.05
-
-
-def test_mirrored_sparse_lazy_adam_equals_single_device():
-  m = gtx.Mirrored()
-  batches = _batches(4)
-  tx_m = optax.chain(gtx.all_reduce(m.axis_name), gtx.lazy_adam(0.05))
-  got, state, losses = _mirrored_run(
-    m, tx_m, batches, gtx.sparse_value_and_grad
+  n = 16 // R * 2  # ids per replica of the accumulate case: rows of 2 ids
+  inner = gtx.lazy_adam(0.05)
+  read_at = [0, 0, 0, 2]  # staleness 0, 1, 2 (dropped), 0
+  rows = {"emb": R * n, "w": None}
+  sparse = gtx.sparse_value_and_grad
+  cases = {
+    # name: (tx on one device, grad_fn, batches, grad_step of call i)
+    "dense_adam": (optax.adam(0.05), _dense_grad, _batches(4), None),
+    "sparse_lazy_adam": (gtx.lazy_adam(0.05), sparse, _batches(4), None),
+    "accumulate_lazy_adam": (
+      gtx.accumulate(inner, 2, rows_per_step=rows),
+      sparse,
+      _batches(4, batch=16),
+      None,
+    ),
+    "drop_stale": (
+      gtx.drop_stale(gtx.lazy_adam(0.05), 1),
+      sparse,
+      _batches(4),
+      read_at,
+    ),
+  }
+  names = list(cases)
+  txs, grad_fns, batches, reads = zip(*cases.values(), strict=True)
+  txs_m = [optax.chain(gtx.all_reduce(m.axis_name), tx) for tx in txs]
+  mirrored = _runs_together(
+    names,
+    txs_m,
+    grad_fns,
+    batches,
+    [
+      (lambda i, r=r: (jnp.int32(r[i]),)) if r else (lambda i: ())
+      for r in reads
+    ],
+    m,
   )
-  want, want_state, want_losses = _single_run(
-    gtx.lazy_adam(0.05), batches, gtx.sparse_value_and_grad
+  single = _runs_together(
+    names,
+    txs,
+    grad_fns,
+    batches,
+    [(lambda i, r=r: (r[i],)) if r else (lambda i: ()) for r in reads],
   )
-  _assert_tree_close(got, want)
-  _assert_tree_close(state[1], want_state)
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+  def check(k, name):
+    (got, state, losses), (want, want_state, want_losses) = (
+      mirrored[k],
+      single[k],
+    )
+    _assert_tree_close(got, want)
+    if name == "dense_adam":
+      np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+      # the run moved the params: the comparison is not vacuous
+      assert np.max(np.abs(np.asarray(got["emb"]) - _params()["emb"])) > 0.05
+    if name == "sparse_lazy_adam":
+      _assert_tree_close(state[1], want_state)
+      np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    if name == "drop_stale":
+      assert int(state[1].num_dropped) == int(want_state.num_dropped) == 1
+
+  each(names, check)
 
 
 def test_mirrored_sparse_sgd_equals_dense_optax_sgd():
@@ -498,42 +580,6 @@ def test_mirrored_sparse_sgd_equals_dense_optax_sgd():
   got, _, _ = _mirrored_run(m, tx_m, batches, gtx.sparse_value_and_grad)
   want, _, _ = _single_run(optax.sgd(0.3), batches, _dense_grad)
   _assert_tree_close(got, want)
-
-
-def test_mirrored_accumulate_lazy_adam_equals_single_device():
-  m = gtx.Mirrored()
-  batches = _batches(4, batch=16)
-  n = 16 // R * 2  # ids per replica: rows of 2 ids each
-  inner = gtx.lazy_adam(0.05)
-  tx_m = optax.chain(
-    gtx.all_reduce(m.axis_name),
-    gtx.accumulate(inner, 2, rows_per_step={"emb": R * n, "w": None}),
-  )
-  got, _, _ = _mirrored_run(m, tx_m, batches, gtx.sparse_value_and_grad)
-  tx_1 = gtx.accumulate(inner, 2, rows_per_step={"emb": R * n, "w": None})
-  want, _, _ = _single_run(tx_1, batches, gtx.sparse_value_and_grad)
-  _assert_tree_close(got, want)
-
-
-def test_mirrored_drop_stale_equals_single_device():
-  m = gtx.Mirrored()
-  batches = _batches(4)
-  read_at = [0, 0, 0, 2]  # staleness 0, 1, 2 (dropped), 0
-  extra = lambda i: (jnp.int32(read_at[i]),)  # noqa: E731
-  tx_m = optax.chain(
-    gtx.all_reduce(m.axis_name), gtx.drop_stale(gtx.lazy_adam(0.05), 1)
-  )
-  got, state, _ = _mirrored_run(
-    m, tx_m, batches, gtx.sparse_value_and_grad, extra
-  )
-  want, want_state, _ = _single_run(
-    gtx.drop_stale(gtx.lazy_adam(0.05), 1),
-    batches,
-    gtx.sparse_value_and_grad,
-    lambda i: {"grad_step": read_at[i]},
-  )
-  _assert_tree_close(got, want)
-  assert int(state[1].num_dropped) == int(want_state.num_dropped) == 1
 
 
 def test_pmap_step_equals_single_device():
