@@ -213,7 +213,10 @@ class TableStack:
     the rows of all the tables that use it at once: its cost does not grow
     with the number of tables. (A table with an initializer of its own
     adds that initializer's ops to the program.)"""
-    return jax.jit(functools.partial(init_params, self.plan))(key)
+    programs = self._programs()  # one jitted init a stack: traced once
+    if ("init",) not in programs:
+      programs[("init",)] = jax.jit(functools.partial(init_params, self.plan))
+    return programs[("init",)](key)
 
   def stack(self, per_table: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
     """Params from one array per table (a per-table model or checkpoint)."""
