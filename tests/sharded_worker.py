@@ -95,13 +95,12 @@ def make_tx(
   return optax.chain(gtx.all_reduce(axis_name), tx)
 
 
-def make_step(
+def step_fn(
   tx: optax.GradientTransformation,
   m: gtx.Mirrored | None,
   loss: Any = loss_fn,
 ):
-  """``(params, state, batch, grad_step) -> (params, state, loss)``:
-  jit donating params and state, or the Mirrored step."""
+  """The step :func:`make_step` compiles, not compiled."""
 
   def train_step(params, opt_state, batch, grad_step):
     value, grads = gtx.sparse_value_and_grad(loss)(params, batch)
@@ -112,6 +111,17 @@ def make_step(
       value = m.reduce_in_step(value, "mean")
     return gtx.apply_updates(params, updates), opt_state, value
 
+  return train_step
+
+
+def make_step(
+  tx: optax.GradientTransformation,
+  m: gtx.Mirrored | None,
+  loss: Any = loss_fn,
+):
+  """``(params, state, batch, grad_step) -> (params, state, loss)``:
+  jit donating params and state, or the Mirrored step."""
+  train_step = step_fn(tx, m, loss)
   if m is None:
     return jax.jit(train_step, donate_argnums=(0, 1))
   return m.step(train_step, donate_argnums=(0, 1))
@@ -122,6 +132,15 @@ def _scalar(x: Any) -> Any:
   if isinstance(x, jax.Array):
     x = x.addressable_data(0)
   return np.asarray(x).item()
+
+
+def call_grad_step(opt_state: Any, t: int) -> jax.Array:
+  """The ``grad_step`` of call ``t``: the step it read its params at."""
+  try:
+    step = _scalar(gtx.staleness_stats(opt_state)["step"])
+  except ValueError:  # no drop_stale in this chain: grad_step is unused
+    step = t
+  return jnp.int32(max(step - DELAYS[t], 0))
 
 
 def train(
@@ -138,11 +157,7 @@ def train(
   rows = GLOBAL_BATCH // n
   losses = []
   for t in range(start, stop):
-    try:
-      step = _scalar(gtx.staleness_stats(opt_state)["step"])
-    except ValueError:  # no drop_stale in this chain: grad_step is unused
-      step = t
-    grad_step = jnp.int32(max(step - DELAYS[t], 0))
+    grad_step = call_grad_step(opt_state, t)
     batch = global_batch(t)
     if place is not None:
       local = jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], batch)
