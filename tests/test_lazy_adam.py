@@ -149,23 +149,62 @@ def _run_pair(ours, theirs, jit, steps=4, dtype=jnp.float32):
   return p_ours, s_ours, p_theirs, s_theirs
 
 
-@pytest.mark.parametrize("pair", list(OPTAX_PAIRS))
-def test_all_rows_touched_equals_optax(pair):
-  make_ours, make_theirs = OPTAX_PAIRS[pair]
+def _run_pairs(pairs, steps=4, dtype=jnp.float32):
+  """``_run_pair(ours, theirs, jit=True)`` of every ``name: (ours,
+  theirs)`` of ``pairs``: every pair's two steps in one jitted program
+  (XLA compiles the kernels they share once). ``{name: (p_ours, s_ours,
+  p_theirs, s_theirs)}``."""
+  names = list(pairs)
+  txs = [tx for n in names for tx in pairs[n]]
+  params = make_params(dtype=dtype)
+  carries = [(params, tx.init(params)) for tx in txs]
+
+  def step_theirs(theirs):
+    def step(p, s, g):
+      u, s = theirs.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    return step
+
+  fs = []
+  for n in names:
+    ours, theirs = pairs[n]
+    fs += [step_fn(ours), step_theirs(theirs)]
+  labels = [f"{n} {side}" for n in names for side in ("ours", "optax")]
+  step = jax.jit(together(labels, fs))
+  for i in range(steps):
+    dense, sparse = all_rows_grads(i, dtype)
+    carries = step(carries, [(sparse,), (dense,)] * len(names))
+  return {
+    n: (*carries[2 * j], *carries[2 * j + 1]) for j, n in enumerate(names)
+  }
+
+
+def test_all_rows_touched_equals_optax():
+  """Every pair of OPTAX_PAIRS; a failure names its pair."""
   # Jitted: the moments of every leaf and the dense params are still
   # optax's bits. Sparse params may differ in the last bit or two: XLA's CPU
   # fusion contracts a*b+c into an FMA differently when the final add is a
   # scatter rather than an elementwise add.
-  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    make_ours(), make_theirs(), jit=True
-  )
-  for k in SHAPES:
-    np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])
-    np.testing.assert_array_equal(s_ours[0].nu[k], s_theirs[0].nu[k])
-    if k in SPARSE:  # |params| < 4: an f32 ulp is at most 2.4e-7
-      np.testing.assert_allclose(p_ours[k], p_theirs[k], rtol=0, atol=5e-7)
-    else:
-      np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
+  runs = _run_pairs({n: (o(), t()) for n, (o, t) in OPTAX_PAIRS.items()})
+
+  def check(_, pair):
+    p_ours, s_ours, p_theirs, s_theirs = runs[pair]
+    for k in SHAPES:
+      np.testing.assert_array_equal(
+        s_ours[0].mu[k], s_theirs[0].mu[k], err_msg=f"mu {k}"
+      )
+      np.testing.assert_array_equal(
+        s_ours[0].nu[k], s_theirs[0].nu[k], err_msg=f"nu {k}"
+      )
+      if k in SPARSE:  # |params| < 4: an f32 ulp is at most 2.4e-7
+        np.testing.assert_allclose(
+          p_ours[k], p_theirs[k], rtol=0, atol=5e-7, err_msg=k
+        )
+      else:
+        np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
+
+  each(list(OPTAX_PAIRS), check)
 
 
 def test_all_rows_touched_equals_optax_bitwise_op_by_op():
@@ -186,29 +225,45 @@ def test_all_rows_touched_equals_optax_bitwise_op_by_op():
       np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
 
 
-@pytest.mark.parametrize("mu_dtype", [None, jnp.float32], ids=["bf16", "f32"])
-def test_bf16_params_stay_bf16_and_match_optax(mu_dtype):
-  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    gtx.lazy_adam(0.05, mu_dtype=mu_dtype),
-    optax.adam(0.05, mu_dtype=mu_dtype),
-    jit=True,
+def test_bf16_params_stay_bf16_and_match_optax():
+  """mu in bf16 (mu_dtype None) and in float32: both runs in one jitted
+  program; a failure names its mu_dtype."""
+  mu_dtypes = {"bf16": None, "f32": jnp.float32}
+  runs = _run_pairs(
+    {
+      name: (
+        gtx.lazy_adam(0.05, mu_dtype=mu_dtype),
+        optax.adam(0.05, mu_dtype=mu_dtype),
+      )
+      for name, mu_dtype in mu_dtypes.items()
+    },
     dtype=jnp.bfloat16,
   )
-  for k in SHAPES:
-    assert p_ours[k].dtype == jnp.bfloat16
-    assert s_ours[0].mu[k].dtype == (mu_dtype or jnp.bfloat16)
-    assert s_ours[0].nu[k].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])
-    np.testing.assert_array_equal(s_ours[0].nu[k], s_theirs[0].nu[k])
-    ours = np.asarray(p_ours[k], np.float32)
-    theirs = np.asarray(p_theirs[k], np.float32)
-    if k in SPARSE and mu_dtype is not None:
-      # float32 updates: gtx.apply_updates rounds a SparseRows update to
-      # bf16 before its in-place scatter-add, optax adds in float32 and
-      # rounds once. |params| < 4, so a bf16 ulp is at most 2**-6.
-      np.testing.assert_allclose(ours, theirs, rtol=0, atol=2**-5)
-    else:
-      np.testing.assert_array_equal(ours, theirs)
+
+  def check(_, name):
+    mu_dtype = mu_dtypes[name]
+    p_ours, s_ours, p_theirs, s_theirs = runs[name]
+    for k in SHAPES:
+      assert p_ours[k].dtype == jnp.bfloat16, k
+      assert s_ours[0].mu[k].dtype == (mu_dtype or jnp.bfloat16), k
+      assert s_ours[0].nu[k].dtype == jnp.bfloat16, k
+      np.testing.assert_array_equal(
+        s_ours[0].mu[k], s_theirs[0].mu[k], err_msg=f"mu {k}"
+      )
+      np.testing.assert_array_equal(
+        s_ours[0].nu[k], s_theirs[0].nu[k], err_msg=f"nu {k}"
+      )
+      ours = np.asarray(p_ours[k], np.float32)
+      theirs = np.asarray(p_theirs[k], np.float32)
+      if k in SPARSE and mu_dtype is not None:
+        # float32 updates: gtx.apply_updates rounds a SparseRows update to
+        # bf16 before its in-place scatter-add, optax adds in float32 and
+        # rounds once. |params| < 4, so a bf16 ulp is at most 2**-6.
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2**-5, err_msg=k)
+      else:
+        np.testing.assert_array_equal(ours, theirs, err_msg=k)
+
+  each(list(mu_dtypes), check)
 
 
 # ----------------------------------------------------------------------------
