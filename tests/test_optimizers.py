@@ -1,6 +1,7 @@
 """Sparse optimizers on the row engine: adagrad, rowwise_adagrad, ftrl,
 lazy_sgd (and scale_by_rss, scale_by_rowwise_rss, lazy_trace)."""
 
+import functools
 import inspect
 
 import jax
@@ -201,12 +202,106 @@ def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
   return p_ours, s_ours, p_theirs, s_theirs
 
 
+def _dense_grads(i):
+  return make_grads(i, sparse=())
+
+
+def _eps_outside_sqrt():
+  return gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True)
+
+
+def _ftrl_l1_l2():
+  return gtx.ftrl(
+    0.3, l1_regularization_strength=0.1, l2_regularization_strength=0.01
+  )
+
+
+# name -> (ours, theirs, gradients, zero params): the jitted runs of
+# _run_pair the tests below compare
+JITTED_PAIRS = {
+  "adagrad": (
+    lambda: gtx.adagrad(0.1),
+    lambda: optax.adagrad(0.1),
+    make_grads,
+    False,
+  ),
+  "adagrad_eps_outside_sqrt": (
+    _eps_outside_sqrt,
+    _eps_outside_sqrt,
+    make_grads,
+    False,
+  ),
+  "ftrl_from_zero": (_ftrl_l1_l2, _ftrl_l1_l2, make_grads, True),
+  "dense adagrad": (
+    lambda: gtx.adagrad(0.1),
+    lambda: optax.adagrad(0.1),
+    _dense_grads,
+    False,
+  ),
+  "dense sgd": (
+    lambda: gtx.lazy_sgd(0.1),
+    lambda: optax.sgd(0.1),
+    _dense_grads,
+    False,
+  ),
+  "dense sgd_nesterov_schedule": (
+    lambda: gtx.lazy_sgd(SCHEDULE, momentum=0.9, nesterov=True),
+    lambda: optax.sgd(SCHEDULE, momentum=0.9, nesterov=True),
+    _dense_grads,
+    False,
+  ),
+}
+
+
+@functools.cache
+def _jitted_pairs(steps=4):
+  """``_run_pair(ours, theirs, grads, jit=True, zero=zero)`` of every
+  JITTED_PAIRS: every pair's two steps in one jitted program (XLA compiles
+  the kernels they share once), their inits in another. ``{name: (p_ours,
+  s_ours, p_theirs, s_theirs)}``."""
+  names = list(JITTED_PAIRS)
+  pairs = [(ours(), theirs()) for ours, theirs, _, _ in JITTED_PAIRS.values()]
+  grads = [g for _, _, g, _ in JITTED_PAIRS.values()]
+  starts = {zero: make_params(zero=zero) for zero in (False, True)}
+  params = [starts[zero] for _, _, _, zero in JITTED_PAIRS.values()]
+  carries = jax.jit(
+    lambda ps: [
+      (p, tx.init(p)) for p, pair in zip(ps, pairs, strict=True) for tx in pair
+    ]
+  )(params)
+
+  def step_theirs(theirs):
+    def step(p, s, g):
+      u, s = theirs.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    return step
+
+  fs = []
+  for ours, theirs in pairs:
+    fs += [step_fn(ours), step_theirs(theirs)]
+  step = jax.jit(
+    together([f"{n} {side}" for n in names for side in ("ours", "optax")], fs)
+  )
+  for i in range(steps):
+    inputs = []
+    for g in (grads_of(i) for grads_of in grads):
+      inputs += [(g,), (_densified(g),)]
+    carries = step(carries, inputs)
+  return {
+    n: (*carries[2 * j], *carries[2 * j + 1]) for j, n in enumerate(names)
+  }
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_adagrad_on_sparse_equals_optax_on_dense(jit):
   # Untouched rows have a zero gradient in optax: nothing changes there.
-  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    gtx.adagrad(0.1), optax.adagrad(0.1), make_grads, jit, steps=2 + 2 * jit
-  )
+  if jit:
+    p_ours, s_ours, p_theirs, s_theirs = _jitted_pairs()["adagrad"]
+  else:
+    p_ours, s_ours, p_theirs, s_theirs = _run_pair(
+      gtx.adagrad(0.1), optax.adagrad(0.1), make_grads, jit, steps=2
+    )
   for k in SHAPES:
     np.testing.assert_array_equal(
       s_ours[0].sum_of_squares[k], s_theirs[0].sum_of_squares[k]
@@ -223,10 +318,12 @@ def test_adagrad_on_sparse_equals_optax_on_dense(jit):
 def test_adagrad_eps_outside_sqrt_on_sparse_equals_dense(jit):
   # No optax twin: the touched rows of a SparseRows leaf must equal the dense
   # leaf's rule on the densified gradient, the others stay.
-  tx = lambda: gtx.adagrad(0.1, eps=0.1, eps_outside_sqrt=True)  # noqa: E731
-  p_sparse, s_sparse, p_dense, s_dense = _run_pair(
-    tx(), tx(), make_grads, jit, steps=2 + 2 * jit
-  )
+  if jit:
+    runs = _jitted_pairs()["adagrad_eps_outside_sqrt"]
+  else:
+    tx = _eps_outside_sqrt
+    runs = _run_pair(tx(), tx(), make_grads, jit, steps=2)
+  p_sparse, s_sparse, p_dense, s_dense = runs
   for k in SHAPES:
     np.testing.assert_array_equal(
       s_sparse[0].sum_of_squares[k], s_dense[0].sum_of_squares[k]
@@ -288,23 +385,9 @@ def test_new_options_are_off_by_default_and_change_the_step():
     assert param.default == value and param.kind == param.KEYWORD_ONLY
 
 
-@pytest.mark.parametrize(
-  "ours, theirs",
-  [
-    (lambda: gtx.adagrad(0.1), lambda: optax.adagrad(0.1)),
-    (lambda: gtx.lazy_sgd(0.1), lambda: optax.sgd(0.1)),
-    (
-      lambda: gtx.lazy_sgd(SCHEDULE, momentum=0.9, nesterov=True),
-      lambda: optax.sgd(SCHEDULE, momentum=0.9, nesterov=True),
-    ),
-  ],
-  ids=["adagrad", "sgd", "sgd_nesterov_schedule"],
-)
-def test_dense_leaves_equal_optax_bitwise(ours, theirs):
-  dense_grads = lambda i: make_grads(i, sparse=())  # noqa: E731
-  p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    ours(), theirs(), dense_grads, jit=True
-  )
+@pytest.mark.parametrize("pair", ["adagrad", "sgd", "sgd_nesterov_schedule"])
+def test_dense_leaves_equal_optax_bitwise(pair):
+  p_ours, s_ours, p_theirs, s_theirs = _jitted_pairs()[f"dense {pair}"]
   for k in SHAPES:
     np.testing.assert_array_equal(p_ours[k], p_theirs[k], err_msg=k)
   for a, b in zip(
@@ -365,12 +448,7 @@ def test_ftrl_l1_gives_exact_zeros():
 def test_ftrl_sparse_equals_dense_ftrl_from_zero_weights():
   """From zero weights, dense FTRL on the densified gradient (a zero
   gradient recomputes w from an unchanged z) equals sparse FTRL."""
-  tx = lambda: gtx.ftrl(  # noqa: E731
-    0.3, l1_regularization_strength=0.1, l2_regularization_strength=0.01
-  )
-  p_sparse, s_sparse, p_dense, s_dense = _run_pair(
-    tx(), tx(), make_grads, jit=True, zero=True
-  )
+  p_sparse, s_sparse, p_dense, s_dense = _jitted_pairs()["ftrl_from_zero"]
   for k in SHAPES:
     np.testing.assert_allclose(p_sparse[k], p_dense[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(s_sparse.n[k], s_dense.n[k])
