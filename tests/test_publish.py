@@ -233,7 +233,8 @@ def test_state_is_four_bytes_a_row_and_bytes_per_row_counts_it():
   a = gtx.bytes_per_row(tx, params)
   b = gtx.bytes_per_row(with_tracking, params)
   assert {k: b[k] - a[k] for k in a} == {k: 4.0 for k in a}
-  state = with_tracking.init(params)[1]
+  # the inits and the first step in one program, not op by op
+  state = jax.jit(with_tracking.init)(params)[1]
   assert state.changed["emb"].shape == (SHAPES["emb"][0],)
   assert state.changed["emb"].dtype == jnp.int32
   assert state.changed["b"].shape == ()
@@ -244,10 +245,16 @@ def test_state_is_four_bytes_a_row_and_bytes_per_row_counts_it():
       per_row={"emb": True, "tab": True, "w": False, "b": False}
     ),
   )
-  assert whole.init(params)[1].changed["w"].shape == ()
-  state = whole.init(params)
-  u, state = whole.update(make_grads(0), state, params)
-  d = gtx.delta(gtx.apply_updates(params, u), state)
+
+  @jax.jit
+  def first(params, grads):
+    state = whole.init(params)
+    u, after = whole.update(grads, state, params)
+    return state, gtx.apply_updates(params, u), after
+
+  state, p, after = first(params, make_grads(0))
+  assert state[1].changed["w"].shape == ()
+  d = gtx.delta(p, after)
   assert d.params["w"].shape == SHAPES["w"]
   assert d.params["emb"]["ids"].shape[0] < SHAPES["emb"][0]
 
@@ -255,9 +262,9 @@ def test_state_is_four_bytes_a_row_and_bytes_per_row_counts_it():
 def test_delta_errors_name_the_fix():
   params = make_params()
   with pytest.raises(ValueError, match="track_changes"):
-    gtx.delta(params, gtx.lazy_adam(0.1).init(params))
+    gtx.delta(params, jax.jit(gtx.lazy_adam(0.1).init)(params))
   tx = optax.chain(gtx.lazy_sgd(0.1), gtx.track_changes())
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)
   with pytest.raises(ValueError, match="since"):
     gtx.delta(params, state, since=3)
   with pytest.raises(TypeError, match="per_row"):
@@ -270,8 +277,10 @@ def test_delta_errors_name_the_fix():
     ),
     gtx.track_changes(),
   )
-  s = two.init(params)
-  u, s = two.update(make_grads(0), s, params)
+  # the init and the first update in one program, not op by op
+  s = jax.jit(lambda p, g: two.update(g, two.init(p), p)[1])(
+    params, make_grads(0)
+  )
   with pytest.raises(ValueError, match="several"):
     gtx.delta(params, s)
 
