@@ -209,13 +209,17 @@ def _extra(case: Case, i: int) -> dict[str, Any]:
   return {k: jnp.asarray(v) for k, v in case.extra_args(i).items()}
 
 
-def step_fn(tx: optax.GradientTransformation) -> Callable[..., Any]:
+def step_fn(
+  tx: optax.GradientTransformation, apply: Callable[..., Any] | None = None
+) -> Callable[..., Any]:
   """``(params, state, grads, extra=None) -> (params, state)``: one update
-  (``extra``: the keyword args of ``update``) and apply_updates."""
+  (``extra``: the keyword args of ``update``) and ``apply`` (default
+  ``gtx.apply_updates``; ``optax.apply_updates`` for an optax reference)."""
+  apply = apply or gtx.apply_updates
 
   def step(params, state, grads, extra=None):
     updates, state = tx.update(grads, state, params, **(extra or {}))
-    return gtx.apply_updates(params, updates), state
+    return apply(params, updates), state
 
   return step
 

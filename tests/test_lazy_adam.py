@@ -159,17 +159,10 @@ def _run_pairs(pairs, steps=4, dtype=jnp.float32):
   params = make_params(dtype=dtype)
   carries = [(params, tx.init(params)) for tx in txs]
 
-  def step_theirs(theirs):
-    def step(p, s, g):
-      u, s = theirs.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    return step
-
   fs = []
   for n in names:
     ours, theirs = pairs[n]
-    fs += [step_fn(ours), step_theirs(theirs)]
+    fs += [step_fn(ours), step_fn(theirs, optax.apply_updates)]
   labels = [f"{n} {side}" for n in names for side in ("ours", "optax")]
   step = jax.jit(together(labels, fs))
   for i in range(steps):

@@ -270,16 +270,9 @@ def _jitted_pairs(steps=4):
     ]
   )(params)
 
-  def step_theirs(theirs):
-    def step(p, s, g):
-      u, s = theirs.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    return step
-
   fs = []
   for ours, theirs in pairs:
-    fs += [step_fn(ours), step_theirs(theirs)]
+    fs += [step_fn(ours), step_fn(theirs, optax.apply_updates)]
   step = jax.jit(
     together([f"{n} {side}" for n in names for side in ("ours", "optax")], fs)
   )
