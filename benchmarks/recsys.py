@@ -110,7 +110,6 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   fns, first, keep = {}, {}, []
   # the optimizer part barely depends on the head: timed with the linear one
   opt_only = "opt only" in systems and head == "linear"
-  n = len(ids)
   for name, (_, loss_of, stacked) in VARIANTS.items():
     # the whole step and the optimizer alone on pre-built gradients, on the
     # same donated params and state
@@ -120,7 +119,9 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
     box = [{k: jnp.array(v) for k, v in p.items()}]
     box.append(tx.init(box[0]))
     _common.huge_pages(box)
-    fns[name] = step_runner(jstep, box, lambda i: (ids[i % n], labels[i % n]))
+    fns[name] = step_runner(
+      jstep, box, lambda i: (ids[i % len(ids)], labels[i % len(ids)])
+    )
     first[name] = float(fns[name](0))
     keep.append(box)
     if opt_only:
@@ -134,13 +135,13 @@ def run_group(opt_name, dist, head, rows, args, sched, systems, bandwidth):
   competitors = [(twin, twins.dlrm_torch, torch_opt)]
   if "fbgemm" in systems and fb:
     competitors.append((fb, twins.dlrm_fbgemm, fb_opt))
-  for n in threads if "torch" in systems else []:
+  for t in threads if "torch" in systems else []:
     for system, make, optim in competitors:
       # the first thread count is the system's plain name
-      label = f"{system}, {n} thread{'s' * (n > 1)}"
-      label = system if n == threads[0] else label
+      label = f"{system}, {t} thread{'s' * (t > 1)}"
+      label = system if t == threads[0] else label
       run, first[label], objs = make(params, rows, optim, data)
-      fns[label] = with_threads(n, run)
+      fns[label] = with_threads(t, run)
       keep.append(objs)
   layout = twins.state_layout(make_tx(), dim)
   offsets = models.row_offsets(rows)
