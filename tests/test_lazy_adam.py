@@ -130,17 +130,11 @@ OPTAX_PAIRS = {
 }
 
 
-def _run_pair(ours, theirs, jit, steps=4, dtype=jnp.float32):
+def _run_pair(ours, theirs, steps=4, dtype=jnp.float32):
+  """ours and optax, op by op, on the same gradients (sparse and dense)."""
   params = make_params(dtype=dtype)
   s_ours, s_theirs = ours.init(params), theirs.init(params)
-
-  def step_theirs(p, s, g):
-    u, s = theirs.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  f_ours, f_theirs = step_fn(ours), step_theirs
-  if jit:
-    f_ours, f_theirs = jax.jit(f_ours), jax.jit(f_theirs)
+  f_ours, f_theirs = step_fn(ours), step_fn(theirs, optax.apply_updates)
   p_ours = p_theirs = params
   for i in range(steps):
     dense, sparse = all_rows_grads(i, dtype)
@@ -150,7 +144,7 @@ def _run_pair(ours, theirs, jit, steps=4, dtype=jnp.float32):
 
 
 def _run_pairs(pairs, steps=4, dtype=jnp.float32):
-  """``_run_pair(ours, theirs, jit=True)`` of every ``name: (ours,
+  """``_run_pair(ours, theirs)``, jitted, of every ``name: (ours,
   theirs)`` of ``pairs``: every pair's two steps in one jitted program
   (XLA compiles the kernels they share once). ``{name: (p_ours, s_ours,
   p_theirs, s_theirs)}``."""
@@ -207,7 +201,7 @@ def test_all_rows_touched_equals_optax_bitwise_op_by_op():
   # a division shared by several leaves into a multiply by its reciprocal;
   # the rows of a group of tables are divided once, in their own pass.
   p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    gtx.lazy_adam(0.05), optax.adam(0.05), jit=False, steps=2
+    gtx.lazy_adam(0.05), optax.adam(0.05), steps=2
   )
   for k in SHAPES:
     np.testing.assert_array_equal(s_ours[0].mu[k], s_theirs[0].mu[k])

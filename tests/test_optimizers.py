@@ -180,20 +180,12 @@ def _densified(g):
   }
 
 
-def _run_pair(ours, theirs, grads, jit, dtype=jnp.float32, zero=False, steps=4):
-  """ours on ``grads(i)`` (sparse), optax on the densified gradients; jit:
-  whether the steps are jitted (the inits and the densified gradients
-  are)."""
+def _run_pair(ours, theirs, grads, dtype=jnp.float32, zero=False, steps=4):
+  """ours on ``grads(i)`` (sparse), optax on the densified gradients, the
+  steps op by op (the inits and the densified gradients jitted)."""
   params = make_params(dtype=dtype, zero=zero)
   s_ours, s_theirs = jax.jit(lambda p: (ours.init(p), theirs.init(p)))(params)
-
-  def step_theirs(p, s, g):
-    u, s = theirs.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  f_ours, f_theirs = step_fn(ours), step_theirs
-  if jit:
-    f_ours, f_theirs = jax.jit(f_ours), jax.jit(f_theirs)
+  f_ours, f_theirs = step_fn(ours), step_fn(theirs, optax.apply_updates)
   p_ours = p_theirs = params
   for i in range(steps):
     g = grads(i)
@@ -255,7 +247,7 @@ JITTED_PAIRS = {
 
 @functools.cache
 def _jitted_pairs(steps=4):
-  """``_run_pair(ours, theirs, grads, jit=True, zero=zero)`` of every
+  """``_run_pair(ours, theirs, grads, zero=zero)``, jitted, of every
   JITTED_PAIRS: every pair's two steps in one jitted program (XLA compiles
   the kernels they share once), their inits in another. ``{name: (p_ours,
   s_ours, p_theirs, s_theirs)}``."""
@@ -293,7 +285,7 @@ def test_adagrad_on_sparse_equals_optax_on_dense(jit):
     p_ours, s_ours, p_theirs, s_theirs = _jitted_pairs()["adagrad"]
   else:
     p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-      gtx.adagrad(0.1), optax.adagrad(0.1), make_grads, jit, steps=2
+      gtx.adagrad(0.1), optax.adagrad(0.1), make_grads, steps=2
     )
   for k in SHAPES:
     np.testing.assert_array_equal(
@@ -315,7 +307,7 @@ def test_adagrad_eps_outside_sqrt_on_sparse_equals_dense(jit):
     runs = _jitted_pairs()["adagrad_eps_outside_sqrt"]
   else:
     tx = _eps_outside_sqrt
-    runs = _run_pair(tx(), tx(), make_grads, jit, steps=2)
+    runs = _run_pair(tx(), tx(), make_grads, steps=2)
   p_sparse, s_sparse, p_dense, s_dense = runs
   for k in SHAPES:
     np.testing.assert_array_equal(
@@ -540,7 +532,7 @@ def test_bf16_sparse_and_dense_leaves_equal_optax_bitwise(ours, theirs):
     return g
 
   p_ours, s_ours, p_theirs, s_theirs = _run_pair(
-    ours(), theirs(), grads, jit=False, dtype=jnp.bfloat16
+    ours(), theirs(), grads, dtype=jnp.bfloat16
   )
   for k in SHAPES:
     assert p_ours[k].dtype == jnp.bfloat16
