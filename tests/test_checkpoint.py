@@ -195,11 +195,7 @@ def test_state_round_trips_and_continues_exactly(tmp_path):
       [f"{n} ({fmt})" for n in names],
       lambda k, _, r=restored: assert_trees_identical(r[k], saved[k]),
     )
-    # Continue from the restored states: the same updates, bit for bit, in
-    # the program that ran them first (host arrays, as the npz restore
-    # gives: orbax's arrays are committed to a device, which compiles the
-    # step again).
-    restored = jax.tree.map(np.asarray, restored)
+    # Continue from the restored states: the same updates, bit for bit.
     for t in range(3):
       restored = step(restored, _inputs(restored, before, t))
     each(
